@@ -1,0 +1,50 @@
+"""The one adapter between Flower's Message API and a NumPyClient.
+
+ArrayRecord <-> list of ndarrays, ConfigRecord <-> dict, metrics dict -> MetricRecord.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.client import NumPyClient
+
+
+def _metric_record(metrics: dict) -> MetricRecord:
+    """Numbers only (MetricRecord's types); NaN is dropped rather than sent."""
+    clean = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            continue
+        v = int(v) if isinstance(v, numbers.Integral) else float(v)
+        if isinstance(v, float) and math.isnan(v):
+            continue
+        clean[k] = v
+    return MetricRecord(clean)
+
+
+def _config(msg: Message) -> dict:
+    records = msg.content.config_records
+    return dict(records["config"]) if "config" in records else {}
+
+
+def train_reply(client: NumPyClient, msg: Message) -> Message:
+    """Call client.fit on the message's arrays and config; reply with arrays + metrics."""
+    parameters = msg.content["arrays"].to_numpy_ndarrays()
+    arrays, num_examples, metrics = client.fit(parameters, _config(msg))
+    content = RecordDict({"arrays": ArrayRecord(arrays),
+                          "metrics": _metric_record({**metrics, "num-examples": num_examples})})
+    return Message(content, reply_to=msg)
+
+
+def evaluate_reply(client: NumPyClient, msg: Message) -> Message:
+    """Call client.evaluate; reply with loss, accuracy and num-examples."""
+    parameters = msg.content["arrays"].to_numpy_ndarrays()
+    loss, num_examples, metrics = client.evaluate(parameters, _config(msg))
+    content = RecordDict({"metrics": _metric_record({"loss": loss, **metrics, "num-examples": num_examples})})
+    return Message(content, reply_to=msg)
+
+
+

@@ -1,0 +1,132 @@
+"""Base training client: local SGD, then the update Delta = w_local - w_global.
+
+Under `distributed` noise the client clips Delta to C and adds its noise share
+N(0, sigma^2 C^2 / m) before upload (ALGORITHMS.md section 0); the server sends C and
+the share's std in the train config. It always reports ||Delta||_2 before clipping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from flwr.client import NumPyClient
+from torch import nn
+
+from strategies.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
+
+
+def get_weights(model: nn.Module) -> list[np.ndarray]:
+    """The model's state as numpy arrays, in state_dict order."""
+    return [v.detach().cpu().numpy().copy() for v in model.state_dict().values()]
+
+
+def set_weights(model: nn.Module, arrays: list[np.ndarray]) -> None:
+    keys = list(model.state_dict().keys())
+    if len(keys) != len(arrays):
+        raise ValueError(f"model has {len(keys)} tensors, received {len(arrays)} arrays")
+    model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, arrays)}, strict=True)
+
+
+def as_tensors(dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(np.asarray(dataset.x, dtype=np.float32)), torch.from_numpy(np.asarray(dataset.y, dtype=np.int64))
+
+
+@torch.no_grad()
+def evaluate_model(model: nn.Module, dataset, batch_size: int = 512) -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of `model` on `dataset`."""
+    model.eval()
+    x, y = as_tensors(dataset)
+    if len(y) == 0:
+        return math.nan, math.nan
+    loss, correct = 0.0, 0
+    for i in range(0, len(y), batch_size):
+        out = model(x[i:i + batch_size])
+        loss += nn.functional.cross_entropy(out, y[i:i + batch_size], reduction="sum").item()
+        correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
+    return loss / len(y), correct / len(y)
+
+
+class TrainingClient(NumPyClient):
+    """DP-FedAvg client: K steps of local SGD (momentum, weight decay) per round.
+
+    Local work is `local_steps` steps if > 0, else `local_epochs` passes over the data;
+    the train config may override either for a round. Subclasses change `local_step`.
+    """
+
+    def __init__(self, model: nn.Module, trainset, testset, *, batch_size: int = 32, lr: float = 0.1,
+                 momentum: float = 0.5, weight_decay: float = 5e-4, local_epochs: int = 1,
+                 local_steps: int = 0, partition_id: int = 0, seed: int = 0,
+                 secure_rng: bool = False) -> None:
+        self.model = model
+        self.trainset, self.testset = trainset, testset
+        self.batch_size, self.lr, self.momentum, self.weight_decay = batch_size, lr, momentum, weight_decay
+        self.local_epochs, self.local_steps = local_epochs, local_steps
+        self.partition_id, self.seed, self.secure_rng = partition_id, seed, secure_rng
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    # -- local training -------------------------------------------------------
+    def make_optimizer(self, config: dict) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=float(config.get("lr", self.lr)), momentum=self.momentum,
+                               weight_decay=self.weight_decay)
+
+    def num_steps(self, config: dict) -> int:
+        steps = int(config.get("local-steps", self.local_steps))
+        if steps > 0:
+            return steps
+        epochs = int(config.get("local-epochs", self.local_epochs))
+        return epochs * max(1, math.ceil(len(self.trainset) / self.batch_size))
+
+    def batches(self, steps: int, rng: np.random.Generator):
+        """`steps` minibatches, reshuffling at every pass over the data."""
+        x, y = as_tensors(self.trainset)
+        order = np.empty(0, dtype=np.int64)
+        for _ in range(steps):
+            if order.size < self.batch_size:
+                order = np.concatenate([order, rng.permutation(len(y))])
+            idx, order = torch.from_numpy(order[:self.batch_size]), order[self.batch_size:]
+            yield x[idx], y[idx]
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+        """One SGD step; returns the minibatch loss."""
+        optimizer.zero_grad()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        optimizer.step()
+        return float(loss.item())
+
+    def train(self, config: dict) -> tuple[float, int]:
+        """Run the round's local steps; returns (mean loss, steps)."""
+        rnd = int(config.get("server-round", 0))
+        steps = self.num_steps(config)
+        optimizer = self.make_optimizer(config)
+        self.model.train()
+        rng = make_rng(self.seed, 4, rnd, self.partition_id)
+        losses = [self.local_step(x, y, optimizer) for x, y in self.batches(steps, rng)]
+        return (float(np.mean(losses)) if losses else math.nan), steps
+
+    # -- Flower API -----------------------------------------------------------
+    def privatize(self, update: np.ndarray, config: dict) -> tuple[np.ndarray, float]:
+        """Clip + noise share when the server asks for it; returns (upload, norm before clipping)."""
+        if not bool(config.get("privatize", False)):
+            return update, l2_norm(update)
+        rng = make_rng(self.seed, 3, int(config.get("server-round", 0)), self.partition_id,
+                       secure=self.secure_rng)
+        return clip_and_noise(update, float(config["clipping-norm"]), float(config["noise-std"]), rng)
+
+    def fit(self, parameters: list[np.ndarray], config: dict):
+        set_weights(self.model, parameters)
+        loss, steps = self.train(config)
+        new = get_weights(self.model)
+        update = flatten(new) - flatten(parameters)
+        upload, norm = self.privatize(update, config)
+        n = len(self.trainset)
+        return unflatten(upload, [a.shape for a in new]), n, {
+            "update-norm": norm, "train-loss": loss, "local-steps": steps, "num-examples": n}
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict):
+        set_weights(self.model, parameters)
+        loss, acc = evaluate_model(self.model, self.testset)
+        return loss, len(self.testset), {"accuracy": acc, "loss": loss, "num-examples": len(self.testset)}

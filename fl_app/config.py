@@ -1,0 +1,139 @@
+"""The run config: every key, its default, and one validation pass at start-up.
+
+`[tool.flwr.app.config]` in pyproject.toml carries the same keys and defaults
+(a test keeps them equal). `validate()` names the key, the value and what is
+allowed, and runs before any training starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fl_app.data import DATASETS, PARTITIONERS
+from fl_app.models import MODELS
+
+ALGORITHMS = ("dp-fedavg", "dp-fedsam")
+
+
+class ConfigError(ValueError):
+    """A run-config key has a value that is not allowed."""
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any
+    help: str
+    choices: tuple = ()
+    low: float | None = None  # inclusive unless low_open
+    high: float | None = None  # inclusive unless high_open
+    low_open: bool = False
+    high_open: bool = False
+
+    def allowed(self) -> str:
+        if self.choices:
+            return "one of: " + ", ".join(map(str, self.choices))
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[type(self.default)]
+        if self.low is not None or self.high is not None:
+            lo = "-inf" if self.low is None else self.low
+            hi = "inf" if self.high is None else self.high
+            kind += f" in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open or self.high is None else ']'}"
+        return kind
+
+
+SPEC: dict[str, Key] = {
+    "algorithm": Key("dp-fedsam", "what runs", ALGORITHMS),
+    "dataset": Key("mnist-embedded", "dataset name", DATASETS),
+    "data-dir": Key("", "absolute folder with local dataset files (empty: embedded data or download)"),
+    "partitioner": Key("dirichlet", "how the data is split across clients", PARTITIONERS),
+    "dirichlet-alpha": Key(0.5, "Dirichlet concentration (smaller = more non-IID)", low=0, low_open=True),
+    "classes-per-client": Key(2, "labels per client for the pathological partitioner", low=1),
+    "model": Key("cnn-mnist", "model architecture", MODELS),
+    "num-rounds": Key(30, "federated rounds", low=1),
+    "sample-rate": Key(0.3, "q: probability that a client is sampled in a round", low=0, high=1, low_open=True),
+    "client-sampling": Key("poisson", "client sampling scheme", ("poisson", "fixed")),
+    "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),
+    "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),
+    "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0),
+    "noise-placement": Key("distributed", "who adds the Gaussian noise", ("central", "distributed")),
+    "delta": Key(0.0, "target delta (0: 1/number of clients)", low=0, high=1, high_open=True),
+    "target-epsilon": Key(0.0, "privacy budget (0: none)", low=0),
+    "target-epsilon-mode": Key("stop", "stop before exceeding the budget, or calibrate sigma to it",
+                               ("stop", "calibrate")),
+    "accountant": Key("rdp", "privacy accountant (Opacus)", ("rdp", "prv")),
+    "server-lr": Key(1.0, "server learning rate eta_s", low=0, low_open=True),
+    "local-epochs": Key(1, "local passes over the client's data per round", low=1),
+    "local-steps": Key(0, "local steps per round (0: use local-epochs)", low=0),
+    "batch-size": Key(32, "local minibatch size", low=1),
+    "lr": Key(0.1, "local learning rate eta", low=0, low_open=True),
+    "momentum": Key(0.5, "local SGD momentum", low=0, high=1, high_open=True),
+    "weight-decay": Key(5e-4, "local weight decay", low=0),
+    "sam-rho": Key(0.5, "SAM perturbation radius rho", low=0),
+    "fraction-evaluate": Key(0.0, "fraction of clients evaluating the global model each round", low=0, high=1),
+    "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
+    "secure-rng": Key(False, "draw DP noise from OS entropy (not reproducible; the seed cannot undo it)"),
+    "results-dir": Key("", "absolute folder for this run's results (empty: ~/dpfl-results/<run-name>)"),
+    "run-name": Key("", "name of the run folder (empty: <time>-<algorithm>-<dataset>)"),
+}
+
+
+def _check_type(key: str, value: Any, spec: Key) -> Any:
+    expected = type(spec.default)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
+    return value
+
+
+def _check_value(key: str, value: Any, spec: Key) -> None:
+    bad = bool(spec.choices) and value not in spec.choices
+    if spec.low is not None:
+        bad |= value <= spec.low if spec.low_open else value < spec.low
+    if spec.high is not None:
+        bad |= value >= spec.high if spec.high_open else value > spec.high
+    if isinstance(value, float) and value != value:  # NaN
+        bad = True
+    if bad:
+        raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
+
+
+def validate(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Defaults filled in, every key checked, combinations checked; raises ConfigError."""
+    unknown = sorted(set(run_config) - set(SPEC))
+    if unknown:
+        raise ConfigError(f"unknown run-config key(s) {', '.join(map(repr, unknown))}; "
+                          f"known keys: {', '.join(SPEC)}")
+    cfg = {k: spec.default for k, spec in SPEC.items()}
+    for key, value in run_config.items():
+        cfg[key] = _check_type(key, value, SPEC[key])
+        _check_value(key, cfg[key], SPEC[key])
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: dict[str, Any]) -> None:
+    def fail(msg: str) -> None:
+        raise ConfigError(msg)
+
+    if cfg["noise-multiplier"] > 0 and cfg["clipping-norm"] == 0:
+        fail(f"run-config key 'noise-multiplier' = {cfg['noise-multiplier']} needs 'clipping-norm' > 0 "
+             "(noise without clipping bounds nothing); set clipping-norm, or noise-multiplier = 0 "
+             "for a non-private run")
+    if cfg["target-epsilon"] > 0 and cfg["noise-multiplier"] == 0 and cfg["target-epsilon-mode"] == "stop":
+        fail(f"run-config key 'target-epsilon' = {cfg['target-epsilon']} cannot be met with "
+             "'noise-multiplier' = 0 (epsilon is infinite); use target-epsilon-mode = 'calibrate' "
+             "or a positive noise-multiplier")
+    if cfg["target-epsilon"] > 0 and cfg["target-epsilon-mode"] == "calibrate" and cfg["clipping-norm"] == 0:
+        fail("run-config key 'target-epsilon-mode' = 'calibrate' needs 'clipping-norm' > 0")
+    if cfg["partitioner"] == "natural" and cfg["dataset"] != "femnist":
+        fail(f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
+             f"not {cfg['dataset']!r}; allowed for {cfg['dataset']!r}: iid, dirichlet, pathological")
+    for key in ("results-dir", "data-dir"):
+        if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
+            fail(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
+                 "(relative paths resolve against the SuperLink's folder, not yours)")
+    if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
+        fail(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")

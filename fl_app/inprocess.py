@@ -1,0 +1,76 @@
+"""An in-process Grid: runs a ClientApp for N simulated nodes in this process, no Ray.
+
+For tests and benchmarks: the same ServerApp code path (strategy.start on a Grid) and
+the same ClientApp code path (Message in, Message out, Context.state kept per node),
+without a SuperLink. `flwr run` is the way to run the app for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+from itertools import count
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+SERVER_NODE_ID = 1
+
+
+class InProcessGrid(Grid):
+    """Nodes 100..100+N-1, each with node config partition-id / num-partitions."""
+
+    def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int,
+                 run_config: dict, *, fail: Callable[[int, Message], bool] | None = None) -> None:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1
+        self.client_app = client_app
+        self.fail = fail  # fail(node_id, msg) -> True: the node "crashes" on this message
+        self.contexts = {
+            100 + i: Context(run_id=1, node_id=100 + i,
+                             node_config={"partition-id": i, "num-partitions": num_nodes},
+                             state=RecordDict(), run_config=dict(run_config))
+            for i in range(num_nodes)
+        }
+        self._ids = count(1)
+        self.sent: list[Message] = []
+        self.received: list[Message] = []
+
+    def set_run(self, run) -> None:  # pragma: no cover - not needed in process
+        pass
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # pragma: no cover
+        raise NotImplementedError("use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # pragma: no cover
+        raise NotImplementedError("use send_and_receive")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        replies = []
+        for msg in messages:
+            msg.metadata.message_id = str(next(self._ids))
+            # The node sees a copy, as it would over the network.
+            delivered = Message(content=deepcopy(msg.content), metadata=deepcopy(msg.metadata))
+            self.sent.append(delivered)
+            node = msg.metadata.dst_node_id
+            try:
+                if self.fail and self.fail(node, delivered):
+                    raise RuntimeError(f"node {node} crashed (simulated)")
+                reply = self.client_app(delivered, self.contexts[node])
+            except Exception as exc:  # a failing node costs only its reply
+                reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=delivered)
+            self.received.append(reply)
+            replies.append(reply)
+        return replies

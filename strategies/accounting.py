@@ -1,0 +1,175 @@
+"""The privacy ledger: the single source of every epsilon the product prints.
+
+A ledger is a list of (noise_multiplier, sample_rate, steps) events of the
+sampled Gaussian mechanism, composed by a maintained accountant (Opacus RDP by
+default, Opacus PRV selectable). The list is the whole state: save it, restore it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
+
+Event = tuple[float, float, int]
+
+
+def _compress(events: list[Event]) -> list[Event]:
+    """Merge consecutive events with equal (sigma, q)."""
+    merged: list[Event] = []
+    for sigma, q, steps in events:
+        if steps <= 0:
+            continue
+        if merged and merged[-1][0] == sigma and merged[-1][1] == q:
+            merged[-1] = (sigma, q, merged[-1][2] + steps)
+        else:
+            merged.append((float(sigma), float(q), int(steps)))
+    return merged
+
+
+def epsilon_of(events: list[Event], delta: float, accountant: str = "rdp") -> float:
+    """eps(delta) of a composition of sampled-Gaussian events; inf if any has sigma = 0."""
+    events = _compress(events)
+    if not events:
+        return 0.0
+    if any(sigma <= 0 and q > 0 for sigma, q, _ in events):
+        return math.inf
+    events = [e for e in events if e[1] > 0]
+    if not events:
+        return 0.0
+    acc = ACCOUNTANTS[accountant]()
+    acc.history = list(events)
+    return float(acc.get_epsilon(delta=delta))
+
+
+@dataclass
+class PrivacyLedger:
+    """Composition of sampled-Gaussian events for one protected unit (a client or a sample)."""
+
+    delta: float
+    accountant: str = "rdp"
+    history: list[Event] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant={self.accountant!r} is not one of: {', '.join(ACCOUNTANTS)}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta={self.delta!r} must be in (0, 1)")
+
+    def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        """Charge `steps` releases of the Gaussian mechanism with (sigma, q)."""
+        self.history = _compress(self.history + [(noise_multiplier, sample_rate, steps)])
+
+    def epsilon(self) -> float:
+        """eps(delta) spent so far."""
+        return epsilon_of(self.history, self.delta, self.accountant)
+
+    def epsilon_after(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> float:
+        """eps(delta) if `steps` more events were charged (nothing is recorded)."""
+        return epsilon_of(self.history + [(noise_multiplier, sample_rate, steps)], self.delta, self.accountant)
+
+    def max_steps_within(self, target_epsilon: float, noise_multiplier: float, sample_rate: float,
+                         limit: int = 10**7) -> int:
+        """Largest n with epsilon_after(sigma, q, n) <= target (binary search; ALI-DPFL's R_c)."""
+        if self.epsilon_after(noise_multiplier, sample_rate, 1) > target_epsilon:
+            return 0
+        lo, hi = 1, 2
+        while hi <= limit and self.epsilon_after(noise_multiplier, sample_rate, hi) <= target_epsilon:
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)
+        while hi - lo > 1:  # invariant: eps(lo) <= target < eps(hi)
+            mid = (lo + hi) // 2
+            if self.epsilon_after(noise_multiplier, sample_rate, mid) <= target_epsilon:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def state_dict(self) -> dict:
+        return {"delta": self.delta, "accountant": self.accountant, "history": [list(e) for e in self.history]}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "PrivacyLedger":
+        history = [(float(s), float(q), int(n)) for s, q, n in state["history"]]
+        return cls(delta=float(state["delta"]), accountant=str(state["accountant"]), history=history)
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
+                               accountant: str = "rdp") -> float:
+    """Smallest sigma (to 0.01 in eps) with eps(delta) <= target after `steps` events (Opacus search)."""
+    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
+                                      sample_rate=sample_rate, steps=steps, accountant=accountant))
+
+
+def per_update_noise_multiplier(noise_multiplier: float, expected_clients: float) -> float:
+    """Noise multiplier of one distributed-noise upload as the server sees it.
+
+    Each upload carries N(0, sigma^2 C^2 / m) and two clipped updates differ by up to
+    2C, so the release has multiplier (sigma C / sqrt(m)) / (2C) = sigma / (2 sqrt(m)).
+    """
+    return noise_multiplier / (2.0 * math.sqrt(expected_clients))
+
+
+@dataclass
+class ClientLevelLedger:
+    """Client-level DP of a federated run, against the released model and against the server.
+
+    - released model: one sampled-Gaussian event (sigma, q) per round;
+    - server, `central` noise: the trusted server sees raw updates (no guarantee);
+    - server, `distributed` noise without secure aggregation: every upload is its own
+      Gaussian release with multiplier sigma/(2 sqrt(m)) and no sampling amplification;
+    - server, `distributed` with secure aggregation: the server sees only the noisy sum,
+      so the figure equals the released-model one.
+    """
+
+    delta: float
+    accountant: str = "rdp"
+    noise_placement: str = "central"
+    secure_aggregation: bool = False
+    model: PrivacyLedger = field(init=False)
+    server: PrivacyLedger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model = PrivacyLedger(self.delta, self.accountant)
+        self.server = PrivacyLedger(self.delta, self.accountant)
+
+    @property
+    def server_threat_model(self) -> str:
+        if self.noise_placement == "central":
+            return "trusted server: it sees raw clipped updates, no DP against it"
+        if self.secure_aggregation:
+            return "secure aggregation: the server sees only the noisy sum"
+        return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(m)), q=1)"
+
+    def record_round(self, noise_multiplier: float, sample_rate: float, expected_clients: float) -> None:
+        self.model.record(noise_multiplier, sample_rate)
+        if self.noise_placement == "distributed" and not self.secure_aggregation:
+            self.server.record(per_update_noise_multiplier(noise_multiplier, expected_clients), 1.0)
+
+    def epsilon(self) -> float:
+        """eps(delta) against the released model."""
+        return self.model.epsilon()
+
+    def epsilon_against_server(self) -> float:
+        if self.noise_placement == "central":
+            return math.inf
+        if self.secure_aggregation:
+            return self.model.epsilon()
+        return self.server.epsilon()
+
+    def state_dict(self) -> dict:
+        return {"delta": self.delta, "accountant": self.accountant, "noise_placement": self.noise_placement,
+                "secure_aggregation": self.secure_aggregation,
+                "model": self.model.state_dict(), "server": self.server.state_dict()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "ClientLevelLedger":
+        ledger = cls(float(state["delta"]), state["accountant"], state["noise_placement"],
+                     bool(state["secure_aggregation"]))
+        ledger.model = PrivacyLedger.from_state_dict(state["model"])
+        ledger.server = PrivacyLedger.from_state_dict(state["server"])
+        return ledger

@@ -1,0 +1,105 @@
+"""Privacy mechanisms on flat update vectors (numpy only; used by server and clients).
+
+Every mechanism exists here once. Updates travel as lists of arrays; mechanisms act
+on the concatenation of all of them (the "global" vector of ALGORITHMS.md section 0).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import numpy as np
+
+Shapes = list[tuple[int, ...]]
+
+
+def flatten(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Concatenate arrays into one float32 vector."""
+    if not arrays:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([np.asarray(a, dtype=np.float32).ravel() for a in arrays])
+
+
+def unflatten(vector: np.ndarray, shapes: Shapes) -> list[np.ndarray]:
+    """Split a flat vector back into arrays of the given shapes."""
+    sizes = [int(np.prod(s)) for s in shapes]
+    if vector.size != sum(sizes):
+        raise ValueError(f"vector has {vector.size} entries, shapes need {sum(sizes)}")
+    parts = np.split(vector, np.cumsum(sizes)[:-1]) if sizes else []
+    return [p.reshape(s) for p, s in zip(parts, shapes)]
+
+
+def l2_norm(vector: np.ndarray) -> float:
+    """||v||_2, accumulated in float64."""
+    v = np.asarray(vector, dtype=np.float64)
+    return float(np.sqrt(np.dot(v, v)))
+
+
+def clip_to_norm(vector: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
+    """v * min(1, C / ||v||_2); returns (clipped vector, norm before clipping).
+
+    clip_norm <= 0 means no clipping (only for non-private reference runs).
+    """
+    norm = l2_norm(vector)
+    if clip_norm <= 0 or norm <= clip_norm:
+        return vector, norm
+    return (vector * (clip_norm / norm)).astype(vector.dtype, copy=False), norm
+
+
+def make_rng(seed: int, *stream: int, secure: bool = False) -> np.random.Generator:
+    """Generator for one noise stream: seeded from (seed, *stream), or from OS entropy.
+
+    Seeded noise makes runs reproducible, but anyone who knows the seed can remove
+    the noise; `secure=True` draws the seed from the OS (like Opacus' secure_mode).
+    """
+    if secure:
+        return np.random.default_rng(secrets.randbits(128))
+    return np.random.default_rng(np.random.SeedSequence([int(seed), *map(int, stream)]))
+
+
+def gaussian_noise(size: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """N(0, std^2 I_size) as float32."""
+    if std <= 0:
+        return np.zeros(size, dtype=np.float32)
+    noise = rng.standard_normal(size, dtype=np.float32)
+    noise *= np.float32(std)
+    return noise
+
+
+def clip_and_noise(
+    vector: np.ndarray, clip_norm: float, noise_std: float, rng: np.random.Generator
+) -> tuple[np.ndarray, float]:
+    """Client share of the Gaussian mechanism: clip to C, add N(0, noise_std^2 I).
+
+    Returns (privatized vector, norm before clipping).
+    """
+    clipped, norm = clip_to_norm(vector, clip_norm)
+    return clipped + gaussian_noise(clipped.size, noise_std, rng), norm
+
+
+def distributed_noise_std(noise_multiplier: float, clip_norm: float, expected_clients: float) -> float:
+    """Per-client noise std sigma*C/sqrt(m), so m shares sum to N(0, sigma^2 C^2)."""
+    return noise_multiplier * clip_norm / float(np.sqrt(expected_clients))
+
+
+def topup_noise_std(
+    noise_multiplier: float, clip_norm: float, expected_clients: float, received: int
+) -> float:
+    """Server top-up std sigma*C*sqrt((m - k)/m) when only k < m noisy shares arrived."""
+    missing = max(0.0, expected_clients - received)
+    return noise_multiplier * clip_norm * float(np.sqrt(missing / expected_clients))
+
+
+def update_problem(arrays: Sequence[np.ndarray], shapes: Shapes) -> str | None:
+    """Why a client update cannot be averaged in (wrong count/shape, non-float, non-finite), else None."""
+    if len(arrays) != len(shapes):
+        return f"expected {len(shapes)} arrays, got {len(arrays)}"
+    for i, (a, shape) in enumerate(zip(arrays, shapes)):
+        if tuple(a.shape) != tuple(shape):
+            return f"array {i} has shape {tuple(a.shape)}, expected {tuple(shape)}"
+        if not np.issubdtype(a.dtype, np.floating):
+            return f"array {i} has dtype {a.dtype}, expected a float type"
+        if not np.all(np.isfinite(a)):
+            return f"array {i} contains NaN or Inf"
+    return None

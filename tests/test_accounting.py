@@ -1,0 +1,103 @@
+"""The ledger against an independent accountant (Google dp-accounting)."""
+
+import logging
+import math
+
+import dp_accounting
+import pytest
+from dp_accounting import pld, rdp
+
+from strategies.accounting import (
+    ClientLevelLedger, PrivacyLedger, calibrate_noise_multiplier, epsilon_of, per_update_noise_multiplier,
+)
+
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+# (sigma, q, rounds, delta): epsilons from about 0.5 to 20
+SETTINGS = [
+    (0.95, 0.1, 200, 1 / 500),
+    (1.0, 0.3, 30, 1 / 30),
+    (0.7, 0.05, 100, 1e-5),
+    (2.0, 1.0, 50, 1e-3),
+    (0.5, 0.2, 20, 1e-3),
+    (3.0, 0.01, 1000, 1e-5),
+    (1.5, 0.02, 300, 1e-5),
+]
+
+
+def independent_epsilons(sigma, q, rounds, delta):
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
+    pld_acc = pld.PLDAccountant(value_discretization_interval=1e-4)
+    pld_acc.compose(event)
+    rdp_acc = rdp.RdpAccountant()
+    rdp_acc.compose(event)
+    return pld_acc.get_epsilon(delta), rdp_acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("sigma,q,rounds,delta", SETTINGS)
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_epsilon_is_valid_bound_next_to_dp_accounting(sigma, q, rounds, delta, accountant):
+    ledger = PrivacyLedger(delta, accountant)
+    for _ in range(rounds):
+        ledger.record(sigma, q)
+    eps = ledger.epsilon()
+    eps_pld, eps_rdp = independent_epsilons(sigma, q, rounds, delta)
+    assert 0.3 < eps_pld < 25
+    assert eps >= eps_pld * 0.99, "printed epsilon below the PLD epsilon: not a valid bound"
+    assert eps <= eps_rdp * 1.05, "printed epsilon more than 5% above the RDP epsilon"
+
+
+def test_epsilon_grows_each_round_and_restores():
+    ledger = PrivacyLedger(1e-5)
+    eps = [0.0]
+    for _ in range(10):
+        ledger.record(1.0, 0.1)
+        eps.append(ledger.epsilon())
+    assert all(b > a for a, b in zip(eps, eps[1:]))
+    restored = PrivacyLedger.from_state_dict(ledger.state_dict())
+    assert restored.history == [(1.0, 0.1, 10)]
+    assert restored.epsilon() == eps[-1]
+    assert ledger.epsilon_after(1.0, 0.1, 5) == epsilon_of([(1.0, 0.1, 15)], 1e-5)
+    assert ledger.history == [(1.0, 0.1, 10)]  # epsilon_after records nothing
+
+
+def test_zero_noise_is_infinite_and_empty_is_zero():
+    assert PrivacyLedger(1e-5).epsilon() == 0.0
+    ledger = PrivacyLedger(1e-5)
+    ledger.record(0.0, 0.1)
+    assert math.isinf(ledger.epsilon())
+
+
+@pytest.mark.parametrize("target", [1.0, 3.0, 8.0])
+def test_max_steps_within(target):
+    ledger = PrivacyLedger(1e-5)
+    ledger.record(1.1, 0.01, 50)
+    n = ledger.max_steps_within(target, 1.1, 0.01)
+    assert ledger.epsilon_after(1.1, 0.01, n) <= target < ledger.epsilon_after(1.1, 0.01, n + 1)
+
+
+@pytest.mark.parametrize("target,rounds", [(2.0, 50), (8.0, 100)])
+def test_calibration_meets_target(target, rounds):
+    sigma = calibrate_noise_multiplier(target, 1e-3, 0.1, rounds)
+    eps = epsilon_of([(sigma, 0.1, rounds)], 1e-3)
+    assert target - 0.02 <= eps <= target
+
+
+def test_distributed_against_server_is_per_update_release():
+    m = 25
+    ledger = ClientLevelLedger(1e-3, noise_placement="distributed")
+    for _ in range(10):
+        ledger.record_round(1.0, 0.2, m)
+    assert per_update_noise_multiplier(1.0, m) == pytest.approx(0.1)
+    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(0.1, 1.0, 10)], 1e-3))
+    assert ledger.epsilon_against_server() > ledger.epsilon()
+    secagg = ClientLevelLedger(1e-3, noise_placement="distributed", secure_aggregation=True)
+    for _ in range(10):
+        secagg.record_round(1.0, 0.2, m)
+    assert secagg.epsilon_against_server() == secagg.epsilon() == pytest.approx(ledger.epsilon())
+    central = ClientLevelLedger(1e-3, noise_placement="central")
+    central.record_round(1.0, 0.2, m)
+    assert math.isinf(central.epsilon_against_server())
+    back = ClientLevelLedger.from_state_dict(ledger.state_dict())
+    assert back.epsilon_against_server() == ledger.epsilon_against_server()
