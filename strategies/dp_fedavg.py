@@ -182,7 +182,7 @@ class DPFedAvg(FedAvg):
                     msg.metadata.src_node_id, problem)
                 continue
             vector = flatten(arrays)
-            metrics = msg.content.metric_records[0] if msg.content.metric_records else {}
+            metrics = next(iter(msg.content.metric_records.values()), {})
             if self.noise_placement == "central":
                 vector, norm = clip_to_norm(vector, self.clipping_norm)
             else:

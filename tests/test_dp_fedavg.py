@@ -1,0 +1,188 @@
+"""DPFedAvg: noise std in both placements, dropouts with top-up, clipping, rejection, budget."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord
+from torch import nn
+
+from clients.base import get_weights
+from fl_app.inprocess import InProcessGrid
+from strategies.accounting import epsilon_of
+from strategies.dp_fedavg import DPFedAvg
+from strategies.mechanisms import flatten
+from tests.stub_clients import stub_app, zero_update
+
+C, SIGMA = 0.5, 1.3
+
+
+def initial():
+    torch.manual_seed(0)
+    return ArrayRecord(get_weights(nn.Linear(1000, 100)))
+
+
+def run_one_round(strategy, grid, rnd=1):
+    arrays = initial()
+    if strategy.ledger is None:
+        strategy.setup_population(len(grid.get_node_ids()))
+    replies = grid.send_and_receive(strategy.configure_train(rnd, arrays, _cfg(), grid))
+    new, metrics = strategy.aggregate_train(rnd, replies)
+    return flatten(new.to_numpy_ndarrays()) - flatten(arrays.to_numpy_ndarrays()), metrics
+
+
+def _cfg():
+    from flwr.app import ConfigRecord
+    return ConfigRecord()
+
+
+def assert_std(sample, expected):
+    n = sample.size
+    assert abs(sample.std() / expected - 1) < 5 / math.sqrt(2 * n), (sample.std(), expected)
+    assert abs(sample.mean()) < 5 * expected / math.sqrt(n)
+
+
+@pytest.mark.parametrize("placement", ["central", "distributed"])
+def test_aggregated_noise_std_is_sigma_c_over_m(placement):
+    grid = InProcessGrid(stub_app(zero_update), 20, {})
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=SIGMA, noise_placement=placement,
+                 client_sampling="fixed")
+    delta, metrics = run_one_round(s, grid)
+    m = 10
+    assert metrics["clients"] == m and s.expected_clients == m
+    assert_std(delta, SIGMA * C / m)
+    # in distributed mode the server adds nothing when all m shares arrived
+    assert s.last_server_noise_std == (SIGMA * C if placement == "central" else 0.0)
+
+
+def test_distributed_dropouts_are_topped_up():
+    dead = {100, 101, 102, 103}
+    grid = InProcessGrid(stub_app(zero_update), 10, {}, fail=lambda node, msg: node in dead)
+    s = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
+                 client_sampling="fixed")
+    delta, metrics = run_one_round(s, grid)
+    assert metrics["failures"] == 4 and metrics["clients"] == 6
+    assert s.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(4 / 10))
+    assert_std(delta, SIGMA * C / 10)
+
+
+def test_poisson_sampling_rate():
+    grid = InProcessGrid(stub_app(zero_update), 200, {})
+    s = DPFedAvg(sample_rate=0.2, clipping_norm=C, noise_multiplier=1.0)
+    s.setup_population(200)
+    counts = [len(s.sample_clients(r, list(grid.get_node_ids()))) for r in range(1, 101)]
+    # Binomial(200, 0.2) per round: mean 40, sd of the mean over 100 rounds ~0.57
+    assert abs(np.mean(counts) - 40) < 3
+    assert len(set(counts)) > 5  # it really varies
+    assert s.sample_clients(7, list(range(200))) == s.sample_clients(7, list(range(200)))
+
+
+def test_central_clipping_and_uniform_average():
+    def big(pid, rnd, size):  # every client: norm 10 along the first axis
+        v = np.zeros(size, np.float32)
+        v[0] = 10.0 * (pid + 1)
+        return v
+
+    grid = InProcessGrid(stub_app(big), 8, {})
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=0.0, client_sampling="fixed")
+    delta, metrics = run_one_round(s, grid)
+    # 4 clients, each clipped to C along e_0, divided by m = 4
+    assert delta[0] == pytest.approx(C, rel=1e-6)
+    assert np.all(delta[1:] == 0)
+    assert metrics["clipped_fraction"] == 1.0
+    assert metrics["update_norm_mean"] > 10
+
+
+def test_distributed_client_clips_before_upload():
+    def big(pid, rnd, size):
+        return np.full(size, 1.0, np.float32)
+
+    grid = InProcessGrid(stub_app(big), 4, {})
+    s = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=1e-9, noise_placement="distributed",
+                 client_sampling="fixed")
+    delta, metrics = run_one_round(s, grid)
+    assert np.linalg.norm(delta) == pytest.approx(C, rel=1e-4)  # average of 4 identical clipped updates
+    assert metrics["update_norm_mean"] == pytest.approx(math.sqrt(delta.size), rel=1e-5)
+    for reply in grid.received:  # what left each client has norm <= C (+ tiny noise)
+        assert np.linalg.norm(flatten(reply.content["arrays"].to_numpy_ndarrays())) <= C * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "shape"])
+def test_malformed_updates_are_rejected_not_averaged(bad):
+    def update(pid, rnd, size):
+        v = np.full(size, 0.01, np.float32)
+        if pid == 0 and bad in ("nan", "inf"):
+            v[3] = np.nan if bad == "nan" else np.inf
+        return v
+
+    app = stub_app(update)
+    if bad == "shape":
+        inner = app
+
+        def app(msg, ctx):  # node 100 sends an extra array
+            reply = inner(msg, ctx)
+            if ctx.node_config["partition-id"] == 0:
+                arrays = reply.content["arrays"].to_numpy_ndarrays() + [np.zeros(3, np.float32)]
+                reply.content["arrays"] = ArrayRecord(arrays)
+            return reply
+
+    grid = InProcessGrid(app, 5, {})
+    s = DPFedAvg(sample_rate=1.0, clipping_norm=10.0, noise_multiplier=0.0, client_sampling="fixed")
+    delta, metrics = run_one_round(s, grid)
+    assert metrics["rejected"] == 1 and metrics["clients"] == 4
+    assert np.all(np.isfinite(delta))
+    assert delta[3] == pytest.approx(0.01 * 4 / 5)  # fixed denominator m = 5
+
+
+def run_rounds(strategy, num_nodes, rounds):
+    grid = InProcessGrid(stub_app(zero_update, 10, 2), num_nodes, {})
+    return strategy.start(grid, ArrayRecord([np.zeros((2, 10), np.float32), np.zeros(2, np.float32)]),
+                          num_rounds=rounds)
+
+
+def test_epsilon_every_round_matches_accountant():
+    s = DPFedAvg(sample_rate=0.2, clipping_norm=C, noise_multiplier=1.1, delta=1e-3)
+    result = run_rounds(s, 20, 6)
+    eps = [result.train_metrics_clientapp[r]["epsilon"] for r in range(1, 7)]
+    assert all(b > a for a, b in zip(eps, eps[1:]))
+    for r, e in enumerate(eps, start=1):
+        assert e == pytest.approx(epsilon_of([(1.1, 0.2, r)], 1e-3))
+    assert s.describe()["num_clients"] == 20 and s.describe()["delta"] == 1e-3
+
+
+def test_default_delta_is_one_over_population():
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0)
+    run_rounds(s, 8, 1)
+    assert s.ledger.delta == pytest.approx(1 / 8)
+
+
+def test_target_epsilon_stop_never_exceeds():
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0, delta=1e-3, target_epsilon=3.0)
+    result = run_rounds(s, 10, 50)
+    done = len(s.history)
+    assert 1 <= done < 50 and "target epsilon" in s.stop_reason
+    assert s.ledger.epsilon() <= 3.0 < epsilon_of([(1.0, 0.5, done + 1)], 1e-3)
+    assert max(result.train_metrics_clientapp) == done
+
+
+def test_target_epsilon_calibrate():
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=0.1, delta=1e-3, target_epsilon=4.0,
+                 target_epsilon_mode="calibrate")
+    run_rounds(s, 10, 12)
+    assert len(s.history) == 12
+    assert 3.95 <= s.ledger.epsilon() <= 4.0
+    assert s.noise_multiplier > 0.1
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(sample_rate=0.0), "sample_rate"),
+    (dict(noise_multiplier=1.0, clipping_norm=0.0), "clipping_norm"),
+    (dict(noise_placement="local"), "noise_placement"),
+    (dict(client_sampling="uniform"), "client_sampling"),
+    (dict(target_epsilon_mode="x"), "target_epsilon_mode"),
+])
+def test_strategy_rejects_bad_settings(kwargs, needle):
+    args = dict(sample_rate=0.1, clipping_norm=1.0, noise_multiplier=1.0) | kwargs
+    with pytest.raises(ValueError, match=needle):
+        DPFedAvg(**args)
