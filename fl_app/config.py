@@ -104,8 +104,8 @@ def validate(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """Defaults filled in, every key checked, combinations checked; raises ConfigError."""
     unknown = sorted(set(run_config) - set(SPEC))
     if unknown:
-        raise ConfigError(f"unknown run-config key(s) {', '.join(map(repr, unknown))}; "
-                          f"known keys: {', '.join(SPEC)}")
+        given = ", ".join(f"'{k}' = {run_config[k]!r}" for k in unknown)
+        raise ConfigError(f"unknown run-config key(s) {given}; known keys: {', '.join(SPEC)}")
     cfg = {k: spec.default for k, spec in SPEC.items()}
     for key, value in run_config.items():
         cfg[key] = _check_type(key, value, SPEC[key])

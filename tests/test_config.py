@@ -1,0 +1,81 @@
+"""Every config error path names the key, the value and what is allowed."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fl_app.config import SPEC, ConfigError, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_defaults_equal_spec():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    app_config = pyproject["tool"]["flwr"]["app"]["config"]
+    assert app_config == {k: s.default for k, s in SPEC.items()}
+
+
+def test_defaults_validate():
+    cfg = validate({})
+    assert cfg["algorithm"] == "dp-fedsam" and cfg["dataset"] == "mnist-embedded"
+
+
+def test_int_accepted_for_float_key():
+    assert validate({"lr": 1})["lr"] == 1.0 and isinstance(validate({"lr": 1})["lr"], float)
+
+
+BAD = [
+    ({"nosie-multiplier": 1.0}, "nosie-multiplier", "known keys"),
+    ({"num-rounds": 0}, "num-rounds", "[1, inf)"),
+    ({"num-rounds": 2.5}, "num-rounds", "an integer"),
+    ({"num-rounds": True}, "num-rounds", "an integer"),
+    ({"sample-rate": 0.0}, "sample-rate", "(0, 1]"),
+    ({"sample-rate": 1.5}, "sample-rate", "(0, 1]"),
+    ({"noise-multiplier": -1.0}, "noise-multiplier", "[0"),
+    ({"noise-multiplier": float("nan")}, "noise-multiplier", "a number"),
+    ({"clipping-norm": "big"}, "clipping-norm", "a number"),
+    ({"algorithm": "fedprox"}, "algorithm", "dp-fedsam"),
+    ({"dataset": "imagenet"}, "dataset", "mnist-embedded"),
+    ({"partitioner": "shards"}, "partitioner", "dirichlet"),
+    ({"model": "vgg"}, "model", "cnn-mnist"),
+    ({"noise-placement": "local"}, "noise-placement", "central, distributed"),
+    ({"client-sampling": "uniform"}, "client-sampling", "poisson, fixed"),
+    ({"accountant": "gdp"}, "accountant", "rdp, prv"),
+    ({"target-epsilon-mode": "warn"}, "target-epsilon-mode", "stop, calibrate"),
+    ({"delta": 1.0}, "delta", "[0, 1)"),
+    ({"dirichlet-alpha": 0.0}, "dirichlet-alpha", "(0, inf)"),
+    ({"momentum": 1.0}, "momentum", "[0, 1)"),
+    ({"lr": 0.0}, "lr", "(0, inf)"),
+    ({"secure-rng": 1}, "secure-rng", "true or false"),
+    ({"seed": -1}, "seed", "[0, inf)"),
+    ({"fraction-evaluate": 1.5}, "fraction-evaluate", "[0, 1]"),
+    # combinations
+    ({"noise-multiplier": 1.0, "clipping-norm": 0.0}, "noise-multiplier", "clipping-norm"),
+    ({"target-epsilon": 2.0, "noise-multiplier": 0.0}, "target-epsilon", "calibrate"),
+    ({"target-epsilon": 2.0, "target-epsilon-mode": "calibrate", "clipping-norm": 0.0, "noise-multiplier": 0.0},
+     "target-epsilon-mode", "clipping-norm"),
+    ({"partitioner": "natural"}, "partitioner", "femnist"),
+    ({"results-dir": "relative/path"}, "results-dir", "absolute"),
+    ({"data-dir": "data"}, "data-dir", "absolute"),
+    ({"run-name": "a/b"}, "run-name", "plain folder name"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,allowed", BAD)
+def test_bad_config_names_key_value_and_allowed(overrides, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        validate(overrides)
+    msg = str(err.value)
+    assert key in msg and allowed in msg, msg
+    value = overrides.get(key, next(iter(overrides.values())))
+    assert repr(value) in msg or str(value) in msg, msg
+
+
+def test_every_key_has_an_error_test_or_is_free_text():
+    tested = {k for o, _, _ in BAD for k in o}
+    free_text = {"results-dir", "data-dir", "run-name"}
+    untested = set(SPEC) - tested - free_text
+    # keys whose only constraint is a lower bound of the same kind as a tested one
+    assert untested <= {"classes-per-client", "min-nodes", "server-lr", "local-epochs", "local-steps",
+                        "batch-size", "weight-decay", "sam-rho", "target-epsilon"}, untested
