@@ -79,7 +79,7 @@ def flwr_run(env: dict, run_config: str, clients: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=30, help="simulated clients (SuperNodes)")
+    parser.add_argument("--clients", type=int, default=50, help="simulated clients (SuperNodes)")
     parser.add_argument("-c", "--run-config", default="", help="run-config overrides, 'key=value ...'")
     parser.add_argument("--reference", action="store_true", help="also run the non-private reference")
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
