@@ -1,0 +1,92 @@
+"""End to end on the embedded MNIST data through the real ServerApp/ClientApp code (in process)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.results import read_metrics
+from fl_app.server_app import run_federated
+from strategies.accounting import epsilon_of
+
+NUM_CLIENTS = 50
+
+
+def run(tmp_path, name, **overrides):
+    torch.set_num_threads(1)
+    cfg = validate({"results-dir": str(tmp_path / name), **overrides})
+    summary = run_federated(InProcessGrid(client_app, NUM_CLIENTS, cfg), cfg)
+    return cfg, summary, tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    return run(tmp, "dp"), run(tmp, "reference", **{"noise-multiplier": 0.0, "clipping-norm": 0.0})
+
+
+@pytest.mark.slow
+def test_dp_fedsam_learns_with_growing_epsilon(default_runs):
+    (cfg, summary, run_dir), _ = default_runs
+    assert summary["strategy"] == "dp-fedsam" and summary["rounds_completed"] == cfg["num-rounds"]
+    assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]  # chance is 0.1
+    rows = read_metrics(run_dir)
+    eps = [r["epsilon"] for r in rows]
+    assert all(b > a for a, b in zip(eps, eps[1:]))
+    q, rounds, delta = cfg["sample-rate"], cfg["num-rounds"], 1 / NUM_CLIENTS
+    assert summary["epsilon"] == pytest.approx(epsilon_of([(cfg["noise-multiplier"], q, rounds)], delta))
+    assert summary["delta"] == pytest.approx(delta)
+    assert math.isfinite(summary["epsilon_against_server"]) and summary["epsilon_against_server"] > summary["epsilon"]
+
+
+@pytest.mark.slow
+def test_non_private_reference_scores_higher(default_runs):
+    (_, dp, _), (_, ref, ref_dir) = default_runs
+    assert ref["final_accuracy"] > dp["final_accuracy"]
+    assert ref["epsilon"] is None or math.isinf(ref["epsilon"])
+    assert json.loads((ref_dir / "summary.json").read_text())["epsilon"] is None  # strict JSON: inf -> null
+
+
+@pytest.mark.slow
+def test_run_directory_contents(default_runs):
+    (cfg, summary, run_dir), _ = default_runs
+    assert json.loads((run_dir / "config.json").read_text()) == cfg
+    rows = read_metrics(run_dir)
+    assert [r["round"] for r in rows] == list(range(1, cfg["num-rounds"] + 1))
+    for key in ("round", "accuracy", "loss", "epsilon", "delta", "clipped_fraction", "update_norm_mean",
+                "update_norm_std", "clients", "rejected"):
+        assert all(key in r for r in rows), key
+    assert all(0 <= r["clipped_fraction"] <= 1 and r["update_norm_mean"] > 0 for r in rows)
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    for key in ("strategy", "dataset", "rounds_completed", "final_accuracy", "epsilon", "delta",
+                "noise_multiplier", "client_sampling_rate", "num_clients", "accountant"):
+        assert key in on_disk, key
+    assert on_disk["num_clients"] == NUM_CLIENTS and on_disk["client_sampling_rate"] == cfg["sample-rate"]
+    assert (run_dir / "plot.png").stat().st_size > 10_000
+
+
+def test_short_run_is_reproducible(tmp_path):
+    overrides = {"num-rounds": 2, "dataset": "digits", "model": "mlp", "local-epochs": 1}
+    _, a, dir_a = run(tmp_path, "a", **overrides)
+    _, b, dir_b = run(tmp_path, "b", **overrides)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(read_metrics(dir_a)) == strip(read_metrics(dir_b))
+    assert a["final_accuracy"] == b["final_accuracy"]
+
+
+def test_bad_config_fails_before_training(tmp_path):
+    """The ServerApp refuses a bad config before it writes or trains anything."""
+    from flwr.app import Context, RecordDict
+
+    from fl_app.config import ConfigError
+    from fl_app.server_app import main
+
+    bad = {"noise-multiplier": -1.0, "results-dir": str(tmp_path / "run")}
+    grid = InProcessGrid(client_app, 3, bad)
+    with pytest.raises(ConfigError, match="'noise-multiplier' = -1.0"):
+        main(grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=bad))
+    assert not (tmp_path / "run").exists() and grid.sent == []
