@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 from flwr.app import Context, Message
+from flwr.client import Client
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from clients.adapter import evaluate_reply, train_reply
 from clients.base import TrainingClient
+from clients.mods import uniform_weight_mod
 from clients.sam import SAMClient
 from fl_app.config import validate
 from fl_app.data import load_partition
@@ -46,13 +49,30 @@ def build_client(context: Context) -> TrainingClient:
     return TrainingClient(model, trainset, testset, **kwargs)
 
 
+# secure-aggregation = true: SecAgg+ speaks Flower's legacy protocol, so the same NumPyClient answers
+# through a client_fn ClientApp under secaggplus_mod (weight 1, no plaintext metrics: uniform_weight_mod).
+def numpy_client_fn(context: Context) -> Client:
+    return build_client(context).to_client()
+
+
+secure_app = ClientApp(client_fn=numpy_client_fn, mods=[secaggplus_mod, uniform_weight_mod])
+
+
+def secure_aggregation(context: Context) -> bool:
+    return bool(context.run_config.get("secure-aggregation", False))
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)  # one simulated client per CPU
+    if secure_aggregation(context):
+        return secure_app(msg, context)
     return train_reply(build_client(context), msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)
+    if secure_aggregation(context):
+        return secure_app(msg, context)
     return evaluate_reply(build_client(context), msg)

@@ -16,6 +16,7 @@ from fl_app.data import DATASETS, PARTITIONERS
 from fl_app.models import MODELS
 
 ALGORITHMS = ("dp-fedavg", "dp-fedsam")
+SECURE_AGGREGATION_ALGORITHMS = ("dp-fedavg", "dp-fedsam")  # SecAgg+ sums dense updates
 
 
 class ConfigError(ValueError):
@@ -74,6 +75,12 @@ SPEC: dict[str, Key] = {
     "fraction-evaluate": Key(0.0, "fraction of clients evaluating the global model each round", low=0, high=1),
     "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
     "secure-rng": Key(False, "draw DP noise from OS entropy (not reproducible; the seed cannot undo it)"),
+    "secure-aggregation": Key(False, "sum client updates with Flower's SecAgg+: the server sees only the sum "
+                              "(needs noise-placement = distributed)"),
+    "secagg-num-shares": Key(1.0, "SecAgg+ key shares per client, as a fraction of the sampled clients",
+                             low=0, high=1, low_open=True),
+    "secagg-reconstruction-threshold": Key(0.5, "SecAgg+ shares needed to unmask, as a fraction of the shares",
+                                           low=0, high=1, low_open=True),
     "results-dir": Key("", "absolute folder for this run's results (empty: ~/dpfl-results/<run-name>)"),
     "run-name": Key("", "name of the run folder (empty: <time>-<algorithm>-<dataset>)"),
 }
@@ -135,5 +142,15 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
         if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
             fail(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
                  "(relative paths resolve against the SuperLink's folder, not yours)")
+    if cfg["secure-aggregation"]:
+        if cfg["noise-placement"] != "distributed":
+            fail(f"run-config key 'secure-aggregation' = True needs noise-placement = 'distributed', not "
+                 f"{cfg['noise-placement']!r}: under SecAgg+ the server cannot clip or noise single updates")
+        if cfg["clipping-norm"] == 0:
+            fail("run-config key 'secure-aggregation' = True needs 'clipping-norm' > 0: SecAgg+ quantizes "
+                 "bounded updates")
+        if cfg["algorithm"] not in SECURE_AGGREGATION_ALGORITHMS:
+            fail(f"run-config key 'secure-aggregation' = True works with algorithm "
+                 f"{', '.join(SECURE_AGGREGATION_ALGORITHMS)} (sums of dense updates), not {cfg['algorithm']!r}")
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
         fail(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")

@@ -16,12 +16,17 @@ from fl_app.data import dataset_info, load_dataset
 from fl_app.models import build_model, count_parameters
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from strategies.dp_fedavg import DPFedAvg
+from strategies.legacy import LegacyDPFedAvg
 
 app = ServerApp()
 
 
 def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
     """The server strategy for cfg['algorithm'] (DP-FedAvg and DP-FedSAM share the server)."""
+    if cfg["secure-aggregation"]:  # the same strategy, run through Flower's legacy SecAgg+ workflow
+        return LegacyDPFedAvg(build_strategy({**cfg, "secure-aggregation": False}, on_round_end),
+                              secure_aggregation=True, secagg_num_shares=cfg["secagg-num-shares"],
+                              secagg_reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
     return DPFedAvg(
         sample_rate=cfg["sample-rate"], clipping_norm=cfg["clipping-norm"],
         noise_multiplier=cfg["noise-multiplier"], noise_placement=cfg["noise-placement"],

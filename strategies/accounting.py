@@ -123,7 +123,9 @@ class ClientLevelLedger:
     - server, `distributed` noise without secure aggregation: every upload is its own
       Gaussian release with multiplier sigma/(2 sqrt(m)) and no sampling amplification;
     - server, `distributed` with secure aggregation: the server sees only the noisy sum,
-      so the figure equals the released-model one.
+      so the figure equals the released-model one; in a round where only k < m noise
+      shares arrived, the sum it sees (before its own top-up) has multiplier sigma sqrt(k/m),
+      and that is what the server figure charges for the round.
     """
 
     delta: float
@@ -145,10 +147,18 @@ class ClientLevelLedger:
             return "secure aggregation: the server sees only the noisy sum"
         return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(m)), q=1)"
 
-    def record_round(self, noise_multiplier: float, sample_rate: float, expected_clients: float) -> None:
+    def record_round(self, noise_multiplier: float, sample_rate: float, expected_clients: float,
+                     received: int | None = None) -> None:
+        """Charge one round; `received` = noise shares that reached the sum (None: all m)."""
         self.model.record(noise_multiplier, sample_rate)
-        if self.noise_placement == "distributed" and not self.secure_aggregation:
+        if self.noise_placement != "distributed":
+            return
+        if not self.secure_aggregation:
             self.server.record(per_update_noise_multiplier(noise_multiplier, expected_clients), 1.0)
+        elif received is None or received >= expected_clients:
+            self.server.record(noise_multiplier, sample_rate)
+        elif received > 0:
+            self.server.record(noise_multiplier * math.sqrt(received / expected_clients), sample_rate)
 
     def epsilon(self) -> float:
         """eps(delta) against the released model."""
@@ -157,8 +167,6 @@ class ClientLevelLedger:
     def epsilon_against_server(self) -> float:
         if self.noise_placement == "central":
             return math.inf
-        if self.secure_aggregation:
-            return self.model.epsilon()
         return self.server.epsilon()
 
     def state_dict(self) -> dict:

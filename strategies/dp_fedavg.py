@@ -192,10 +192,7 @@ class DPFedAvg(FedAvg):
             if "train-loss" in metrics:
                 losses.append(float(metrics["train-loss"]))
 
-        aggregate = self.noisy_sum(server_round, updates, sum(a.size for a in global_arrays))
-        aggregate /= np.float32(self.expected_clients)
-        new_global = flatten(global_arrays) + np.float32(self.server_learning_rate) * aggregate
-        self.ledger.record_round(self.noise_multiplier, self.sample_rate, self.expected_clients)
+        new_global = self.noisy_average_step(server_round, updates, flatten(global_arrays))
 
         finite_norms = np.array([n for n in norms if math.isfinite(n)])
         clip_active = self.clipping_norm > 0
@@ -212,14 +209,30 @@ class DPFedAvg(FedAvg):
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
 
-    def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int) -> np.ndarray:
-        """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)."""
+    def noisy_average_step(self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray,
+                           received: int | None = None) -> np.ndarray:
+        """w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the ledger.
+
+        `received`: how many client noise shares the updates carry (default len(updates); under
+        SecAgg+ one summed vector carries the shares of every client that made it into the sum).
+        """
+        assert self.ledger is not None
+        received = len(updates) if received is None else received
+        aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
+        aggregate /= np.float32(self.expected_clients)
+        self.ledger.record_round(self.noise_multiplier, self.sample_rate, self.expected_clients, received)
+        return global_vector + np.float32(self.server_learning_rate) * aggregate
+
+    def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
+                  received: int | None = None) -> np.ndarray:
+        """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)
+        for the m - received noise shares that did not arrive."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
         if self.noise_placement == "central":
             std = self.noise_multiplier * self.clipping_norm
         else:
             std = topup_noise_std(self.noise_multiplier, self.clipping_norm, self.expected_clients,
-                                  len(updates))
+                                  len(updates) if received is None else received)
         self.last_server_noise_std = std
         return total + gaussian_noise(size, std, make_rng(self.seed, 2, server_round, secure=self.secure_rng))
 
@@ -259,11 +272,12 @@ class DPFedAvg(FedAvg):
             t0 = time.perf_counter()
             log(INFO, "")
             log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
-            replies = grid.send_and_receive(self.configure_train(rnd, arrays, train_config, grid), timeout=timeout)
+            replies = list(grid.send_and_receive(self.configure_train(rnd, arrays, train_config, grid),
+                                                 timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
-            record = {"round": rnd, **dict(train_metrics)}
+            record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies)}
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid)
             if eval_msgs:
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
@@ -308,6 +322,12 @@ def wait_for_nodes(grid: Grid, min_nodes: int, poll_seconds: float = 1.0) -> lis
         log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), min_nodes)
         time.sleep(poll_seconds)
     return nodes
+
+
+def failed_nodes_record(replies: Iterable[Message]) -> dict:
+    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (empty if none)."""
+    failed = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in replies if m.has_error()]
+    return {"failed_nodes": failed} if failed else {}
 
 
 def format_record(record: dict) -> str:

@@ -59,6 +59,12 @@ BAD = [
     ({"results-dir": "relative/path"}, "results-dir", "absolute"),
     ({"data-dir": "data"}, "data-dir", "absolute"),
     ({"run-name": "a/b"}, "run-name", "plain folder name"),
+    ({"secure-aggregation": "yes"}, "secure-aggregation", "true or false"),
+    ({"secagg-num-shares": 0.0}, "secagg-num-shares", "(0, 1]"),
+    ({"secagg-reconstruction-threshold": 1.5}, "secagg-reconstruction-threshold", "(0, 1]"),
+    ({"secure-aggregation": True, "noise-placement": "central"}, "secure-aggregation", "distributed"),
+    ({"secure-aggregation": True, "clipping-norm": 0.0, "noise-multiplier": 0.0}, "secure-aggregation",
+     "clipping-norm"),
 ]
 
 
