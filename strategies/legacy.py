@@ -29,16 +29,9 @@ from logging import ERROR, INFO, WARNING
 from statistics import NormalDist
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, Metadata, MetricRecord
-from flwr.app import RecordDict
-from flwr.common import (
-    FitIns,
-    FitRes,
-    Parameters,
-    Scalar,
-    ndarrays_to_parameters,
-    parameters_to_ndarrays,
-)
+from flwr.app import ArrayRecord, Context, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.common import FitIns, FitRes, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.compat.common import recorddict_compat as compat
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
@@ -310,7 +303,8 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
                             "as the LegacyContext's strategy")
         strategy.ensure_population(context.client_manager)
         dp = strategy.dp
-        dim = sum(int(np.prod(a.shape)) for a in context.state.array_records[MAIN_PARAMS_RECORD].values())
+        parameters = compat.arrayrecord_to_parameters(context.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
+        dim = sum(a.size for a in parameters_to_ndarrays(parameters))
         clients = max(2, dp.num_clients)
         noise_std = float(dp.client_train_config(0)["noise-std"])
         self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients,

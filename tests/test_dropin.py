@@ -1,0 +1,247 @@
+"""Drop-in use: a foreign app (its own numpy model, data and clients; nothing from fl_app's model or
+client) gains DP through our mod and strategy, on both Flower APIs, in simulation (InProcessGrid)."""
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.client import NumPyClient
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
+from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server import LegacyContext, ServerApp, ServerAppComponents, ServerConfig
+from flwr.server.workflow import DefaultWorkflow
+from sklearn.datasets import load_digits
+
+from clients.mods import make_dp_privatize_mod, uniform_weight_mod
+from fl_app.inprocess import InProcessGrid
+from strategies.accounting import epsilon_of
+from strategies.dp_fedavg import DPFedAvg
+from strategies.legacy import DPSecAggPlusWorkflow, LegacyDPFedAvg
+from strategies.mechanisms import flatten
+
+NODES, ROUNDS, C, SIGMA = 10, 8, 1.0, 0.7
+dp_mod = make_dp_privatize_mod(seed=0)  # seeded: the test is reproducible
+
+# ---------------------------------------------------------------- the foreign app: softmax regression on digits
+_X, _Y = load_digits(return_X_y=True)
+_X = (_X / 16.0).astype(np.float32)
+_TEST = np.arange(len(_Y)) % 5 == 0
+
+
+def shard(pid: int, n: int):
+    idx = np.flatnonzero(~_TEST)[pid::n]
+    return _X[idx], _Y[idx]
+
+
+def initial_weights():
+    return [np.zeros((64, 10), np.float32), np.zeros(10, np.float32)]
+
+
+def local_training(weights, pid, n, steps=20, lr=0.5):
+    w, b = (np.array(a, np.float32) for a in weights)
+    x, y = shard(pid, n)
+    onehot = np.eye(10, dtype=np.float32)[y]
+    for _ in range(steps):
+        logits = x @ w + b
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        g = (p - onehot) / len(y)
+        w -= lr * x.T @ g
+        b -= lr * g.sum(0)
+    return [w, b], len(y)
+
+
+def accuracy(weights) -> float:
+    w, b = weights
+    return float(np.mean(np.argmax(_X[_TEST] @ w + b, 1) == _Y[_TEST]))
+
+
+def message_api_app(mods, other_model_on: int = -1) -> ClientApp:
+    app = ClientApp()
+
+    @app.train(mods=mods)
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        weights, n = local_training(msg.content["arrays"].to_numpy_ndarrays(), pid,
+                                    int(context.node_config["num-partitions"]))
+        if pid == other_model_on:  # this node runs a different model (9 classes)
+            weights = [weights[0][:, :9], weights[1][:9]]
+        return Message(RecordDict({"arrays": ArrayRecord(weights), "metrics": MetricRecord({"num-examples": n})}),
+                       reply_to=msg)
+
+    return app
+
+
+class ForeignClient(NumPyClient):
+    def __init__(self, pid, n):
+        self.pid, self.n = pid, n
+
+    def fit(self, parameters, config):
+        weights, n = local_training(parameters, self.pid, self.n)
+        return weights, n, {"loss-ish": 1.0}
+
+    def evaluate(self, parameters, config):
+        return 0.0, 1, {"accuracy": accuracy(parameters)}
+
+
+def legacy_client_fn(context: Context):
+    return ForeignClient(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])).to_client()
+
+
+def dp() -> DPFedAvg:
+    return DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
+                    client_sampling="fixed", delta=1e-3, seed=1)
+
+
+def expected_epsilon():
+    return epsilon_of([(SIGMA, 1.0, ROUNDS)], 1e-3)
+
+
+# ---------------------------------------------------------------- tests
+def test_reference_without_dp_learns():
+    weights = initial_weights()
+    for _ in range(ROUNDS):
+        weights = [np.mean(a, 0) for a in zip(*[local_training(weights, i, NODES)[0] for i in range(NODES)])]
+    assert accuracy(weights) > 0.85
+
+
+def test_message_api_app_with_mod_and_dpfedavg():
+    strategy = dp()
+    grid = InProcessGrid(message_api_app([dp_mod]), NODES, {})
+    result = strategy.start(grid, ArrayRecord(initial_weights()), num_rounds=ROUNDS,
+                            evaluate_fn=lambda rnd, arrays: MetricRecord({"accuracy": accuracy(arrays.to_numpy_ndarrays())}))
+    assert result.evaluate_metrics_serverapp[ROUNDS]["accuracy"] > 0.6 > result.evaluate_metrics_serverapp[0]["accuracy"]
+    assert strategy.describe()["epsilon"] == pytest.approx(expected_epsilon())
+    assert strategy.history[-1]["clients"] == NODES and strategy.history[-1]["clipped_fraction"] > 0
+
+
+def legacy_evaluate(rnd, ndarrays, config):
+    return 0.0, {"accuracy": accuracy(ndarrays)}
+
+
+def test_legacy_numpyclient_with_mod_and_legacy_strategy_server_fn():
+    """The usual legacy deployment: ServerApp(server_fn=...) + ClientApp(client_fn=..., mods=[...])."""
+    strategy = LegacyDPFedAvg(dp(), evaluate_fn=legacy_evaluate,
+                              initial_parameters=ndarrays_to_parameters(initial_weights()))
+    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
+                                                                         config=ServerConfig(num_rounds=ROUNDS)))
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
+    server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert len(strategy.history) == ROUNDS
+    assert strategy.history[-1]["accuracy"] > 0.6
+    assert strategy.describe()["epsilon"] == pytest.approx(expected_epsilon())
+    # the per-update figure against a server that sees every upload is far weaker
+    assert strategy.describe()["epsilon_against_server"] > 5 * strategy.describe()["epsilon"]
+
+
+def test_legacy_numpyclient_with_mod_under_secaggplus():
+    """@app.main with LegacyContext + DefaultWorkflow(DPSecAggPlusWorkflow), mods=[secaggplus_mod, dp mod]."""
+    strategy = LegacyDPFedAvg(dp(), secure_aggregation=True, evaluate_fn=legacy_evaluate,
+                              initial_parameters=ndarrays_to_parameters(initial_weights()))
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid, context):
+        legacy = LegacyContext(context, config=ServerConfig(num_rounds=ROUNDS), strategy=strategy)
+        DefaultWorkflow(fit_workflow=DPSecAggPlusWorkflow())(grid, legacy)
+
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[secaggplus_mod, dp_mod]), NODES, {})
+    server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert len(strategy.history) == ROUNDS and strategy.history[-1]["accuracy"] > 0.6
+    described = strategy.describe()
+    assert described["epsilon"] == described["epsilon_against_server"] == pytest.approx(expected_epsilon())
+
+
+# ---------------------------------------------------------------- the mod itself
+def instruction(api: str, config: dict, weights) -> Message:
+    if api == "legacy":
+        content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters(weights), config), keep_input=True)
+    else:
+        content = RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord(config)})
+    return Message(content, dst_node_id=7, message_type=MessageType.TRAIN)
+
+
+def weights_of(api: str, reply: Message):
+    if api == "legacy":
+        fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+        return [np.asarray(a) for a in parameters_to_ndarrays(fitres.parameters)], fitres.num_examples, fitres.metrics
+    metrics = dict(reply.content["metrics"])
+    return reply.content["arrays"].to_numpy_ndarrays(), metrics.get("num-examples"), metrics
+
+
+def fake_client(api: str, local):
+    """call_next: a client whose training lands on `local`, reporting 50 examples."""
+    def call_next(msg, context):
+        if api == "legacy":
+            from flwr.common import Code, FitRes, Status
+            return Message(compat.fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(local),
+                                                              50, {"loss": 0.3}), True), reply_to=msg)
+        return Message(RecordDict({"arrays": ArrayRecord(local), "metrics": MetricRecord({"num-examples": 50})}),
+                       reply_to=msg)
+    return call_next
+
+
+CTX = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+
+
+@pytest.mark.parametrize("api", ["message", "legacy"])
+def test_mod_turns_weights_into_clipped_update(api):
+    glob = [np.ones((3, 4), np.float32), np.zeros(4, np.float32)]
+    local = [glob[0] + 2.0, glob[1] - 1.0]  # update norm sqrt(12 * 4 + 4) = sqrt(52)
+    config = {"server-round": 1, "clipping-norm": 0.5, "privatize": True, "noise-std": 0.0}
+    reply = dp_mod(instruction(api, config, glob), CTX, fake_client(api, local))
+    upload, n, metrics = weights_of(api, reply)
+    update = flatten(upload)
+    assert np.linalg.norm(update) == pytest.approx(0.5, rel=1e-5)
+    assert np.allclose(update / np.linalg.norm(update), (flatten(local) - flatten(glob)) / math.sqrt(52), atol=1e-6)
+    assert metrics["update-norm"] == pytest.approx(math.sqrt(52))
+    # central placement: the raw update goes up, the server clips
+    reply = dp_mod(instruction(api, {**config, "privatize": False}, glob), CTX, fake_client(api, local))
+    assert np.allclose(flatten(weights_of(api, reply)[0]), flatten(local) - flatten(glob))
+
+
+def test_mod_noise_share_std():
+    glob = [np.zeros(20000, np.float32)]
+    config = {"server-round": 3, "clipping-norm": 1.0, "privatize": True, "noise-std": 0.2}
+    reply = dp_mod(instruction("message", config, glob), CTX, fake_client("message", glob))
+    noise = flatten(weights_of("message", reply)[0])
+    assert abs(noise.std() / 0.2 - 1) < 5 / math.sqrt(2 * noise.size)
+
+
+def test_mod_under_secure_aggregation_sends_weight_one_and_no_metrics():
+    glob = [np.zeros(5, np.float32)]
+    config = {"server-round": 1, "clipping-norm": 1.0, "privatize": True, "noise-std": 0.0,
+              "secure-aggregation": True}
+    for mod in (dp_mod, uniform_weight_mod):
+        _, n, metrics = weights_of("legacy", mod(instruction("legacy", config, glob), CTX,
+                                                 fake_client("legacy", [np.ones(5, np.float32)])))
+        assert n == 1 and metrics == {}
+
+
+def test_mod_errors_are_clear():
+    glob = [np.zeros((2, 2), np.float32)]
+    with pytest.raises(ValueError, match="no 'clipping-norm'"):
+        dp_mod(instruction("message", {"server-round": 1}, glob), CTX, fake_client("message", glob))
+    config = {"server-round": 1, "clipping-norm": 1.0, "privatize": True, "noise-std": 0.0}
+    with pytest.raises(ValueError, match=r"does not match the global model: array 0 has shape \(3,\), expected \(2, 2\)"):
+        dp_mod(instruction("message", config, glob), CTX, fake_client("message", [np.zeros(3, np.float32)]))
+
+
+def test_mod_passes_evaluate_through():
+    msg = Message(RecordDict({"arrays": ArrayRecord(initial_weights())}), dst_node_id=7,
+                  message_type=MessageType.EVALUATE)
+    sentinel = Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.5})}), reply_to=msg)
+    assert dp_mod(msg, CTX, lambda m, c: sentinel) is sentinel
+
+
+def test_mismatched_client_fails_alone_and_the_round_goes_on():
+    strategy = dp()
+    result = strategy.start(InProcessGrid(message_api_app([dp_mod], other_model_on=3), NODES, {}),
+                            ArrayRecord(initial_weights()), num_rounds=2)
+    record = strategy.history[-1]
+    assert record["failures"] == 1 and record["clients"] == NODES - 1
+    assert "does not match the global model" in record["failed_nodes"][0]
+    assert np.all(np.isfinite(flatten(result.arrays.to_numpy_ndarrays())))

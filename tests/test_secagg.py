@@ -1,0 +1,180 @@
+"""SecAgg+: the strategy sees only the sum, the arithmetic of sum/m and top-up, the ledger, accuracy."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
+from flwr.common import parameters_to_ndarrays
+from flwr.compat.common import recorddict_compat as compat
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+from torch import nn
+
+from clients.base import get_weights
+from clients.mods import uniform_weight_mod
+from fl_app.client_app import app as fl_client_app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.server_app import run_federated
+from strategies.accounting import epsilon_of
+from strategies.dp_fedavg import DPFedAvg
+from strategies.legacy import LegacyDPFedAvg, secagg_clipping_range
+from strategies.mechanisms import flatten
+from tests.stub_clients import FixedUpdateClient
+
+C, SIGMA = 0.5, 1.3
+
+
+class SpyLegacyDPFedAvg(LegacyDPFedAvg):
+    """Keeps what aggregate_fit receives."""
+
+    seen: list
+
+    def aggregate_fit(self, server_round, results, failures):
+        self.seen = [parameters_to_ndarrays(res.parameters) for _, res in results]
+        return super().aggregate_fit(server_round, results, failures)
+
+
+def secagg_stub_app(update_fn, uploads: dict) -> ClientApp:
+    """Legacy client_fn ClientApp under SecAgg+; `uploads[node] = what the client handed to SecAgg+`."""
+
+    def spy(msg, context, call_next):
+        reply = call_next(msg, context)
+        if "fitres.parameters" in reply.content.array_records:
+            fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+            uploads[msg.metadata.dst_node_id] = flatten(parameters_to_ndarrays(fitres.parameters))
+        return reply
+
+    def client_fn(context):
+        torch.manual_seed(0)
+        return FixedUpdateClient(nn.Linear(1000, 100), int(context.node_config["partition-id"]),
+                                 update_fn).to_client()
+
+    return ClientApp(client_fn=client_fn, mods=[secaggplus_mod, spy, uniform_weight_mod])
+
+
+def initial() -> ArrayRecord:
+    torch.manual_seed(0)
+    return ArrayRecord(get_weights(nn.Linear(1000, 100)))
+
+
+def run_secagg_round(num_nodes, update_fn, fail=None):
+    uploads: dict = {}
+    grid = InProcessGrid(secagg_stub_app(update_fn, uploads), num_nodes, {}, fail=fail)
+    dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
+                  client_sampling="fixed", seed=3)
+    strategy = SpyLegacyDPFedAvg(dp, secure_aggregation=True)
+    start = initial()
+    result = strategy.start(grid, start, num_rounds=1)
+    delta = flatten(result.arrays.to_numpy_ndarrays()) - flatten(start.to_numpy_ndarrays())
+    return strategy, grid, uploads, delta
+
+
+def signal(pid, rnd, size):  # each client: a different direction, norm 2 > C (clipped)
+    v = np.zeros(size, np.float32)
+    v[pid * 10:(pid + 1) * 10] = 2.0 / math.sqrt(10)
+    return v
+
+
+def test_strategy_receives_only_the_sum():
+    strategy, grid, uploads, delta = run_secagg_round(5, signal)
+    settings = strategy.secagg_settings
+    step = settings["quantization_step"]
+    assert len(uploads) == 5 and len(strategy.seen) == 5
+    # every result carries the same vector: the mean of the uploads, up to quantization ...
+    first = flatten(strategy.seen[0])
+    assert all(np.array_equal(flatten(s), first) for s in strategy.seen)
+    mean = np.mean(list(uploads.values()), axis=0)
+    assert np.max(np.abs(first - mean)) <= 2 * step
+    # ... and no individual upload
+    for upload in uploads.values():
+        assert np.max(np.abs(first - upload)) > 100 * step
+    # what the server received from clients: masked integers, never the arrays themselves
+    for reply in grid.received:
+        assert all(len(record) == 0 for record in reply.content.array_records.values())
+    # the quantizer range was not reached, and the model moved by sum / m (no top-up: all 5 arrived)
+    assert max(np.max(np.abs(u)) for u in uploads.values()) < settings["clipping_range"]
+    assert settings["clipping_range"] == pytest.approx(
+        secagg_clipping_range(C, SIGMA * C / math.sqrt(5), 100_100, 5))
+    assert np.max(np.abs(delta - np.sum(list(uploads.values()), axis=0) / 5)) <= 2 * step
+    assert strategy.dp.last_server_noise_std == 0.0
+    # each client's share: clipped signal (norm C) + N(0, sigma^2 C^2 / m)
+    noise = list(uploads.values())[0] - signal(0, 1, delta.size) * (C / 2.0)
+    assert abs(noise.std() / (SIGMA * C / math.sqrt(5)) - 1) < 5 / math.sqrt(2 * noise.size)
+    # the server saw only the noisy sum: its epsilon is the aggregate one
+    described = strategy.describe()
+    assert described["epsilon_against_server"] == described["epsilon"] == pytest.approx(
+        epsilon_of([(SIGMA, 1.0, 1)], 1 / 5))
+    assert described["secure_aggregation"] is True
+
+
+def masked_vector_stage(msg) -> bool:
+    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+    return configs is not None and configs.get("stage") == Stage.COLLECT_MASKED_VECTORS
+
+
+def test_dropout_under_secagg_is_topped_up_and_charged():
+    dead = 101
+    strategy, _, uploads, delta = run_secagg_round(
+        5, lambda pid, rnd, size: np.zeros(size, np.float32),
+        fail=lambda node, msg: node == dead and masked_vector_stage(msg))
+    record = strategy.history[0]
+    assert record["clients"] == 4 and record["failures"] == 1
+    assert "node 101 crashed" in record["failed_nodes"][0]
+    # 4 noise shares in the sum, the server adds the fifth: the model still gets N(0, sigma^2 C^2) / m
+    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(1 / 5))
+    expected = SIGMA * C / 5
+    assert abs(delta.std() / expected - 1) < 5 / math.sqrt(2 * delta.size)
+    # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/5) against it
+    ledger = strategy.ledger
+    assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], 1 / 5))
+    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / 5), 1.0, 1)], 1 / 5))
+    assert ledger.epsilon_against_server() > ledger.epsilon()
+
+
+def test_secagg_rejects_unequal_weights():
+    dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed")
+    with pytest.raises(ValueError, match="noise_placement='distributed'"):
+        LegacyDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA), secure_aggregation=True)
+    strategy = LegacyDPFedAvg(dp, secure_aggregation=True)
+    strategy._global = [np.zeros(3, np.float32)]
+    dp.setup_population(2)
+
+    class Res:
+        def __init__(self, n):
+            from flwr.common import ndarrays_to_parameters
+            self.num_examples, self.parameters, self.metrics = n, ndarrays_to_parameters([np.zeros(3)]), {}
+
+    with pytest.raises(ValueError, match="num_examples = 1"):
+        strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
+
+
+def run_app(secure: bool, tmp_path) -> tuple[dict, list]:
+    from fl_app.results import read_metrics
+
+    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
+                    "local-epochs": 1, "min-nodes": 4, "secure-aggregation": secure,
+                    "results-dir": str(tmp_path / ("secure" if secure else "plain"))})
+    summary = run_federated(InProcessGrid(fl_client_app, 4, cfg), cfg)
+    return summary, read_metrics(summary["results_dir"])
+
+
+def test_app_with_secagg_matches_plain_run(tmp_path):
+    torch.set_num_threads(1)
+    secure, secure_rounds = run_app(True, tmp_path)
+    plain, plain_rounds = run_app(False, tmp_path)
+    # same seed, same sampled clients, same noise: only SecAgg+ quantization (step ~1e-6) differs
+    assert secure["rounds_completed"] == plain["rounds_completed"] == 4
+    assert secure["final_accuracy"] > 0.2 and abs(secure["final_accuracy"] - plain["final_accuracy"]) <= 0.02
+    for s, p in zip(secure_rounds, plain_rounds):
+        assert s["loss"] == pytest.approx(p["loss"], abs=1e-3)
+    # the aggregate figure is the same; against the server SecAgg+ gives it, without it is far weaker
+    assert secure["epsilon"] == pytest.approx(plain["epsilon"])
+    assert secure["epsilon_against_server"] == pytest.approx(secure["epsilon"])
+    assert plain["epsilon_against_server"] > 5 * plain["epsilon"]
+    assert secure["secure_aggregation"] is True and secure["secagg"]["max_weight"] == 1.0
+    # nothing data-dependent travels in the clear next to the secure sum
+    assert "update_norm_mean" not in secure_rounds[0] and "train_loss" not in secure_rounds[0]
