@@ -205,6 +205,7 @@ class DPFedAvg(FedAvg):
             "update_norm_mean": float(finite_norms.mean()) if finite_norms.size else 0.0,
             "update_norm_std": float(finite_norms.std()) if finite_norms.size else 0.0,
             "train_loss": float(np.mean(losses)) if losses else math.nan,
+            "server_noise_std": self.last_server_noise_std,
             **self.privacy_metrics(),
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
@@ -272,12 +273,12 @@ class DPFedAvg(FedAvg):
             t0 = time.perf_counter()
             log(INFO, "")
             log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
-            replies = list(grid.send_and_receive(self.configure_train(rnd, arrays, train_config, grid),
-                                                 timeout=timeout))
+            instructions = list(self.configure_train(rnd, arrays, train_config, grid))
+            replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
-            record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies)}
+            record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid)
             if eval_msgs:
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
@@ -324,9 +325,14 @@ def wait_for_nodes(grid: Grid, min_nodes: int, poll_seconds: float = 1.0) -> lis
     return nodes
 
 
-def failed_nodes_record(replies: Iterable[Message]) -> dict:
-    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (empty if none)."""
-    failed = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in replies if m.has_error()]
+def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Message] = ()) -> dict:
+    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (empty if none).
+
+    The node is the instruction's destination (the SuperLink itself answers for a node that went away).
+    """
+    destination = {m.metadata.message_id: m.metadata.dst_node_id for m in instructions}
+    failed = [f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
+              for m in replies if m.has_error()]
     return {"failed_nodes": failed} if failed else {}
 
 

@@ -242,7 +242,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         new_global = self.dp.noisy_average_step(server_round, updates, flatten(self._global),
                                                 received=k if updates else 0)
         metrics = {"clients": k if updates else 0, "rejected": 0 if updates else k, "failures": len(failures),
-                   **self.dp.privacy_metrics()}
+                   "server_noise_std": self.dp.last_server_noise_std, **self.dp.privacy_metrics()}
         return unflatten(new_global, shapes), metrics
 
     # ------------------------------------------------------------------ evaluation and the round record

@@ -1,0 +1,145 @@
+"""Real deployment on loopback: flower-superlink + flower-supernode processes and `flwr run`.
+
+Slow (a ClientApp is a fresh process per message): marked `slow`. Ports 19000-19999, a private
+FLWR_HOME per process, every process ended by PID when the test ends (also on failure).
+"""
+
+import json
+import math
+import time
+
+import pytest
+
+from strategies.accounting import epsilon_of
+from tests.deployment import ROOT, Deployment, make_node_keys
+
+pytestmark = pytest.mark.slow
+
+APP = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1,
+       "clipping-norm": 0.5, "noise-multiplier": 1.0, "noise-placement": "distributed"}
+RUN_TIMEOUT = 400
+
+
+@pytest.fixture
+def deployment(request, tmp_path):
+    made = []
+
+    def make(**kwargs) -> Deployment:
+        made.append(Deployment(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def finish(d: Deployment, cli, log: str = "cli") -> None:
+    try:
+        cli.wait(timeout=RUN_TIMEOUT)
+    except Exception:
+        pytest.fail(f"flwr run did not finish:\n{d.log(log)[-3000:]}")
+    assert cli.returncode == 0, d.log(log)[-3000:]
+
+
+def read_run(folder) -> tuple[dict, list[dict]]:
+    summary = json.loads((folder / "summary.json").read_text())
+    rounds = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return summary, rounds
+
+
+def test_supernodes_with_bad_input_and_a_crash(deployment, tmp_path):
+    """3 good SuperNodes, one without a partition id, one out of range; a good one is killed in the
+    middle of round 1 and restarted. The run finishes; the failures are recorded; the restarted
+    node takes part in round 2; the missing noise shares are topped up."""
+    d = deployment()
+    d.start_superlink()
+    for i in range(3):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3")
+    d.start_supernode("no-partition")
+    d.start_supernode("out-of-range", "partition-id=7 num-partitions=3")
+    for name in ("n0", "n1", "n2", "no-partition", "out-of-range"):
+        d.wait_connected(name)
+    results = tmp_path / "run"
+    cli = d.run_app({**APP, "num-rounds": 2, "min-nodes": 5, "results-dir": str(results)})
+
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not d.clientapp_running("n2"):  # n2 is training in round 1
+        assert time.monotonic() < deadline and cli.poll() is None, d.log("cli")[-3000:]
+        time.sleep(0.1)
+    d.stop_node("n2")
+    d.start_supernode("n2-restarted", "partition-id=2 num-partitions=3")
+    d.wait_connected("n2-restarted")
+    finish(d, cli)
+
+    summary, rounds = read_run(results)
+    assert summary["rounds_completed"] == 2 and summary["num_clients"] == 5
+    first, second = rounds
+    # round 1: n0, n1 contribute; n2 (killed) and the two misconfigured nodes fail, each with its reason
+    assert first["clients"] == 2 and first["failures"] == 3 and first["rejected"] == 0
+    reasons = "\n".join(first["failed_nodes"])
+    assert "node config lacks partition-id, num-partitions" in reasons
+    assert "partition-id=7 is out of range: must be in [0, 2]" in reasons
+    assert "Node Unavailable" in reasons or "unavailable" in reasons.lower()
+    # m = 5 expected noise shares, 2 arrived: the server adds sigma C sqrt(3/5)
+    assert first["server_noise_std"] == pytest.approx(1.0 * 0.5 * math.sqrt(3 / 5))
+    # round 2: the restarted node is back
+    assert second["clients"] == 3 and second["failures"] == 2
+    assert second["server_noise_std"] == pytest.approx(1.0 * 0.5 * math.sqrt(2 / 5))
+    assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], 1 / 5))
+    assert summary["epsilon_against_server"] > summary["epsilon"]
+    assert "Node Unavailable" not in "\n".join(second["failed_nodes"])
+
+
+def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
+    """TLS with a CA made here and SuperNode authentication: registered nodes run the app; an
+    unregistered node, an insecure node and an insecure CLI are refused with a clear error. Then a
+    foreign app (its own model and client, our mod and strategy) runs on the same federation,
+    with one node whose model does not match: that node fails alone, the run goes on."""
+    d = deployment(tls=True, auth=True)
+    d.start_superlink()
+    d.write_cli_config()
+    nodes = {"n0": "partition-id=0 num-partitions=3", "n1": "partition-id=1 num-partitions=3",
+             "n2": "partition-id=2 num-partitions=3",
+             "odd": "partition-id=2 num-partitions=3 classes=9"}  # `classes`: the foreign app's model size
+    keys = {name: make_node_keys(tmp_path / "keys", name) for name in nodes}
+    registrations = {name: d.register(public) for name, (_, public) in keys.items()}
+    for name, node_config in nodes.items():
+        registered = registrations[name]
+        assert registered.wait(timeout=120) == 0, d.log(f"register-{name}")
+        d.start_supernode(name, node_config, private_key=keys[name][0])
+    stranger, _ = make_node_keys(tmp_path / "keys", "stranger")
+    refused = {"unregistered": d.start_supernode("unregistered", nodes["n0"], private_key=stranger,
+                                                 extra=["--max-retries", "1"]),
+               "insecure": d.start_supernode("insecure", nodes["n0"], insecure=True, extra=["--max-retries", "1"])}
+    for name in nodes:
+        d.wait_connected(name)
+
+    # our app and the foreign app run at the same time on this federation
+    results, foreign = tmp_path / "run", tmp_path / "foreign"
+    ours = d.run_app({**APP, "num-rounds": 1, "min-nodes": 4, "results-dir": str(results)})
+    theirs = d.run_app({"num-rounds": 2, "min-nodes": 4, "results-dir": str(foreign)},
+                       app=ROOT / "tests" / "foreign_app", log="foreign-cli")
+    finish(d, ours)
+    finish(d, theirs, "foreign-cli")
+    summary, rounds = read_run(results)
+    assert summary["rounds_completed"] == 1 and rounds[0]["clients"] == 4 and rounds[0]["failures"] == 0
+    assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 1)], 1 / 4))
+
+    for name, proc in refused.items():
+        assert proc.wait(timeout=60) != 0, d.log(name)
+        assert "Failed to initialize the connection to the SuperLink" in d.log(name)
+    assert "Failed to activate SuperNode" in d.log("unregistered") and "SuperNode ID:" not in d.log("unregistered")
+    insecure_cli = d.run_app({**APP, "num-rounds": 1, "results-dir": str(tmp_path / "never")}, insecure=True,
+                             log="insecure-cli")
+    assert insecure_cli.wait(timeout=120) != 0
+    assert "Connection to the SuperLink is unavailable" in d.log("insecure-cli")
+    assert not (tmp_path / "never").exists()
+
+    result = json.loads((foreign / "summary.json").read_text())
+    assert len(result["history"]) == 2
+    for record in result["history"]:
+        assert record["clients"] == 3 and record["failures"] == 1
+        assert "the client's model does not match the global model: array 0 has shape (20, 9), expected (20, 10)" \
+            in record["failed_nodes"][0]
+    assert result["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
+    assert result["epsilon"] == pytest.approx(epsilon_of([(0.7, 1.0, 2)], 1 / 4))
