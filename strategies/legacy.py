@@ -144,6 +144,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.result = Result()
         self._global: list[np.ndarray] | None = None
         self._pending: dict | None = None  # the round's record until its evaluation is in
+        self._sampled_round = 0  # the last round whose instructions went out
         self._round_start = 0.0
 
     # ------------------------------------------------------------------ views of the wrapped strategy
@@ -197,6 +198,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         config.update(self.dp.client_train_config(server_round))
         config["secure-aggregation"] = self.secure_aggregation
         fit_ins = FitIns(parameters, config)
+        self._sampled_round = server_round
         return [(proxies[node], fit_ins) for node in sampled]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
@@ -251,6 +253,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
         res = super().evaluate(server_round, parameters)
         if res is not None:
             self.result.evaluate_metrics_serverapp[server_round] = MetricRecord(_numbers({"loss": res[0], **res[1]}))
+        if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
+            log(WARNING, "Round %d: no aggregate (SecAgg+ halts when too few sampled nodes finish the protocol); "
+                "the model is unchanged and nothing was charged to the ledger", server_round)
         if server_round >= 1 and self._pending is not None and self._pending["round"] == server_round:
             record = self._pending
             if res is not None:
@@ -269,6 +274,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         """Run `num_rounds` with Flower's DefaultWorkflow (SecAgg+ when secure_aggregation), like DPFedAvg.start."""
         self.dp._num_rounds = num_rounds
         self.initial_parameters = ndarrays_to_parameters(initial_arrays.to_numpy_ndarrays())
+        self.result.arrays = initial_arrays  # until a round changes them
         if evaluate_fn is not None:
             def legacy_evaluate(rnd: int, ndarrays: list, config: dict):
                 metrics = evaluate_fn(rnd, ArrayRecord(ndarrays))

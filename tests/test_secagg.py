@@ -135,6 +135,15 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     assert ledger.epsilon_against_server() > ledger.epsilon()
 
 
+def test_secagg_halts_when_too_few_finish(caplog):
+    """4 of 5 nodes drop before sending their masked vector: nothing can be unmasked, nothing is released."""
+    strategy, _, _, delta = run_secagg_round(
+        5, signal, fail=lambda node, msg: node != 100 and masked_vector_stage(msg))
+    assert strategy.history == [] and np.all(delta == 0)
+    assert strategy.ledger.epsilon() == 0 and strategy.ledger.epsilon_against_server() == 0
+    assert "no aggregate" in caplog.text
+
+
 def test_secagg_rejects_unequal_weights():
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed")
     with pytest.raises(ValueError, match="noise_placement='distributed'"):
