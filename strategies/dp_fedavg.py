@@ -311,6 +311,7 @@ class DPFedAvg(FedAvg):
                                 "(an approximation)" if self.client_sampling == "fixed"
                                 else "Poisson client sampling, sampled Gaussian mechanism (exact)"),
             "server_threat_model": self.ledger.server_threat_model,
+            "secure_aggregation": self.secure_aggregation,
             "stop_reason": self.stop_reason,
             "ledger": self.ledger.state_dict(),
             **self.privacy_metrics(),

@@ -249,24 +249,49 @@ class LegacyDPFedAvg(LegacyFedAvg):
 
     # ------------------------------------------------------------------ evaluation and the round record
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
-        """Centralized evaluation (Flower's legacy evaluate_fn), then the round's record is complete."""
+        """Centralized evaluation (Flower's legacy evaluate_fn), added to the round's record."""
         res = super().evaluate(server_round, parameters)
         if res is not None:
             self.result.evaluate_metrics_serverapp[server_round] = MetricRecord(_numbers({"loss": res[0], **res[1]}))
         if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
             log(WARNING, "Round %d: no aggregate (SecAgg+ halts when too few sampled nodes finish the protocol); "
                 "the model is unchanged and nothing was charged to the ledger", server_round)
-        if server_round >= 1 and self._pending is not None and self._pending["round"] == server_round:
-            record = self._pending
-            if res is not None:
-                record.update(_numbers({"loss": res[0], **res[1]}))
-            record["seconds"] = time.perf_counter() - self._round_start
-            self._pending = None
-            self.dp.history.append(record)
-            log(INFO, "Round %d: %s", server_round, format_record(record))
-            if self.dp.on_round_end:
-                self.dp.on_round_end(record)
+        if res is not None and self._pending is not None and self._pending["round"] == server_round:
+            self._pending.update(_numbers({"loss": res[0], **res[1]}))
         return res
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: ClientManager) -> list:
+        instructions = super().configure_evaluate(server_round, parameters, client_manager)
+        if not instructions:  # no client evaluation this round: the record is complete
+            self._emit(server_round)
+        return instructions
+
+    def aggregate_evaluate(self, server_round: int, results: list, failures: list):
+        """Flower's weighted loss, the clients' numeric metrics weighted by their example counts."""
+        loss, _ = super().aggregate_evaluate(server_round, results, failures)
+        total = sum(res.num_examples for _, res in results)
+        metrics: dict = {}
+        if total:
+            keys = set.intersection(*(set(_numbers(res.metrics)) for _, res in results)) - {"num-examples"}
+            metrics = {k: sum(res.num_examples * float(res.metrics[k]) for _, res in results) / total for k in keys}
+        client = {"loss": loss, **metrics} if loss is not None else metrics
+        if client:
+            self.result.evaluate_metrics_clientapp[server_round] = MetricRecord(_numbers(client))
+        self._emit(server_round, {f"client_{k}": v for k, v in _numbers(client).items()})
+        return loss, metrics
+
+    def _emit(self, server_round: int, extra: dict | None = None) -> None:
+        """The round's record is complete: history, log, on_round_end (the run directory)."""
+        if self._pending is None or self._pending["round"] != server_round:
+            return
+        record, self._pending = self._pending, None
+        record.update(extra or {})
+        record["seconds"] = time.perf_counter() - self._round_start
+        self.dp.history.append(record)
+        log(INFO, "Round %d: %s", server_round, format_record(record))
+        if self.dp.on_round_end:
+            self.dp.on_round_end(record)
 
     # ------------------------------------------------------------------ run (fl_app)
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
