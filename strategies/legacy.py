@@ -97,7 +97,8 @@ def unique_failures(failures: list) -> list:
 
 
 def failure_reason(failure) -> str:
-    """'node <id>: <reason>' for a legacy failure ((proxy, FitRes) or an exception)."""
+    """Why a legacy failure failed: 'node <id>: <status>' for a (proxy, FitRes), the Error's reason
+    (which names the exception raised on the node) for a failed message, else the exception."""
     if isinstance(failure, tuple):
         proxy, res = failure
         return f"node {proxy.node_id}: {res.status.message}"
