@@ -269,7 +269,7 @@ class DPFedAvg(FedAvg):
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
                 if client_eval is not None:
                     result.evaluate_metrics_clientapp[rnd] = client_eval
-                    record.update({f"client_{k}": v for k, v in client_eval.items()})
+                    record.update(self.client_evaluation_record(client_eval))
             if evaluate_fn and (res := evaluate_fn(rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
@@ -279,6 +279,10 @@ class DPFedAvg(FedAvg):
             if self.on_round_end:
                 self.on_round_end(record)
         return result
+
+    def client_evaluation_record(self, metrics: MetricRecord) -> dict:
+        """How the clients' aggregated evaluation metrics appear in the round's record."""
+        return {f"client_{k}": v for k, v in metrics.items()}
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json."""
@@ -311,7 +315,7 @@ def wait_for_nodes(grid: Grid, min_nodes: int, poll_seconds: float = 1.0) -> lis
 
 
 def format_record(record: dict) -> str:
-    keys = ("accuracy", "loss", "epsilon", "delta", "clients", "rejected", "clipped_fraction")
+    keys = ("accuracy", "loss", "personalized_accuracy", "epsilon", "delta", "clients", "rejected", "clipped_fraction")
     return "  ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
                      for k in keys if k in record)
 

@@ -50,6 +50,12 @@ BAD = [
     ({"secure-rng": 1}, "secure-rng", "true or false"),
     ({"seed": -1}, "seed", "[0, inf)"),
     ({"fraction-evaluate": 1.5}, "fraction-evaluate", "[0, 1]"),
+    ({"lr-decay": 0.0}, "lr-decay", "(0, 1]"),
+    ({"lr-decay": 1.01}, "lr-decay", "(0, 1]"),
+    ({"head-epochs": 0}, "head-epochs", "[1, inf)"),
+    ({"head-steps": -1}, "head-steps", "[0, inf)"),
+    ({"head-lr": -0.1}, "head-lr", "[0, inf)"),
+    ({"fine-tune-steps": -1}, "fine-tune-steps", "[0, inf)"),
     # combinations
     ({"noise-multiplier": 1.0, "clipping-norm": 0.0}, "noise-multiplier", "clipping-norm"),
     ({"target-epsilon": 2.0, "noise-multiplier": 0.0}, "target-epsilon", "calibrate"),
@@ -59,6 +65,9 @@ BAD = [
     ({"results-dir": "relative/path"}, "results-dir", "absolute"),
     ({"data-dir": "data"}, "data-dir", "absolute"),
     ({"run-name": "a/b"}, "run-name", "plain folder name"),
+    ({"fine-tune-steps": 5}, "fine-tune-steps", "dp-fedavg-ft or dp-fedsam-ft"),
+    ({"head-prefix": "features"}, "head-prefix", "dp2-fedsam or centaur"),
+    ({"head-prefix": "fc", "algorithm": "dp2-fedsam"}, "head-prefix", "features, classifier"),
 ]
 
 
