@@ -9,6 +9,7 @@ from flwr.clientapp import ClientApp
 from clients.adapter import evaluate_reply, train_reply
 from clients.base import TrainingClient
 from clients.sam import SAMClient
+from clients.topk import TopKSAMClient
 from fl_app.config import validate
 from fl_app.data import load_partition
 from fl_app.models import build_model
@@ -43,6 +44,8 @@ def build_client(context: Context) -> TrainingClient:
                   secure_rng=cfg["secure-rng"])
     if cfg["algorithm"] == "dp-fedsam":
         return SAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
+    if cfg["algorithm"] == "dp-fedsam-topk":
+        return TopKSAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
     return TrainingClient(model, trainset, testset, **kwargs)
 
 
