@@ -149,6 +149,10 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
     if cfg["algorithm"] == "dp-fedavg-wav" and cfg["noise-placement"] != "central":
         fail(f"run-config key 'noise-placement' = {cfg['noise-placement']!r}: algorithm 'dp-fedavg-wav' adds its "
              "wavelet noise at the server (trusted), so it needs noise-placement = 'central'")
+    if cfg["algorithm"] == "dp-fedavg-wav" and cfg["wavelet-calibration"] == "paper" and cfg["accountant"] == "prv":
+        fail("run-config key 'accountant' = 'prv' cannot account wavelet-calibration = 'paper': its effective "
+             "noise multiplier sigma/sqrt(n) is tiny, and the PRV accountant's memory grows without bound as "
+             "sigma -> 0; use accountant = 'rdp'")
     for key in ("results-dir", "data-dir"):
         if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
             fail(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "

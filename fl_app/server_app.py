@@ -23,7 +23,8 @@ app = ServerApp()
 
 
 def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
-    """The server strategy for cfg['algorithm'] (DP-FedAvg and DP-FedSAM share the server)."""
+    """The server strategy for cfg["algorithm"] (DP-FedAvg and DP-FedSAM share the server; top-k and
+    wavelet have their own)."""
     strategy_class, extra = DPFedAvg, {}
     if cfg["algorithm"] == "dp-fedsam-topk":
         strategy_class, extra = DPFedSAMTopK, dict(sparsity=cfg["sparsity"], topk_mode=cfg["topk-mode"])

@@ -53,6 +53,9 @@ class DPFedAvgWavelet(DPFedAvg):
         if placement != "central":
             raise ValueError(f"noise_placement={placement!r}: DP-FedAvg-WAV adds its wavelet noise at the "
                              "server (Algorithm 2), so it needs noise_placement='central'")
+        if wavelet_calibration == "paper" and kwargs.get("accountant", "rdp") == "prv":
+            raise ValueError("accountant='prv' cannot account wavelet_calibration='paper': the effective multiplier "
+                             "sigma/sqrt(n) is tiny and PRV's memory grows without bound as sigma -> 0; use 'rdp'")
         super().__init__(**kwargs)
         self.wavelet_calibration = wavelet_calibration
         self.dimension = 0  # d, set from the model

@@ -60,6 +60,8 @@ BAD = [
     ({"wavelet-calibration": "paper"}, "wavelet-calibration", "dp-fedavg-wav"),
     ({"algorithm": "dp-fedsam-topk", "noise-placement": "central"}, "noise-placement", "distributed"),
     ({"algorithm": "dp-fedavg-wav"}, "noise-placement", "central"),
+    ({"accountant": "prv", "algorithm": "dp-fedavg-wav", "noise-placement": "central",
+      "wavelet-calibration": "paper"}, "accountant", "rdp"),
     ({"noise-multiplier": 1.0, "clipping-norm": 0.0}, "noise-multiplier", "clipping-norm"),
     ({"target-epsilon": 2.0, "noise-multiplier": 0.0}, "target-epsilon", "calibrate"),
     ({"target-epsilon": 2.0, "target-epsilon-mode": "calibrate", "clipping-norm": 0.0, "noise-multiplier": 0.0},

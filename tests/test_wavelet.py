@@ -195,6 +195,7 @@ def test_clients_clip_and_server_reports_their_norm():
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(wavelet_calibration="approx"), "wavelet_calibration"),
     (dict(noise_placement="distributed"), "central"),
+    (dict(wavelet_calibration="paper", accountant="prv"), "rdp"),
 ])
 def test_strategy_rejects_bad_settings(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
