@@ -215,3 +215,9 @@ def test_run_summary_reports_true_and_claimed_epsilon(tmp_path):
     assert summary["epsilon"] > 100 * summary["claimed_epsilon"]
     rows = read_metrics(summary["results_dir"])
     assert [r["claimed_epsilon"] for r in rows][-1] == pytest.approx(summary["claimed_epsilon"])
+
+
+def test_epsilon_is_never_negative_for_huge_sigma():
+    """`exact` makes sigma_H = sigma * sqrt(n) large; Opacus' RDP conversion then goes below 0."""
+    assert epsilon_of([(181.0, 0.5, 30)], 1 / 50) == 0.0
+    assert epsilon_of([(20.0, 0.5, 30)], 1e-5) > 0
