@@ -21,6 +21,7 @@ from clients.personalized import (
     PartialSharingClient,
 )
 from clients.sam import SAMClient
+from clients.topk import TopKSAMClient
 from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
 from fl_app.data import load_partition
 from fl_app.models import build_model, split_state_keys
@@ -73,6 +74,8 @@ def build_client(context: Context) -> NumPyClient:
         if algorithm == "dp2-fedsam":
             return DP2FedSAMClient(model, trainset, testset, rho=cfg["sam-rho"], **personal, **kwargs)
         return PartialSharingClient(model, trainset, testset, **personal, **kwargs)
+    if algorithm == "dp-fedsam-topk":
+        return TopKSAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
     if algorithm in ("dp-fedsam", "dp-fedsam-ft"):
         client = SAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
     else:

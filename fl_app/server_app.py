@@ -17,16 +17,26 @@ from fl_app.models import build_model, count_parameters, split_state_keys
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from strategies.dp_fedavg import DPFedAvg
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from strategies.topk import DPFedSAMTopK
+from strategies.wavelet import DPFedAvgWavelet
 
 app = ServerApp()
 
 
 def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
-    """The server strategy for cfg['algorithm'] (DP-FedAvg and DP-FedSAM share the server; DP2-FedSAM and
-    CENTAUR share only the body; the -FT baselines add personalized evaluation)."""
-    cls = (PartialSharingDPFedAvg if cfg["algorithm"] in PARTIAL_SHARING
-           else PersonalizedDPFedAvg if cfg["algorithm"] in FINE_TUNED else DPFedAvg)
-    return cls(
+    """The server strategy for cfg['algorithm']: DP-FedAvg and DP-FedSAM share DPFedAvg; top-k and wavelet
+    have their own; DP2-FedSAM and CENTAUR share only the body; the -FT baselines add personalized evaluation."""
+    strategy_class, extra = DPFedAvg, {}
+    if cfg["algorithm"] == "dp-fedsam-topk":
+        strategy_class, extra = DPFedSAMTopK, dict(sparsity=cfg["sparsity"], topk_mode=cfg["topk-mode"])
+    elif cfg["algorithm"] == "dp-fedavg-wav":
+        strategy_class, extra = DPFedAvgWavelet, dict(wavelet_calibration=cfg["wavelet-calibration"])
+    elif cfg["algorithm"] in PARTIAL_SHARING:
+        strategy_class = PartialSharingDPFedAvg
+    elif cfg["algorithm"] in FINE_TUNED:
+        strategy_class = PersonalizedDPFedAvg
+    return strategy_class(
+        **extra,
         sample_rate=cfg["sample-rate"], clipping_norm=cfg["clipping-norm"],
         noise_multiplier=cfg["noise-multiplier"], noise_placement=cfg["noise-placement"],
         client_sampling=cfg["client-sampling"], server_learning_rate=cfg["server-lr"],

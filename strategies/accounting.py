@@ -43,7 +43,8 @@ def epsilon_of(events: list[Event], delta: float, accountant: str = "rdp") -> fl
         return 0.0
     acc = ACCOUNTANTS[accountant]()
     acc.history = list(events)
-    return float(acc.get_epsilon(delta=delta))
+    # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
+    return max(0.0, float(acc.get_epsilon(delta=delta)))
 
 
 @dataclass

@@ -181,12 +181,8 @@ class DPFedAvg(FedAvg):
                 log(WARNING, "Round %d: rejected update from node %d: %s", server_round,
                     msg.metadata.src_node_id, problem)
                 continue
-            vector = flatten(arrays)
             metrics = next(iter(msg.content.metric_records.values()), {})
-            if self.noise_placement == "central":
-                vector, norm = clip_to_norm(vector, self.clipping_norm)
-            else:
-                norm = float(metrics.get("update-norm", math.nan))
+            vector, norm = self.server_clip(flatten(arrays), metrics)
             updates.append(vector)
             norms.append(norm)
             if "train-loss" in metrics:
@@ -195,7 +191,7 @@ class DPFedAvg(FedAvg):
         aggregate = self.noisy_sum(server_round, updates, sum(a.size for a in global_arrays))
         aggregate /= np.float32(self.expected_clients)
         new_global = flatten(global_arrays) + np.float32(self.server_learning_rate) * aggregate
-        self.ledger.record_round(self.noise_multiplier, self.sample_rate, self.expected_clients)
+        self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.expected_clients)
 
         finite_norms = np.array([n for n in norms if math.isfinite(n)])
         clip_active = self.clipping_norm > 0
@@ -211,6 +207,18 @@ class DPFedAvg(FedAvg):
             **self.privacy_metrics(),
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
+
+    def server_clip(self, vector: np.ndarray, metrics) -> tuple[np.ndarray, float]:
+        """(update to sum, its norm before clipping): `central` clips here; `distributed`
+        clients clipped and reported their norm."""
+        if self.noise_placement == "central":
+            return clip_to_norm(vector, self.clipping_norm)
+        return vector, float(metrics.get("update-norm", math.nan))
+
+    def accounted_noise_multiplier(self) -> float:
+        """The sigma the ledger charges per round (a strategy whose noise is not N(0, sigma^2 C^2 I)
+        returns the multiplier its noise really has)."""
+        return self.noise_multiplier
 
     def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int) -> np.ndarray:
         """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)."""
@@ -233,7 +241,8 @@ class DPFedAvg(FedAvg):
         """`stop` mode: would the next round push epsilon above the target?"""
         if self.ledger is None or self.target_epsilon <= 0 or self.target_epsilon_mode != "stop":
             return False
-        return self.ledger.model.epsilon_after(self.noise_multiplier, self.sample_rate) > self.target_epsilon
+        return self.ledger.model.epsilon_after(self.accounted_noise_multiplier(),
+                                               self.sample_rate) > self.target_epsilon
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
