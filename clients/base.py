@@ -53,24 +53,30 @@ class TrainingClient(NumPyClient):
 
     Local work is `local_steps` steps if > 0, else `local_epochs` passes over the data;
     the train config may override either for a round. Subclasses change `local_step`.
+    Learning rates decay per round: eta_t = eta * lr_decay^(t-1) (DP2-FedSAM: 0.99).
     """
 
     def __init__(self, model: nn.Module, trainset, testset, *, batch_size: int = 32, lr: float = 0.1,
                  momentum: float = 0.5, weight_decay: float = 5e-4, local_epochs: int = 1,
                  local_steps: int = 0, partition_id: int = 0, seed: int = 0,
-                 secure_rng: bool = False) -> None:
+                 secure_rng: bool = False, lr_decay: float = 1.0) -> None:
         self.model = model
         self.trainset, self.testset = trainset, testset
         self.batch_size, self.lr, self.momentum, self.weight_decay = batch_size, lr, momentum, weight_decay
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.partition_id, self.seed, self.secure_rng = partition_id, seed, secure_rng
+        self.lr_decay = lr_decay
         self.loss_fn = nn.CrossEntropyLoss()
 
     # -- local training -------------------------------------------------------
+    def round_lr(self, lr: float, config: dict) -> float:
+        """lr * lr_decay^(t-1) in server round t."""
+        return lr * self.lr_decay ** max(0, int(config.get("server-round", 1)) - 1)
+
     def make_optimizer(self, config: dict) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=float(config.get("lr", self.lr)), momentum=self.momentum,
-                               weight_decay=self.weight_decay)
+        return torch.optim.SGD(params, lr=self.round_lr(float(config.get("lr", self.lr)), config),
+                               momentum=self.momentum, weight_decay=self.weight_decay)
 
     def num_steps(self, config: dict) -> int:
         steps = int(config.get("local-steps", self.local_steps))

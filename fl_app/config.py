@@ -12,10 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.data import DATASETS, PARTITIONERS
-from fl_app.models import MODELS
+from fl_app.data import DATASETS, PARTITIONERS, dataset_info
+from fl_app.models import MODELS, build_model, split_state_keys
 
-ALGORITHMS = ("dp-fedavg", "dp-fedsam")
+ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk", "dp-fedavg-wav", "dp2-fedsam", "centaur",
+              "dp-fedavg-ft", "dp-fedsam-ft")
+PARTIAL_SHARING = ("dp2-fedsam", "centaur")  # body shared, head kept on each client
+FINE_TUNED = ("dp-fedavg-ft", "dp-fedsam-ft")  # global model fine-tuned locally before evaluation
 SECURE_AGGREGATION_ALGORITHMS = ("dp-fedavg", "dp-fedsam")  # SecAgg+ sums dense updates
 
 
@@ -72,7 +75,23 @@ SPEC: dict[str, Key] = {
     "momentum": Key(0.5, "local SGD momentum", low=0, high=1, high_open=True),
     "weight-decay": Key(5e-4, "local weight decay", low=0),
     "sam-rho": Key(0.05, "SAM perturbation radius rho (paper: 0.5, which stalls the small MNIST CNN)", low=0),
-    "fraction-evaluate": Key(0.0, "fraction of clients evaluating the global model each round", low=0, high=1),
+    "sparsity": Key(0.4, "dp-fedsam-topk: fraction p of coordinates each client uploads (k = ceil(p * size))",
+                    low=0, high=1, low_open=True),
+    "topk-mode": Key("per-layer", "dp-fedsam-topk: top-k per tensor or over the whole update",
+                     ("per-layer", "global")),
+    "wavelet-calibration": Key("exact", "dp-fedavg-wav: 'paper' (published noise, true epsilon reported) or "
+                               "'exact' (sigma_H = sigma * sqrt(n): the configured epsilon holds)",
+                               ("paper", "exact")),
+    "fraction-evaluate": Key(0.0, "fraction of clients evaluating each round (0: none; for dp2-fedsam, centaur "
+                                  "and *-ft: all, for the personalized accuracy)", low=0, high=1),
+    "lr-decay": Key(1.0, "learning rates are multiplied by this every round (1: none; DP2-FedSAM paper: 0.99)",
+                    low=0, high=1, low_open=True),
+    "head-prefix": Key("", "dp2-fedsam/centaur: parameter-name prefix of the personal head (empty: last linear layer)"),
+    "head-epochs": Key(2, "dp2-fedsam/centaur: tau_h as passes over the data (body: local-epochs)", low=1),
+    "head-steps": Key(0, "dp2-fedsam/centaur: tau_h head SGD steps per round (0: use head-epochs)", low=0),
+    "head-lr": Key(0.0, "dp2-fedsam/centaur: head learning rate eta_h (0: same as lr)", low=0),
+    "fine-tune-steps": Key(0, "dp-fedavg-ft/dp-fedsam-ft: local steps before evaluating (0: the round's "
+                              "local-steps/local-epochs)", low=0),
     "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
     "secure-rng": Key(False, "draw DP noise from OS entropy (not reproducible; the seed cannot undo it)"),
     "secure-aggregation": Key(False, "sum client updates with Flower's SecAgg+: the server sees only the sum "
@@ -138,10 +157,33 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
     if cfg["partitioner"] == "natural" and cfg["dataset"] != "femnist":
         fail(f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
              f"not {cfg['dataset']!r}; allowed for {cfg['dataset']!r}: iid, dirichlet, pathological")
+    only_for = {"sparsity": "dp-fedsam-topk", "topk-mode": "dp-fedsam-topk", "wavelet-calibration": "dp-fedavg-wav"}
+    for key, algorithm in only_for.items():
+        if cfg[key] != SPEC[key].default and cfg["algorithm"] != algorithm:
+            fail(f"run-config key '{key}' = {cfg[key]!r} applies only to algorithm = '{algorithm}', "
+                 f"but 'algorithm' = {cfg['algorithm']!r}; remove {key} or set algorithm = '{algorithm}'")
+    if cfg["algorithm"] == "dp-fedsam-topk" and cfg["noise-placement"] != "distributed":
+        fail(f"run-config key 'noise-placement' = {cfg['noise-placement']!r}: algorithm 'dp-fedsam-topk' keeps "
+             "the top-k coordinates after the noise on the client, so it needs noise-placement = 'distributed'")
+    if cfg["algorithm"] == "dp-fedavg-wav" and cfg["noise-placement"] != "central":
+        fail(f"run-config key 'noise-placement' = {cfg['noise-placement']!r}: algorithm 'dp-fedavg-wav' adds its "
+             "wavelet noise at the server (trusted), so it needs noise-placement = 'central'")
+    if cfg["algorithm"] == "dp-fedavg-wav" and cfg["wavelet-calibration"] == "paper" and cfg["accountant"] == "prv":
+        fail("run-config key 'accountant' = 'prv' cannot account wavelet-calibration = 'paper': its effective "
+             "noise multiplier sigma/sqrt(n) is tiny, and the PRV accountant's memory grows without bound as "
+             "sigma -> 0; use accountant = 'rdp'")
     for key in ("results-dir", "data-dir"):
         if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
             fail(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
                  "(relative paths resolve against the SuperLink's folder, not yours)")
+    if cfg["head-prefix"] and cfg["algorithm"] not in PARTIAL_SHARING:
+        fail(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} only applies to algorithm = "
+             f"{' or '.join(PARTIAL_SHARING)}, not {cfg['algorithm']!r}")
+    if cfg["head-prefix"]:
+        _check_head_prefix(cfg, fail)
+    if cfg["fine-tune-steps"] and cfg["algorithm"] not in FINE_TUNED:
+        fail(f"run-config key 'fine-tune-steps' = {cfg['fine-tune-steps']} only applies to algorithm = "
+             f"{' or '.join(FINE_TUNED)}, not {cfg['algorithm']!r}")
     if cfg["secure-aggregation"]:
         if cfg["noise-placement"] != "distributed":
             fail(f"run-config key 'secure-aggregation' = True needs noise-placement = 'distributed', not "
@@ -154,3 +196,12 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
                  f"{', '.join(SECURE_AGGREGATION_ALGORITHMS)} (sums of dense updates), not {cfg['algorithm']!r}")
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
         fail(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
+
+
+def _check_head_prefix(cfg: dict[str, Any], fail) -> None:
+    """The head prefix must name some but not all of the model's parameters."""
+    info = dataset_info(cfg["dataset"])
+    try:
+        split_state_keys(build_model(cfg["model"], info["input_shape"], info["num_classes"]), cfg["head-prefix"])
+    except ValueError as exc:
+        fail(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} does not fit model {cfg['model']!r}: {exc}")

@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         stop(proc)
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
-        print(f"{run_dir}: {s['strategy']} accuracy={s['final_accuracy']:.4f} epsilon={s['epsilon']} "
-              f"delta={s['delta']:.3g} rounds={s['rounds_completed']}")
+        accuracy = ", ".join(f"{k}={s[k]:.4f}" for k in ("final_accuracy", "personalized_accuracy")
+                             if s.get(k) is not None)
+        print(f"{run_dir}: {s['strategy']} {accuracy} epsilon={s['epsilon']} delta={s['delta']:.3g} "
+              f"rounds={s['rounds_completed']}")
     if len(run_dirs) > 1:
         from fl_app.results import plot_runs
 

@@ -186,3 +186,18 @@ def head_parameter_names(model: nn.Module, head_prefix: str = "") -> list[str]:
 def count_parameters(model: nn.Module) -> int:
     """Number of scalar parameters of `model`."""
     return sum(p.numel() for p in model.parameters())
+
+
+def split_state_keys(model: nn.Module, head_prefix: str = "") -> tuple[list[str], list[str]]:
+    """(body keys, head keys) of `model.state_dict()`, each in state_dict order.
+
+    The head is `head_parameter_names(model, head_prefix)`, plus any buffer under `head_prefix`;
+    the body (the shared representation phi of DP2-FedSAM) is everything else and must not be empty.
+    """
+    head_params = set(head_parameter_names(model, head_prefix))
+    keys = list(model.state_dict())
+    head = [k for k in keys if k in head_params or (head_prefix and k.startswith(head_prefix))]
+    body = [k for k in keys if k not in set(head)]
+    if not body:
+        raise ValueError(f"head_prefix={head_prefix!r} covers the whole model: nothing is left to share")
+    return body, head

@@ -82,11 +82,12 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str) -> Path:
             label = (f"{s.get('strategy')} sigma={s.get('noise_multiplier')}" if s.get("noise_multiplier")
                      else f"{s.get('strategy')} non-private reference")
         rounds = [r["round"] for r in rows]
-        ax_acc.plot(rounds, [r.get("accuracy") for r in rows], marker=".", label=label)
+        accuracy = [r.get("accuracy", r.get("personalized_accuracy")) for r in rows]  # partial sharing: personalized
+        ax_acc.plot(rounds, [math.nan if a is None else a for a in accuracy], marker=".", label=label)
         eps = [r.get("epsilon") for r in rows]
         if any(e is not None for e in eps):
             ax_eps.plot(rounds, eps, marker=".", label=label)
-    ax_acc.set(xlabel="round", ylabel="server test accuracy", title="Accuracy")
+    ax_acc.set(xlabel="round", ylabel="accuracy (server test set, or personalized)", title="Accuracy")
     ax_eps.set(xlabel="round", ylabel="epsilon", title="Privacy spent (non-private runs: infinite)")
     ax_acc.legend(fontsize=8)
     ax_eps.legend(fontsize=8)

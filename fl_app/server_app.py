@@ -11,23 +11,37 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from clients.base import evaluate_model, get_weights, set_weights
-from fl_app.config import validate
+from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
 from fl_app.data import dataset_info, load_dataset
-from fl_app.models import build_model, count_parameters
+from fl_app.models import build_model, count_parameters, split_state_keys
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
+from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from strategies.topk import DPFedSAMTopK
+from strategies.wavelet import DPFedAvgWavelet
 
 app = ServerApp()
 
 
 def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
-    """The server strategy for cfg['algorithm'] (DP-FedAvg and DP-FedSAM share the server)."""
+    """The server strategy for cfg['algorithm']: DP-FedAvg and DP-FedSAM share DPFedAvg; top-k and wavelet
+    have their own; DP2-FedSAM and CENTAUR share only the body; the -FT baselines add personalized evaluation."""
     if cfg["secure-aggregation"]:  # the same strategy, run through Flower's legacy SecAgg+ workflow
         return LegacyDPFedAvg(build_strategy({**cfg, "secure-aggregation": False}, on_round_end),
                               secure_aggregation=True, secagg_num_shares=cfg["secagg-num-shares"],
                               secagg_reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
-    return DPFedAvg(
+    strategy_class, extra = DPFedAvg, {}
+    if cfg["algorithm"] == "dp-fedsam-topk":
+        strategy_class, extra = DPFedSAMTopK, dict(sparsity=cfg["sparsity"], topk_mode=cfg["topk-mode"])
+    elif cfg["algorithm"] == "dp-fedavg-wav":
+        strategy_class, extra = DPFedAvgWavelet, dict(wavelet_calibration=cfg["wavelet-calibration"])
+    elif cfg["algorithm"] in PARTIAL_SHARING:
+        strategy_class = PartialSharingDPFedAvg
+    elif cfg["algorithm"] in FINE_TUNED:
+        strategy_class = PersonalizedDPFedAvg
+    return strategy_class(
+        **extra,
         sample_rate=cfg["sample-rate"], clipping_norm=cfg["clipping-norm"],
         noise_multiplier=cfg["noise-multiplier"], noise_placement=cfg["noise-placement"],
         client_sampling=cfg["client-sampling"], server_learning_rate=cfg["server-lr"],
@@ -40,6 +54,15 @@ def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
 def build_global_model(cfg: dict) -> torch.nn.Module:
     info = dataset_info(cfg["dataset"])
     return build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
+
+
+def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
+    """What the server holds and broadcasts: the body under partial sharing, else the whole model."""
+    if cfg["algorithm"] not in PARTIAL_SHARING:
+        return get_weights(model)
+    body_keys, _ = split_state_keys(model, cfg["head-prefix"])
+    state = model.state_dict()
+    return [state[k].detach().cpu().numpy().copy() for k in body_keys]
 
 
 def run_federated(grid: Grid, cfg: dict) -> dict:
@@ -59,27 +82,31 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         loss, accuracy = evaluate_model(model, server_testset)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
+    # Partial sharing: the server holds the body only and has no head to evaluate a model with.
+    partial = cfg["algorithm"] in PARTIAL_SHARING
     strategy = build_strategy(cfg, on_round_end=run_dir.append_round)
-    result = strategy.start(grid, ArrayRecord(get_weights(model)), num_rounds=cfg["num-rounds"],
-                            evaluate_fn=evaluate_fn)
-    final = result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]
+    result = strategy.start(grid, ArrayRecord(shared_weights(model, cfg)), num_rounds=cfg["num-rounds"],
+                            evaluate_fn=None if partial else evaluate_fn)
+    server_eval = result.evaluate_metrics_serverapp
+    final = server_eval[max(server_eval)] if server_eval else {}
     summary = {
         "strategy": cfg["algorithm"],
         "dataset": cfg["dataset"],
         "model": cfg["model"],
         "num_parameters": count_parameters(model),
         "rounds_completed": len(strategy.history),
-        "final_accuracy": final["accuracy"],
-        "final_loss": final["loss"],
+        "final_accuracy": final.get("accuracy"),  # global model, server test set (null under partial sharing)
+        "final_loss": final.get("loss"),
         "seconds": time.perf_counter() - t0,
         "results_dir": str(run_dir.path),
         **strategy.describe(),
     }
     run_dir.write_summary(summary)
     plot_runs([run_dir.path], run_dir.path / "plot.png")
-    log(INFO, "Finished: accuracy %.4f, epsilon %.4g (delta %.3g) after %d rounds; results in %s",
-        summary["final_accuracy"], summary["epsilon"], summary["delta"], summary["rounds_completed"],
-        run_dir.path)
+    accuracy = summary.get("personalized_accuracy") if partial else summary["final_accuracy"]
+    log(INFO, "Finished: %saccuracy %.4f, epsilon %.4g (delta %.3g) after %d rounds; results in %s",
+        "personalized " if partial else "", accuracy if accuracy is not None else float("nan"),
+        summary["epsilon"], summary["delta"], summary["rounds_completed"], run_dir.path)
     return summary
 
 

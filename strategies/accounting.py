@@ -7,6 +7,7 @@ default, Opacus PRV selectable). The list is the whole state: save it, restore i
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
+PRV_MIN_SIGMA = 0.2  # below it PRV runs out of memory or returns inf (measured)
 
 Event = tuple[float, float, int]
 
@@ -41,9 +43,16 @@ def epsilon_of(events: list[Event], delta: float, accountant: str = "rdp") -> fl
     events = [e for e in events if e[1] > 0]
     if not events:
         return 0.0
+    if accountant == "prv" and min(sigma for sigma, _, _ in events) < PRV_MIN_SIGMA:
+        # PRV's discretisation grows without bound as sigma -> 0 (16 GB at sigma = 0.03, inf at 0.1):
+        # such events get RDP's bound, which is valid too (and close to PRV there).
+        logging.getLogger(__name__).warning(
+            "sigma < %s: PRV cannot bound this composition; using the RDP accountant", PRV_MIN_SIGMA)
+        accountant = "rdp"
     acc = ACCOUNTANTS[accountant]()
     acc.history = list(events)
-    return float(acc.get_epsilon(delta=delta))
+    # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
+    return max(0.0, float(acc.get_epsilon(delta=delta)))
 
 
 @dataclass

@@ -181,12 +181,8 @@ class DPFedAvg(FedAvg):
                 log(WARNING, "Round %d: rejected update from node %d: %s", server_round,
                     msg.metadata.src_node_id, problem)
                 continue
-            vector = flatten(arrays)
             metrics = next(iter(msg.content.metric_records.values()), {})
-            if self.noise_placement == "central":
-                vector, norm = clip_to_norm(vector, self.clipping_norm)
-            else:
-                norm = float(metrics.get("update-norm", math.nan))
+            vector, norm = self.server_clip(flatten(arrays), metrics)
             updates.append(vector)
             norms.append(norm)
             if "train-loss" in metrics:
@@ -210,6 +206,18 @@ class DPFedAvg(FedAvg):
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
 
+    def server_clip(self, vector: np.ndarray, metrics) -> tuple[np.ndarray, float]:
+        """(update to sum, its norm before clipping): `central` clips here; `distributed`
+        clients clipped and reported their norm."""
+        if self.noise_placement == "central":
+            return clip_to_norm(vector, self.clipping_norm)
+        return vector, float(metrics.get("update-norm", math.nan))
+
+    def accounted_noise_multiplier(self) -> float:
+        """The sigma the ledger charges per round (a strategy whose noise is not N(0, sigma^2 C^2 I)
+        returns the multiplier its noise really has)."""
+        return self.noise_multiplier
+
     def noisy_average_step(self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray,
                            received: int | None = None) -> np.ndarray:
         """w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the ledger.
@@ -221,7 +229,8 @@ class DPFedAvg(FedAvg):
         received = len(updates) if received is None else received
         aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
         aggregate /= np.float32(self.expected_clients)
-        self.ledger.record_round(self.noise_multiplier, self.sample_rate, self.expected_clients, received)
+        self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.expected_clients,
+                                 received)
         return global_vector + np.float32(self.server_learning_rate) * aggregate
 
     def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
@@ -247,7 +256,8 @@ class DPFedAvg(FedAvg):
         """`stop` mode: would the next round push epsilon above the target?"""
         if self.ledger is None or self.target_epsilon <= 0 or self.target_epsilon_mode != "stop":
             return False
-        return self.ledger.model.epsilon_after(self.noise_multiplier, self.sample_rate) > self.target_epsilon
+        return self.ledger.model.epsilon_after(self.accounted_noise_multiplier(),
+                                               self.sample_rate) > self.target_epsilon
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
@@ -284,7 +294,7 @@ class DPFedAvg(FedAvg):
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
                 if client_eval is not None:
                     result.evaluate_metrics_clientapp[rnd] = client_eval
-                    record.update({f"client_{k}": v for k, v in client_eval.items()})
+                    record.update(self.client_evaluation_record(client_eval))
             if evaluate_fn and (res := evaluate_fn(rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
@@ -294,6 +304,10 @@ class DPFedAvg(FedAvg):
             if self.on_round_end:
                 self.on_round_end(record)
         return result
+
+    def client_evaluation_record(self, metrics: MetricRecord) -> dict:
+        """How the clients' aggregated evaluation metrics appear in the round's record."""
+        return {f"client_{k}": v for k, v in metrics.items()}
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json."""
@@ -338,7 +352,7 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
 
 
 def format_record(record: dict) -> str:
-    keys = ("accuracy", "loss", "epsilon", "delta", "clients", "rejected", "clipped_fraction")
+    keys = ("accuracy", "loss", "personalized_accuracy", "epsilon", "delta", "clients", "rejected", "clipped_fraction")
     return "  ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
                      for k in keys if k in record)
 

@@ -101,3 +101,8 @@ def test_distributed_against_server_is_per_update_release():
     assert math.isinf(central.epsilon_against_server())
     back = ClientLevelLedger.from_state_dict(ledger.state_dict())
     assert back.epsilon_against_server() == ledger.epsilon_against_server()
+
+
+def test_prv_with_tiny_sigma_falls_back_to_a_finite_rdp_bound():
+    eps = epsilon_of([(0.1, 1.0, 30)], 1e-3, "prv")
+    assert math.isfinite(eps) and eps == pytest.approx(epsilon_of([(0.1, 1.0, 30)], 1e-3, "rdp"))

@@ -1,0 +1,247 @@
+"""Personalized clients: partial model sharing (DP2-FedSAM, CENTAUR) and fine-tuning baselines.
+
+DP2-FedSAM (dp2-fedsam.txt, Algorithm 2; ALGORITHMS.md section 4). The model is a shared
+body phi and a personal head h_i. Per sampled client per round:
+
+1. tau_h SGD steps on h_i with phi frozen (lr eta_h);
+2. tau_phi SAM steps on phi with h_i frozen (radius rho, lr eta_phi) -- plain SGD for CENTAUR;
+3. Delta_i = phi_new - phi_global, clipped to C plus the noise share N(0, sigma^2 C^2 / m)
+   (distributed mode); only phi's update is uploaded.
+
+h_i never leaves the client. It persists across rounds in a `HeadStore`: Flower's
+`Context.state` in simulation, or a file in the node's state directory in a deployment,
+replaced atomically so that a crash mid-write leaves the previous head intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.client import NumPyClient
+from torch import nn
+
+from strategies.mechanisms import flatten, make_rng, unflatten
+
+from .base import TrainingClient, evaluate_model, set_weights
+from .sam import SAMClient
+
+Head = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------- head storage
+
+
+class HeadStore(Protocol):
+    """Where a client's personal head lives between rounds."""
+
+    def load(self) -> Head | None:
+        """The stored head (parameter name -> array), or None before the first save."""
+
+    def save(self, head: Head) -> None:
+        """Replace the stored head."""
+
+
+class ContextHeadStore:
+    """The head as an ArrayRecord in Flower's `Context.state` (simulation: one Context per node)."""
+
+    def __init__(self, state: RecordDict, key: str = "personal-head") -> None:
+        self.state, self.key = state, key
+
+    def load(self) -> Head | None:
+        if self.key not in self.state.array_records:
+            return None
+        return {name: array.numpy() for name, array in self.state.array_records[self.key].items()}
+
+    def save(self, head: Head) -> None:
+        self.state[self.key] = ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in head.items()})
+
+
+class FileHeadStore:
+    """The head as an .npz file, replaced atomically: temp file in the same folder, fsync, os.replace.
+
+    A crash (or an exception) during a save leaves the previous file as it was.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+
+    def load(self) -> Head | None:
+        if not self.path.exists():
+            return None
+        with np.load(self.path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+
+    def save(self, head: Head) -> None:
+        folder = self.path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **head)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+
+# ---------------------------------------------------------------- clients
+
+
+@contextlib.contextmanager
+def trainable_only(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Within the block, only the parameters named in `names` require grad."""
+    keep = set(names)
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    try:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in keep)
+        yield
+    finally:
+        for name, p in model.named_parameters():
+            p.requires_grad_(before[name])
+
+
+class PartialSharingClient(TrainingClient):
+    """CENTAUR with client-level DP (dp2-fedsam.txt, Sec. V-A): DP2-FedSAM with SGD on the body.
+
+    Parameters exchanged with the server are the body arrays (state_dict entries not in
+    `head_keys`, in state_dict order). The head starts as the model's own (seeded) head and
+    is then loaded from / saved to `head_store`. Head work per round: `head_steps` steps if
+    > 0, else `head_epochs` passes; lr `head_lr` (decayed like lr). Body work: the base
+    client's local-steps / local-epochs with lr.
+    """
+
+    def __init__(self, model: nn.Module, trainset, testset, *, head_keys: Sequence[str], head_store: HeadStore,
+                 head_epochs: int = 2, head_steps: int = 0, head_lr: float = 0.1, **kwargs) -> None:
+        super().__init__(model, trainset, testset, **kwargs)
+        state = model.state_dict()
+        unknown = [k for k in head_keys if k not in state]
+        if unknown or not head_keys:
+            raise ValueError(f"head_keys={list(head_keys)!r} must be a non-empty list of the model's "
+                             f"state_dict keys (unknown: {unknown})")
+        self.head_keys = list(head_keys)
+        self.body_keys = [k for k in state if k not in set(self.head_keys)]
+        self.head_store = head_store
+        self.head_epochs, self.head_steps, self.head_lr = head_epochs, head_steps, head_lr
+
+    # -- body / head in and out ------------------------------------------------
+    def body_arrays(self) -> list[np.ndarray]:
+        state = self.model.state_dict()
+        return [state[k].detach().cpu().numpy().copy() for k in self.body_keys]
+
+    def head_arrays(self) -> Head:
+        state = self.model.state_dict()
+        return {k: state[k].detach().cpu().numpy().copy() for k in self.head_keys}
+
+    def set_body(self, arrays: list[np.ndarray]) -> None:
+        if len(arrays) != len(self.body_keys):
+            raise ValueError(f"the shared body has {len(self.body_keys)} tensors, received {len(arrays)} arrays")
+        self._load({k: a for k, a in zip(self.body_keys, arrays)})
+
+    def restore_head(self) -> None:
+        """Load the stored head into the model (before the first save: keep the model's initial head)."""
+        head = self.head_store.load()
+        if head is None:
+            return
+        if sorted(head) != sorted(self.head_keys):
+            raise ValueError(f"the stored head has tensors {sorted(head)}, the model's head is {self.head_keys}")
+        self._load(head)
+
+    def _load(self, arrays: dict[str, np.ndarray]) -> None:
+        state = self.model.state_dict()
+        for k, a in arrays.items():
+            if tuple(a.shape) != tuple(state[k].shape):
+                raise ValueError(f"tensor {k!r} has shape {tuple(a.shape)}, the model needs {tuple(state[k].shape)}")
+        self.model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in arrays.items()}, strict=False)
+
+    # -- local training ----------------------------------------------------------
+    def num_head_steps(self) -> int:
+        if self.head_steps > 0:
+            return self.head_steps
+        return self.head_epochs * max(1, math.ceil(len(self.trainset) / self.batch_size))
+
+    def train_head(self, config: dict) -> tuple[float, int]:
+        """tau_h plain SGD steps on the head, body frozen (Algorithm 2, lines 5-8)."""
+        rnd = int(config.get("server-round", 0))
+        steps = self.num_head_steps()
+        with trainable_only(self.model, self.head_keys):
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            optimizer = torch.optim.SGD(params, lr=self.round_lr(self.head_lr, config), momentum=self.momentum,
+                                        weight_decay=self.weight_decay)
+            self.model.train()
+            rng = make_rng(self.seed, 5, rnd, self.partition_id)
+            losses = [TrainingClient.local_step(self, x, y, optimizer) for x, y in self.batches(steps, rng)]
+        return (float(np.mean(losses)) if losses else math.nan), steps
+
+    def train_body(self, config: dict) -> tuple[float, int]:
+        """tau_phi steps of `local_step` (SGD here, SAM in DP2FedSAMClient) on the body, head frozen."""
+        with trainable_only(self.model, self.body_keys):
+            return self.train(config)
+
+    # -- Flower API -----------------------------------------------------------
+    def fit(self, parameters: list[np.ndarray], config: dict):
+        """Train head then body; save the head locally; upload the privatized body update only."""
+        self.set_body(parameters)
+        self.restore_head()
+        head_loss, head_steps = self.train_head(config)
+        loss, steps = self.train_body(config)
+        self.head_store.save(self.head_arrays())
+        new = self.body_arrays()
+        update = flatten(new) - flatten(parameters)
+        upload, norm = self.privatize(update, config)
+        n = len(self.trainset)
+        return unflatten(upload, [a.shape for a in new]), n, {
+            "update-norm": norm, "train-loss": loss, "head-loss": head_loss, "local-steps": steps,
+            "head-steps": head_steps, "num-examples": n}
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict):
+        """Accuracy of (global body, own head) on this client's held-out split; the head is not changed."""
+        self.set_body(parameters)
+        self.restore_head()
+        loss, acc = evaluate_model(self.model, self.testset)
+        return loss, len(self.testset), {"accuracy": acc, "loss": loss, "num-examples": len(self.testset)}
+
+
+class DP2FedSAMClient(PartialSharingClient, SAMClient):
+    """DP2-FedSAM client: PartialSharingClient whose body steps are SAM steps with radius `rho`."""
+
+
+class FineTuneClient(NumPyClient):
+    """DP-FedAvg-FT / DP-FedSAM-FT: trains like `inner`; evaluates after fine-tuning the global model locally.
+
+    Evaluation: load the global model, run `fine_tune_steps` local steps of the inner client's
+    optimizer (0: its usual local work), evaluate on the held-out split. The fine-tuned model is
+    thrown away; nothing is uploaded but the metrics.
+    """
+
+    def __init__(self, inner: TrainingClient, fine_tune_steps: int = 0) -> None:
+        self.inner, self.fine_tune_steps = inner, fine_tune_steps
+
+    def fit(self, parameters: list[np.ndarray], config: dict):
+        return self.inner.fit(parameters, config)
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict):
+        set_weights(self.inner.model, parameters)
+        tune_config = {**config, "local-steps": self.fine_tune_steps} if self.fine_tune_steps else dict(config)
+        _, steps = self.inner.train(tune_config)
+        loss, acc = evaluate_model(self.inner.model, self.inner.testset)
+        n = len(self.inner.testset)
+        return loss, n, {"accuracy": acc, "loss": loss, "num-examples": n, "fine-tune-steps": steps}

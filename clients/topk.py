@@ -1,0 +1,27 @@
+"""DP-FedSAM-top_k client (dp-fedsam.txt Algorithm 1, Option II; ALGORITHMS.md section 3).
+
+Local SAM, clip to C, add the noise share, then keep the k = ceil(p * size) largest
+|coordinates| (per layer or globally) and upload them in sparse form. Top-k comes after
+the noise, so it is post-processing and costs no privacy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strategies.mechanisms import sparse_encode, topk_sparsify
+
+from .sam import SAMClient
+
+
+class TopKSAMClient(SAMClient):
+    """SAMClient whose upload is sparsified when the train config carries `sparsity`
+    (and `topk-mode`), as DPFedSAMTopK sends it."""
+
+    def fit(self, parameters: list[np.ndarray], config: dict):
+        upload, num_examples, metrics = super().fit(parameters, config)
+        if "sparsity" not in config:
+            return upload, num_examples, metrics
+        masks = topk_sparsify(upload, float(config["sparsity"]), str(config.get("topk-mode", "per-layer")))
+        metrics["kept-values"] = int(sum(int(m.sum()) for m in masks))
+        return sparse_encode(upload, masks), num_examples, metrics

@@ -1,0 +1,102 @@
+"""Personalized DP federated learning on the server: partial sharing and personalized evaluation.
+
+`PersonalizedDPFedAvg` is DPFedAvg whose evaluation measures personalized models: every
+client (or a seeded `fraction_evaluate` of them) evaluates its own personal model on its own
+held-out split, and the metric is the unweighted mean over clients (dp2-fedsam.txt, Sec. V-A).
+DP-FedAvg-FT / DP-FedSAM-FT use it with clients that fine-tune the global model first.
+
+`PartialSharingDPFedAvg` (DP2-FedSAM, CENTAUR) holds, aggregates and broadcasts only the shared
+body phi: DPFedAvg already works on whatever arrays it is given, so clipping, noise, top-up,
+rejection (a reply carrying the head has the wrong number of arrays) and the ledger are its own.
+Sensitivity and accounting are those of DPFedAvg with d = d_1 (body size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from logging import WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from .dp_fedavg import DPFedAvg
+from .mechanisms import make_rng
+
+
+class PersonalizedDPFedAvg(DPFedAvg):
+    """DPFedAvg with personalized evaluation each round.
+
+    fraction_evaluate = 0 (default) evaluates every client; 0 < f < 1 a seeded sample of
+    max(1, round(f * M)) clients. Round records carry `personalized_accuracy` (mean over
+    clients), `personalized_accuracy_std`, `personalized_loss`, `personalized_clients`.
+    Those metrics come from the clients' held-out data and, like any federated evaluation,
+    are outside the DP guarantee (which covers the shared model updates).
+    """
+
+    def evaluation_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
+        nodes = sorted(node_ids)
+        if 0 < self.fraction_evaluate < 1:
+            k = max(1, round(self.fraction_evaluate * len(nodes)))
+            rng = make_rng(self.seed, 6, server_round)
+            nodes = sorted(rng.choice(nodes, size=k, replace=False).tolist())
+        return nodes
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        nodes = self.evaluation_nodes(server_round, list(grid.get_node_ids()))
+        record = RecordDict({self.arrayrecord_key: arrays,
+                             self.configrecord_key: ConfigRecord({**dict(config), "server-round": server_round})})
+        return self._construct_messages(record, nodes, MessageType.EVALUATE)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Unweighted mean over clients of their accuracy and loss (failed or empty replies are skipped)."""
+        accuracies, losses, failures = [], [], 0
+        for msg in replies:
+            metrics = {} if msg.has_error() else next(iter(msg.content.metric_records.values()), {})
+            acc = float(metrics.get("accuracy", math.nan))
+            if not math.isfinite(acc):
+                failures += 1
+                reason = msg.error.reason if msg.has_error() else "no accuracy (empty held-out split?)"
+                log(WARNING, "Round %d: no personalized evaluation from node %d: %s", server_round,
+                    msg.metadata.src_node_id, reason)
+                continue
+            accuracies.append(acc)
+            losses.append(float(metrics.get("loss", math.nan)))
+        if not accuracies:
+            return None
+        return MetricRecord({
+            "personalized_accuracy": float(np.mean(accuracies)),
+            "personalized_accuracy_std": float(np.std(accuracies)),
+            "personalized_loss": float(np.nanmean(losses)) if np.isfinite(losses).any() else math.nan,
+            "personalized_clients": len(accuracies),
+            "personalized_failures": failures,
+        })
+
+    def client_evaluation_record(self, metrics: MetricRecord) -> dict:
+        return dict(metrics)
+
+    def describe(self) -> dict:
+        """DPFedAvg's figures plus the last round's personalized evaluation."""
+        last = next((r for r in reversed(self.history) if "personalized_accuracy" in r), {})
+        keys = ("personalized_accuracy", "personalized_accuracy_std", "personalized_loss", "personalized_clients")
+        return {**super().describe(), **{k: last.get(k) for k in keys},
+                "evaluation": ("personalized_accuracy: unweighted mean over clients of each client's personal "
+                               "model accuracy on its own held-out split")}
+
+
+class PartialSharingDPFedAvg(PersonalizedDPFedAvg):
+    """DP2-FedSAM / CENTAUR server: the arrays it starts from, aggregates and broadcasts are the body only.
+
+    phi^{t+1} = phi^t + eta_s * (sum_i Delta_i + noise) / m  (Algorithm 2, line 25, with eta_s = 1);
+    heads never reach the server.
+    """
+
+    def describe(self) -> dict:
+        shared = self._global.to_numpy_ndarrays() if self._global is not None else []
+        return {**super().describe(), "shared": "body only (each client keeps its head)",
+                "shared_parameters": int(sum(a.size for a in shared)),
+                "accuracy_note": ("final_accuracy is null: only the body is shared, so there is no global "
+                                  "model to evaluate; see personalized_accuracy")}

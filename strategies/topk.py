@@ -1,0 +1,85 @@
+"""DP-FedSAM-top_k server (dp-fedsam.txt Option II, ALGORITHMS.md section 3).
+
+Clients clip, add their noise share, then keep the k = ceil(p * size) largest-magnitude
+coordinates (post-processing: no privacy cost) and upload them in sparse form
+(`mechanisms.sparse_encode`). The server decodes and checks every upload, rejecting
+malformed ones (indices out of range or duplicated, wrong counts), and averages the
+dense sums with the fixed denominator m, not the number of non-zeros. It measures the
+bytes it received next to what dense float32 uploads would have cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.supercore import log
+
+from .dp_fedavg import DPFedAvg
+from .mechanisms import TOPK_MODES, sparse_decode
+
+
+def payload_bytes(record: ArrayRecord) -> int:
+    """Bytes of the serialized arrays of a record (what travels, npy headers included)."""
+    return sum(len(array.data) for array in record.values())
+
+
+class DPFedSAMTopK(DPFedAvg):
+    """DPFedAvg whose clients upload top-k sparse updates.
+
+    Parameters (besides DPFedAvg's): sparsity p in (0, 1] (k = ceil(p * size)) and
+    topk_mode `per-layer` (k per tensor, the paper's Eq. 12) or `global` (k over the whole
+    update, its Definition 5). Needs `distributed` noise: top-k after noise must run on the
+    client, before upload.
+    """
+
+    def __init__(self, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **kwargs) -> None:
+        if not 0 < sparsity <= 1:
+            raise ValueError(f"sparsity={sparsity!r} must be in (0, 1]")
+        if topk_mode not in TOPK_MODES:
+            raise ValueError(f"topk_mode={topk_mode!r} is not one of: {', '.join(TOPK_MODES)}")
+        if kwargs.get("noise_placement", "central") != "distributed":
+            raise ValueError(f"noise_placement={kwargs.get('noise_placement', 'central')!r}: top-k must follow "
+                             "the noise on the client, so DP-FedSAM-top_k needs noise_placement='distributed'")
+        super().__init__(**kwargs)
+        self.sparsity, self.topk_mode = sparsity, topk_mode
+        self.upload_bytes_total = 0
+        self.dense_bytes_total = 0
+
+    def client_train_config(self, server_round: int) -> dict:
+        return {**super().client_train_config(server_round), "sparsity": float(self.sparsity),
+                "topk-mode": self.topk_mode}
+
+    def decode_update(self, content: RecordDict) -> list[np.ndarray]:
+        """Dense update from the sparse upload; raises (-> rejected) if it is malformed."""
+        assert self._global is not None
+        shapes = [a.shape for a in self._global.to_numpy_ndarrays()]
+        encoded = content[self.arrayrecord_key].to_numpy_ndarrays()
+        return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        assert self._global is not None
+        arrived = [m for m in replies if not m.has_error() and self.arrayrecord_key in m.content.array_records]
+        upload = sum(payload_bytes(m.content[self.arrayrecord_key]) for m in arrived)
+        dense = len(arrived) * payload_bytes(self._global)
+        self.upload_bytes_total += upload
+        self.dense_bytes_total += dense
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        assert metrics is not None
+        metrics["upload_bytes"] = upload
+        metrics["dense_bytes"] = dense
+        return arrays, metrics
+
+    def summary(self) -> None:
+        super().summary()
+        log(INFO, "\t└──> top-k: p=%.3g (%s), sparse uploads", self.sparsity, self.topk_mode)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "sparsity": self.sparsity, "topk_mode": self.topk_mode,
+                "upload_bytes_total": self.upload_bytes_total, "dense_bytes_total": self.dense_bytes_total,
+                "upload_fraction_of_dense": (self.upload_bytes_total / self.dense_bytes_total
+                                             if self.dense_bytes_total else None)}
