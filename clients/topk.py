@@ -1,8 +1,9 @@
 """DP-FedSAM-top_k client (dp-fedsam.txt Algorithm 1, Option II; ALGORITHMS.md section 3).
 
 Local SAM, clip to C, add the noise share, then keep the k = ceil(p * size) largest
-|coordinates| (per layer or globally) and upload them in sparse form. Top-k comes after
-the noise, so it is post-processing and costs no privacy.
+|coordinates| (per layer or globally) and upload them in sparse form (dense, zeros included,
+under SecAgg+, which sums dense vectors). Top-k comes after the noise, so it is
+post-processing and costs no privacy.
 """
 
 from __future__ import annotations
@@ -24,4 +25,7 @@ class TopKSAMClient(SAMClient):
             return upload, num_examples, metrics
         masks = topk_sparsify(upload, float(config["sparsity"]), str(config.get("topk-mode", "per-layer")))
         metrics["kept-values"] = int(sum(int(m.sum()) for m in masks))
+        if bool(config.get("secure-aggregation", False)):  # SecAgg+ sums dense vectors: zeros stay in
+            return [np.where(m, np.ravel(a), 0).astype(a.dtype).reshape(a.shape) for a, m in zip(upload, masks)], \
+                num_examples, metrics
         return sparse_encode(upload, masks), num_examples, metrics

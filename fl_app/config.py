@@ -19,7 +19,7 @@ ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk", "dp-fedavg-wav", "dp2-
               "dp-fedavg-ft", "dp-fedsam-ft")
 PARTIAL_SHARING = ("dp2-fedsam", "centaur")  # body shared, head kept on each client
 FINE_TUNED = ("dp-fedavg-ft", "dp-fedsam-ft")  # global model fine-tuned locally before evaluation
-SECURE_AGGREGATION_ALGORITHMS = ("dp-fedavg", "dp-fedsam")  # SecAgg+ sums dense updates
+SECURE_AGGREGATION_ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk")  # SecAgg+ sums dense updates
 
 
 class ConfigError(ValueError):

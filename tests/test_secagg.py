@@ -161,12 +161,12 @@ def test_secagg_rejects_unequal_weights():
         strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
 
 
-def run_app(secure: bool, tmp_path) -> tuple[dict, list]:
+def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list]:
     from fl_app.results import read_metrics
 
     cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
                     "local-epochs": 1, "min-nodes": 4, "secure-aggregation": secure,
-                    "results-dir": str(tmp_path / ("secure" if secure else "plain"))})
+                    "results-dir": str(tmp_path / ("secure" if secure else "plain")), **overrides})
     summary = run_federated(InProcessGrid(fl_client_app, 4, cfg), cfg)
     return summary, read_metrics(summary["results_dir"])
 
@@ -187,3 +187,15 @@ def test_app_with_secagg_matches_plain_run(tmp_path):
     assert secure["secure_aggregation"] is True and secure["secagg"]["max_weight"] == 1.0
     # nothing data-dependent travels in the clear next to the secure sum
     assert "update_norm_mean" not in secure_rounds[0] and "train_loss" not in secure_rounds[0]
+
+
+def test_topk_under_secagg_sums_the_dense_form(tmp_path):
+    """DP-FedSAM-top_k: sparse uploads without SecAgg+, dense (zeros included) under it; same model."""
+    torch.set_num_threads(1)
+    topk = {"algorithm": "dp-fedsam-topk", "sparsity": 0.4, "num-rounds": 2}
+    secure, secure_rounds = run_app(True, tmp_path, **topk)
+    plain, plain_rounds = run_app(False, tmp_path, **topk)
+    for s, p in zip(secure_rounds, plain_rounds):
+        assert s["loss"] == pytest.approx(p["loss"], abs=1e-3) and s["clients"] == p["clients"] == 4
+    assert plain_rounds[0]["upload_bytes"] < 0.5 * plain_rounds[0]["dense_bytes"]  # sparse without SecAgg+
+    assert secure["epsilon_against_server"] == pytest.approx(secure["epsilon"]) == pytest.approx(plain["epsilon"])
