@@ -8,10 +8,12 @@ from flwr.clientapp import ClientApp
 
 from clients.adapter import evaluate_reply, train_reply
 from clients.base import TrainingClient
+from clients.dpsgd import DPSGDClient
 from clients.sam import SAMClient
 from fl_app.config import validate
 from fl_app.data import load_partition
 from fl_app.models import build_model
+from strategies.ali_dpfl import DEFAULT_SAMPLE_DELTA
 
 app = ClientApp()
 
@@ -41,6 +43,14 @@ def build_client(context: Context) -> TrainingClient:
                   weight_decay=cfg["weight-decay"], local_epochs=cfg["local-epochs"],
                   local_steps=cfg["local-steps"], partition_id=pid, seed=cfg["seed"],
                   secure_rng=cfg["secure-rng"])
+    if cfg["algorithm"] == "ali-dpfl":
+        return DPSGDClient(model, trainset, testset, state=context.state, sample_rate=cfg["batch-sample-rate"],
+                           noise_multiplier=cfg["sample-noise-multiplier"],
+                           clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
+                           delta=cfg["delta"] or DEFAULT_SAMPLE_DELTA, accountant=cfg["accountant"],
+                           grad_sample_mode=cfg["grad-sample-mode"], mu_max=cfg["mu-max"],
+                           mu_noise_multiplier=cfg["mu-noise-multiplier"], noise=cfg["dpsgd-noise"],
+                           wavelet_calibration=cfg["wavelet-calibration"], **kwargs)
     if cfg["algorithm"] == "dp-fedsam":
         return SAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
     return TrainingClient(model, trainset, testset, **kwargs)

@@ -15,7 +15,9 @@ from typing import Any
 from fl_app.data import DATASETS, PARTITIONERS
 from fl_app.models import MODELS
 
-ALGORITHMS = ("dp-fedavg", "dp-fedsam")
+GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")  # clients.dpsgd checks the same tuple
+
+ALGORITHMS = ("dp-fedavg", "dp-fedsam", "ali-dpfl")
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,26 @@ SPEC: dict[str, Key] = {
     "momentum": Key(0.5, "local SGD momentum", low=0, high=1, high_open=True),
     "weight-decay": Key(5e-4, "local weight decay", low=0),
     "sam-rho": Key(0.05, "SAM perturbation radius rho (paper: 0.5, which stalls the small MNIST CNN)", low=0),
+    "sample-noise-multiplier": Key(1.0, "ali-dpfl: DP-SGD noise multiplier sigma (noise std / C per step)",
+                                   low=0, low_open=True),
+    "sample-clipping-norm": Key(1.0, "ali-dpfl: DP-SGD per-sample gradient clipping norm C", low=0, low_open=True),
+    "batch-sample-rate": Key(0.05, "ali-dpfl: DP-SGD Poisson batch sampling rate q_s", low=0, high=1,
+                             low_open=True),
+    "grad-sample-mode": Key("hooks", "ali-dpfl: Opacus per-sample gradient mode", GRAD_SAMPLE_MODES),
+    "dpsgd-noise": Key("gaussian", "ali-dpfl: DP-SGD noise, or 'wavelet' (DP-SGD-WAV: clip and noise the Haar "
+                                   "coefficients)", ("gaussian", "wavelet")),
+    "wavelet-calibration": Key("exact", "dp-fedavg-wav: 'paper' (published noise, true epsilon reported) or "
+                               "'exact' (sigma_H = sigma * sqrt(n): the configured epsilon holds)",
+                               ("paper", "exact")),
+    "adaptive": Key(True, "ali-dpfl: local steps tau from eq. (9) each round (false: fixed tau = local-steps)"),
+    "gamma": Key(5.0, "ali-dpfl: heterogeneity Gamma of eq. (9) (paper: 0 IID, 1/5/10 for Dir 1/0.5/0.05)",
+                 low=0),
+    "mu-source": Key("server", "ali-dpfl: where mu is estimated (server data: free; clients: noised, charged)",
+                     ("server", "clients")),
+    "mu-max": Key(1.0, "ali-dpfl, mu-source = clients: each client's mu ratio is clipped to [0, mu-max]",
+                  low=0, low_open=True),
+    "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
+                               low=0, low_open=True),
     "fraction-evaluate": Key(0.0, "fraction of clients evaluating the global model each round", low=0, high=1),
     "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
     "secure-rng": Key(False, "draw DP noise from OS entropy (not reproducible; the seed cannot undo it)"),
@@ -118,6 +140,8 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
     def fail(msg: str) -> None:
         raise ConfigError(msg)
 
+    if cfg["algorithm"] == "ali-dpfl":
+        _check_ali_dpfl(cfg)
     if cfg["noise-multiplier"] > 0 and cfg["clipping-norm"] == 0:
         fail(f"run-config key 'noise-multiplier' = {cfg['noise-multiplier']} needs 'clipping-norm' > 0 "
              "(noise without clipping bounds nothing); set clipping-norm, or noise-multiplier = 0 "
@@ -137,3 +161,29 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
                  "(relative paths resolve against the SuperLink's folder, not yours)")
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
         fail(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
+
+
+# Client-level DP keys that sample-level ali-dpfl ignores: setting them is a mistake worth naming.
+_CLIENT_LEVEL_KEYS = {"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
+                      "noise-placement": None}
+
+
+def _check_ali_dpfl(cfg: dict[str, Any]) -> None:
+    if cfg["target-epsilon"] <= 0:
+        raise ConfigError(f"run-config key 'target-epsilon' = {cfg['target-epsilon']}: algorithm 'ali-dpfl' needs "
+                          "each client's sample-level budget > 0 (R_c, the local step budget, follows from it)")
+    if cfg["target-epsilon-mode"] != "stop":
+        raise ConfigError(f"run-config key 'target-epsilon-mode' = {cfg['target-epsilon-mode']!r}: algorithm "
+                          "'ali-dpfl' allows only 'stop' (clients stop at R_c steps)")
+    if cfg["dpsgd-noise"] == "wavelet" and cfg["grad-sample-mode"] == "ghost":
+        raise ConfigError("run-config key 'grad-sample-mode' = 'ghost' cannot clip per-sample gradients in the Haar "
+                          "domain that 'dpsgd-noise' = 'wavelet' needs: use hooks, functorch or ew")
+    if cfg["dpsgd-noise"] == "wavelet" and cfg["wavelet-calibration"] == "paper" and cfg["accountant"] == "prv":
+        raise ConfigError("run-config key 'accountant' = 'prv' cannot account dpsgd-noise = 'wavelet' with "
+                          "wavelet-calibration = 'paper' (true noise multiplier sigma/n is tiny); use 'rdp'")
+    for key, instead in _CLIENT_LEVEL_KEYS.items():
+        if cfg[key] != SPEC[key].default:
+            hint = f"; use '{instead}'" if instead else ""
+            raise ConfigError(f"run-config key '{key}' = {cfg[key]!r} is a client-level DP setting that "
+                              f"algorithm 'ali-dpfl' (sample-level DP-SGD) does not use: leave it at "
+                              f"{SPEC[key].default!r}{hint}")

@@ -5,23 +5,41 @@ from __future__ import annotations
 import time
 from logging import INFO, WARNING
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from clients.base import evaluate_model, get_weights, set_weights
+from clients.dpsgd import loss_gradient, opacus_compatible
 from fl_app.config import validate
 from fl_app.data import dataset_info, load_dataset
 from fl_app.models import build_model, count_parameters
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
+from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 
 app = ServerApp()
 
 
-def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
+MU_SAMPLES = 256  # ali-dpfl, mu-source = server: gradients on this many server evaluation samples
+
+
+def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPFedAvg:
     """The server strategy for cfg['algorithm'] (DP-FedAvg and DP-FedSAM share the server)."""
+    if cfg["algorithm"] == "ali-dpfl":
+        return ALIDPFL(
+            sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
+            batch_sample_rate=cfg["batch-sample-rate"], sample_noise_multiplier=cfg["sample-noise-multiplier"],
+            sample_clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
+            delta=cfg["delta"], accountant=cfg["accountant"], adaptive=cfg["adaptive"],
+            local_steps=cfg["local-steps"], gamma=cfg["gamma"], mu_source=cfg["mu-source"],
+            mu_noise_multiplier=cfg["mu-noise-multiplier"], gradient_fn=gradient_fn,
+            dpsgd_noise=cfg["dpsgd-noise"], wavelet_calibration=cfg["wavelet-calibration"],
+            server_learning_rate=cfg["server-lr"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
+            min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
+            on_round_end=on_round_end)
     return DPFedAvg(
         sample_rate=cfg["sample-rate"], clipping_norm=cfg["clipping-norm"],
         noise_multiplier=cfg["noise-multiplier"], noise_placement=cfg["noise-placement"],
@@ -34,7 +52,8 @@ def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
 
 def build_global_model(cfg: dict) -> torch.nn.Module:
     info = dataset_info(cfg["dataset"])
-    return build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
+    model = build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
+    return opacus_compatible(model) if cfg["algorithm"] == "ali-dpfl" else model
 
 
 def run_federated(grid: Grid, cfg: dict) -> dict:
@@ -54,7 +73,11 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         loss, accuracy = evaluate_model(model, server_testset)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy = build_strategy(cfg, on_round_end=run_dir.append_round)
+    def gradient_fn(arrays: list) -> np.ndarray:  # ali-dpfl's mu on server data (no client data, no privacy cost)
+        set_weights(model, arrays)
+        return loss_gradient(model, server_testset, MU_SAMPLES)
+
+    strategy = build_strategy(cfg, on_round_end=run_dir.append_round, gradient_fn=gradient_fn)
     result = strategy.start(grid, ArrayRecord(get_weights(model)), num_rounds=cfg["num-rounds"],
                             evaluate_fn=evaluate_fn)
     final = result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]

@@ -6,10 +6,12 @@ on the concatenation of all of them (the "global" vector of ALGORITHMS.md sectio
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 
 import numpy as np
+import pywt
 
 Shapes = list[tuple[int, ...]]
 
@@ -103,3 +105,69 @@ def update_problem(arrays: Sequence[np.ndarray], shapes: Shapes) -> str | None:
         if not np.all(np.isfinite(a)):
             return f"array {i} contains NaN or Inf"
     return None
+
+
+# ---------------------------------------------------------------------------- Haar-wavelet noise
+def haar_padded_size(size: int) -> int:
+    """n = 2^L >= size (and >= 2): the length the vector is zero-padded to."""
+    return 1 << max(1, (int(size) - 1).bit_length())
+
+
+def haar_weights(n: int) -> list[int]:
+    """W per coefficient array of `pywt.wavedec(x, 'haar')` (base first, then details coarse to
+    fine): n for the base coefficient, the node's block size 2^l for a level-l detail."""
+    levels = int(math.log2(n))
+    return [n] + [2 ** l for l in range(levels, 0, -1)]
+
+
+def haar_coefficients(vector: np.ndarray) -> list[np.ndarray]:
+    """The paper's Haar coefficients (section 4.3): base = mean, detail = (mean(L) - mean(R)) / 2.
+
+    pywt's Haar is orthonormal: its level-l coefficient is 2^(l/2) times the paper's, so
+    the paper's = pywt's / sqrt(W) (W = block size, n for the base). Zero-pads to 2^L.
+    """
+    v = np.asarray(vector, dtype=np.float64)
+    n = haar_padded_size(v.size)
+    coeffs = pywt.wavedec(np.pad(v, (0, n - v.size)), "haar", level=int(math.log2(n)))
+    return [c / math.sqrt(w) for c, w in zip(coeffs, haar_weights(n))]
+
+
+def haar_wavelet_noise(vector: np.ndarray, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """The published wavelet mechanism (dp-fedavg-wavelet.txt, WaveletNoise of Algorithm 2).
+
+    Pad to n = 2^L, Haar transform, add N(0, (scale / W)^2) to every paper-normalised coefficient
+    (scale = sigma_H * C; W = n for the base, the block size for a detail), inverse, unpad.
+    In pywt's orthonormal coordinates (coefficient = sqrt(W) * the paper's) the noise std is
+    scale / sqrt(W), so the noise covariance has eigenvalues scale^2 / W; the smallest,
+    scale^2 / n, lies along the all-ones vector: see `wavelet_effective_noise_multiplier`.
+    """
+    v = np.asarray(vector, dtype=np.float32)
+    n = haar_padded_size(v.size)
+    coeffs = pywt.wavedec(np.pad(v, (0, n - v.size)), "haar", level=int(math.log2(n)))
+    if scale > 0:
+        for c, w in zip(coeffs, haar_weights(n)):
+            c += gaussian_noise(c.size, scale / math.sqrt(w), rng)
+    return pywt.waverec(coeffs, "haar")[: v.size].astype(np.float32, copy=False)
+
+
+def haar_coefficient_norm(vector: np.ndarray) -> float:
+    """||H||_2 of the paper's Haar coefficients H of `vector` (what DP-SGD-WAV clips to C)."""
+    return float(np.sqrt(sum(np.dot(c, c) for c in haar_coefficients(vector))))
+
+
+def coefficient_clipping_noise_multiplier(sigma_h: float, n: int) -> float:
+    """sigma_H / n: the Gaussian noise multiplier of DP-SGD-WAV (dp-fedavg-wavelet.txt Algorithm 1).
+
+    Derivation. Let H = D^(-1/2) U g be the paper's coefficients of a gradient g (padded to
+    n = 2^L), U the orthonormal Haar matrix (pywt) and D = diag(W): W = n for the base
+    coefficient, the block size for a detail. Algorithm 1 clips ||H||_2 <= C per sample and
+    adds N(0, sigma_H^2 C^2 / W^2) to every coefficient of the sum: a Gaussian mechanism in
+    H-space with covariance S = sigma_H^2 C^2 D^-2. Adding or removing one sample shifts the
+    sum by some h with ||h||_2 <= C, and the privacy loss depends only on the whitened shift
+    ||S^(-1/2) h||_2 = ||D h||_2 / (sigma_H C) <= max(W) C / (sigma_H C) = n / sigma_H, reached
+    at h = C e_base (a constant gradient of norm C sqrt(n) in parameter space, whose
+    coefficient norm is only C). So the mechanism (and its Poisson subsampling) has the
+    privacy of a Gaussian mechanism with noise multiplier sigma_H / n, not sigma_H; the
+    inverse transform afterwards is post-processing.
+    """
+    return sigma_h / n
