@@ -40,7 +40,7 @@ from strategies.ali_dpfl import DPSGD_NOISES, dpsgd_noise_multipliers
 from strategies.mechanisms import (
     flatten,
     gaussian_noise,
-    haar_coefficient_norm,
+    haar_coefficient_norms,
     haar_wavelet_noise,
     l2_norm,
     make_rng,
@@ -90,9 +90,8 @@ class HaarDPOptimizer(DPOptimizer):
 
     def clip_and_accumulate(self) -> None:
         samples = torch.cat([g.flatten(1) for g in self.grad_samples], dim=1)  # (batch, d)
-        norms = [haar_coefficient_norm(row) for row in samples.detach().double().numpy()]
-        factors = torch.tensor([min(1.0, self.max_grad_norm / (norm + 1e-12)) for norm in norms],
-                               dtype=samples.dtype)
+        norms = torch.from_numpy(haar_coefficient_norms(samples.detach().numpy()))
+        factors = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0).to(samples.dtype)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
             grad = torch.einsum("i,i...", factors.to(p.dtype), self._get_flat_grad_sample(p).to(p.dtype))

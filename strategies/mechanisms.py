@@ -150,9 +150,26 @@ def haar_wavelet_noise(vector: np.ndarray, scale: float, rng: np.random.Generato
     return pywt.waverec(coeffs, "haar")[: v.size].astype(np.float32, copy=False)
 
 
+def haar_coefficient_norms(rows: np.ndarray, chunk: int = 8) -> np.ndarray:
+    """||H||_2 of the paper's Haar coefficients of every row (what DP-SGD-WAV clips to C).
+
+    One batched pywt transform per `chunk` rows; the paper's coefficient is pywt's / sqrt(W),
+    so ||H||^2 = sum over coefficients of c^2 / W.
+    """
+    rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+    n = haar_padded_size(rows.shape[1])
+    weights = haar_weights(n)
+    norms = np.empty(len(rows))
+    for start in range(0, len(rows), chunk):
+        block = np.pad(rows[start:start + chunk], ((0, 0), (0, n - rows.shape[1])))
+        coeffs = pywt.wavedec(block, "haar", level=int(math.log2(n)), axis=-1)
+        norms[start:start + chunk] = np.sqrt(sum(np.einsum("ij,ij->i", c, c) / w for c, w in zip(coeffs, weights)))
+    return norms
+
+
 def haar_coefficient_norm(vector: np.ndarray) -> float:
-    """||H||_2 of the paper's Haar coefficients H of `vector` (what DP-SGD-WAV clips to C)."""
-    return float(np.sqrt(sum(np.dot(c, c) for c in haar_coefficients(vector))))
+    """||H||_2 of the paper's Haar coefficients H of one vector."""
+    return float(haar_coefficient_norms(np.asarray(vector)[None])[0])
 
 
 def coefficient_clipping_noise_multiplier(sigma_h: float, n: int) -> float:

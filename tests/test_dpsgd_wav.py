@@ -19,6 +19,7 @@ from strategies.mechanisms import (
     coefficient_clipping_noise_multiplier,
     flatten,
     haar_coefficient_norm,
+    haar_coefficient_norms,
     haar_coefficients,
     haar_padded_size,
     haar_wavelet_noise,
@@ -34,6 +35,9 @@ def test_coefficient_norm_of_the_papers_worked_example():
     # base 5.25; block 8: (5.5 - 5)/2; block 4: (6 - 5)/2, (6 - 4)/2; block 2: -2, -4, 2, 1
     expected = math.sqrt(5.25**2 + 0.25**2 + 0.5**2 + 1**2 + 2**2 + 4**2 + 2**2 + 1**2)
     assert haar_coefficient_norm(np.array([4, 8, 1, 9, 8, 4, 5, 3], float)) == pytest.approx(expected)  # 7.3400
+    rows = np.random.default_rng(0).standard_normal((11, 37))  # batched, in chunks, padded to 64
+    np.testing.assert_allclose(haar_coefficient_norms(rows, chunk=4),
+                               [np.sqrt(sum(c @ c for c in haar_coefficients(r))) for r in rows], rtol=1e-12)
 
 
 def paper_transform(n):
