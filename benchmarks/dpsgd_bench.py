@@ -5,7 +5,7 @@ data; DP-SGD runs through `clients.dpsgd.dpsgd_steps` (what the ALI-DPFL client 
 SGD through a plain forward/backward/step loop. The modes and SGD are interleaved and
 the median of the repeats is reported, so load on the machine hits all alike.
 
-    python benchmarks/dpsgd_bench.py [--batch 64] [--threads 1] [--repeats 5]
+    python benchmarks/dpsgd_bench.py [--batch 64] [--threads 1] [--repeats 5] [--models cnn-mnist ...]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="expected batch size q * n")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -59,7 +60,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), expected batch {args.batch} (q = {q}, n = {n}), "
           f"median of {args.repeats} repeats")
     print(f"{'model':<12} {'mode':<10} {'ms/step':>9} {'x SGD':>7}")
-    for name, (shape, steps) in MODELS.items():
+    for name in args.models:
+        shape, steps = MODELS[name]
         x, y = torch.randn(n, *shape), torch.randint(0, 10, (n,))
         runs = {"sgd": lambda m, g: sgd_steps(m, x, y, steps, q, g)}
         for mode in GRAD_SAMPLE_MODES:

@@ -111,7 +111,7 @@ class HaarDPOptimizer(DPOptimizer):
 
 def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, sample_rate: float,
                 noise_multiplier: float, clipping_norm: float, lr: float, momentum: float = 0.0,
-                weight_decay: float = 0.0, grad_sample_mode: str = "hooks",
+                weight_decay: float = 0.0, grad_sample_mode: str = "ew",
                 sampling_generator: torch.Generator | None = None,
                 noise_generator: torch.Generator | None = None, secure_mode: bool = False,
                 noise: str = "gaussian", wavelet_rng: np.random.Generator | None = None) -> int:
@@ -238,7 +238,7 @@ class DPSGDClient(TrainingClient):
 
     def __init__(self, model: nn.Module, trainset, testset, *, state: RecordDict, sample_rate: float,
                  noise_multiplier: float, clipping_norm: float, target_epsilon: float, delta: float,
-                 accountant: str = "rdp", grad_sample_mode: str = "hooks", mu_max: float = 1.0,
+                 accountant: str = "rdp", grad_sample_mode: str = "ew", mu_max: float = 1.0,
                  mu_noise_multiplier: float = 10.0, noise: str = "gaussian", wavelet_calibration: str = "exact",
                  **kwargs) -> None:
         super().__init__(opacus_compatible(model), trainset, testset, **kwargs)
