@@ -29,7 +29,6 @@ from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
-from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .accounting import PrivacyLedger, SampleLevelLedgers, epsilon_of

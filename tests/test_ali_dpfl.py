@@ -298,7 +298,11 @@ def test_run_ledger_charges_exactly_the_steps_and_mu_releases(tmp_path, mu_sourc
 
 @pytest.mark.slow
 def test_end_to_end_mnist_dirichlet_005(tmp_path):
-    """10 clients, Dir(0.05) (most hold one label), R_s = 20 rounds < R_c = 104 steps (eps 4)."""
+    """10 clients, Dir(0.05) (most hold one label), R_s = 20 rounds < R_c = 104 steps (eps 4).
+
+    Seed 42 (the default) reaches 0.49. The split decides tau: other seeds' splits make
+    eq. (9) jump to tau ~ 90 and end near 0.15-0.2 (docs/ali-dpfl.md), so the seed is fixed.
+    """
     cfg = validate({"algorithm": "ali-dpfl", "dataset": "mnist-embedded", "partitioner": "dirichlet",
                     "dirichlet-alpha": 0.05, "num-rounds": 20, "sample-rate": 1.0, "batch-sample-rate": 0.1,
                     "sample-noise-multiplier": 1.5, "sample-clipping-norm": 0.1, "lr": 5.0, "momentum": 0.0,
