@@ -13,6 +13,7 @@ from flwr.clientapp import ClientApp
 
 from clients.adapter import evaluate_reply, train_reply
 from clients.base import TrainingClient
+from clients.dpsgd import DPSGDClient
 from clients.mods import uniform_weight_mod
 from clients.personalized import (
     ContextHeadStore,
@@ -27,6 +28,7 @@ from clients.topk import TopKSAMClient
 from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
 from fl_app.data import load_partition
 from fl_app.models import build_model, split_state_keys
+from strategies.ali_dpfl import DEFAULT_SAMPLE_DELTA
 
 app = ClientApp()
 
@@ -69,6 +71,14 @@ def build_client(context: Context) -> NumPyClient:
                   local_steps=cfg["local-steps"], partition_id=pid, seed=cfg["seed"],
                   secure_rng=cfg["secure-rng"], lr_decay=cfg["lr-decay"])
     algorithm = cfg["algorithm"]
+    if algorithm == "ali-dpfl":
+        return DPSGDClient(model, trainset, testset, state=context.state, sample_rate=cfg["batch-sample-rate"],
+                           noise_multiplier=cfg["sample-noise-multiplier"],
+                           clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
+                           delta=cfg["delta"] or DEFAULT_SAMPLE_DELTA, accountant=cfg["accountant"],
+                           grad_sample_mode=cfg["grad-sample-mode"], mu_max=cfg["mu-max"],
+                           mu_noise_multiplier=cfg["mu-noise-multiplier"], noise=cfg["dpsgd-noise"],
+                           wavelet_calibration=cfg["wavelet-calibration"], **kwargs)
     if algorithm in PARTIAL_SHARING:
         _, head_keys = split_state_keys(model, cfg["head-prefix"])
         personal = dict(head_keys=head_keys, head_store=head_store(context, pid), head_epochs=cfg["head-epochs"],

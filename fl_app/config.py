@@ -15,8 +15,12 @@ from typing import Any
 from fl_app.data import DATASETS, PARTITIONERS, dataset_info
 from fl_app.models import MODELS, build_model, split_state_keys
 
+GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")  # clients.dpsgd checks the same tuple
+ALI_DPFL_KEYS = ("sample-noise-multiplier", "sample-clipping-norm", "batch-sample-rate", "grad-sample-mode",
+                 "dpsgd-noise", "adaptive", "gamma", "mu-source", "mu-max", "mu-noise-multiplier")
+
 ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk", "dp-fedavg-wav", "dp2-fedsam", "centaur",
-              "dp-fedavg-ft", "dp-fedsam-ft")
+              "dp-fedavg-ft", "dp-fedsam-ft", "ali-dpfl")
 PARTIAL_SHARING = ("dp2-fedsam", "centaur")  # body shared, head kept on each client
 FINE_TUNED = ("dp-fedavg-ft", "dp-fedsam-ft")  # global model fine-tuned locally before evaluation
 SECURE_AGGREGATION_ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk")  # SecAgg+ sums dense updates
@@ -92,6 +96,24 @@ SPEC: dict[str, Key] = {
     "head-lr": Key(0.0, "dp2-fedsam/centaur: head learning rate eta_h (0: same as lr)", low=0),
     "fine-tune-steps": Key(0, "dp-fedavg-ft/dp-fedsam-ft: local steps before evaluating (0: the round's "
                               "local-steps/local-epochs)", low=0),
+    "sample-noise-multiplier": Key(1.0, "ali-dpfl: DP-SGD noise multiplier sigma (noise std / C per step)",
+                                   low=0, low_open=True),
+    "sample-clipping-norm": Key(1.0, "ali-dpfl: DP-SGD per-sample gradient clipping norm C", low=0, low_open=True),
+    "batch-sample-rate": Key(0.05, "ali-dpfl: DP-SGD Poisson batch sampling rate q_s", low=0, high=1,
+                             low_open=True),
+    "grad-sample-mode": Key("ew", "ali-dpfl: Opacus per-sample gradient mode (ew: fastest measured on CPU)",
+                            GRAD_SAMPLE_MODES),
+    "dpsgd-noise": Key("gaussian", "ali-dpfl: DP-SGD noise, or 'wavelet' (DP-SGD-WAV: clip and noise the Haar "
+                                   "coefficients)", ("gaussian", "wavelet")),
+    "adaptive": Key(True, "ali-dpfl: local steps tau from eq. (9) each round (false: fixed tau = local-steps)"),
+    "gamma": Key(5.0, "ali-dpfl: heterogeneity Gamma of eq. (9) (paper: 0 IID, 1/5/10 for Dir 1/0.5/0.05)",
+                 low=0),
+    "mu-source": Key("server", "ali-dpfl: where mu is estimated (server data: free; clients: noised, charged)",
+                     ("server", "clients")),
+    "mu-max": Key(1.0, "ali-dpfl, mu-source = clients: each client's mu ratio is clipped to [0, mu-max]",
+                  low=0, low_open=True),
+    "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
+                               low=0, low_open=True),
     "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
     "secure-rng": Key(False, "draw DP noise from OS entropy (not reproducible; the seed cannot undo it)"),
     "secure-aggregation": Key(False, "sum client updates with Flower's SecAgg+: the server sees only the sum "
@@ -144,6 +166,8 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
     def fail(msg: str) -> None:
         raise ConfigError(msg)
 
+    if cfg["algorithm"] == "ali-dpfl":
+        _check_ali_dpfl(cfg)
     if cfg["noise-multiplier"] > 0 and cfg["clipping-norm"] == 0:
         fail(f"run-config key 'noise-multiplier' = {cfg['noise-multiplier']} needs 'clipping-norm' > 0 "
              "(noise without clipping bounds nothing); set clipping-norm, or noise-multiplier = 0 "
@@ -157,11 +181,15 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
     if cfg["partitioner"] == "natural" and cfg["dataset"] != "femnist":
         fail(f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
              f"not {cfg['dataset']!r}; allowed for {cfg['dataset']!r}: iid, dirichlet, pathological")
-    only_for = {"sparsity": "dp-fedsam-topk", "topk-mode": "dp-fedsam-topk", "wavelet-calibration": "dp-fedavg-wav"}
-    for key, algorithm in only_for.items():
-        if cfg[key] != SPEC[key].default and cfg["algorithm"] != algorithm:
-            fail(f"run-config key '{key}' = {cfg[key]!r} applies only to algorithm = '{algorithm}', "
-                 f"but 'algorithm' = {cfg['algorithm']!r}; remove {key} or set algorithm = '{algorithm}'")
+    wavelet_users = ("dp-fedavg-wav", "ali-dpfl") if cfg["dpsgd-noise"] == "wavelet" else ("dp-fedavg-wav",)
+    only_for = {"sparsity": ("dp-fedsam-topk",), "topk-mode": ("dp-fedsam-topk",),
+                "wavelet-calibration": wavelet_users,
+                **{key: ("ali-dpfl",) for key in ALI_DPFL_KEYS}}
+    for key, algorithms in only_for.items():
+        if cfg[key] != SPEC[key].default and cfg["algorithm"] not in algorithms:
+            allowed = " or ".join(f"'{a}'" for a in algorithms)
+            fail(f"run-config key '{key}' = {cfg[key]!r} applies only to algorithm = {allowed}, "
+                 f"but 'algorithm' = {cfg['algorithm']!r}; remove {key} or change the algorithm")
     if cfg["algorithm"] == "dp-fedsam-topk" and cfg["noise-placement"] != "distributed":
         fail(f"run-config key 'noise-placement' = {cfg['noise-placement']!r}: algorithm 'dp-fedsam-topk' keeps "
              "the top-k coordinates after the noise on the client, so it needs noise-placement = 'distributed'")
@@ -205,3 +233,29 @@ def _check_head_prefix(cfg: dict[str, Any], fail) -> None:
         split_state_keys(build_model(cfg["model"], info["input_shape"], info["num_classes"]), cfg["head-prefix"])
     except ValueError as exc:
         fail(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} does not fit model {cfg['model']!r}: {exc}")
+
+
+# Client-level DP keys that sample-level ali-dpfl ignores: setting them is a mistake worth naming.
+_CLIENT_LEVEL_KEYS = {"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
+                      "noise-placement": None}
+
+
+def _check_ali_dpfl(cfg: dict[str, Any]) -> None:
+    if cfg["target-epsilon"] <= 0:
+        raise ConfigError(f"run-config key 'target-epsilon' = {cfg['target-epsilon']}: algorithm 'ali-dpfl' needs "
+                          "each client's sample-level budget > 0 (R_c, the local step budget, follows from it)")
+    if cfg["target-epsilon-mode"] != "stop":
+        raise ConfigError(f"run-config key 'target-epsilon-mode' = {cfg['target-epsilon-mode']!r}: algorithm "
+                          "'ali-dpfl' allows only 'stop' (clients stop at R_c steps)")
+    if cfg["dpsgd-noise"] == "wavelet" and cfg["grad-sample-mode"] == "ghost":
+        raise ConfigError("run-config key 'grad-sample-mode' = 'ghost' cannot clip per-sample gradients in the Haar "
+                          "domain that 'dpsgd-noise' = 'wavelet' needs: use hooks, functorch or ew")
+    if cfg["dpsgd-noise"] == "wavelet" and cfg["wavelet-calibration"] == "paper" and cfg["accountant"] == "prv":
+        raise ConfigError("run-config key 'accountant' = 'prv' cannot account dpsgd-noise = 'wavelet' with "
+                          "wavelet-calibration = 'paper' (true noise multiplier sigma/n is tiny); use 'rdp'")
+    for key, instead in _CLIENT_LEVEL_KEYS.items():
+        if cfg[key] != SPEC[key].default:
+            hint = f"; use '{instead}'" if instead else ""
+            raise ConfigError(f"run-config key '{key}' = {cfg[key]!r} is a client-level DP setting that "
+                              f"algorithm 'ali-dpfl' (sample-level DP-SGD) does not use: leave it at "
+                              f"{SPEC[key].default!r}{hint}")

@@ -5,16 +5,19 @@ from __future__ import annotations
 import time
 from logging import INFO, WARNING
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from clients.base import evaluate_model, get_weights, set_weights
+from clients.dpsgd import loss_gradient, opacus_compatible
 from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
 from fl_app.data import dataset_info, load_dataset
 from fl_app.models import build_model, count_parameters, split_state_keys
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
+from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
@@ -24,13 +27,29 @@ from strategies.wavelet import DPFedAvgWavelet
 app = ServerApp()
 
 
-def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
+MU_SAMPLES = 256  # ali-dpfl, mu-source = server: gradients on this many server evaluation samples
+
+
+def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPFedAvg:
     """The server strategy for cfg['algorithm']: DP-FedAvg and DP-FedSAM share DPFedAvg; top-k and wavelet
-    have their own; DP2-FedSAM and CENTAUR share only the body; the -FT baselines add personalized evaluation."""
+    have their own; DP2-FedSAM and CENTAUR share only the body; the -FT baselines add personalized
+    evaluation; ALI-DPFL is sample-level (DP-SGD clients)."""
     if cfg["secure-aggregation"]:  # the same strategy, run through Flower's legacy SecAgg+ workflow
-        return LegacyDPFedAvg(build_strategy({**cfg, "secure-aggregation": False}, on_round_end),
+        return LegacyDPFedAvg(build_strategy({**cfg, "secure-aggregation": False}, on_round_end, gradient_fn),
                               secure_aggregation=True, secagg_num_shares=cfg["secagg-num-shares"],
                               secagg_reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
+    if cfg["algorithm"] == "ali-dpfl":
+        return ALIDPFL(
+            sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
+            batch_sample_rate=cfg["batch-sample-rate"], sample_noise_multiplier=cfg["sample-noise-multiplier"],
+            sample_clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
+            delta=cfg["delta"], accountant=cfg["accountant"], adaptive=cfg["adaptive"],
+            local_steps=cfg["local-steps"], gamma=cfg["gamma"], mu_source=cfg["mu-source"],
+            mu_noise_multiplier=cfg["mu-noise-multiplier"], gradient_fn=gradient_fn,
+            dpsgd_noise=cfg["dpsgd-noise"], wavelet_calibration=cfg["wavelet-calibration"],
+            server_learning_rate=cfg["server-lr"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
+            min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
+            on_round_end=on_round_end)
     strategy_class, extra = DPFedAvg, {}
     if cfg["algorithm"] == "dp-fedsam-topk":
         strategy_class, extra = DPFedSAMTopK, dict(sparsity=cfg["sparsity"], topk_mode=cfg["topk-mode"])
@@ -53,7 +72,8 @@ def build_strategy(cfg: dict, on_round_end=None) -> DPFedAvg:
 
 def build_global_model(cfg: dict) -> torch.nn.Module:
     info = dataset_info(cfg["dataset"])
-    return build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
+    model = build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
+    return opacus_compatible(model) if cfg["algorithm"] == "ali-dpfl" else model
 
 
 def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
@@ -82,9 +102,14 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         loss, accuracy = evaluate_model(model, server_testset)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
+    def gradient_fn(arrays: list) -> np.ndarray:  # ali-dpfl's mu on server data (no client data, no privacy cost)
+        set_weights(model, arrays)
+        return loss_gradient(model, server_testset, MU_SAMPLES)
+
+
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = cfg["algorithm"] in PARTIAL_SHARING
-    strategy = build_strategy(cfg, on_round_end=run_dir.append_round)
+    strategy = build_strategy(cfg, on_round_end=run_dir.append_round, gradient_fn=gradient_fn)
     result = strategy.start(grid, ArrayRecord(shared_weights(model, cfg)), num_rounds=cfg["num-rounds"],
                             evaluate_fn=None if partial else evaluate_fn)
     server_eval = result.evaluate_metrics_serverapp

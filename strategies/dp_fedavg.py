@@ -164,25 +164,10 @@ class DPFedAvg(FedAvg):
         assert self._global is not None and self.ledger is not None
         global_arrays = self._global.to_numpy_ndarrays()
         shapes = [a.shape for a in global_arrays]
-        updates, norms, failures, rejected, losses = [], [], 0, 0, []
-        for msg in replies:
-            if msg.has_error():
-                failures += 1
-                log(WARNING, "Round %d: node %d failed: %s", server_round, msg.metadata.src_node_id,
-                    msg.error.reason)
-                continue
-            try:
-                arrays = self.decode_update(msg.content)
-                problem = update_problem(arrays, shapes)
-            except Exception as exc:  # malformed content of any kind
-                problem = f"undecodable update ({exc})"
-            if problem:
-                rejected += 1
-                log(WARNING, "Round %d: rejected update from node %d: %s", server_round,
-                    msg.metadata.src_node_id, problem)
-                continue
-            metrics = next(iter(msg.content.metric_records.values()), {})
-            vector, norm = self.server_clip(flatten(arrays), metrics)
+        accepted, failures, rejected = self.accepted_updates(server_round, replies, shapes)
+        updates, norms, losses = [], [], []
+        for vector, metrics in accepted:
+            vector, norm = self.server_clip(vector, metrics)
             updates.append(vector)
             norms.append(norm)
             if "train-loss" in metrics:
@@ -205,6 +190,29 @@ class DPFedAvg(FedAvg):
             **self.privacy_metrics(),
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
+
+    def accepted_updates(self, server_round: int, replies: Iterable[Message],
+                         shapes: list) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
+        """(flat update, metrics) of every well-formed reply, and the counts of failed and rejected ones."""
+        accepted, failures, rejected = [], 0, 0
+        for msg in replies:
+            if msg.has_error():
+                failures += 1
+                log(WARNING, "Round %d: node %d failed: %s", server_round, msg.metadata.src_node_id,
+                    msg.error.reason)
+                continue
+            try:
+                arrays = self.decode_update(msg.content)
+                problem = update_problem(arrays, shapes)
+            except Exception as exc:  # malformed content of any kind
+                problem = f"undecodable update ({exc})"
+            if problem:
+                rejected += 1
+                log(WARNING, "Round %d: rejected update from node %d: %s", server_round,
+                    msg.metadata.src_node_id, problem)
+                continue
+            accepted.append((flatten(arrays), dict(next(iter(msg.content.metric_records.values()), {}))))
+        return accepted, failures, rejected
 
     def server_clip(self, vector: np.ndarray, metrics) -> tuple[np.ndarray, float]:
         """(update to sum, its norm before clipping): `central` clips here; `distributed`
@@ -259,6 +267,9 @@ class DPFedAvg(FedAvg):
         return self.ledger.model.epsilon_after(self.accounted_noise_multiplier(),
                                                self.sample_rate) > self.target_epsilon
 
+    def budget_stop_reason(self, server_round: int) -> str:
+        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more"
+
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
@@ -276,8 +287,7 @@ class DPFedAvg(FedAvg):
         self.stop_reason = "num-rounds reached"
         for rnd in range(1, num_rounds + 1):
             if self.budget_exhausted():
-                self.stop_reason = (f"target epsilon {self.target_epsilon} reached: round {rnd} "
-                                    f"would spend more")
+                self.stop_reason = self.budget_stop_reason(rnd)
                 log(WARNING, "Stopping before round %d: %s", rnd, self.stop_reason)
                 break
             t0 = time.perf_counter()

@@ -290,3 +290,43 @@ def wavelet_effective_noise_multiplier(sigma_h: float, n: int) -> float:
     loss is that of a Gaussian mechanism with multiplier 1 / (C sqrt(lambda_max(Sigma^-1))).
     """
     return sigma_h / math.sqrt(n)
+
+
+def haar_coefficient_norms(rows: np.ndarray, chunk: int = 8) -> np.ndarray:
+    """||H||_2 of the paper's Haar coefficients of every row (what DP-SGD-WAV clips to C).
+
+    One batched pywt transform per `chunk` rows; the paper's coefficient is pywt's / sqrt(W),
+    so ||H||^2 = sum over coefficients of c^2 / W.
+    """
+    rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+    n = haar_padded_size(rows.shape[1])
+    weights = haar_weights(n)
+    norms = np.empty(len(rows))
+    for start in range(0, len(rows), chunk):
+        block = np.pad(rows[start:start + chunk], ((0, 0), (0, n - rows.shape[1])))
+        coeffs = pywt.wavedec(block, "haar", level=int(math.log2(n)), axis=-1)
+        norms[start:start + chunk] = np.sqrt(sum(np.einsum("ij,ij->i", c, c) / w for c, w in zip(coeffs, weights)))
+    return norms
+
+
+def haar_coefficient_norm(vector: np.ndarray) -> float:
+    """||H||_2 of the paper's Haar coefficients H of one vector."""
+    return float(haar_coefficient_norms(np.asarray(vector)[None])[0])
+
+
+def coefficient_clipping_noise_multiplier(sigma_h: float, n: int) -> float:
+    """sigma_H / n: the Gaussian noise multiplier of DP-SGD-WAV (dp-fedavg-wavelet.txt Algorithm 1).
+
+    Derivation. Let H = D^(-1/2) U g be the paper's coefficients of a gradient g (padded to
+    n = 2^L), U the orthonormal Haar matrix (pywt) and D = diag(W): W = n for the base
+    coefficient, the block size for a detail. Algorithm 1 clips ||H||_2 <= C per sample and
+    adds N(0, sigma_H^2 C^2 / W^2) to every coefficient of the sum: a Gaussian mechanism in
+    H-space with covariance S = sigma_H^2 C^2 D^-2. Adding or removing one sample shifts the
+    sum by some h with ||h||_2 <= C, and the privacy loss depends only on the whitened shift
+    ||S^(-1/2) h||_2 = ||D h||_2 / (sigma_H C) <= max(W) C / (sigma_H C) = n / sigma_H, reached
+    at h = C e_base (a constant gradient of norm C sqrt(n) in parameter space, whose
+    coefficient norm is only C). So the mechanism (and its Poisson subsampling) has the
+    privacy of a Gaussian mechanism with noise multiplier sigma_H / n, not sigma_H; the
+    inverse transform afterwards is post-processing.
+    """
+    return sigma_h / n

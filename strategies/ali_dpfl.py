@@ -1,0 +1,410 @@
+"""ALI-DPFL server strategy (ali-dpfl.txt Algorithm 2; ALGORITHMS.md section 5).
+
+Sample-level DP: every client runs DP-SGD (clients/dpsgd.py) and keeps its own
+ledger; the server adds no noise. Each round the server
+
+1. sends the global model and tau (local DP-SGD steps) to the sampled clients,
+2. rejects malformed replies, then averages the returned models with weights
+   p_i = |D_i| / sum_j |D_j| over the clients that replied (eq. 4),
+3. mirrors each client's ledger from the cumulative counts it reports (DP-SGD steps,
+   mu releases) and reports the maximum epsilon over clients,
+4. computes the next tau: 1 if R_s >= R_c (Lemma 1), else eq. (9) with
+   T = min(R_s * tau_prev, R_c), B = min_i q_s |D_i|, d = number of parameters,
+   rounded to the nearest integer >= 1 (`adaptive = False`: tau stays `local_steps`),
+5. stops after R_s rounds, or once the clients have taken R_c steps or none can take
+   another step within the target epsilon.
+
+mu, the strong-convexity estimate sum_i p_i ||grad F(w_i) - grad F(w)|| / ||w_i - w||:
+`mu_source = "server"` evaluates the gradients on the server's own data (a
+`gradient_fn` the app supplies; no client data, no privacy cost); `"clients"` is the
+paper's version on each client's data, released clipped to [0, mu_max] with Gaussian
+noise that the clients' ledgers charge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.supercore import log
+
+from .accounting import PrivacyLedger, SampleLevelLedgers, epsilon_of
+from .dp_fedavg import DPFedAvg, RoundCallback
+from .mechanisms import coefficient_clipping_noise_multiplier, flatten, haar_padded_size, l2_norm, unflatten
+
+MU_SOURCES = ("server", "clients")
+DPSGD_NOISES = ("gaussian", "wavelet")
+WAVELET_CALIBRATIONS = ("paper", "exact")
+DEFAULT_SAMPLE_DELTA = 1e-5
+
+GradientFn = Callable[[list[np.ndarray]], np.ndarray]
+
+
+def optimal_local_steps(*, mu: float, clipping_norm: float, noise_multiplier: float, dim: int,
+                        batch_size: float, gamma: float, total_steps: float) -> float:
+    """Eq. (9): tau* = sqrt(1 + (4/mu^2 + 3C^2 + 2 Gamma T mu + s) / ((2 + 1/T)(C^2 + s))),
+    s = sigma^2 C^2 d / B^2 (the real-valued optimum, before rounding)."""
+    c2 = clipping_norm ** 2
+    s = noise_multiplier ** 2 * c2 * dim / batch_size ** 2
+    numerator = 4.0 / mu ** 2 + 3.0 * c2 + 2.0 * gamma * total_steps * mu + s
+    return math.sqrt(1.0 + numerator / ((2.0 + 1.0 / total_steps) * (c2 + s)))
+
+
+def next_local_steps(*, rounds_budget: int, steps_budget: int, previous: int, mu: float, clipping_norm: float,
+                     noise_multiplier: float, dim: int, batch_size: float, gamma: float) -> tuple[int, float]:
+    """(tau for the next round, real-valued tau* or nan) by Algorithm 2 lines 15-18.
+
+    tau = 1 if R_s >= R_c; else eq. (9) with T = min(R_s * tau_prev, R_c), rounded half
+    up, at least 1. Without a usable mu (not finite or <= 0) tau stays `previous`.
+    """
+    if rounds_budget >= steps_budget:
+        return 1, 1.0
+    if not (math.isfinite(mu) and mu > 0 and batch_size > 0):
+        return previous, math.nan
+    total = min(rounds_budget * previous, steps_budget)
+    tau = optimal_local_steps(mu=mu, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier, dim=dim,
+                              batch_size=batch_size, gamma=gamma, total_steps=total)
+    return max(1, math.floor(tau + 0.5)), tau
+
+
+def max_local_steps(target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float,
+                    accountant: str = "rdp") -> int:
+    """R_c (Algorithm 3): the largest number of DP-SGD steps with eps(delta) <= target."""
+    return PrivacyLedger(delta, accountant).max_steps_within(target_epsilon, noise_multiplier, sample_rate)
+
+
+def dpsgd_noise_multipliers(noise_multiplier: float, noise: str = "gaussian", calibration: str = "exact",
+                            dim: int = 1) -> tuple[float, float, float]:
+    """(multiplier fed to the mechanism, true multiplier the ledger charges, multiplier of the step budget).
+
+    Gaussian DP-SGD: sigma for all three. DP-SGD-WAV on a model of d parameters padded to
+    n = 2^L: its true multiplier is sigma_H / n (`coefficient_clipping_noise_multiplier`);
+    `exact` feeds sigma_H = sigma * n, so the true multiplier is sigma; `paper` feeds
+    sigma_H = sigma as published, charges sigma / n, and lets the step budget follow the
+    paper's claim (sigma) so that the published mechanism runs at all.
+    """
+    if noise not in DPSGD_NOISES:
+        raise ValueError(f"noise={noise!r} is not one of: {', '.join(DPSGD_NOISES)}")
+    if noise == "gaussian":
+        return noise_multiplier, noise_multiplier, noise_multiplier
+    if calibration not in WAVELET_CALIBRATIONS:
+        raise ValueError(f"calibration={calibration!r} is not one of: {', '.join(WAVELET_CALIBRATIONS)}")
+    n = haar_padded_size(dim)
+    if calibration == "exact":
+        return noise_multiplier * n, noise_multiplier, noise_multiplier
+    return noise_multiplier, coefficient_clipping_noise_multiplier(noise_multiplier, n), noise_multiplier
+
+
+class ALIDPFL(DPFedAvg):
+    """ALI-DPFL: adaptive local DP-SGD iterations, weighted model averaging, per-client ledgers.
+
+    Parameters
+    ----------
+    sample_rate, client_sampling : which clients train each round (the paper: all, q = 1).
+        Client sampling does not enter the sample-level accounting.
+    batch_sample_rate : q_s, Poisson batch sampling rate of DP-SGD on each client.
+    sample_noise_multiplier, sample_clipping_norm : sigma and C of DP-SGD.
+    target_epsilon : per-client sample-level budget; R_c follows from it.
+    delta : 0 means 1e-5.
+    adaptive : eq. (9) each round; False: fixed tau = local_steps (the baseline).
+    local_steps : tau of the first round and of the fixed baseline (0 means 1).
+    gamma : heterogeneity Gamma of eq. (9).
+    mu_source, mu_noise_multiplier : see the module docstring.
+    gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
+    dpsgd_noise, wavelet_calibration : "wavelet" for DP-SGD-WAV clients; the ledgers charge
+        its true multiplier (`dpsgd_noise_multipliers`), and with `paper` calibration the
+        run also reports the epsilon the paper would claim.
+    """
+
+    def __init__(self, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
+                 sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0, accountant: str = "rdp",
+                 adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
+                 mu_noise_multiplier: float = 10.0, gradient_fn: GradientFn | None = None,
+                 dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact",
+                 client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
+                 secure_rng: bool = False, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 on_round_end: RoundCallback | None = None) -> None:
+        super().__init__(sample_rate=sample_rate, clipping_norm=0.0, noise_multiplier=0.0,
+                         client_sampling=client_sampling, server_learning_rate=server_learning_rate,
+                         delta=delta, accountant=accountant, seed=seed, secure_rng=secure_rng,
+                         min_available_nodes=min_available_nodes, fraction_evaluate=fraction_evaluate,
+                         on_round_end=on_round_end)
+        if not 0 < batch_sample_rate <= 1:
+            raise ValueError(f"batch_sample_rate={batch_sample_rate!r} must be in (0, 1]")
+        if sample_noise_multiplier <= 0 or sample_clipping_norm <= 0:
+            raise ValueError(f"sample_noise_multiplier={sample_noise_multiplier!r} and "
+                             f"sample_clipping_norm={sample_clipping_norm!r} must be > 0")
+        if target_epsilon <= 0:
+            raise ValueError(f"target_epsilon={target_epsilon!r} must be > 0: R_c is derived from it")
+        if mu_source not in MU_SOURCES:
+            raise ValueError(f"mu_source={mu_source!r} is not one of: {', '.join(MU_SOURCES)}")
+        if adaptive and mu_source == "server" and gradient_fn is None:
+            raise ValueError("mu_source='server' with adaptive=True needs a gradient_fn (server data)")
+        if gamma < 0 or local_steps < 0 or mu_noise_multiplier <= 0:
+            raise ValueError(f"gamma={gamma!r} and local_steps={local_steps!r} must be >= 0, "
+                             f"mu_noise_multiplier={mu_noise_multiplier!r} > 0")
+        self.batch_sample_rate = batch_sample_rate
+        self.sample_noise_multiplier = sample_noise_multiplier
+        self.sample_clipping_norm = sample_clipping_norm
+        self.sample_target_epsilon = target_epsilon
+        self.adaptive, self.gamma = adaptive, gamma
+        self.initial_local_steps = max(1, local_steps)
+        self.mu_source, self.mu_noise_multiplier = mu_source, mu_noise_multiplier
+        self.gradient_fn = gradient_fn
+        dpsgd_noise_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # validates
+        self.dpsgd_noise, self.wavelet_calibration = dpsgd_noise, wavelet_calibration
+        self.accounted_multiplier = sample_noise_multiplier  # set from the model size in the first round
+        self.dimension = 0
+        self.ledger: SampleLevelLedgers | None = None
+        self.steps_budget = 0  # R_c
+        self.tau = self.initial_local_steps
+        self.tau_list: list[int] = []
+        self.steps_taken: dict[int, int] = {}  # partition id -> cumulative DP-SGD steps
+        self.mu_releases: dict[int, int] = {}  # partition id -> cumulative mu releases
+        self.dataset_sizes: dict[int, int] = {}  # partition id -> |D_i|
+        self.clients_out_of_budget = False
+
+    # ------------------------------------------------------------------ set-up
+    def setup_population(self, num_clients: int) -> None:
+        """M, m, delta (default 1e-5), the per-client ledgers, R_c and the first tau."""
+        self.num_clients = num_clients
+        self.expected_clients = (float(max(1, round(self.sample_rate * num_clients)))
+                                 if self.client_sampling == "fixed" else self.sample_rate * num_clients)
+        delta = self.requested_delta if self.requested_delta > 0 else DEFAULT_SAMPLE_DELTA
+        self.ledger = SampleLevelLedgers(delta, self.accountant)
+        self.steps_budget = max_local_steps(self.sample_target_epsilon, delta, self.sample_noise_multiplier,
+                                            self.batch_sample_rate, self.accountant)
+        if self.steps_budget == 0:
+            raise ValueError(f"target_epsilon={self.sample_target_epsilon} allows no DP-SGD step with "
+                             f"noise multiplier {self.sample_noise_multiplier}, batch sample rate "
+                             f"{self.batch_sample_rate} and delta {delta}: raise the target or the noise "
+                             f"multiplier, or lower the sample rate")
+        if self.adaptive and self.rounds_budget >= self.steps_budget:
+            self.tau = 1  # Lemma 1
+        log(INFO, "ALI-DPFL: R_s = %d rounds, R_c = %d DP-SGD steps (epsilon %.3g, delta %.3g), first tau = %d",
+            self.rounds_budget, self.steps_budget, self.sample_target_epsilon, delta, self.tau)
+
+    @property
+    def rounds_budget(self) -> int:
+        """R_s: the configured number of rounds."""
+        return self._num_rounds
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> Sample-level DP-SGD on every client (%s)", type(self).__name__)
+        log(INFO, "\t│\t├── q_s=%.4g  C=%.4g  sigma=%.4g  target_epsilon=%.4g  accountant=%s",
+            self.batch_sample_rate, self.sample_clipping_norm, self.sample_noise_multiplier,
+            self.sample_target_epsilon, self.accountant)
+        log(INFO, "\t│\t└── adaptive=%s  gamma=%.3g  mu_source=%s  client q=%.4g", self.adaptive, self.gamma,
+            self.mu_source, self.sample_rate)
+
+    # ------------------------------------------------------------------ train
+    @property
+    def total_steps(self) -> int:
+        """t of Algorithm 2: the most DP-SGD steps any client has taken."""
+        return max(self.steps_taken.values(), default=0)
+
+    def round_local_steps(self) -> int:
+        """tau for this round, never more than the steps left to R_c."""
+        return max(1, min(self.tau, self.steps_budget - self.total_steps))
+
+    def releases_mu(self) -> bool:
+        return self.adaptive and self.mu_source == "clients" and self.rounds_budget < self.steps_budget
+
+    def client_train_config(self, server_round: int) -> dict:
+        return {"server-round": server_round, "local-steps": self.round_local_steps(),
+                "release-mu": self.releases_mu(), "privatize": False}
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        assert self._global is not None and self.ledger is not None
+        tau = self.round_local_steps()
+        self.tau_list.append(tau)
+        global_arrays = self._global.to_numpy_ndarrays()
+        self.set_dimension(sum(a.size for a in global_arrays))
+        shapes = [a.shape for a in global_arrays]
+        accepted, failures, rejected = self.accepted_updates(server_round, replies, shapes)
+        rows = []
+        for vector, metrics in accepted:
+            problem = reply_metrics_problem(metrics)
+            if problem:
+                rejected += 1
+                log(WARNING, "Round %d: rejected reply: %s", server_round, problem)
+                continue
+            rows.append((vector, metrics))
+        weights = np.array([float(m["num-examples"]) for _, m in rows])
+        global_vector = flatten(global_arrays)
+        if rows:
+            average = np.sum([w * v for w, (v, _) in zip(weights / weights.sum(), rows)], axis=0, dtype=np.float64)
+            new_global = (global_vector + self.server_learning_rate * average).astype(np.float32)
+        else:
+            new_global = global_vector
+        self.update_ledgers(server_round, [m for _, m in rows])
+        mu = self.estimate_mu(global_arrays, shapes, rows, weights) if self.needs_mu() else math.nan
+        self.tau, tau_star = self.next_tau(mu, global_vector.size)
+        self.clients_out_of_budget = bool(rows) and all(int(m.get("budget-left", 1)) == 0 for _, m in rows)
+        taken = [int(m["local-steps"]) for _, m in rows]
+        norms = [l2_norm(v) for v, _ in rows]
+        eps = self.ledger.epsilon_per_client()
+        metrics = {
+            "clients": len(rows),
+            "rejected": rejected,
+            "failures": failures,
+            "tau": tau,
+            "tau_star": tau_star,
+            "tau_next": self.tau,
+            "mu": mu,
+            "local_steps_max": max(taken, default=0),
+            "local_steps_total": self.total_steps,
+            "steps_budget": self.steps_budget,
+            "update_norm_mean": float(np.mean(norms)) if norms else 0.0,
+            "epsilon_min": min(eps.values(), default=0.0),
+            **self.privacy_metrics(),
+        }
+        return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
+
+    def update_ledgers(self, server_round: int, replies: list[dict]) -> None:
+        """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts.
+
+        Cumulative counts make the mirror whole again after a lost reply. The epsilon the
+        client computed itself must agree with the mirror; a mismatch is logged.
+        """
+        assert self.ledger is not None
+        for m in replies:
+            pid = int(m["partition-id"])
+            self.dataset_sizes[pid] = int(m["num-examples"])
+            new_steps = int(m["dpsgd-steps"]) - self.steps_taken.get(pid, 0)
+            new_releases = int(m.get("mu-releases", 0)) - self.mu_releases.get(pid, 0)
+            if new_steps > 0:
+                self.ledger.record(pid, self.accounted_multiplier, self.batch_sample_rate, new_steps)
+            if new_releases > 0:
+                self.ledger.record(pid, self.mu_noise_multiplier, 1.0, new_releases)
+            self.steps_taken[pid] = max(self.steps_taken.get(pid, 0), int(m["dpsgd-steps"]))
+            self.mu_releases[pid] = max(self.mu_releases.get(pid, 0), int(m.get("mu-releases", 0)))
+            mirrored = self.ledger.clients[pid].epsilon() if pid in self.ledger.clients else 0.0
+            reported = float(m.get("epsilon", mirrored))
+            if not math.isclose(mirrored, reported, rel_tol=1e-6, abs_tol=1e-9):
+                log(WARNING, "Round %d: client %d reports epsilon %.6g, its mirrored ledger gives %.6g",
+                    server_round, pid, reported, mirrored)
+
+    def set_dimension(self, dim: int) -> None:
+        """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
+        first, self.dimension = self.dimension == 0, dim
+        _, self.accounted_multiplier, _ = dpsgd_noise_multipliers(
+            self.sample_noise_multiplier, self.dpsgd_noise, self.wavelet_calibration, dim)
+        if first and self.claims_differ:
+            log(WARNING, "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "
+                         "true noise multiplier sigma_H / n = %.3g (n = %d), not %.3g; clients stop on the "
+                         "paper's claimed epsilon, the run reports the TRUE epsilon. Use 'exact' for the "
+                         "configured guarantee.", self.accounted_multiplier, haar_padded_size(dim),
+                self.sample_noise_multiplier)
+
+    @property
+    def claims_differ(self) -> bool:
+        return self.accounted_multiplier != self.sample_noise_multiplier
+
+    def claimed_epsilon(self) -> float:
+        """max over clients of the epsilon the paper's analysis would print (DP-SGD at sigma_H)."""
+        assert self.ledger is not None
+        return max((epsilon_of([(self.sample_noise_multiplier, self.batch_sample_rate, steps),
+                                (self.mu_noise_multiplier, 1.0, self.mu_releases.get(pid, 0))],
+                               self.ledger.delta, self.accountant)
+                    for pid, steps in self.steps_taken.items()), default=0.0)
+
+    def needs_mu(self) -> bool:
+        return self.adaptive and self.rounds_budget < self.steps_budget
+
+    def estimate_mu(self, global_arrays: list[np.ndarray], shapes: list, rows: list[tuple[np.ndarray, dict]],
+                    weights: np.ndarray) -> float:
+        """sum_i p_i ratio_i over the clients with a ratio (p renormalised over them); nan if none."""
+        ratios, used = [], []
+        if self.mu_source == "clients":
+            for (_, m), w in zip(rows, weights):
+                if "mu" in m and math.isfinite(float(m["mu"])):
+                    ratios.append(float(m["mu"]))
+                    used.append(w)
+        else:
+            assert self.gradient_fn is not None
+            g_global = np.asarray(self.gradient_fn(global_arrays), dtype=np.float64)
+            w_global = flatten(global_arrays)
+            for (v, _), w in zip(rows, weights):
+                distance = l2_norm(v)
+                if distance == 0:
+                    continue
+                g_local = np.asarray(self.gradient_fn(unflatten(w_global + v, shapes)), dtype=np.float64)
+                ratios.append(l2_norm(g_local - g_global) / distance)
+                used.append(w)
+        if not ratios:
+            return math.nan
+        return float(np.dot(np.asarray(used) / np.sum(used), ratios))
+
+    def next_tau(self, mu: float, dim: int) -> tuple[int, float]:
+        if not self.adaptive:
+            return self.initial_local_steps, math.nan
+        batch = self.batch_sample_rate * min(self.dataset_sizes.values(), default=0)
+        return next_local_steps(rounds_budget=self.rounds_budget, steps_budget=self.steps_budget,
+                                previous=self.tau, mu=mu, clipping_norm=self.sample_clipping_norm,
+                                noise_multiplier=self.sample_noise_multiplier, dim=dim, batch_size=batch,
+                                gamma=self.gamma)
+
+    def privacy_metrics(self) -> dict:
+        assert self.ledger is not None
+        claimed = {"epsilon_claimed": self.claimed_epsilon()} if self.claims_differ else {}
+        return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
+
+    # ------------------------------------------------------------------ loop
+    def budget_exhausted(self) -> bool:
+        if self.ledger is None:
+            return False
+        return self.total_steps >= self.steps_budget or self.clients_out_of_budget
+
+    def budget_stop_reason(self, server_round: int) -> str:
+        if self.total_steps >= self.steps_budget:
+            return (f"clients reached R_c = {self.steps_budget} DP-SGD steps (target epsilon "
+                    f"{self.sample_target_epsilon}) before round {server_round}")
+        return (f"no client can take another DP-SGD step within target epsilon {self.sample_target_epsilon} "
+                f"(before round {server_round})")
+
+    def describe(self) -> dict:
+        assert self.ledger is not None
+        return {
+            "privacy_unit": "one training sample of a client (sample-level DP-SGD; each client's own ledger)",
+            "sample_noise_multiplier": self.sample_noise_multiplier,
+            "sample_clipping_norm": self.sample_clipping_norm,
+            "batch_sample_rate": self.batch_sample_rate,
+            "client_sampling_rate": self.sample_rate,
+            "client_sampling": self.client_sampling,
+            "num_clients": self.num_clients,
+            "accountant": self.accountant,
+            "target_epsilon": self.sample_target_epsilon,
+            "adaptive": self.adaptive,
+            "gamma": self.gamma,
+            "mu_source": self.mu_source,
+            "mu_noise_multiplier": self.mu_noise_multiplier if self.releases_mu() else None,
+            "dpsgd_noise": self.dpsgd_noise,
+            "wavelet_calibration": self.wavelet_calibration if self.dpsgd_noise == "wavelet" else None,
+            "accounted_noise_multiplier": self.accounted_multiplier,
+            "rounds_budget": self.rounds_budget,
+            "steps_budget": self.steps_budget,
+            "tau_list": list(self.tau_list),
+            "local_steps_total": self.total_steps,
+            "stop_reason": self.stop_reason,
+            "ledger": self.ledger.state_dict(),
+            "epsilon_per_client": self.ledger.epsilon_per_client(),
+            **self.privacy_metrics(),
+        }
+
+
+def reply_metrics_problem(metrics: dict) -> str | None:
+    """Why a DP-SGD client's metrics cannot be used (missing / invalid counts), else None."""
+    for key in ("num-examples", "partition-id", "local-steps", "dpsgd-steps"):
+        if key not in metrics:
+            return f"metric '{key}' missing"
+    n = float(metrics["num-examples"])
+    if not (math.isfinite(n) and n > 0):
+        return f"num-examples = {metrics['num-examples']!r} must be > 0"
+    if int(metrics["local-steps"]) < 0 or int(metrics["dpsgd-steps"]) < int(metrics["local-steps"]):
+        return f"inconsistent step counts {metrics['local-steps']!r} / {metrics['dpsgd-steps']!r}"
+    return None
