@@ -38,18 +38,18 @@ def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPFedAvg:
         return LegacyDPFedAvg(build_strategy({**cfg, "secure-aggregation": False}, on_round_end, gradient_fn),
                               secure_aggregation=True, secagg_num_shares=cfg["secagg-num-shares"],
                               secagg_reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
+    common = dict(sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
+                  server_learning_rate=cfg["server-lr"], delta=cfg["delta"], accountant=cfg["accountant"],
+                  target_epsilon=cfg["target-epsilon"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
+                  min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
+                  on_round_end=on_round_end)
     if cfg["algorithm"] == "ali-dpfl":
         return ALIDPFL(
-            sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
-            batch_sample_rate=cfg["batch-sample-rate"], sample_noise_multiplier=cfg["sample-noise-multiplier"],
-            sample_clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
-            delta=cfg["delta"], accountant=cfg["accountant"], adaptive=cfg["adaptive"],
-            local_steps=cfg["local-steps"], gamma=cfg["gamma"], mu_source=cfg["mu-source"],
-            mu_noise_multiplier=cfg["mu-noise-multiplier"], gradient_fn=gradient_fn,
-            dpsgd_noise=cfg["dpsgd-noise"], wavelet_calibration=cfg["wavelet-calibration"],
-            server_learning_rate=cfg["server-lr"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
-            min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
-            on_round_end=on_round_end)
+            **common, batch_sample_rate=cfg["batch-sample-rate"],
+            sample_noise_multiplier=cfg["sample-noise-multiplier"], sample_clipping_norm=cfg["sample-clipping-norm"],
+            adaptive=cfg["adaptive"], local_steps=cfg["local-steps"], gamma=cfg["gamma"],
+            mu_source=cfg["mu-source"], mu_noise_multiplier=cfg["mu-noise-multiplier"], gradient_fn=gradient_fn,
+            dpsgd_noise=cfg["dpsgd-noise"], wavelet_calibration=cfg["wavelet-calibration"])
     strategy_class, extra = DPFedAvg, {}
     if cfg["algorithm"] == "dp-fedsam-topk":
         strategy_class, extra = DPFedSAMTopK, dict(sparsity=cfg["sparsity"], topk_mode=cfg["topk-mode"])
@@ -60,14 +60,8 @@ def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPFedAvg:
     elif cfg["algorithm"] in FINE_TUNED:
         strategy_class = PersonalizedDPFedAvg
     return strategy_class(
-        **extra,
-        sample_rate=cfg["sample-rate"], clipping_norm=cfg["clipping-norm"],
-        noise_multiplier=cfg["noise-multiplier"], noise_placement=cfg["noise-placement"],
-        client_sampling=cfg["client-sampling"], server_learning_rate=cfg["server-lr"],
-        delta=cfg["delta"], accountant=cfg["accountant"], target_epsilon=cfg["target-epsilon"],
-        target_epsilon_mode=cfg["target-epsilon-mode"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
-        min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
-        on_round_end=on_round_end)
+        **common, **extra, clipping_norm=cfg["clipping-norm"], noise_multiplier=cfg["noise-multiplier"],
+        noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"])
 
 
 def build_global_model(cfg: dict) -> torch.nn.Module:

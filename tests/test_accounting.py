@@ -1,17 +1,13 @@
 """The ledger against an independent accountant (Google dp-accounting)."""
 
-import logging
 import math
 
-import dp_accounting
 import pytest
-from dp_accounting import pld, rdp
 
 from strategies.accounting import (
     ClientLevelLedger, PrivacyLedger, calibrate_noise_multiplier, epsilon_of, per_update_noise_multiplier,
 )
-
-logging.getLogger("absl").setLevel(logging.ERROR)
+from tests.independent_accountant import dp_accounting_epsilons
 
 # (sigma, q, rounds, delta): epsilons from about 0.5 to 20
 SETTINGS = [
@@ -25,14 +21,6 @@ SETTINGS = [
 ]
 
 
-def independent_epsilons(sigma, q, rounds, delta):
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
-    pld_acc = pld.PLDAccountant(value_discretization_interval=1e-4)
-    pld_acc.compose(event)
-    rdp_acc = rdp.RdpAccountant()
-    rdp_acc.compose(event)
-    return pld_acc.get_epsilon(delta), rdp_acc.get_epsilon(delta)
 
 
 @pytest.mark.parametrize("sigma,q,rounds,delta", SETTINGS)
@@ -42,7 +30,7 @@ def test_epsilon_is_valid_bound_next_to_dp_accounting(sigma, q, rounds, delta, a
     for _ in range(rounds):
         ledger.record(sigma, q)
     eps = ledger.epsilon()
-    eps_pld, eps_rdp = independent_epsilons(sigma, q, rounds, delta)
+    eps_pld, eps_rdp = dp_accounting_epsilons(sigma, q, rounds, delta)
     assert 0.3 < eps_pld < 25
     assert eps >= eps_pld * 0.99, "printed epsilon below the PLD epsilon: not a valid bound"
     assert eps <= eps_rdp * 1.05, "printed epsilon more than 5% above the RDP epsilon"

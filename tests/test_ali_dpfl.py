@@ -4,11 +4,9 @@ import json
 import logging
 import math
 
-import dp_accounting
 import numpy as np
 import pytest
 import torch
-from dp_accounting import pld, rdp
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -25,6 +23,7 @@ from fl_app.server_app import run_federated
 from strategies.accounting import epsilon_of
 from strategies.ali_dpfl import ALIDPFL, max_local_steps, next_local_steps, optimal_local_steps
 from strategies.mechanisms import flatten
+from tests.independent_accountant import dp_accounting_epsilons
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -99,14 +98,6 @@ def test_config_and_client_list_the_same_grad_sample_modes():
 # ---------------------------------------------------------------- R_c and the client ledger
 
 
-def dp_accounting_epsilons(sigma, q, steps, delta):
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
-    pld_acc = pld.PLDAccountant(value_discretization_interval=1e-4)
-    pld_acc.compose(event)
-    rdp_acc = rdp.RdpAccountant()
-    rdp_acc.compose(event)
-    return pld_acc.get_epsilon(delta), rdp_acc.get_epsilon(delta)
 
 
 @pytest.mark.parametrize("target,sigma,q", [(1.0, 1.5, 0.05), (2.0, 1.0, 0.05), (4.0, 1.5, 0.1),

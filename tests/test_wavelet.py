@@ -3,11 +3,9 @@
 import logging
 import math
 
-import dp_accounting
 import numpy as np
 import pytest
 import torch
-from dp_accounting import pld, rdp
 from flwr.app import ArrayRecord
 from threadpoolctl import threadpool_limits
 
@@ -23,6 +21,7 @@ from strategies.mechanisms import (
 )
 from strategies.wavelet import DPFedAvgWavelet
 from tests.stub_clients import stub_app, zero_update
+from tests.independent_accountant import dp_accounting_epsilons
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 torch.set_num_threads(1)
@@ -118,14 +117,6 @@ def test_sampled_noise_along_all_ones_and_a_fine_detail():
 
 
 # ---------------------------------------------------------------------------- strategy and ledger
-def independent_epsilon(sigma, q, rounds, delta):
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
-    pld_acc = pld.PLDAccountant(value_discretization_interval=1e-4)
-    pld_acc.compose(event)
-    rdp_acc = rdp.RdpAccountant()
-    rdp_acc.compose(event)
-    return pld_acc.get_epsilon(delta), rdp_acc.get_epsilon(delta)
 
 
 def run_wavelet(calibration, sigma, rounds=4, dim_in=7, dim_out=8, **kwargs):
@@ -144,7 +135,7 @@ def test_paper_ledger_charges_sigma_h_over_sqrt_n_and_warns(caplog):
     assert s.padded_size == 64 and s.sigma_h == 8.0
     assert s.accounted_noise_multiplier() == pytest.approx(1.0)  # 8 / sqrt(64)
     eps = result.train_metrics_clientapp[4]["epsilon"]
-    eps_pld, eps_rdp = independent_epsilon(1.0, 0.3, 4, 1e-4)
+    eps_pld, eps_rdp = dp_accounting_epsilons(1.0, 0.3, 4, 1e-4)
     assert eps_pld * 0.99 <= eps <= eps_rdp * 1.05
     assert eps == pytest.approx(epsilon_of([(1.0, 0.3, 4)], 1e-4))
     claimed = result.train_metrics_clientapp[4]["claimed_epsilon"]
