@@ -183,9 +183,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.ensure_population(client_manager)
         self._pending = None
         if self.dp.budget_exhausted():
-            if not self.dp.stop_reason.startswith("target epsilon"):
-                self.dp.stop_reason = (f"target epsilon {self.dp.target_epsilon} reached: round {server_round} "
-                                       "would spend more")
+            if self.dp.stop_reason == "num-rounds reached":  # first round refused: say why, once
+                self.dp.stop_reason = self.dp.budget_stop_reason(server_round)
                 log(WARNING, "Stopping before round %d: %s", server_round, self.dp.stop_reason)
             return []
         self._round_start = time.perf_counter()
