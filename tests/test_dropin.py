@@ -20,6 +20,7 @@ from fl_app.inprocess import InProcessGrid
 from strategies.accounting import epsilon_of
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import DPSecAggPlusWorkflow, LegacyDPFedAvg
+from tests.foreign_app.foreign.task import train as softmax_regression_steps
 from strategies.mechanisms import flatten
 
 NODES, ROUNDS, C, SIGMA = 10, 8, 1.0, 0.7
@@ -41,17 +42,8 @@ def initial_weights():
 
 
 def local_training(weights, pid, n, steps=20, lr=0.5):
-    w, b = (np.array(a, np.float32) for a in weights)
     x, y = shard(pid, n)
-    onehot = np.eye(10, dtype=np.float32)[y]
-    for _ in range(steps):
-        logits = x @ w + b
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        g = (p - onehot) / len(y)
-        w -= lr * x.T @ g
-        b -= lr * g.sum(0)
-    return [w, b], len(y)
+    return softmax_regression_steps(weights, x, y, steps, lr), len(y)
 
 
 def accuracy(weights) -> float:
@@ -135,6 +127,21 @@ def test_legacy_numpyclient_with_mod_and_legacy_strategy_server_fn():
     assert strategy.describe()["epsilon"] == pytest.approx(expected_epsilon())
     # the per-update figure against a server that sees every upload is far weaker
     assert strategy.describe()["epsilon_against_server"] > 5 * strategy.describe()["epsilon"]
+
+
+def test_legacy_strategy_stops_on_the_privacy_budget():
+    """The legacy path stops before the round that would exceed target_epsilon, like DPFedAvg.start."""
+    target = epsilon_of([(SIGMA, 1.0, 2)], 1e-3) + 1e-6  # exactly two rounds fit
+    budgeted = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
+                        client_sampling="fixed", delta=1e-3, seed=1, target_epsilon=target)
+    strategy = LegacyDPFedAvg(budgeted, initial_parameters=ndarrays_to_parameters(initial_weights()))
+    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
+                                                                         config=ServerConfig(num_rounds=ROUNDS)))
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
+    server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert len(strategy.history) == 2
+    assert budgeted.stop_reason == "target epsilon %s reached: round 3 would spend more" % target
+    assert strategy.describe()["epsilon"] <= target
 
 
 def test_legacy_numpyclient_with_mod_under_secaggplus():
