@@ -23,8 +23,9 @@ import torch  # noqa: E402
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 from torch import nn  # noqa: E402
 
-from clients.dpsgd import GRAD_SAMPLE_MODES, dpsgd_steps  # noqa: E402
-from fl_app.models import build_model  # noqa: E402
+from clients.dpsgd import dpsgd_steps  # noqa: E402
+from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES  # noqa: E402
+from fl_app.task.models import build_model  # noqa: E402
 
 MODELS = {"cnn-mnist": ((1, 28, 28), 30), "cnn-cifar10": ((3, 32, 32), 8)}  # input, steps per repeat
 

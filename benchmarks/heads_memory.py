@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from clients.personalized import ContextHeadStore  # noqa: E402
 from fl_app.client_app import app as client_app  # noqa: E402
 from fl_app.config import validate  # noqa: E402
-from fl_app.data import load_partition  # noqa: E402
+from fl_app.task.data import load_partition  # noqa: E402
 from fl_app.inprocess import InProcessGrid  # noqa: E402
 from fl_app.server_app import run_federated  # noqa: E402
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 
-from strategies.mechanisms import (  # noqa: E402
+from fl_app.privacy.mechanisms import (  # noqa: E402
     clip_and_noise, haar_padded_size, haar_wavelet_noise, make_rng, sparse_decode, sparse_encode,
     topk_sparsify, unflatten,
 )

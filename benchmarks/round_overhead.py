@@ -23,9 +23,9 @@ import torch
 from clients.sam import sam_step
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.data import load_partition
+from fl_app.task.data import load_partition
 from fl_app.inprocess import InProcessGrid
-from fl_app.models import build_model
+from fl_app.task.models import build_model
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 

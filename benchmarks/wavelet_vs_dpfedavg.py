@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from strategies.accounting import PrivacyLedger  # noqa: E402
-from strategies.mechanisms import haar_padded_size  # noqa: E402
+from fl_app.privacy.ledger import PrivacyLedger  # noqa: E402
+from fl_app.privacy.mechanisms import haar_padded_size  # noqa: E402
 
 
 def pld_epsilon(sigma: float, q: float, rounds: int, delta: float) -> float:

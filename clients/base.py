@@ -14,38 +14,8 @@ import torch
 from flwr.client import NumPyClient
 from torch import nn
 
-from strategies.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
-
-
-def get_weights(model: nn.Module) -> list[np.ndarray]:
-    """The model's state as numpy arrays, in state_dict order."""
-    return [v.detach().cpu().numpy().copy() for v in model.state_dict().values()]
-
-
-def set_weights(model: nn.Module, arrays: list[np.ndarray]) -> None:
-    keys = list(model.state_dict().keys())
-    if len(keys) != len(arrays):
-        raise ValueError(f"model has {len(keys)} tensors, received {len(arrays)} arrays")
-    model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, arrays)}, strict=True)
-
-
-def as_tensors(dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.from_numpy(np.asarray(dataset.x, dtype=np.float32)), torch.from_numpy(np.asarray(dataset.y, dtype=np.int64))
-
-
-@torch.no_grad()
-def evaluate_model(model: nn.Module, dataset, batch_size: int = 512) -> tuple[float, float]:
-    """(mean cross-entropy loss, accuracy) of `model` on `dataset`."""
-    model.eval()
-    x, y = as_tensors(dataset)
-    if len(y) == 0:
-        return math.nan, math.nan
-    loss, correct = 0.0, 0
-    for i in range(0, len(y), batch_size):
-        out = model(x[i:i + batch_size])
-        loss += nn.functional.cross_entropy(out, y[i:i + batch_size], reduction="sum").item()
-        correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
-    return loss / len(y), correct / len(y)
+from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
+from fl_app.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
 
 
 class TrainingClient(NumPyClient):

@@ -32,12 +32,11 @@ from opacus.optimizers import DPOptimizer, get_optimizer_class
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
-from opacus.validators import ModuleValidator
 from torch import nn
 
-from strategies.accounting import PrivacyLedger, epsilon_of
-from strategies.ali_dpfl import DPSGD_NOISES, dpsgd_noise_multipliers
-from strategies.mechanisms import (
+from fl_app.privacy.ledger import PrivacyLedger, epsilon_of
+from fl_app.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, dpsgd_multipliers
+from fl_app.privacy.mechanisms import (
     flatten,
     gaussian_noise,
     haar_coefficient_norms,
@@ -47,24 +46,11 @@ from strategies.mechanisms import (
     unflatten,
 )
 
-from .base import TrainingClient, as_tensors, get_weights, set_weights
+from fl_app.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
 
-GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")
+from .base import TrainingClient
+
 LEDGER_KEY = "dpsgd-ledger"
-
-
-def opacus_compatible(model: nn.Module) -> nn.Module:
-    """`model`, or Opacus' fix of it (e.g. BatchNorm -> GroupNorm); raises if Opacus still rejects it.
-
-    The server applies the same function to the global model so both sides share one layout.
-    """
-    if ModuleValidator.is_valid(model):
-        return model
-    fixed = ModuleValidator.fix(model)
-    errors = ModuleValidator.validate(fixed, strict=False)
-    if errors:
-        raise ValueError(f"model is not supported by Opacus DP-SGD even after ModuleValidator.fix: {errors}")
-    return fixed
 
 
 def torch_generator(seed: int, *stream: int, secure: bool = False) -> torch.Generator:
@@ -175,22 +161,6 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     return taken
 
 
-def loss_gradient(model: nn.Module, dataset, max_samples: int = 0, batch_size: int = 512) -> np.ndarray:
-    """grad F(w) = gradient of the mean cross-entropy on `dataset` (its first `max_samples`), flat float64."""
-    x, y = as_tensors(dataset)
-    if max_samples > 0:
-        x, y = x[:max_samples], y[:max_samples]
-    model.eval()
-    model.zero_grad(set_to_none=True)
-    for i in range(0, len(y), batch_size):
-        loss = nn.functional.cross_entropy(model(x[i:i + batch_size]), y[i:i + batch_size], reduction="sum")
-        (loss / len(y)).backward()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    out = torch.cat([g.reshape(-1) for g in grads]).double().numpy()
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 def strong_convexity_ratio(model: nn.Module, dataset, global_weights: list[np.ndarray],
                            local_weights: list[np.ndarray], max_samples: int = 0) -> float:
     """||grad F(w_i) - grad F(w)|| / ||w_i - w|| on `dataset` (ALI-DPFL's mu term; nan when w_i = w)."""
@@ -254,7 +224,7 @@ class DPSGDClient(TrainingClient):
         self.grad_sample_mode, self.noise = grad_sample_mode, noise
         self.mu_max, self.mu_noise_multiplier = mu_max, mu_noise_multiplier
         dim = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.mechanism_multiplier, self.accounted_multiplier, self.budget_multiplier = dpsgd_noise_multipliers(
+        self.mechanism_multiplier, self.accounted_multiplier, self.budget_multiplier = dpsgd_multipliers(
             noise_multiplier, noise, wavelet_calibration, dim)
 
     # -- budget ---------------------------------------------------------------

@@ -6,7 +6,7 @@ without subclassing. Attach them to train only (`@app.train(mods=[...])`, or a l
 new weights, as Flower clients do; the mod turns them into the update
 Delta = w_local - w_global, and when the strategy asks for it ("privatize" in the train
 config) clips Delta to C ("clipping-norm") and adds the noise share N(0, s^2 I)
-("noise-std"), ALGORITHMS.md section 0, with the functions of strategies.mechanisms.
+("noise-std"), ALGORITHMS.md section 0, with the functions of fl_app.privacy.mechanisms.
 It reports ||Delta||_2 before clipping as "update-norm" (the strategy's clipping
 statistics), except under secure aggregation.
 
@@ -32,7 +32,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 
-from strategies.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten, update_problem
+from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten, update_problem
 
 LEGACY_FIT_CONFIG = "fitins.config"
 LEGACY_FIT_RESULT = "fitres.parameters"

@@ -29,9 +29,11 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 from torch import nn
 
-from strategies.mechanisms import flatten, make_rng, unflatten
+from fl_app.privacy.mechanisms import flatten, make_rng, unflatten
 
-from .base import TrainingClient, evaluate_model, set_weights
+from fl_app.task.torch_helpers import evaluate_model, set_weights
+
+from .base import TrainingClient
 from .sam import SAMClient
 
 Head = dict[str, np.ndarray]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.mechanisms import sparse_encode, topk_sparsify
+from fl_app.privacy.mechanisms import sparse_encode, topk_sparsify
 
 from .sam import SAMClient
 

@@ -26,9 +26,9 @@ from clients.personalized import (
 from clients.sam import SAMClient
 from clients.topk import TopKSAMClient
 from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
-from fl_app.data import load_partition
-from fl_app.models import build_model, split_state_keys
-from strategies.ali_dpfl import DEFAULT_SAMPLE_DELTA
+from fl_app.task.data import load_partition
+from fl_app.task.models import build_model, split_state_keys
+from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 
 app = ClientApp()
 

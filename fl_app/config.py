@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.data import DATASETS, PARTITIONERS, dataset_info
-from fl_app.models import MODELS, build_model, split_state_keys
+from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES
+from fl_app.task.data import DATASETS, PARTITIONERS, dataset_info
+from fl_app.task.models import MODELS, build_model, split_state_keys
 
-GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")  # clients.dpsgd checks the same tuple
 ALI_DPFL_KEYS = ("sample-noise-multiplier", "sample-clipping-norm", "batch-sample-rate", "grad-sample-mode",
                  "dpsgd-noise", "adaptive", "gamma", "mu-source", "mu-max", "mu-noise-multiplier")
 

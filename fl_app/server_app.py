@@ -11,11 +11,10 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from clients.base import evaluate_model, get_weights, set_weights
-from clients.dpsgd import loss_gradient, opacus_compatible
+from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
 from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
-from fl_app.data import dataset_info, load_dataset
-from fl_app.models import build_model, count_parameters, split_state_keys
+from fl_app.task.data import dataset_info, load_dataset
+from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg

@@ -31,14 +31,12 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 
-from .accounting import PrivacyLedger, SampleLevelLedgers, epsilon_of
+from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
+from fl_app.privacy.ledger import SampleLevelLedgers, epsilon_of
+from fl_app.privacy.settings import MU_SOURCES
 from .dp_fedavg import DPFedAvg, RoundCallback
-from .mechanisms import coefficient_clipping_noise_multiplier, flatten, haar_padded_size, l2_norm, unflatten
+from fl_app.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
 
-MU_SOURCES = ("server", "clients")
-DPSGD_NOISES = ("gaussian", "wavelet")
-WAVELET_CALIBRATIONS = ("paper", "exact")
-DEFAULT_SAMPLE_DELTA = 1e-5
 
 GradientFn = Callable[[list[np.ndarray]], np.ndarray]
 
@@ -70,34 +68,6 @@ def next_local_steps(*, rounds_budget: int, steps_budget: int, previous: int, mu
     return max(1, math.floor(tau + 0.5)), tau
 
 
-def max_local_steps(target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float,
-                    accountant: str = "rdp") -> int:
-    """R_c (Algorithm 3): the largest number of DP-SGD steps with eps(delta) <= target."""
-    return PrivacyLedger(delta, accountant).max_steps_within(target_epsilon, noise_multiplier, sample_rate)
-
-
-def dpsgd_noise_multipliers(noise_multiplier: float, noise: str = "gaussian", calibration: str = "exact",
-                            dim: int = 1) -> tuple[float, float, float]:
-    """(multiplier fed to the mechanism, true multiplier the ledger charges, multiplier of the step budget).
-
-    Gaussian DP-SGD: sigma for all three. DP-SGD-WAV on a model of d parameters padded to
-    n = 2^L: its true multiplier is sigma_H / n (`coefficient_clipping_noise_multiplier`);
-    `exact` feeds sigma_H = sigma * n, so the true multiplier is sigma; `paper` feeds
-    sigma_H = sigma as published, charges sigma / n, and lets the step budget follow the
-    paper's claim (sigma) so that the published mechanism runs at all.
-    """
-    if noise not in DPSGD_NOISES:
-        raise ValueError(f"noise={noise!r} is not one of: {', '.join(DPSGD_NOISES)}")
-    if noise == "gaussian":
-        return noise_multiplier, noise_multiplier, noise_multiplier
-    if calibration not in WAVELET_CALIBRATIONS:
-        raise ValueError(f"calibration={calibration!r} is not one of: {', '.join(WAVELET_CALIBRATIONS)}")
-    n = haar_padded_size(dim)
-    if calibration == "exact":
-        return noise_multiplier * n, noise_multiplier, noise_multiplier
-    return noise_multiplier, coefficient_clipping_noise_multiplier(noise_multiplier, n), noise_multiplier
-
-
 class ALIDPFL(DPFedAvg):
     """ALI-DPFL: adaptive local DP-SGD iterations, weighted model averaging, per-client ledgers.
 
@@ -115,7 +85,7 @@ class ALIDPFL(DPFedAvg):
     mu_source, mu_noise_multiplier : see the module docstring.
     gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
     dpsgd_noise, wavelet_calibration : "wavelet" for DP-SGD-WAV clients; the ledgers charge
-        its true multiplier (`dpsgd_noise_multipliers`), and with `paper` calibration the
+        its true multiplier (`dpsgd_multipliers`), and with `paper` calibration the
         run also reports the epsilon the paper would claim.
     """
 
@@ -154,7 +124,7 @@ class ALIDPFL(DPFedAvg):
         self.initial_local_steps = max(1, local_steps)
         self.mu_source, self.mu_noise_multiplier = mu_source, mu_noise_multiplier
         self.gradient_fn = gradient_fn
-        dpsgd_noise_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # validates
+        dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # validates
         self.dpsgd_noise, self.wavelet_calibration = dpsgd_noise, wavelet_calibration
         self.accounted_multiplier = sample_noise_multiplier  # set from the model size in the first round
         self.dimension = 0
@@ -292,7 +262,7 @@ class ALIDPFL(DPFedAvg):
     def set_dimension(self, dim: int) -> None:
         """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
         first, self.dimension = self.dimension == 0, dim
-        _, self.accounted_multiplier, _ = dpsgd_noise_multipliers(
+        _, self.accounted_multiplier, _ = dpsgd_multipliers(
             self.sample_noise_multiplier, self.dpsgd_noise, self.wavelet_calibration, dim)
         if first and self.claims_differ:
             log(WARNING, "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "

@@ -24,8 +24,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
-from .accounting import ClientLevelLedger, calibrate_noise_multiplier
-from .mechanisms import (
+from fl_app.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier
+from fl_app.privacy.mechanisms import (
     clip_to_norm,
     distributed_noise_std,
     flatten,

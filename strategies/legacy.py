@@ -43,7 +43,7 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .dp_fedavg import DPFedAvg, format_record
-from .mechanisms import flatten, unflatten, update_problem
+from fl_app.privacy.mechanisms import flatten, unflatten, update_problem
 
 SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
 SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate

@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .dp_fedavg import DPFedAvg
-from .mechanisms import make_rng
+from fl_app.privacy.mechanisms import make_rng
 
 
 class PersonalizedDPFedAvg(DPFedAvg):

@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
 from .dp_fedavg import DPFedAvg
-from .mechanisms import TOPK_MODES, sparse_decode
+from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode
 
 
 def payload_bytes(record: ArrayRecord) -> int:

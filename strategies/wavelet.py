@@ -25,9 +25,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .accounting import PrivacyLedger
+from fl_app.privacy.ledger import PrivacyLedger
 from .dp_fedavg import DPFedAvg
-from .mechanisms import (
+from fl_app.privacy.mechanisms import (
     clip_to_norm,
     haar_padded_size,
     haar_wavelet_noise,

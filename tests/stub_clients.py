@@ -9,8 +9,9 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from clients.adapter import train_reply
-from clients.base import TrainingClient, get_weights, set_weights
-from strategies.mechanisms import flatten, unflatten
+from clients.base import TrainingClient
+from fl_app.task.torch_helpers import get_weights, set_weights
+from fl_app.privacy.mechanisms import flatten, unflatten
 
 
 class FixedUpdateClient(TrainingClient):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from strategies.accounting import (
+from fl_app.privacy.ledger import (
     ClientLevelLedger, PrivacyLedger, calibrate_noise_multiplier, epsilon_of, per_update_noise_multiplier,
 )
 from tests.independent_accountant import dp_accounting_epsilons

@@ -11,9 +11,9 @@ import torch
 from opacus import GradSampleModule
 from opacus.validators import ModuleValidator
 
-from fl_app import data
-from fl_app.data import dataset_info, load_dataset, load_partition, partition_indices
-from fl_app.models import MODELS, build_model, count_parameters, head_parameter_names
+from fl_app.task import data
+from fl_app.task.data import dataset_info, load_dataset, load_partition, partition_indices
+from fl_app.task.models import MODELS, build_model, count_parameters, head_parameter_names
 
 torch.set_num_threads(1)
 

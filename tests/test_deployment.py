@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from strategies.accounting import epsilon_of
+from fl_app.privacy.ledger import epsilon_of
 from tests.deployment import ROOT, Deployment, make_node_keys
 
 pytestmark = pytest.mark.slow

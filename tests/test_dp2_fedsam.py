@@ -16,9 +16,9 @@ from fl_app.client_app import app as client_app
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.models import MODELS, build_model, head_parameter_names, split_state_keys
+from fl_app.task.models import MODELS, build_model, head_parameter_names, split_state_keys
 from fl_app.server_app import build_global_model, build_strategy, run_federated, shared_weights
-from strategies.mechanisms import clip_to_norm, flatten
+from fl_app.privacy.mechanisms import clip_to_norm, flatten
 from strategies.partial_sharing import PartialSharingDPFedAvg
 
 torch.set_num_threads(1)

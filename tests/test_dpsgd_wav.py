@@ -7,15 +7,15 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.base import get_weights
+from fl_app.task.torch_helpers import get_weights
 from clients.dpsgd import DPSGDClient, dpsgd_steps
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
-from strategies.accounting import epsilon_of
-from strategies.ali_dpfl import dpsgd_noise_multipliers, max_local_steps
-from strategies.mechanisms import (
+from fl_app.privacy.ledger import epsilon_of
+from fl_app.privacy.dpsgd_noise import dpsgd_multipliers, max_local_steps
+from fl_app.privacy.mechanisms import (
     coefficient_clipping_noise_multiplier,
     flatten,
     haar_coefficient_norm,
@@ -114,8 +114,8 @@ def wav_client(state, calibration, target=8.0):
 def test_wavelet_client_ledger_charges_the_true_multiplier():
     d = sum(p.numel() for p in tiny_model().parameters())
     n = haar_padded_size(d)
-    assert dpsgd_noise_multipliers(1.2, "wavelet", "exact", d) == (1.2 * n, 1.2, 1.2)
-    assert dpsgd_noise_multipliers(1.2, "wavelet", "paper", d) == (1.2, 1.2 / n, 1.2)
+    assert dpsgd_multipliers(1.2, "wavelet", "exact", d) == (1.2 * n, 1.2, 1.2)
+    assert dpsgd_multipliers(1.2, "wavelet", "paper", d) == (1.2, 1.2 / n, 1.2)
     weights = get_weights(tiny_model())
     _, _, exact = wav_client(RecordDict(), "exact").fit(weights, {"server-round": 1, "local-steps": 5})
     assert exact["epsilon"] == epsilon_of([(1.2, 0.2, 5)], 1e-5) and "epsilon-claimed" not in exact

@@ -11,7 +11,7 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
-from strategies.accounting import epsilon_of
+from fl_app.privacy.ledger import epsilon_of
 
 NUM_CLIENTS = 50
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from strategies.mechanisms import (
+from fl_app.privacy.mechanisms import (
     clip_and_noise, clip_to_norm, distributed_noise_std, flatten, gaussian_noise, l2_norm, make_rng,
     topup_noise_std, unflatten, update_problem,
 )

@@ -13,16 +13,16 @@ from flwr.compat.common import recorddict_compat as compat
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
 from torch import nn
 
-from clients.base import get_weights
+from fl_app.task.torch_helpers import get_weights
 from clients.mods import uniform_weight_mod
 from fl_app.client_app import app as fl_client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
-from strategies.accounting import epsilon_of
+from fl_app.privacy.ledger import epsilon_of
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg, secagg_clipping_range
-from strategies.mechanisms import flatten
+from fl_app.privacy.mechanisms import flatten
 from tests.stub_clients import FixedUpdateClient
 
 C, SIGMA = 0.5, 1.3

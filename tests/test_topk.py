@@ -7,13 +7,13 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from clients.base import get_weights
+from fl_app.task.torch_helpers import get_weights
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import build_global_model, build_strategy, run_federated
-from strategies.mechanisms import (
+from fl_app.privacy.mechanisms import (
     flatten, sparse_decode, sparse_encode, topk_count, topk_mask, topk_sparsify,
 )
 from strategies.topk import DPFedSAMTopK, payload_bytes

@@ -14,8 +14,8 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
-from strategies.accounting import epsilon_of
-from strategies.mechanisms import (
+from fl_app.privacy.ledger import epsilon_of
+from fl_app.privacy.mechanisms import (
     flatten, haar_coefficients, haar_padded_size, haar_wavelet_noise, haar_weights, make_rng,
     wavelet_effective_noise_multiplier,
 )

@@ -1,0 +1,34 @@
+"""The keys that strategies and clients exchange: the train config the server sends, and the
+metrics a client reports. Both sides use these names; neither spells the strings itself.
+"""
+
+# Train config: server -> client.
+SERVER_ROUND = "server-round"
+PRIVATIZE = "privatize"  # clip to CLIPPING_NORM (and add a noise share of NOISE_STD) before upload
+CLIPPING_NORM = "clipping-norm"
+NOISE_STD = "noise-std"
+SPARSITY = "sparsity"  # top-k: fraction p of coordinates kept
+TOPK_MODE = "topk-mode"
+SECURE_AGGREGATION = "secure-aggregation"  # the upload goes into a SecAgg+ sum
+LOCAL_STEPS = "local-steps"  # also reported back: steps taken
+LOCAL_EPOCHS = "local-epochs"
+LEARNING_RATE = "lr"
+RELEASE_MU = "release-mu"  # ALI-DPFL: release a noisy mu estimate
+
+# Metrics: client -> server.
+NUM_EXAMPLES = "num-examples"
+UPDATE_NORM = "update-norm"  # ||Delta||_2 before clipping
+TRAIN_LOSS = "train-loss"
+HEAD_LOSS = "head-loss"
+HEAD_STEPS = "head-steps"
+FINE_TUNE_STEPS = "fine-tune-steps"
+KEPT_VALUES = "kept-values"  # top-k: coordinates uploaded
+PARTITION_ID = "partition-id"
+DPSGD_STEPS = "dpsgd-steps"  # cumulative DP-SGD steps on this client's data
+MU_RELEASES = "mu-releases"  # cumulative mu releases
+MU = "mu"
+EPSILON = "epsilon"  # the client's own sample-level ledger
+EPSILON_CLAIMED = "epsilon-claimed"
+BUDGET_LEFT = "budget-left"  # 1 if one more DP-SGD step fits the budget
+ACCURACY = "accuracy"
+LOSS = "loss"

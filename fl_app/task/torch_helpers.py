@@ -1,0 +1,75 @@
+"""Torch helpers that the ServerApp and the clients share: model weights in and out,
+evaluation, the loss gradient (ALI-DPFL's mu), and Opacus' layer fixes (imported lazily:
+only DP-SGD needs Opacus).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def get_weights(model: nn.Module) -> list[np.ndarray]:
+    """The model's state as numpy arrays, in state_dict order."""
+    return [v.detach().cpu().numpy().copy() for v in model.state_dict().values()]
+
+
+def set_weights(model: nn.Module, arrays: list[np.ndarray]) -> None:
+    keys = list(model.state_dict().keys())
+    if len(keys) != len(arrays):
+        raise ValueError(f"model has {len(keys)} tensors, received {len(arrays)} arrays")
+    model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, arrays)}, strict=True)
+
+
+def as_tensors(dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(np.asarray(dataset.x, dtype=np.float32)), torch.from_numpy(np.asarray(dataset.y, dtype=np.int64))
+
+
+@torch.no_grad()
+def evaluate_model(model: nn.Module, dataset, batch_size: int = 512) -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of `model` on `dataset`."""
+    model.eval()
+    x, y = as_tensors(dataset)
+    if len(y) == 0:
+        return math.nan, math.nan
+    loss, correct = 0.0, 0
+    for i in range(0, len(y), batch_size):
+        out = model(x[i:i + batch_size])
+        loss += nn.functional.cross_entropy(out, y[i:i + batch_size], reduction="sum").item()
+        correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
+    return loss / len(y), correct / len(y)
+
+
+def opacus_compatible(model: nn.Module) -> nn.Module:
+    """`model`, or Opacus' fix of it (e.g. BatchNorm -> GroupNorm); raises if Opacus still rejects it.
+
+    The server applies the same function to the global model so both sides share one layout.
+    """
+    from opacus.validators import ModuleValidator
+
+    if ModuleValidator.is_valid(model):
+        return model
+    fixed = ModuleValidator.fix(model)
+    errors = ModuleValidator.validate(fixed, strict=False)
+    if errors:
+        raise ValueError(f"model is not supported by Opacus DP-SGD even after ModuleValidator.fix: {errors}")
+    return fixed
+
+
+def loss_gradient(model: nn.Module, dataset, max_samples: int = 0, batch_size: int = 512) -> np.ndarray:
+    """grad F(w) = gradient of the mean cross-entropy on `dataset` (its first `max_samples`), flat float64."""
+    x, y = as_tensors(dataset)
+    if max_samples > 0:
+        x, y = x[:max_samples], y[:max_samples]
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    for i in range(0, len(y), batch_size):
+        loss = nn.functional.cross_entropy(model(x[i:i + batch_size]), y[i:i + batch_size], reduction="sum")
+        (loss / len(y)).backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    out = torch.cat([g.reshape(-1) for g in grads]).double().numpy()
+    model.zero_grad(set_to_none=True)
+    return out
