@@ -4,26 +4,22 @@ Embedded MNIST, 10 clients, Dirichlet(0.05), every client every round, R_s = 20 
 DP-SGD sigma = 1.5, q_s = 0.1, C = 0.1, lr = 5, target epsilon 4 per client (R_c = 104
 steps): the end-to-end test's setting. In-process (no Ray), one seed per run.
 
-    python benchmarks/ali_dpfl_runs.py [--seeds 1]
+    python -m benchmarks.ali_dpfl_runs [--seeds 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, not an installed `benchmarks`
+import torch
 
-import torch  # noqa: E402
-
-from fl_app.client_app import app as client_app  # noqa: E402
-from fl_app.config import validate  # noqa: E402
-from fl_app.inprocess import InProcessGrid  # noqa: E402
-from fl_app.server_app import run_federated  # noqa: E402
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.server_app import run_federated
 
 BASE = {"algorithm": "ali-dpfl", "dataset": "mnist-embedded", "partitioner": "dirichlet", "dirichlet-alpha": 0.05,
         "num-rounds": 20, "sample-rate": 1.0, "batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5,

@@ -5,27 +5,23 @@ data; DP-SGD runs through `clients.dpsgd.dpsgd_steps` (what the ALI-DPFL client 
 SGD through a plain forward/backward/step loop. The modes and SGD are interleaved and
 the median of the repeats is reported, so load on the machine hits all alike.
 
-    python benchmarks/dpsgd_bench.py [--batch 64] [--threads 1] [--repeats 5] [--models cnn-mnist ...]
+    python -m benchmarks.dpsgd_bench [--batch 64] [--threads 1] [--repeats 5] [--models cnn-mnist ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, not an installed `benchmarks`
+import torch
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch import nn
 
-import torch  # noqa: E402
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
-from torch import nn  # noqa: E402
-
-from clients.dpsgd import dpsgd_steps  # noqa: E402
-from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES  # noqa: E402
-from fl_app.task.models import build_model  # noqa: E402
+from clients.dpsgd import dpsgd_steps
+from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES
+from fl_app.task.models import build_model
 
 MODELS = {"cnn-mnist": ((1, 28, 28), 30), "cnn-cifar10": ((3, 32, 32), 8)}  # input, steps per repeat
 

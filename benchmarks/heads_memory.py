@@ -4,8 +4,8 @@ One round with every client sampled (so that every client trains and stores a he
 personalized evaluation of every client, all in this process (InProcessGrid, the real ClientApp).
 Prints the process RSS before and after, its peak, and the bytes held in the heads.
 
-    python benchmarks/heads_memory.py                 # 1000 clients, cnn-mnist
-    python benchmarks/heads_memory.py --head-prefix classifier   # a 50x larger head (16,746 parameters)
+    python -m benchmarks.heads_memory                 # 1000 clients, cnn-mnist
+    python -m benchmarks.heads_memory --head-prefix classifier   # a 50x larger head (16,746 parameters)
 
 The in-process grid normally keeps every message it delivered (for tests); here it keeps none,
 so the numbers are the clients' state plus one model, not the message log.
@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clients.personalized import ContextHeadStore  # noqa: E402
-from fl_app.client_app import app as client_app  # noqa: E402
-from fl_app.config import validate  # noqa: E402
-from fl_app.task.data import load_partition  # noqa: E402
-from fl_app.inprocess import InProcessGrid  # noqa: E402
-from fl_app.server_app import run_federated  # noqa: E402
+from clients.personalized import ContextHeadStore
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.task.data import load_partition
+from fl_app.inprocess import InProcessGrid
+from fl_app.server_app import run_federated
 
 
 def rss_mib() -> float:

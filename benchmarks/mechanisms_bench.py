@@ -2,7 +2,7 @@
 update of ResNet-18 size (11,181,642 parameters, the shapes of torchvision's resnet18 with
 10 classes), on one thread. Also prints the top-k upload bytes against the dense size.
 
-    python benchmarks/mechanisms_bench.py [--repeats 5] [--sparsity 0.4]
+    python -m benchmarks.mechanisms_bench [--repeats 5] [--sparsity 0.4]
 
 Targets (issue 3): top-k path < 0.3 s, wavelet < 2 s.
 """
@@ -12,22 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+from flwr.app import ArrayRecord
 
-import numpy as np  # noqa: E402
-from flwr.app import ArrayRecord  # noqa: E402
-
-from fl_app.privacy.mechanisms import (  # noqa: E402
+from fl_app.privacy.mechanisms import (
     clip_and_noise, haar_padded_size, haar_wavelet_noise, make_rng, sparse_decode, sparse_encode,
     topk_sparsify, unflatten,
 )
-from strategies.topk import payload_bytes  # noqa: E402
+from strategies.topk import payload_bytes
 
 
 def resnet18_shapes(num_classes: int = 10) -> list[tuple[int, ...]]:

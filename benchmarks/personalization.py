@@ -5,26 +5,23 @@ rounds, so the ledger gives every run the same epsilon. Global algorithms report
 model's accuracy on the server test set; personalized ones the mean over clients of their
 personal model's accuracy on their own held-out split.
 
-    python benchmarks/personalization.py              # the settings of the slow end-to-end test
-    python benchmarks/personalization.py --rounds 20 --clients 50
+    python -m benchmarks.personalization              # the settings of the slow end-to-end test
+    python -m benchmarks.personalization --rounds 20 --clients 50
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fl_app.client_app import app as client_app  # noqa: E402
-from fl_app.config import validate  # noqa: E402
-from fl_app.inprocess import InProcessGrid  # noqa: E402
-from fl_app.server_app import run_federated  # noqa: E402
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.server_app import run_federated
 
 ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedavg-ft", "dp-fedsam-ft", "centaur", "dp2-fedsam")
 

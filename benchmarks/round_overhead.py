@@ -1,6 +1,6 @@
 """Seconds per round versus a bare PyTorch loop doing the same local steps; SAM vs SGD step time.
 
-    python benchmarks/round_overhead.py [--rounds 5] [--clients 50]
+    python -m benchmarks.round_overhead [--rounds 5] [--clients 50]
 
 All figures come from one run (the machines are shared and noisy, so compare ratios):
 - product round: DP-FedSAM through the real ServerApp/ClientApp code on the in-process

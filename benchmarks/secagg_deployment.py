@@ -1,6 +1,6 @@
 """SecAgg+ on a real deployment: the same run with and without secure aggregation.
 
-    python benchmarks/secagg_deployment.py [--nodes 3] [--rounds 2]
+    python -m benchmarks.secagg_deployment [--nodes 3] [--rounds 2]
 
 Starts a SuperLink and N SuperNodes on loopback (ports 19000-19999, private FLWR_HOME, all
 ended by PID at the end), runs the app twice with `flwr run` (secure-aggregation true / false,
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the deployment harness lives in tests/
-
-from tests.deployment import Deployment  # noqa: E402
+from fl_app.local_deployment import Deployment
 
 RUN = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1}
 

@@ -1,6 +1,6 @@
 """DP-FedSAM-top_k against DP-FedSAM: accuracy, epsilon and upload bytes per round.
 
-    python benchmarks/topk_runs.py [--rounds 30] [--clients 50] [--seeds 42]
+    python -m benchmarks.topk_runs [--rounds 30] [--clients 50] [--seeds 42]
 
 In-process federated runs (fl_app.inprocess.InProcessGrid, the same ServerApp/ClientApp
 code as `flwr run`) on mnist-embedded with the default job (cnn-mnist, Poisson q = 0.5,
@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 RUNS = [
     ("dp-fedsam", {"algorithm": "dp-fedsam"}),

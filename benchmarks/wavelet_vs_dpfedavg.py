@@ -1,8 +1,8 @@
 """DP-FedAvg-WAV: the epsilon the paper claims against the one it has, and the accuracy of
 `exact` calibration against plain DP-FedAvg at the same epsilon.
 
-    python benchmarks/wavelet_vs_dpfedavg.py [--rounds 30] [--clients 50] [--seeds 42]
-    python benchmarks/wavelet_vs_dpfedavg.py --epsilon-only
+    python -m benchmarks.wavelet_vs_dpfedavg [--rounds 30] [--clients 50] [--seeds 42]
+    python -m benchmarks.wavelet_vs_dpfedavg --epsilon-only
 
 Part 1 (seconds): the paper's client-level setting (noise scales 1, 1.5, 3; 300 rounds;
 delta 1e-5; 100 clients; q = 0.1 assumed, the paper does not state it) for a 1024-vector
@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fl_app.privacy.ledger import PrivacyLedger  # noqa: E402
-from fl_app.privacy.mechanisms import haar_padded_size  # noqa: E402
+from fl_app.privacy.ledger import PrivacyLedger
+from fl_app.privacy.mechanisms import haar_padded_size
 
 
 def pld_epsilon(sigma: float, q: float, rounds: int, delta: float) -> float:

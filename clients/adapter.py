@@ -11,6 +11,8 @@ import numbers
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.client import NumPyClient
 
+from fl_app.privacy import protocol as keys
+
 
 def _metric_record(metrics: dict) -> MetricRecord:
     """Numbers only (MetricRecord's types); NaN is dropped rather than sent."""
@@ -35,7 +37,7 @@ def train_reply(client: NumPyClient, msg: Message) -> Message:
     parameters = msg.content["arrays"].to_numpy_ndarrays()
     arrays, num_examples, metrics = client.fit(parameters, _config(msg))
     content = RecordDict({"arrays": ArrayRecord(arrays),
-                          "metrics": _metric_record({**metrics, "num-examples": num_examples})})
+                          "metrics": _metric_record({**metrics, keys.NUM_EXAMPLES: num_examples})})
     return Message(content, reply_to=msg)
 
 
@@ -43,7 +45,7 @@ def evaluate_reply(client: NumPyClient, msg: Message) -> Message:
     """Call client.evaluate; reply with loss, accuracy and num-examples."""
     parameters = msg.content["arrays"].to_numpy_ndarrays()
     loss, num_examples, metrics = client.evaluate(parameters, _config(msg))
-    content = RecordDict({"metrics": _metric_record({"loss": loss, **metrics, "num-examples": num_examples})})
+    content = RecordDict({"metrics": _metric_record({keys.LOSS: loss, **metrics, keys.NUM_EXAMPLES: num_examples})})
     return Message(content, reply_to=msg)
 
 

@@ -1,7 +1,7 @@
 """Base training client: local SGD, then the update Delta = w_local - w_global.
 
 Under `distributed` noise the client clips Delta to C and adds its noise share
-N(0, sigma^2 C^2 / m) before upload (ALGORITHMS.md section 0); the server sends C and
+N(0, sigma^2 C^2 / m) before upload (docs/algorithms.md §0); the server sends C and
 the share's std in the train config. It always reports ||Delta||_2 before clipping.
 """
 
@@ -14,8 +14,18 @@ import torch
 from flwr.client import NumPyClient
 from torch import nn
 
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
 from fl_app.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
+
+
+def sgd_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    """One optimizer step on grad F(w) of the minibatch; returns F(w)."""
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return float(loss.item())
 
 
 class TrainingClient(NumPyClient):
@@ -41,18 +51,18 @@ class TrainingClient(NumPyClient):
     # -- local training -------------------------------------------------------
     def round_lr(self, lr: float, config: dict) -> float:
         """lr * lr_decay^(t-1) in server round t."""
-        return lr * self.lr_decay ** max(0, int(config.get("server-round", 1)) - 1)
+        return lr * self.lr_decay ** max(0, int(config.get(keys.SERVER_ROUND, 1)) - 1)
 
     def make_optimizer(self, config: dict) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=self.round_lr(float(config.get("lr", self.lr)), config),
+        return torch.optim.SGD(params, lr=self.round_lr(float(config.get(keys.LEARNING_RATE, self.lr)), config),
                                momentum=self.momentum, weight_decay=self.weight_decay)
 
     def num_steps(self, config: dict) -> int:
-        steps = int(config.get("local-steps", self.local_steps))
+        steps = int(config.get(keys.LOCAL_STEPS, self.local_steps))
         if steps > 0:
             return steps
-        epochs = int(config.get("local-epochs", self.local_epochs))
+        epochs = int(config.get(keys.LOCAL_EPOCHS, self.local_epochs))
         return epochs * max(1, math.ceil(len(self.trainset) / self.batch_size))
 
     def batches(self, steps: int, rng: np.random.Generator):
@@ -66,16 +76,12 @@ class TrainingClient(NumPyClient):
             yield x[idx], y[idx]
 
     def local_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        """One SGD step; returns the minibatch loss."""
-        optimizer.zero_grad()
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        optimizer.step()
-        return float(loss.item())
+        """One local step (SGD here, SAM in SAMClient); returns the minibatch loss."""
+        return sgd_step(self.model, self.loss_fn, x, y, optimizer)
 
     def train(self, config: dict) -> tuple[float, int]:
         """Run the round's local steps; returns (mean loss, steps)."""
-        rnd = int(config.get("server-round", 0))
+        rnd = int(config.get(keys.SERVER_ROUND, 0))
         steps = self.num_steps(config)
         optimizer = self.make_optimizer(config)
         self.model.train()
@@ -86,11 +92,11 @@ class TrainingClient(NumPyClient):
     # -- Flower API -----------------------------------------------------------
     def privatize(self, update: np.ndarray, config: dict) -> tuple[np.ndarray, float]:
         """Clip + noise share when the server asks for it; returns (upload, norm before clipping)."""
-        if not bool(config.get("privatize", False)):
+        if not bool(config.get(keys.PRIVATIZE, False)):
             return update, l2_norm(update)
-        rng = make_rng(self.seed, 3, int(config.get("server-round", 0)), self.partition_id,
+        rng = make_rng(self.seed, 3, int(config.get(keys.SERVER_ROUND, 0)), self.partition_id,
                        secure=self.secure_rng)
-        return clip_and_noise(update, float(config["clipping-norm"]), float(config["noise-std"]), rng)
+        return clip_and_noise(update, float(config[keys.CLIPPING_NORM]), float(config[keys.NOISE_STD]), rng)
 
     def fit(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.model, parameters)
@@ -100,9 +106,9 @@ class TrainingClient(NumPyClient):
         upload, norm = self.privatize(update, config)
         n = len(self.trainset)
         return unflatten(upload, [a.shape for a in new]), n, {
-            "update-norm": norm, "train-loss": loss, "local-steps": steps, "num-examples": n}
+            keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.LOCAL_STEPS: steps, keys.NUM_EXAMPLES: n}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.model, parameters)
         loss, acc = evaluate_model(self.model, self.testset)
-        return loss, len(self.testset), {"accuracy": acc, "loss": loss, "num-examples": len(self.testset)}
+        return loss, len(self.testset), {keys.ACCURACY: acc, keys.LOSS: loss, keys.NUM_EXAMPLES: len(self.testset)}

@@ -1,4 +1,4 @@
-"""DP-SGD client (ALI-DPFL, ali-dpfl.txt Algorithms 2 and 3; ALGORITHMS.md section 5).
+"""DP-SGD client (the ALI-DPFL paper's Algorithms 2 and 3; docs/algorithms.md §5).
 
 Sample-level DP: each local step draws a Poisson batch with rate q_s, clips every
 per-sample gradient to C, adds N(0, sigma^2 C^2 I) to the sum and divides by the
@@ -12,7 +12,7 @@ The client's sample-level privacy ledger (its (sigma, q_s, steps) events) lives 
 Flower's `Context.state`, so it survives rounds although the client object does not.
 The client never takes a step that would push its epsilon above the target.
 
-DP-SGD-WAV (dp-fedavg-wavelet.txt Algorithm 1, `noise = "wavelet"`): per-sample clipping
+DP-SGD-WAV (the wavelet paper's Algorithm 1, `noise = "wavelet"`; docs/algorithms.md §6): per-sample clipping
 on the norm of the Haar coefficients and Haar-wavelet noise (`HaarDPOptimizer`); its
 true noise multiplier is sigma_H / n (derivation: `coefficient_clipping_noise_multiplier`).
 """
@@ -34,8 +34,10 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.ledger import PrivacyLedger, epsilon_of
-from fl_app.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, dpsgd_multipliers
+from fl_app.privacy.dpsgd_noise import dpsgd_multipliers
+from fl_app.privacy.settings import check_dpsgd_clipping
 from fl_app.privacy.mechanisms import (
     flatten,
     gaussian_noise,
@@ -60,7 +62,7 @@ def torch_generator(seed: int, *stream: int, secure: bool = False) -> torch.Gene
 
 
 class HaarDPOptimizer(DPOptimizer):
-    """DP-SGD-WAV's optimizer (dp-fedavg-wavelet.txt Algorithm 1 on Opacus' DPOptimizer).
+    """DP-SGD-WAV's optimizer (the wavelet paper's Algorithm 1 on Opacus' DPOptimizer).
 
     Each per-sample gradient is clipped on the norm of its paper-normalised Haar
     coefficients (||H||_2 <= C, `max_grad_norm`), which scales the whole gradient by
@@ -110,14 +112,8 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     `wavelet_rng` draws its noise). Steps are counted by Opacus' optimizer step hook, the
     hook its own accountants use.
     """
-    if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise ValueError(f"grad_sample_mode={grad_sample_mode!r} is not one of: {', '.join(GRAD_SAMPLE_MODES)}")
-    if noise not in DPSGD_NOISES:
-        raise ValueError(f"noise={noise!r} is not one of: {', '.join(DPSGD_NOISES)}")
+    check_dpsgd_clipping(grad_sample_mode, noise)
     ghost = grad_sample_mode == "ghost"
-    if noise == "wavelet" and ghost:
-        raise ValueError("noise='wavelet' clips per-sample gradients in the Haar domain, which ghost clipping "
-                         "cannot do: use grad_sample_mode 'hooks', 'functorch' or 'ew'")
     if steps <= 0:
         return 0
     extra = {"max_grad_norm": clipping_norm} if ghost else {}
@@ -258,38 +254,38 @@ class DPSGDClient(TrainingClient):
         raise NotImplementedError("DPSGDClient trains in fit() (its step count depends on the budget)")
 
     def fit(self, parameters: list[np.ndarray], config: dict):
-        rnd = int(config.get("server-round", 0))
+        rnd = int(config.get(keys.SERVER_ROUND, 0))
         set_weights(self.model, parameters)
         ledger, counts = load_ledger(self.state, self.delta, self.accountant)
-        release_mu = bool(config.get("release-mu", False))
-        steps = self.allowed_steps(counts, int(config.get("local-steps", 1)), release_mu)
+        release_mu = bool(config.get(keys.RELEASE_MU, False))
+        steps = self.allowed_steps(counts, int(config.get(keys.LOCAL_STEPS, 1)), release_mu)
         x, y = as_tensors(self.trainset)
         taken = dpsgd_steps(
             self.model, x, y, steps=steps, sample_rate=self.sample_rate,
             noise_multiplier=self.mechanism_multiplier,
-            clipping_norm=self.clipping_norm, lr=float(config.get("lr", self.lr)), momentum=self.momentum,
+            clipping_norm=self.clipping_norm, lr=float(config.get(keys.LEARNING_RATE, self.lr)), momentum=self.momentum,
             weight_decay=self.weight_decay, grad_sample_mode=self.grad_sample_mode,
             sampling_generator=torch_generator(self.seed, 6, rnd, self.partition_id, secure=self.secure_rng),
             noise_generator=torch_generator(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng),
             secure_mode=self.secure_rng, noise=self.noise,
             wavelet_rng=make_rng(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng))
         new = get_weights(self.model)
-        metrics = {"partition-id": self.partition_id, "local-steps": taken}
+        metrics = {keys.PARTITION_ID: self.partition_id, keys.LOCAL_STEPS: taken}
         if taken > 0:
             ledger.record(self.accounted_multiplier, self.sample_rate, taken)
             counts["steps"] += taken
             if release_mu:
-                metrics["mu"] = self.release_mu(parameters, new, rnd)
+                metrics[keys.MU] = self.release_mu(parameters, new, rnd)
                 ledger.record(self.mu_noise_multiplier, 1.0, 1)
                 counts["mu-releases"] += 1
         save_ledger(self.state, ledger, counts)
         if self.budget_multiplier != self.accounted_multiplier:
-            metrics["epsilon-claimed"] = epsilon_of(self.budget_events(counts), self.delta, self.accountant)
+            metrics[keys.EPSILON_CLAIMED] = epsilon_of(self.budget_events(counts), self.delta, self.accountant)
         update = flatten(new) - flatten(parameters)
         n = len(self.trainset)
-        metrics.update({"dpsgd-steps": counts["steps"], "mu-releases": counts["mu-releases"],
-                        "epsilon": ledger.epsilon(), "budget-left": int(self.fits(counts, 1, release_mu)),
-                        "update-norm": l2_norm(update), "num-examples": n})
+        metrics.update({keys.DPSGD_STEPS: counts["steps"], keys.MU_RELEASES: counts["mu-releases"],
+                        keys.EPSILON: ledger.epsilon(), keys.BUDGET_LEFT: int(self.fits(counts, 1, release_mu)),
+                        keys.UPDATE_NORM: l2_norm(update), keys.NUM_EXAMPLES: n})
         return unflatten(update, [a.shape for a in new]), n, metrics
 
     def release_mu(self, global_weights: list[np.ndarray], local_weights: list[np.ndarray], rnd: int) -> float:

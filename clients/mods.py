@@ -6,7 +6,7 @@ without subclassing. Attach them to train only (`@app.train(mods=[...])`, or a l
 new weights, as Flower clients do; the mod turns them into the update
 Delta = w_local - w_global, and when the strategy asks for it ("privatize" in the train
 config) clips Delta to C ("clipping-norm") and adds the noise share N(0, s^2 I)
-("noise-std"), ALGORITHMS.md section 0, with the functions of fl_app.privacy.mechanisms.
+("noise-std"), docs/algorithms.md §0, with the functions of fl_app.privacy.mechanisms.
 It reports ||Delta||_2 before clipping as "update-norm" (the strategy's clipping
 statistics), except under secure aggregation.
 
@@ -32,6 +32,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten, update_problem
 
 LEGACY_FIT_CONFIG = "fitins.config"
@@ -55,7 +56,7 @@ def _train_instruction(msg: Message) -> tuple[str, list[np.ndarray], dict] | Non
 
 
 def _secure(config: dict) -> bool:
-    return bool(config.get("secure-aggregation", False))
+    return bool(config.get(keys.SECURE_AGGREGATION, False))
 
 
 def _uniform(fitres) -> None:
@@ -73,7 +74,7 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
         if instruction is None:
             return call_next(msg, context)
         api, global_arrays, config = instruction
-        if "clipping-norm" not in config:
+        if keys.CLIPPING_NORM not in config:
             raise ValueError("dp_privatize_mod: the train config has no 'clipping-norm' (nor 'privatize', "
                              "'noise-std'); use it with a DP strategy of this package (DPFedAvg, LegacyDPFedAvg), "
                              f"which sends them; config keys received: {sorted(config)}")
@@ -90,10 +91,10 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
         if problem:
             raise ValueError(f"dp_privatize_mod: the client's model does not match the global model: {problem}")
         update = flatten(weights) - flatten(global_arrays)
-        if bool(config.get("privatize", False)):
-            rng = make_rng(0 if seed is None else seed, 3, int(config.get("server-round", 0)),
+        if bool(config.get(keys.PRIVATIZE, False)):
+            rng = make_rng(0 if seed is None else seed, 3, int(config.get(keys.SERVER_ROUND, 0)),
                            msg.metadata.dst_node_id, secure=seed is None)
-            update, norm = clip_and_noise(update, float(config["clipping-norm"]), float(config["noise-std"]), rng)
+            update, norm = clip_and_noise(update, float(config[keys.CLIPPING_NORM]), float(config[keys.NOISE_STD]), rng)
         else:
             norm = l2_norm(update)
         upload = unflatten(update, [a.shape for a in global_arrays])
@@ -102,13 +103,13 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
             if _secure(config):
                 _uniform(fitres)
             else:
-                fitres.metrics = {**fitres.metrics, "update-norm": norm}
+                fitres.metrics = {**fitres.metrics, keys.UPDATE_NORM: norm}
             return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
         content = RecordDict({array_key: ArrayRecord(upload)})
         for key, record in reply.content.metric_records.items():
-            content[key] = MetricRecord({**record, "update-norm": norm})
+            content[key] = MetricRecord({**record, keys.UPDATE_NORM: norm})
         if not reply.content.metric_records:
-            content["metrics"] = MetricRecord({"update-norm": norm})
+            content["metrics"] = MetricRecord({keys.UPDATE_NORM: norm})
         for key, record in reply.content.config_records.items():
             content[key] = record
         return Message(content, reply_to=msg)

@@ -1,6 +1,6 @@
 """Personalized clients: partial model sharing (DP2-FedSAM, CENTAUR) and fine-tuning baselines.
 
-DP2-FedSAM (dp2-fedsam.txt, Algorithm 2; ALGORITHMS.md section 4). The model is a shared
+DP2-FedSAM (the DP²-FedSAM paper, Algorithm 2; docs/algorithms.md §4). The model is a shared
 body phi and a personal head h_i. Per sampled client per round:
 
 1. tau_h SGD steps on h_i with phi frozen (lr eta_h);
@@ -29,12 +29,13 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 from torch import nn
 
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import flatten, make_rng, unflatten
 
 from fl_app.task.torch_helpers import evaluate_model, set_weights
 
-from .base import TrainingClient
-from .sam import SAMClient
+from .base import TrainingClient, sgd_step
+from .sam import sam_step
 
 Head = dict[str, np.ndarray]
 
@@ -122,7 +123,7 @@ def trainable_only(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
 
 
 class PartialSharingClient(TrainingClient):
-    """CENTAUR with client-level DP (dp2-fedsam.txt, Sec. V-A): DP2-FedSAM with SGD on the body.
+    """CENTAUR with client-level DP (DP²-FedSAM paper, Sec. V-A): DP2-FedSAM with SGD on the body.
 
     Parameters exchanged with the server are the body arrays (state_dict entries not in
     `head_keys`, in state_dict order). The head starts as the model's own (seeded) head and
@@ -182,7 +183,7 @@ class PartialSharingClient(TrainingClient):
 
     def train_head(self, config: dict) -> tuple[float, int]:
         """tau_h plain SGD steps on the head, body frozen (Algorithm 2, lines 5-8)."""
-        rnd = int(config.get("server-round", 0))
+        rnd = int(config.get(keys.SERVER_ROUND, 0))
         steps = self.num_head_steps()
         with trainable_only(self.model, self.head_keys):
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -190,7 +191,7 @@ class PartialSharingClient(TrainingClient):
                                         weight_decay=self.weight_decay)
             self.model.train()
             rng = make_rng(self.seed, 5, rnd, self.partition_id)
-            losses = [TrainingClient.local_step(self, x, y, optimizer) for x, y in self.batches(steps, rng)]
+            losses = [sgd_step(self.model, self.loss_fn, x, y, optimizer) for x, y in self.batches(steps, rng)]
         return (float(np.mean(losses)) if losses else math.nan), steps
 
     def train_body(self, config: dict) -> tuple[float, int]:
@@ -211,19 +212,26 @@ class PartialSharingClient(TrainingClient):
         upload, norm = self.privatize(update, config)
         n = len(self.trainset)
         return unflatten(upload, [a.shape for a in new]), n, {
-            "update-norm": norm, "train-loss": loss, "head-loss": head_loss, "local-steps": steps,
-            "head-steps": head_steps, "num-examples": n}
+            keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.HEAD_LOSS: head_loss, keys.LOCAL_STEPS: steps,
+            keys.HEAD_STEPS: head_steps, keys.NUM_EXAMPLES: n}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         """Accuracy of (global body, own head) on this client's held-out split; the head is not changed."""
         self.set_body(parameters)
         self.restore_head()
         loss, acc = evaluate_model(self.model, self.testset)
-        return loss, len(self.testset), {"accuracy": acc, "loss": loss, "num-examples": len(self.testset)}
+        return loss, len(self.testset), {keys.ACCURACY: acc, keys.LOSS: loss, keys.NUM_EXAMPLES: len(self.testset)}
 
 
-class DP2FedSAMClient(PartialSharingClient, SAMClient):
+class DP2FedSAMClient(PartialSharingClient):
     """DP2-FedSAM client: PartialSharingClient whose body steps are SAM steps with radius `rho`."""
+
+    def __init__(self, *args, rho: float = 0.5, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rho = rho
+
+    def local_step(self, x, y, optimizer):
+        return sam_step(self.model, self.loss_fn, x, y, optimizer, self.rho)
 
 
 class FineTuneClient(NumPyClient):
@@ -242,8 +250,8 @@ class FineTuneClient(NumPyClient):
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.inner.model, parameters)
-        tune_config = {**config, "local-steps": self.fine_tune_steps} if self.fine_tune_steps else dict(config)
+        tune_config = {**config, keys.LOCAL_STEPS: self.fine_tune_steps} if self.fine_tune_steps else dict(config)
         _, steps = self.inner.train(tune_config)
         loss, acc = evaluate_model(self.inner.model, self.inner.testset)
         n = len(self.inner.testset)
-        return loss, n, {"accuracy": acc, "loss": loss, "num-examples": n, "fine-tune-steps": steps}
+        return loss, n, {keys.ACCURACY: acc, keys.LOSS: loss, keys.NUM_EXAMPLES: n, keys.FINE_TUNE_STEPS: steps}

@@ -1,4 +1,4 @@
-"""SAM local optimizer (DP-FedSAM, dp-fedsam.txt Algorithm 1, Option I)."""
+"""SAM local optimizer (DP-FedSAM paper, Algorithm 1 Option I; docs/algorithms.md §2)."""
 
 from __future__ import annotations
 

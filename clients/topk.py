@@ -1,4 +1,4 @@
-"""DP-FedSAM-top_k client (dp-fedsam.txt Algorithm 1, Option II; ALGORITHMS.md section 3).
+"""DP-FedSAM-top_k client (DP-FedSAM paper, Algorithm 1 Option II; docs/algorithms.md §3).
 
 Local SAM, clip to C, add the noise share, then keep the k = ceil(p * size) largest
 |coordinates| (per layer or globally) and upload them in sparse form (dense, zeros included,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import sparse_encode, topk_sparsify
 
 from .sam import SAMClient
@@ -21,11 +22,11 @@ class TopKSAMClient(SAMClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict):
         upload, num_examples, metrics = super().fit(parameters, config)
-        if "sparsity" not in config:
+        if keys.SPARSITY not in config:
             return upload, num_examples, metrics
-        masks = topk_sparsify(upload, float(config["sparsity"]), str(config.get("topk-mode", "per-layer")))
-        metrics["kept-values"] = int(sum(int(m.sum()) for m in masks))
-        if bool(config.get("secure-aggregation", False)):  # SecAgg+ sums dense vectors: zeros stay in
+        masks = topk_sparsify(upload, float(config[keys.SPARSITY]), str(config.get(keys.TOPK_MODE, "per-layer")))
+        metrics[keys.KEPT_VALUES] = int(sum(int(m.sum()) for m in masks))
+        if bool(config.get(keys.SECURE_AGGREGATION, False)):  # SecAgg+ sums dense vectors: zeros stay in
             return [np.where(m, np.ravel(a), 0).astype(a.dtype).reshape(a.shape) for a, m in zip(upload, masks)], \
                 num_examples, metrics
         return sparse_encode(upload, masks), num_examples, metrics

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 from flwr.app import Context, Message
 from flwr.client import Client, NumPyClient
@@ -12,23 +9,12 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from clients.adapter import evaluate_reply, train_reply
-from clients.base import TrainingClient
-from clients.dpsgd import DPSGDClient
 from clients.mods import uniform_weight_mod
-from clients.personalized import (
-    ContextHeadStore,
-    DP2FedSAMClient,
-    FileHeadStore,
-    FineTuneClient,
-    HeadStore,
-    PartialSharingClient,
-)
-from clients.sam import SAMClient
-from clients.topk import TopKSAMClient
-from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
+from fl_app.algorithms import ClientSetup, algorithm
+from fl_app.config import validate
+from fl_app.privacy import protocol as keys
 from fl_app.task.data import load_partition
-from fl_app.task.models import build_model, split_state_keys
-from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from fl_app.task.models import build_model
 
 app = ClientApp()
 
@@ -47,52 +33,15 @@ def partition_of(context: Context) -> tuple[int, int]:
     return pid, n
 
 
-def head_store(context: Context, partition_id: int) -> HeadStore:
-    """Where this node keeps its personal head: a file under node config `state-dir` (a deployment),
-    else Context.state (simulation, where Context.state lives as long as the run)."""
-    state_dir = context.node_config.get("state-dir")
-    if state_dir is None:
-        return ContextHeadStore(context.state)
-    if not os.path.isabs(os.path.expanduser(str(state_dir))):
-        raise ValueError(f"node config state-dir={state_dir!r} must be an absolute folder path")
-    return FileHeadStore(Path(os.path.expanduser(str(state_dir)))
-                         / f"personal-head-run{context.run_id}-partition{partition_id}.npz")
-
-
 def build_client(context: Context) -> NumPyClient:
+    """The NumPyClient of the run's algorithm (from the registry) on this node's partition."""
     cfg = validate(context.run_config)
     pid, n = partition_of(context)
     trainset, testset = load_partition(cfg["dataset"], pid, n, cfg["partitioner"],
                                        alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
                                        seed=cfg["seed"], data_dir=cfg["data-dir"])
     model = build_model(cfg["model"], trainset.x.shape[1:], trainset.num_classes, seed=cfg["seed"])
-    kwargs = dict(batch_size=cfg["batch-size"], lr=cfg["lr"], momentum=cfg["momentum"],
-                  weight_decay=cfg["weight-decay"], local_epochs=cfg["local-epochs"],
-                  local_steps=cfg["local-steps"], partition_id=pid, seed=cfg["seed"],
-                  secure_rng=cfg["secure-rng"], lr_decay=cfg["lr-decay"])
-    algorithm = cfg["algorithm"]
-    if algorithm == "ali-dpfl":
-        return DPSGDClient(model, trainset, testset, state=context.state, sample_rate=cfg["batch-sample-rate"],
-                           noise_multiplier=cfg["sample-noise-multiplier"],
-                           clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
-                           delta=cfg["delta"] or DEFAULT_SAMPLE_DELTA, accountant=cfg["accountant"],
-                           grad_sample_mode=cfg["grad-sample-mode"], mu_max=cfg["mu-max"],
-                           mu_noise_multiplier=cfg["mu-noise-multiplier"], noise=cfg["dpsgd-noise"],
-                           wavelet_calibration=cfg["wavelet-calibration"], **kwargs)
-    if algorithm in PARTIAL_SHARING:
-        _, head_keys = split_state_keys(model, cfg["head-prefix"])
-        personal = dict(head_keys=head_keys, head_store=head_store(context, pid), head_epochs=cfg["head-epochs"],
-                        head_steps=cfg["head-steps"], head_lr=cfg["head-lr"] or cfg["lr"])
-        if algorithm == "dp2-fedsam":
-            return DP2FedSAMClient(model, trainset, testset, rho=cfg["sam-rho"], **personal, **kwargs)
-        return PartialSharingClient(model, trainset, testset, **personal, **kwargs)
-    if algorithm == "dp-fedsam-topk":
-        return TopKSAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
-    if algorithm in ("dp-fedsam", "dp-fedsam-ft"):
-        client = SAMClient(model, trainset, testset, rho=cfg["sam-rho"], **kwargs)
-    else:
-        client = TrainingClient(model, trainset, testset, **kwargs)
-    return FineTuneClient(client, cfg["fine-tune-steps"]) if algorithm in FINE_TUNED else client
+    return algorithm(cfg["algorithm"]).build_client(ClientSetup(cfg, context, pid, trainset, testset, model))
 
 
 # secure-aggregation = true: SecAgg+ speaks Flower's legacy protocol, so the same NumPyClient answers
@@ -105,7 +54,7 @@ secure_app = ClientApp(client_fn=numpy_client_fn, mods=[secaggplus_mod, uniform_
 
 
 def secure_aggregation(context: Context) -> bool:
-    return bool(context.run_config.get("secure-aggregation", False))
+    return bool(context.run_config.get(keys.SECURE_AGGREGATION, False))
 
 
 @app.train()

@@ -12,19 +12,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES
-from fl_app.task.data import DATASETS, PARTITIONERS, dataset_info
-from fl_app.task.models import MODELS, build_model, split_state_keys
-
-ALI_DPFL_KEYS = ("sample-noise-multiplier", "sample-clipping-norm", "batch-sample-rate", "grad-sample-mode",
-                 "dpsgd-noise", "adaptive", "gamma", "mu-source", "mu-max", "mu-noise-multiplier")
-
-ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk", "dp-fedavg-wav", "dp2-fedsam", "centaur",
-              "dp-fedavg-ft", "dp-fedsam-ft", "ali-dpfl")
-PARTIAL_SHARING = ("dp2-fedsam", "centaur")  # body shared, head kept on each client
-FINE_TUNED = ("dp-fedavg-ft", "dp-fedsam-ft")  # global model fine-tuned locally before evaluation
-SECURE_AGGREGATION_ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedsam-topk")  # SecAgg+ sums dense updates
-
+from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, check_config
+from fl_app.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
+from fl_app.privacy.mechanisms import TOPK_MODES
+from fl_app.privacy.settings import (
+    ACCOUNTANT_NAMES,
+    CLIENT_SAMPLINGS,
+    MU_SOURCES,
+    NOISE_PLACEMENTS,
+    TARGET_EPSILON_MODES,
+)
+from fl_app.task.data import DATASETS, PARTITIONERS
+from fl_app.task.models import MODELS
 
 class ConfigError(ValueError):
     """A run-config key has a value that is not allowed."""
@@ -52,7 +51,7 @@ class Key:
 
 
 SPEC: dict[str, Key] = {
-    "algorithm": Key("dp-fedsam", "what runs", ALGORITHMS),
+    "algorithm": Key(DEFAULT_ALGORITHM, "what runs", tuple(ALGORITHMS)),
     "dataset": Key("mnist-embedded", "dataset name", DATASETS),
     "data-dir": Key("", "absolute folder with local dataset files (empty: embedded data or download)"),
     "partitioner": Key("dirichlet", "how the data is split across clients", PARTITIONERS),
@@ -61,16 +60,16 @@ SPEC: dict[str, Key] = {
     "model": Key("cnn-mnist", "model architecture", MODELS),
     "num-rounds": Key(30, "federated rounds", low=1),
     "sample-rate": Key(0.5, "q: probability that a client is sampled in a round", low=0, high=1, low_open=True),
-    "client-sampling": Key("poisson", "client sampling scheme", ("poisson", "fixed")),
+    "client-sampling": Key("poisson", "client sampling scheme", CLIENT_SAMPLINGS),
     "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),
     "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),
     "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0),
-    "noise-placement": Key("distributed", "who adds the Gaussian noise", ("central", "distributed")),
+    "noise-placement": Key("distributed", "who adds the Gaussian noise", NOISE_PLACEMENTS),
     "delta": Key(0.0, "target delta (0: 1/number of clients)", low=0, high=1, high_open=True),
     "target-epsilon": Key(0.0, "privacy budget (0: none)", low=0),
     "target-epsilon-mode": Key("stop", "stop before exceeding the budget, or calibrate sigma to it",
-                               ("stop", "calibrate")),
-    "accountant": Key("rdp", "privacy accountant (Opacus)", ("rdp", "prv")),
+                               TARGET_EPSILON_MODES),
+    "accountant": Key("rdp", "privacy accountant (Opacus)", ACCOUNTANT_NAMES),
     "server-lr": Key(1.0, "server learning rate eta_s", low=0, low_open=True),
     "local-epochs": Key(2, "local passes over the client's data per round", low=1),
     "local-steps": Key(0, "local steps per round (0: use local-epochs)", low=0),
@@ -81,11 +80,10 @@ SPEC: dict[str, Key] = {
     "sam-rho": Key(0.05, "SAM perturbation radius rho (paper: 0.5, which stalls the small MNIST CNN)", low=0),
     "sparsity": Key(0.4, "dp-fedsam-topk: fraction p of coordinates each client uploads (k = ceil(p * size))",
                     low=0, high=1, low_open=True),
-    "topk-mode": Key("per-layer", "dp-fedsam-topk: top-k per tensor or over the whole update",
-                     ("per-layer", "global")),
+    "topk-mode": Key("per-layer", "dp-fedsam-topk: top-k per tensor or over the whole update", TOPK_MODES),
     "wavelet-calibration": Key("exact", "dp-fedavg-wav: 'paper' (published noise, true epsilon reported) or "
                                "'exact' (sigma_H = sigma * sqrt(n): the configured epsilon holds)",
-                               ("paper", "exact")),
+                               WAVELET_CALIBRATIONS),
     "fraction-evaluate": Key(0.0, "fraction of clients evaluating each round (0: none; for dp2-fedsam, centaur "
                                   "and *-ft: all, for the personalized accuracy)", low=0, high=1),
     "lr-decay": Key(1.0, "learning rates are multiplied by this every round (1: none; DP2-FedSAM paper: 0.99)",
@@ -104,12 +102,12 @@ SPEC: dict[str, Key] = {
     "grad-sample-mode": Key("ew", "ali-dpfl: Opacus per-sample gradient mode (ew: fastest measured on CPU)",
                             GRAD_SAMPLE_MODES),
     "dpsgd-noise": Key("gaussian", "ali-dpfl: DP-SGD noise, or 'wavelet' (DP-SGD-WAV: clip and noise the Haar "
-                                   "coefficients)", ("gaussian", "wavelet")),
+                                   "coefficients)", DPSGD_NOISES),
     "adaptive": Key(True, "ali-dpfl: local steps tau from eq. (9) each round (false: fixed tau = local-steps)"),
     "gamma": Key(5.0, "ali-dpfl: heterogeneity Gamma of eq. (9) (paper: 0 IID, 1/5/10 for Dir 1/0.5/0.05)",
                  low=0),
     "mu-source": Key("server", "ali-dpfl: where mu is estimated (server data: free; clients: noised, charged)",
-                     ("server", "clients")),
+                     MU_SOURCES),
     "mu-max": Key(1.0, "ali-dpfl, mu-source = clients: each client's mu ratio is clipped to [0, mu-max]",
                   low=0, low_open=True),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
@@ -163,99 +161,18 @@ def validate(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_combinations(cfg: dict[str, Any]) -> None:
-    def fail(msg: str) -> None:
-        raise ConfigError(msg)
-
-    if cfg["algorithm"] == "ali-dpfl":
-        _check_ali_dpfl(cfg)
-    if cfg["noise-multiplier"] > 0 and cfg["clipping-norm"] == 0:
-        fail(f"run-config key 'noise-multiplier' = {cfg['noise-multiplier']} needs 'clipping-norm' > 0 "
-             "(noise without clipping bounds nothing); set clipping-norm, or noise-multiplier = 0 "
-             "for a non-private run")
-    if cfg["target-epsilon"] > 0 and cfg["noise-multiplier"] == 0 and cfg["target-epsilon-mode"] == "stop":
-        fail(f"run-config key 'target-epsilon' = {cfg['target-epsilon']} cannot be met with "
-             "'noise-multiplier' = 0 (epsilon is infinite); use target-epsilon-mode = 'calibrate' "
-             "or a positive noise-multiplier")
-    if cfg["target-epsilon"] > 0 and cfg["target-epsilon-mode"] == "calibrate" and cfg["clipping-norm"] == 0:
-        fail("run-config key 'target-epsilon-mode' = 'calibrate' needs 'clipping-norm' > 0")
+    """Rules between keys: the algorithm's (from the registry, the same checks a strategy built
+    from Python runs) and the app's own (data and paths)."""
     if cfg["partitioner"] == "natural" and cfg["dataset"] != "femnist":
-        fail(f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
-             f"not {cfg['dataset']!r}; allowed for {cfg['dataset']!r}: iid, dirichlet, pathological")
-    wavelet_users = ("dp-fedavg-wav", "ali-dpfl") if cfg["dpsgd-noise"] == "wavelet" else ("dp-fedavg-wav",)
-    only_for = {"sparsity": ("dp-fedsam-topk",), "topk-mode": ("dp-fedsam-topk",),
-                "wavelet-calibration": wavelet_users,
-                **{key: ("ali-dpfl",) for key in ALI_DPFL_KEYS}}
-    for key, algorithms in only_for.items():
-        if cfg[key] != SPEC[key].default and cfg["algorithm"] not in algorithms:
-            allowed = " or ".join(f"'{a}'" for a in algorithms)
-            fail(f"run-config key '{key}' = {cfg[key]!r} applies only to algorithm = {allowed}, "
-                 f"but 'algorithm' = {cfg['algorithm']!r}; remove {key} or change the algorithm")
-    if cfg["algorithm"] == "dp-fedsam-topk" and cfg["noise-placement"] != "distributed":
-        fail(f"run-config key 'noise-placement' = {cfg['noise-placement']!r}: algorithm 'dp-fedsam-topk' keeps "
-             "the top-k coordinates after the noise on the client, so it needs noise-placement = 'distributed'")
-    if cfg["algorithm"] == "dp-fedavg-wav" and cfg["noise-placement"] != "central":
-        fail(f"run-config key 'noise-placement' = {cfg['noise-placement']!r}: algorithm 'dp-fedavg-wav' adds its "
-             "wavelet noise at the server (trusted), so it needs noise-placement = 'central'")
-    if cfg["algorithm"] == "dp-fedavg-wav" and cfg["wavelet-calibration"] == "paper" and cfg["accountant"] == "prv":
-        fail("run-config key 'accountant' = 'prv' cannot account wavelet-calibration = 'paper': its effective "
-             "noise multiplier sigma/sqrt(n) is tiny, and the PRV accountant's memory grows without bound as "
-             "sigma -> 0; use accountant = 'rdp'")
+        raise ConfigError(f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
+                          f"not {cfg['dataset']!r}; allowed for {cfg['dataset']!r}: iid, dirichlet, pathological")
     for key in ("results-dir", "data-dir"):
         if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
-            fail(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
-                 "(relative paths resolve against the SuperLink's folder, not yours)")
-    if cfg["head-prefix"] and cfg["algorithm"] not in PARTIAL_SHARING:
-        fail(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} only applies to algorithm = "
-             f"{' or '.join(PARTIAL_SHARING)}, not {cfg['algorithm']!r}")
-    if cfg["head-prefix"]:
-        _check_head_prefix(cfg, fail)
-    if cfg["fine-tune-steps"] and cfg["algorithm"] not in FINE_TUNED:
-        fail(f"run-config key 'fine-tune-steps' = {cfg['fine-tune-steps']} only applies to algorithm = "
-             f"{' or '.join(FINE_TUNED)}, not {cfg['algorithm']!r}")
-    if cfg["secure-aggregation"]:
-        if cfg["noise-placement"] != "distributed":
-            fail(f"run-config key 'secure-aggregation' = True needs noise-placement = 'distributed', not "
-                 f"{cfg['noise-placement']!r}: under SecAgg+ the server cannot clip or noise single updates")
-        if cfg["clipping-norm"] == 0:
-            fail("run-config key 'secure-aggregation' = True needs 'clipping-norm' > 0: SecAgg+ quantizes "
-                 "bounded updates")
-        if cfg["algorithm"] not in SECURE_AGGREGATION_ALGORITHMS:
-            fail(f"run-config key 'secure-aggregation' = True works with algorithm "
-                 f"{', '.join(SECURE_AGGREGATION_ALGORITHMS)} (sums of dense updates), not {cfg['algorithm']!r}")
+            raise ConfigError(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
+                              "(relative paths resolve against the SuperLink's folder, not yours)")
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
-        fail(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
-
-
-def _check_head_prefix(cfg: dict[str, Any], fail) -> None:
-    """The head prefix must name some but not all of the model's parameters."""
-    info = dataset_info(cfg["dataset"])
+        raise ConfigError(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
     try:
-        split_state_keys(build_model(cfg["model"], info["input_shape"], info["num_classes"]), cfg["head-prefix"])
+        check_config(cfg, {k: spec.default for k, spec in SPEC.items()})
     except ValueError as exc:
-        fail(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} does not fit model {cfg['model']!r}: {exc}")
-
-
-# Client-level DP keys that sample-level ali-dpfl ignores: setting them is a mistake worth naming.
-_CLIENT_LEVEL_KEYS = {"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
-                      "noise-placement": None}
-
-
-def _check_ali_dpfl(cfg: dict[str, Any]) -> None:
-    if cfg["target-epsilon"] <= 0:
-        raise ConfigError(f"run-config key 'target-epsilon' = {cfg['target-epsilon']}: algorithm 'ali-dpfl' needs "
-                          "each client's sample-level budget > 0 (R_c, the local step budget, follows from it)")
-    if cfg["target-epsilon-mode"] != "stop":
-        raise ConfigError(f"run-config key 'target-epsilon-mode' = {cfg['target-epsilon-mode']!r}: algorithm "
-                          "'ali-dpfl' allows only 'stop' (clients stop at R_c steps)")
-    if cfg["dpsgd-noise"] == "wavelet" and cfg["grad-sample-mode"] == "ghost":
-        raise ConfigError("run-config key 'grad-sample-mode' = 'ghost' cannot clip per-sample gradients in the Haar "
-                          "domain that 'dpsgd-noise' = 'wavelet' needs: use hooks, functorch or ew")
-    if cfg["dpsgd-noise"] == "wavelet" and cfg["wavelet-calibration"] == "paper" and cfg["accountant"] == "prv":
-        raise ConfigError("run-config key 'accountant' = 'prv' cannot account dpsgd-noise = 'wavelet' with "
-                          "wavelet-calibration = 'paper' (true noise multiplier sigma/n is tiny); use 'rdp'")
-    for key, instead in _CLIENT_LEVEL_KEYS.items():
-        if cfg[key] != SPEC[key].default:
-            hint = f"; use '{instead}'" if instead else ""
-            raise ConfigError(f"run-config key '{key}' = {cfg[key]!r} is a client-level DP setting that "
-                              f"algorithm 'ali-dpfl' (sample-level DP-SGD) does not use: leave it at "
-                              f"{SPEC[key].default!r}{hint}")
+        raise ConfigError(str(exc)) from None

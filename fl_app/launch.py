@@ -77,6 +77,26 @@ def flwr_run(env: dict, run_config: str, clients: int) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def format_run_config(values: dict) -> str:
+    """`key=value ...` as `flwr run --run-config` reads it (strings quoted)."""
+    def literal(v) -> str:
+        if isinstance(v, bool):
+            return str(v).lower()
+        return f"'{v}'" if isinstance(v, str) else repr(v)
+    return " ".join(f"{k}={literal(v)}" for k, v in values.items())
+
+
+def reference_run_config(run_config: str) -> str:
+    """The non-private reference of a run: its algorithm's `reference` overrides (fl_app.algorithms)."""
+    from flwr.common.config import parse_config_args
+
+    from fl_app.algorithms import reference_overrides
+    from fl_app.config import SPEC
+
+    overrides = parse_config_args([run_config]) if run_config.strip() else {}
+    return format_run_config(reference_overrides(overrides, {k: spec.default for k, spec in SPEC.items()}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=50, help="simulated clients (SuperNodes)")
@@ -90,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = [("dp", args.run_config)]
     if args.reference:
-        runs.append(("reference", f"{args.run_config} noise-multiplier=0.0 clipping-norm=0.0".strip()))
+        runs.append(("reference", reference_run_config(args.run_config)))
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = start_superlink(env, log_dir / "superlink.log")

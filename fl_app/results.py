@@ -60,6 +60,14 @@ class RunDirectory:
         self._write_json("summary.json", summary)
 
 
+def run_label(summary: dict) -> str:
+    """The run's label in plots: its algorithm's (fl_app.algorithms), or the strategy's name."""
+    from fl_app.algorithms import ALGORITHMS
+
+    name = summary.get("strategy")
+    return ALGORITHMS[name].run_label(summary) if name in ALGORITHMS else str(name)
+
+
 def read_metrics(run_dir: Path | str) -> list[dict]:
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
@@ -78,9 +86,7 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str) -> Path:
         summary_file = Path(run_dir, "summary.json")
         label = Path(run_dir).name
         if summary_file.exists():
-            s = json.loads(summary_file.read_text())
-            label = (f"{s.get('strategy')} sigma={s.get('noise_multiplier')}" if s.get("noise_multiplier")
-                     else f"{s.get('strategy')} non-private reference")
+            label = run_label(json.loads(summary_file.read_text()))
         rounds = [r["round"] for r in rows]
         accuracy = [r.get("accuracy", r.get("personalized_accuracy")) for r in rows]  # partial sharing: personalized
         ax_acc.plot(rounds, [math.nan if a is None else a for a in accuracy], marker=".", label=label)

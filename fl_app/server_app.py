@@ -11,17 +11,14 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from fl_app.config import FINE_TUNED, PARTIAL_SHARING, validate
+from fl_app.algorithms import algorithm
+from fl_app.config import validate
+from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset
 from fl_app.task.models import build_model, count_parameters, split_state_keys
-from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
-from strategies.ali_dpfl import ALIDPFL
-from strategies.dp_fedavg import DPFedAvg
-from strategies.legacy import LegacyDPFedAvg
-from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from strategies.topk import DPFedSAMTopK
-from strategies.wavelet import DPFedAvgWavelet
+from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
+from strategies.round_loop import DPRoundLoop
+from strategies.secagg import SecAggPlusDPFedAvg
 
 app = ServerApp()
 
@@ -29,49 +26,29 @@ app = ServerApp()
 MU_SAMPLES = 256  # ali-dpfl, mu-source = server: gradients on this many server evaluation samples
 
 
-def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPFedAvg:
-    """The server strategy for cfg['algorithm']: DP-FedAvg and DP-FedSAM share DPFedAvg; top-k and wavelet
-    have their own; DP2-FedSAM and CENTAUR share only the body; the -FT baselines add personalized
-    evaluation; ALI-DPFL is sample-level (DP-SGD clients)."""
-    if cfg["secure-aggregation"]:  # the same strategy, run through Flower's legacy SecAgg+ workflow
-        return LegacyDPFedAvg(build_strategy({**cfg, "secure-aggregation": False}, on_round_end, gradient_fn),
-                              secure_aggregation=True, secagg_num_shares=cfg["secagg-num-shares"],
-                              secagg_reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
-    common = dict(sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
-                  server_learning_rate=cfg["server-lr"], delta=cfg["delta"], accountant=cfg["accountant"],
-                  target_epsilon=cfg["target-epsilon"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
-                  min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
-                  on_round_end=on_round_end)
-    if cfg["algorithm"] == "ali-dpfl":
-        return ALIDPFL(
-            **common, batch_sample_rate=cfg["batch-sample-rate"],
-            sample_noise_multiplier=cfg["sample-noise-multiplier"], sample_clipping_norm=cfg["sample-clipping-norm"],
-            adaptive=cfg["adaptive"], local_steps=cfg["local-steps"], gamma=cfg["gamma"],
-            mu_source=cfg["mu-source"], mu_noise_multiplier=cfg["mu-noise-multiplier"], gradient_fn=gradient_fn,
-            dpsgd_noise=cfg["dpsgd-noise"], wavelet_calibration=cfg["wavelet-calibration"])
-    strategy_class, extra = DPFedAvg, {}
-    if cfg["algorithm"] == "dp-fedsam-topk":
-        strategy_class, extra = DPFedSAMTopK, dict(sparsity=cfg["sparsity"], topk_mode=cfg["topk-mode"])
-    elif cfg["algorithm"] == "dp-fedavg-wav":
-        strategy_class, extra = DPFedAvgWavelet, dict(wavelet_calibration=cfg["wavelet-calibration"])
-    elif cfg["algorithm"] in PARTIAL_SHARING:
-        strategy_class = PartialSharingDPFedAvg
-    elif cfg["algorithm"] in FINE_TUNED:
-        strategy_class = PersonalizedDPFedAvg
-    return strategy_class(
-        **common, **extra, clipping_norm=cfg["clipping-norm"], noise_multiplier=cfg["noise-multiplier"],
-        noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"])
+def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPRoundLoop | SecAggPlusDPFedAvg:
+    """The server strategy of cfg['algorithm'] (from the registry); under secure-aggregation the same
+    strategy run through Flower's SecAgg+ workflow."""
+    algo = algorithm(cfg["algorithm"])
+    hooks = {"on_round_end": on_round_end}
+    if algo.privacy_unit == "sample":
+        hooks["gradient_fn"] = gradient_fn
+    strategy = algo.build_strategy(cfg, **hooks)
+    if cfg["secure-aggregation"]:
+        return SecAggPlusDPFedAvg(strategy, num_shares=cfg["secagg-num-shares"],
+                                  reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
+    return strategy
 
 
 def build_global_model(cfg: dict) -> torch.nn.Module:
     info = dataset_info(cfg["dataset"])
     model = build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
-    return opacus_compatible(model) if cfg["algorithm"] == "ali-dpfl" else model
+    return opacus_compatible(model) if algorithm(cfg["algorithm"]).opacus_model else model
 
 
 def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
     """What the server holds and broadcasts: the body under partial sharing, else the whole model."""
-    if cfg["algorithm"] not in PARTIAL_SHARING:
+    if not algorithm(cfg["algorithm"]).shares_body_only:
         return get_weights(model)
     body_keys, _ = split_state_keys(model, cfg["head-prefix"])
     state = model.state_dict()
@@ -101,7 +78,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
 
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
-    partial = cfg["algorithm"] in PARTIAL_SHARING
+    partial = algorithm(cfg["algorithm"]).shares_body_only
     strategy = build_strategy(cfg, on_round_end=run_dir.append_round, gradient_fn=gradient_fn)
     result = strategy.start(grid, ArrayRecord(shared_weights(model, cfg)), num_rounds=cfg["num-rounds"],
                             evaluate_fn=None if partial else evaluate_fn)

@@ -1,7 +1,8 @@
-"""ALI-DPFL server strategy (ali-dpfl.txt Algorithm 2; ALGORITHMS.md section 5).
+"""ALI-DPFL server strategy (the ALI-DPFL paper's Algorithm 2; docs/algorithms.md §5).
 
-Sample-level DP: every client runs DP-SGD (clients/dpsgd.py) and keeps its own
-ledger; the server adds no noise. Each round the server
+Sample-level DP: every client runs DP-SGD (`clients.dpsgd`) and keeps its own
+ledger; the server adds no noise. On the shared round loop (`strategies.round_loop`),
+each round the server
 
 1. sends the global model and tau (local DP-SGD steps) to the sampled clients,
 2. rejects malformed replies, then averages the returned models with weights
@@ -31,11 +32,13 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
 from fl_app.privacy.ledger import SampleLevelLedgers, epsilon_of
-from fl_app.privacy.settings import MU_SOURCES
-from .dp_fedavg import DPFedAvg, RoundCallback
 from fl_app.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
+from fl_app.privacy.settings import check_dpsgd, require
+
+from .round_loop import DPRoundLoop, RoundCallback
 
 
 GradientFn = Callable[[list[np.ndarray]], np.ndarray]
@@ -68,7 +71,7 @@ def next_local_steps(*, rounds_budget: int, steps_budget: int, previous: int, mu
     return max(1, math.floor(tau + 0.5)), tau
 
 
-class ALIDPFL(DPFedAvg):
+class ALIDPFL(DPRoundLoop):
     """ALI-DPFL: adaptive local DP-SGD iterations, weighted model averaging, per-client ledgers.
 
     Parameters
@@ -87,35 +90,28 @@ class ALIDPFL(DPFedAvg):
     dpsgd_noise, wavelet_calibration : "wavelet" for DP-SGD-WAV clients; the ledgers charge
         its true multiplier (`dpsgd_multipliers`), and with `paper` calibration the
         run also reports the epsilon the paper would claim.
+    grad_sample_mode : the clients' Opacus per-sample gradient mode (checked against dpsgd_noise).
     """
 
     def __init__(self, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
                  sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0, accountant: str = "rdp",
                  adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
                  mu_noise_multiplier: float = 10.0, gradient_fn: GradientFn | None = None,
-                 dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact",
+                 dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
                  secure_rng: bool = False, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
                  on_round_end: RoundCallback | None = None) -> None:
-        super().__init__(sample_rate=sample_rate, clipping_norm=0.0, noise_multiplier=0.0,
-                         client_sampling=client_sampling, server_learning_rate=server_learning_rate,
-                         delta=delta, accountant=accountant, seed=seed, secure_rng=secure_rng,
-                         min_available_nodes=min_available_nodes, fraction_evaluate=fraction_evaluate,
-                         on_round_end=on_round_end)
-        if not 0 < batch_sample_rate <= 1:
-            raise ValueError(f"batch_sample_rate={batch_sample_rate!r} must be in (0, 1]")
-        if sample_noise_multiplier <= 0 or sample_clipping_norm <= 0:
-            raise ValueError(f"sample_noise_multiplier={sample_noise_multiplier!r} and "
-                             f"sample_clipping_norm={sample_clipping_norm!r} must be > 0")
-        if target_epsilon <= 0:
-            raise ValueError(f"target_epsilon={target_epsilon!r} must be > 0: R_c is derived from it")
-        if mu_source not in MU_SOURCES:
-            raise ValueError(f"mu_source={mu_source!r} is not one of: {', '.join(MU_SOURCES)}")
-        if adaptive and mu_source == "server" and gradient_fn is None:
-            raise ValueError("mu_source='server' with adaptive=True needs a gradient_fn (server data)")
-        if gamma < 0 or local_steps < 0 or mu_noise_multiplier <= 0:
-            raise ValueError(f"gamma={gamma!r} and local_steps={local_steps!r} must be >= 0, "
-                             f"mu_noise_multiplier={mu_noise_multiplier!r} > 0")
+        self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
+                            sample_clipping_norm=sample_clipping_norm, target_epsilon=target_epsilon,
+                            accountant=accountant, local_steps=local_steps, gamma=gamma, mu_source=mu_source,
+                            mu_noise_multiplier=mu_noise_multiplier, dpsgd_noise=dpsgd_noise,
+                            wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode)
+        require(not (adaptive and mu_source == "server" and gradient_fn is None), "mu_source", mu_source,
+                "'server' with adaptive=True needs a gradient_fn (the server's data)")
+        super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
+                         server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
+                         secure_rng=secure_rng, min_available_nodes=min_available_nodes,
+                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end)
         self.batch_sample_rate = batch_sample_rate
         self.sample_noise_multiplier = sample_noise_multiplier
         self.sample_clipping_norm = sample_clipping_norm
@@ -124,9 +120,9 @@ class ALIDPFL(DPFedAvg):
         self.initial_local_steps = max(1, local_steps)
         self.mu_source, self.mu_noise_multiplier = mu_source, mu_noise_multiplier
         self.gradient_fn = gradient_fn
-        dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # validates
         self.dpsgd_noise, self.wavelet_calibration = dpsgd_noise, wavelet_calibration
-        self.accounted_multiplier = sample_noise_multiplier  # set from the model size in the first round
+        self.grad_sample_mode = grad_sample_mode
+        self.noise = dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # d set in round 1
         self.dimension = 0
         self.ledger: SampleLevelLedgers | None = None
         self.steps_budget = 0  # R_c
@@ -137,30 +133,46 @@ class ALIDPFL(DPFedAvg):
         self.dataset_sizes: dict[int, int] = {}  # partition id -> |D_i|
         self.clients_out_of_budget = False
 
+    @classmethod
+    def check_settings(cls, *, batch_sample_rate: float, sample_noise_multiplier: float, sample_clipping_norm: float,
+                       target_epsilon: float, accountant: str = "rdp", local_steps: int = 1, gamma: float = 5.0,
+                       mu_source: str = "server", mu_noise_multiplier: float = 10.0, dpsgd_noise: str = "gaussian",
+                       wavelet_calibration: str = "exact", grad_sample_mode: str = "ew", **_) -> None:
+        """The rules of these settings (the same call checks a run config before training)."""
+        check_dpsgd(sample_noise_multiplier=sample_noise_multiplier, sample_clipping_norm=sample_clipping_norm,
+                    batch_sample_rate=batch_sample_rate, target_epsilon=target_epsilon, dpsgd_noise=dpsgd_noise,
+                    wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode,
+                    accountant=accountant, mu_source=mu_source, mu_noise_multiplier=mu_noise_multiplier)
+        require(gamma >= 0, "gamma", gamma, "must be >= 0")
+        require(local_steps >= 0, "local_steps", local_steps, "must be >= 0 (0: 1)")
+
+    @property
+    def accounted_multiplier(self) -> float:
+        """The true DP-SGD noise multiplier the ledgers charge (`fl_app.privacy.dpsgd_noise`)."""
+        return self.noise.accounted
+
     # ------------------------------------------------------------------ set-up
-    def setup_population(self, num_clients: int) -> None:
-        """M, m, delta (default 1e-5), the per-client ledgers, R_c and the first tau."""
-        self.num_clients = num_clients
-        self.expected_clients = (float(max(1, round(self.sample_rate * num_clients)))
-                                 if self.client_sampling == "fixed" else self.sample_rate * num_clients)
-        delta = self.requested_delta if self.requested_delta > 0 else DEFAULT_SAMPLE_DELTA
-        self.ledger = SampleLevelLedgers(delta, self.accountant)
-        self.steps_budget = max_local_steps(self.sample_target_epsilon, delta, self.sample_noise_multiplier,
+    def default_delta(self, num_clients: int) -> float:
+        return DEFAULT_SAMPLE_DELTA
+
+    def make_ledger(self, delta: float) -> SampleLevelLedgers:
+        """The per-client ledgers, R_c and the first tau."""
+        self.steps_budget = max_local_steps(self.sample_target_epsilon, delta, self.noise.budget,
                                             self.batch_sample_rate, self.accountant)
-        if self.steps_budget == 0:
-            raise ValueError(f"target_epsilon={self.sample_target_epsilon} allows no DP-SGD step with "
-                             f"noise multiplier {self.sample_noise_multiplier}, batch sample rate "
-                             f"{self.batch_sample_rate} and delta {delta}: raise the target or the noise "
-                             f"multiplier, or lower the sample rate")
+        require(self.steps_budget > 0, "target_epsilon", self.sample_target_epsilon,
+                f"allows no DP-SGD step with noise multiplier {self.sample_noise_multiplier}, batch sample rate "
+                f"{self.batch_sample_rate} and delta {delta}: raise the target or the noise multiplier, or lower "
+                "the sample rate")
         if self.adaptive and self.rounds_budget >= self.steps_budget:
             self.tau = 1  # Lemma 1
         log(INFO, "ALI-DPFL: R_s = %d rounds, R_c = %d DP-SGD steps (epsilon %.3g, delta %.3g), first tau = %d",
             self.rounds_budget, self.steps_budget, self.sample_target_epsilon, delta, self.tau)
+        return SampleLevelLedgers(delta, self.accountant)
 
     @property
     def rounds_budget(self) -> int:
         """R_s: the configured number of rounds."""
-        return self._num_rounds
+        return self.num_rounds
 
     def summary(self) -> None:
         log(INFO, "\t├──> Sample-level DP-SGD on every client (%s)", type(self).__name__)
@@ -184,15 +196,15 @@ class ALIDPFL(DPFedAvg):
         return self.adaptive and self.mu_source == "clients" and self.rounds_budget < self.steps_budget
 
     def client_train_config(self, server_round: int) -> dict:
-        return {"server-round": server_round, "local-steps": self.round_local_steps(),
-                "release-mu": self.releases_mu(), "privatize": False}
+        return {keys.SERVER_ROUND: server_round, keys.LOCAL_STEPS: self.round_local_steps(),
+                keys.RELEASE_MU: self.releases_mu(), keys.PRIVATIZE: False}
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self._global is not None and self.ledger is not None
+        assert self.current_arrays is not None and self.ledger is not None
         tau = self.round_local_steps()
         self.tau_list.append(tau)
-        global_arrays = self._global.to_numpy_ndarrays()
+        global_arrays = self.current_arrays.to_numpy_ndarrays()
         self.set_dimension(sum(a.size for a in global_arrays))
         shapes = [a.shape for a in global_arrays]
         accepted, failures, rejected = self.accepted_updates(server_round, replies, shapes)
@@ -204,7 +216,7 @@ class ALIDPFL(DPFedAvg):
                 log(WARNING, "Round %d: rejected reply: %s", server_round, problem)
                 continue
             rows.append((vector, metrics))
-        weights = np.array([float(m["num-examples"]) for _, m in rows])
+        weights = np.array([float(m[keys.NUM_EXAMPLES]) for _, m in rows])
         global_vector = flatten(global_arrays)
         if rows:
             average = np.sum([w * v for w, (v, _) in zip(weights / weights.sum(), rows)], axis=0, dtype=np.float64)
@@ -214,8 +226,8 @@ class ALIDPFL(DPFedAvg):
         self.update_ledgers(server_round, [m for _, m in rows])
         mu = self.estimate_mu(global_arrays, shapes, rows, weights) if self.needs_mu() else math.nan
         self.tau, tau_star = self.next_tau(mu, global_vector.size)
-        self.clients_out_of_budget = bool(rows) and all(int(m.get("budget-left", 1)) == 0 for _, m in rows)
-        taken = [int(m["local-steps"]) for _, m in rows]
+        self.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)
+        taken = [int(m[keys.LOCAL_STEPS]) for _, m in rows]
         norms = [l2_norm(v) for v, _ in rows]
         eps = self.ledger.epsilon_per_client()
         metrics = {
@@ -243,18 +255,18 @@ class ALIDPFL(DPFedAvg):
         """
         assert self.ledger is not None
         for m in replies:
-            pid = int(m["partition-id"])
-            self.dataset_sizes[pid] = int(m["num-examples"])
-            new_steps = int(m["dpsgd-steps"]) - self.steps_taken.get(pid, 0)
-            new_releases = int(m.get("mu-releases", 0)) - self.mu_releases.get(pid, 0)
+            pid = int(m[keys.PARTITION_ID])
+            self.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
+            new_steps = int(m[keys.DPSGD_STEPS]) - self.steps_taken.get(pid, 0)
+            new_releases = int(m.get(keys.MU_RELEASES, 0)) - self.mu_releases.get(pid, 0)
             if new_steps > 0:
                 self.ledger.record(pid, self.accounted_multiplier, self.batch_sample_rate, new_steps)
             if new_releases > 0:
                 self.ledger.record(pid, self.mu_noise_multiplier, 1.0, new_releases)
-            self.steps_taken[pid] = max(self.steps_taken.get(pid, 0), int(m["dpsgd-steps"]))
-            self.mu_releases[pid] = max(self.mu_releases.get(pid, 0), int(m.get("mu-releases", 0)))
+            self.steps_taken[pid] = max(self.steps_taken.get(pid, 0), int(m[keys.DPSGD_STEPS]))
+            self.mu_releases[pid] = max(self.mu_releases.get(pid, 0), int(m.get(keys.MU_RELEASES, 0)))
             mirrored = self.ledger.clients[pid].epsilon() if pid in self.ledger.clients else 0.0
-            reported = float(m.get("epsilon", mirrored))
+            reported = float(m.get(keys.EPSILON, mirrored))
             if not math.isclose(mirrored, reported, rel_tol=1e-6, abs_tol=1e-9):
                 log(WARNING, "Round %d: client %d reports epsilon %.6g, its mirrored ledger gives %.6g",
                     server_round, pid, reported, mirrored)
@@ -262,18 +274,13 @@ class ALIDPFL(DPFedAvg):
     def set_dimension(self, dim: int) -> None:
         """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
         first, self.dimension = self.dimension == 0, dim
-        _, self.accounted_multiplier, _ = dpsgd_multipliers(
-            self.sample_noise_multiplier, self.dpsgd_noise, self.wavelet_calibration, dim)
-        if first and self.claims_differ:
+        self.noise = dpsgd_multipliers(self.sample_noise_multiplier, self.dpsgd_noise, self.wavelet_calibration, dim)
+        if first and self.noise.claims_differ:
             log(WARNING, "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "
                          "true noise multiplier sigma_H / n = %.3g (n = %d), not %.3g; clients stop on the "
                          "paper's claimed epsilon, the run reports the TRUE epsilon. Use 'exact' for the "
-                         "configured guarantee.", self.accounted_multiplier, haar_padded_size(dim),
+                         "configured guarantee.", self.noise.accounted, haar_padded_size(dim),
                 self.sample_noise_multiplier)
-
-    @property
-    def claims_differ(self) -> bool:
-        return self.accounted_multiplier != self.sample_noise_multiplier
 
     def claimed_epsilon(self) -> float:
         """max over clients of the epsilon the paper's analysis would print (DP-SGD at sigma_H)."""
@@ -292,8 +299,8 @@ class ALIDPFL(DPFedAvg):
         ratios, used = [], []
         if self.mu_source == "clients":
             for (_, m), w in zip(rows, weights):
-                if "mu" in m and math.isfinite(float(m["mu"])):
-                    ratios.append(float(m["mu"]))
+                if keys.MU in m and math.isfinite(float(m[keys.MU])):
+                    ratios.append(float(m[keys.MU]))
                     used.append(w)
         else:
             assert self.gradient_fn is not None
@@ -321,8 +328,13 @@ class ALIDPFL(DPFedAvg):
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
-        claimed = {"epsilon_claimed": self.claimed_epsilon()} if self.claims_differ else {}
+        claimed = {"epsilon_claimed": self.claimed_epsilon()} if self.noise.claims_differ else {}
         return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
+
+    def round_details(self) -> dict:
+        """Each client's epsilon so far, for the round record (dashboards' rounds x clients heatmap)."""
+        assert self.ledger is not None
+        return {"epsilon_per_client": {str(c): e for c, e in self.ledger.epsilon_per_client().items()}}
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
@@ -344,23 +356,20 @@ class ALIDPFL(DPFedAvg):
             "sample_noise_multiplier": self.sample_noise_multiplier,
             "sample_clipping_norm": self.sample_clipping_norm,
             "batch_sample_rate": self.batch_sample_rate,
-            "client_sampling_rate": self.sample_rate,
-            "client_sampling": self.client_sampling,
-            "num_clients": self.num_clients,
-            "accountant": self.accountant,
+            **self.describe_sampling(),
             "target_epsilon": self.sample_target_epsilon,
             "adaptive": self.adaptive,
             "gamma": self.gamma,
             "mu_source": self.mu_source,
             "mu_noise_multiplier": self.mu_noise_multiplier if self.releases_mu() else None,
             "dpsgd_noise": self.dpsgd_noise,
+            "grad_sample_mode": self.grad_sample_mode,
             "wavelet_calibration": self.wavelet_calibration if self.dpsgd_noise == "wavelet" else None,
             "accounted_noise_multiplier": self.accounted_multiplier,
             "rounds_budget": self.rounds_budget,
             "steps_budget": self.steps_budget,
             "tau_list": list(self.tau_list),
             "local_steps_total": self.total_steps,
-            "stop_reason": self.stop_reason,
             "ledger": self.ledger.state_dict(),
             "epsilon_per_client": self.ledger.epsilon_per_client(),
             **self.privacy_metrics(),
@@ -369,12 +378,12 @@ class ALIDPFL(DPFedAvg):
 
 def reply_metrics_problem(metrics: dict) -> str | None:
     """Why a DP-SGD client's metrics cannot be used (missing / invalid counts), else None."""
-    for key in ("num-examples", "partition-id", "local-steps", "dpsgd-steps"):
+    for key in (keys.NUM_EXAMPLES, keys.PARTITION_ID, keys.LOCAL_STEPS, keys.DPSGD_STEPS):
         if key not in metrics:
             return f"metric '{key}' missing"
-    n = float(metrics["num-examples"])
+    n = float(metrics[keys.NUM_EXAMPLES])
     if not (math.isfinite(n) and n > 0):
-        return f"num-examples = {metrics['num-examples']!r} must be > 0"
-    if int(metrics["local-steps"]) < 0 or int(metrics["dpsgd-steps"]) < int(metrics["local-steps"]):
-        return f"inconsistent step counts {metrics['local-steps']!r} / {metrics['dpsgd-steps']!r}"
+        return f"num-examples = {metrics[keys.NUM_EXAMPLES]!r} must be > 0"
+    if int(metrics[keys.LOCAL_STEPS]) < 0 or int(metrics[keys.DPSGD_STEPS]) < int(metrics[keys.LOCAL_STEPS]):
+        return f"inconsistent step counts {metrics[keys.LOCAL_STEPS]!r} / {metrics[keys.DPSGD_STEPS]!r}"
     return None

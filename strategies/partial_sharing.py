@@ -2,7 +2,7 @@
 
 `PersonalizedDPFedAvg` is DPFedAvg whose evaluation measures personalized models: every
 client (or a seeded `fraction_evaluate` of them) evaluates its own personal model on its own
-held-out split, and the metric is the unweighted mean over clients (dp2-fedsam.txt, Sec. V-A).
+held-out split, and the metric is the unweighted mean over clients (DP²-FedSAM paper, Sec. V-A; docs/algorithms.md §4).
 DP-FedAvg-FT / DP-FedSAM-FT use it with clients that fine-tune the global model first.
 
 `PartialSharingDPFedAvg` (DP2-FedSAM, CENTAUR) holds, aggregates and broadcasts only the shared
@@ -22,8 +22,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from .dp_fedavg import DPFedAvg
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import make_rng
+
+from .dp_fedavg import DPFedAvg
 
 
 class PersonalizedDPFedAvg(DPFedAvg):
@@ -48,7 +50,7 @@ class PersonalizedDPFedAvg(DPFedAvg):
                            grid: Grid) -> Iterable[Message]:
         nodes = self.evaluation_nodes(server_round, list(grid.get_node_ids()))
         record = RecordDict({self.arrayrecord_key: arrays,
-                             self.configrecord_key: ConfigRecord({**dict(config), "server-round": server_round})})
+                             self.configrecord_key: ConfigRecord({**dict(config), keys.SERVER_ROUND: server_round})})
         return self._construct_messages(record, nodes, MessageType.EVALUATE)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -56,7 +58,7 @@ class PersonalizedDPFedAvg(DPFedAvg):
         accuracies, losses, failures = [], [], 0
         for msg in replies:
             metrics = {} if msg.has_error() else next(iter(msg.content.metric_records.values()), {})
-            acc = float(metrics.get("accuracy", math.nan))
+            acc = float(metrics.get(keys.ACCURACY, math.nan))
             if not math.isfinite(acc):
                 failures += 1
                 reason = msg.error.reason if msg.has_error() else "no accuracy (empty held-out split?)"
@@ -64,7 +66,7 @@ class PersonalizedDPFedAvg(DPFedAvg):
                     msg.metadata.src_node_id, reason)
                 continue
             accuracies.append(acc)
-            losses.append(float(metrics.get("loss", math.nan)))
+            losses.append(float(metrics.get(keys.LOSS, math.nan)))
         if not accuracies:
             return None
         return MetricRecord({
@@ -95,7 +97,7 @@ class PartialSharingDPFedAvg(PersonalizedDPFedAvg):
     """
 
     def describe(self) -> dict:
-        shared = self._global.to_numpy_ndarrays() if self._global is not None else []
+        shared = self.current_arrays.to_numpy_ndarrays() if self.current_arrays is not None else []
         return {**super().describe(), "shared": "body only (each client keeps its head)",
                 "shared_parameters": int(sum(a.size for a in shared)),
                 "accuracy_note": ("final_accuracy is null: only the body is shared, so there is no global "

@@ -1,8 +1,8 @@
-"""DP-FedSAM-top_k server (dp-fedsam.txt Option II, ALGORITHMS.md section 3).
+"""DP-FedSAM-top_k server (DP-FedSAM paper, Algorithm 1 Option II; docs/algorithms.md §3).
 
 Clients clip, add their noise share, then keep the k = ceil(p * size) largest-magnitude
 coordinates (post-processing: no privacy cost) and upload them in sparse form
-(`mechanisms.sparse_encode`). The server decodes and checks every upload, rejecting
+(`fl_app.privacy.mechanisms.sparse_encode`). The server decodes and checks every upload, rejecting
 malformed ones (indices out of range or duplicated, wrong counts), and averages the
 dense sums with the fixed denominator m, not the number of non-zeros. It measures the
 bytes it received next to what dense float32 uploads would have cost.
@@ -17,8 +17,11 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
-from .dp_fedavg import DPFedAvg
+from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode
+from fl_app.privacy.settings import one_of, require, require_noise_placement
+
+from .dp_fedavg import DPFedAvg
 
 
 def payload_bytes(record: ArrayRecord) -> int:
@@ -36,36 +39,42 @@ class DPFedSAMTopK(DPFedAvg):
     """
 
     def __init__(self, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **kwargs) -> None:
-        if not 0 < sparsity <= 1:
-            raise ValueError(f"sparsity={sparsity!r} must be in (0, 1]")
-        if topk_mode not in TOPK_MODES:
-            raise ValueError(f"topk_mode={topk_mode!r} is not one of: {', '.join(TOPK_MODES)}")
-        if kwargs.get("noise_placement", "central") != "distributed":
-            raise ValueError(f"noise_placement={kwargs.get('noise_placement', 'central')!r}: top-k must follow "
-                             "the noise on the client, so DP-FedSAM-top_k needs noise_placement='distributed'")
+        self.check_topk(sparsity, topk_mode, kwargs.get("noise_placement", "central"))
         super().__init__(**kwargs)
         self.sparsity, self.topk_mode = sparsity, topk_mode
         self.upload_bytes_total = 0
         self.dense_bytes_total = 0
 
+    @classmethod
+    def check_settings(cls, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **settings) -> None:
+        cls.check_topk(sparsity, topk_mode, settings.get("noise_placement", "central"))
+        super().check_settings(**settings)
+
+    @staticmethod
+    def check_topk(sparsity: float, topk_mode: str, noise_placement: str) -> None:
+        require(0 < sparsity <= 1, "sparsity", sparsity, "must be in (0, 1]")
+        one_of("topk_mode", topk_mode, TOPK_MODES)
+        require_noise_placement("DP-FedSAM-top_k", noise_placement, "distributed",
+                                "keeps the top-k coordinates after the noise on the client")
+
     def client_train_config(self, server_round: int) -> dict:
-        return {**super().client_train_config(server_round), "sparsity": float(self.sparsity),
-                "topk-mode": self.topk_mode}
+        return {**super().client_train_config(server_round), keys.SPARSITY: float(self.sparsity),
+                keys.TOPK_MODE: self.topk_mode}
 
     def decode_update(self, content: RecordDict) -> list[np.ndarray]:
         """Dense update from the sparse upload; raises (-> rejected) if it is malformed."""
-        assert self._global is not None
-        shapes = [a.shape for a in self._global.to_numpy_ndarrays()]
+        assert self.current_arrays is not None
+        shapes = [a.shape for a in self.current_arrays.to_numpy_ndarrays()]
         encoded = content[self.arrayrecord_key].to_numpy_ndarrays()
         return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        assert self._global is not None
+        assert self.current_arrays is not None
         arrived = [m for m in replies if not m.has_error() and self.arrayrecord_key in m.content.array_records]
         upload = sum(payload_bytes(m.content[self.arrayrecord_key]) for m in arrived)
-        dense = len(arrived) * payload_bytes(self._global)
+        dense = len(arrived) * payload_bytes(self.current_arrays)
         self.upload_bytes_total += upload
         self.dense_bytes_total += dense
         arrays, metrics = super().aggregate_train(server_round, replies)

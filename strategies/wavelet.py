@@ -1,7 +1,7 @@
-"""DP-FedAvg-WAV (dp-fedavg-wavelet.txt, Algorithm 2; ALGORITHMS.md section 6).
+"""DP-FedAvg-WAV (the wavelet paper's Algorithm 2; docs/algorithms.md §6).
 
 Clients clip their update to C; the server sums the clipped updates, adds the paper's
-Haar-wavelet noise with scale sigma_H * C (`mechanisms.haar_wavelet_noise`, on the whole
+Haar-wavelet noise with scale sigma_H * C (`fl_app.privacy.mechanisms.haar_wavelet_noise`, on the whole
 model as one vector zero-padded to n = 2^L >= d), divides by m and steps.
 
 The paper's privacy claim does not hold: the noise along the all-ones direction has std
@@ -25,17 +25,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from fl_app.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
 from fl_app.privacy.ledger import PrivacyLedger
-from .dp_fedavg import DPFedAvg
-from fl_app.privacy.mechanisms import (
-    clip_to_norm,
-    haar_padded_size,
-    haar_wavelet_noise,
-    make_rng,
-    wavelet_effective_noise_multiplier,
-)
+from fl_app.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
+from fl_app.privacy.settings import check_wavelet_accountant, one_of, require_noise_placement
 
-WAVELET_CALIBRATIONS = ("paper", "exact")
+from .dp_fedavg import DPFedAvg
 
 
 class DPFedAvgWavelet(DPFedAvg):
@@ -45,23 +40,30 @@ class DPFedAvgWavelet(DPFedAvg):
     docstring). Noise placement is `central` (Algorithm 2 adds the noise at aggregation).
     """
 
+    clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
+
     def __init__(self, *, wavelet_calibration: str = "exact", **kwargs) -> None:
-        if wavelet_calibration not in WAVELET_CALIBRATIONS:
-            raise ValueError(f"wavelet_calibration={wavelet_calibration!r} is not one of: "
-                             f"{', '.join(WAVELET_CALIBRATIONS)}")
-        placement = kwargs.setdefault("noise_placement", "central")
-        if placement != "central":
-            raise ValueError(f"noise_placement={placement!r}: DP-FedAvg-WAV adds its wavelet noise at the "
-                             "server (Algorithm 2), so it needs noise_placement='central'")
-        if wavelet_calibration == "paper" and kwargs.get("accountant", "rdp") == "prv":
-            raise ValueError("accountant='prv' cannot account wavelet_calibration='paper': the effective multiplier "
-                             "sigma/sqrt(n) is tiny and PRV's memory grows without bound as sigma -> 0; use 'rdp'")
+        kwargs.setdefault("noise_placement", "central")
+        self.check_wavelet(wavelet_calibration, kwargs["noise_placement"], kwargs.get("accountant", "rdp"))
         super().__init__(**kwargs)
         self.wavelet_calibration = wavelet_calibration
         self.dimension = 0  # d, set from the model
         self.padded_size = 0  # n = 2^L >= d
         self.claimed: PrivacyLedger | None = None  # what the paper's analysis would print
         self._warned = False
+
+    @classmethod
+    def check_settings(cls, *, wavelet_calibration: str = "exact", **settings) -> None:
+        settings.setdefault("noise_placement", "central")
+        cls.check_wavelet(wavelet_calibration, settings["noise_placement"], settings.get("accountant", "rdp"))
+        super().check_settings(**settings)
+
+    @staticmethod
+    def check_wavelet(wavelet_calibration: str, noise_placement: str, accountant: str) -> None:
+        one_of("wavelet_calibration", wavelet_calibration, WAVELET_CALIBRATIONS)
+        require_noise_placement("DP-FedAvg-WAV", noise_placement, "central",
+                                "adds its wavelet noise at the server (Algorithm 2)")
+        check_wavelet_accountant(wavelet_calibration, accountant)
 
     # ------------------------------------------------------------------ calibration
     def set_dimension(self, dimension: int) -> None:
@@ -95,7 +97,7 @@ class DPFedAvgWavelet(DPFedAvg):
         if self._warned or self.wavelet_calibration != "paper" or self.ledger is None:
             return
         self._warned = True
-        rounds = max(1, self._num_rounds)
+        rounds = max(1, self.num_rounds)
         claimed = self.ledger.model.epsilon_after(self.sigma_h, self.sample_rate, rounds)
         true = self.ledger.model.epsilon_after(self.accounted_noise_multiplier(), self.sample_rate, rounds)
         log(WARNING, "wavelet-calibration = 'paper': the paper accounts sigma_H = %.4g (epsilon %.4g after %d "
@@ -106,22 +108,12 @@ class DPFedAvgWavelet(DPFedAvg):
             self.accounted_noise_multiplier(), true)
 
     # ------------------------------------------------------------------ rounds
-    def client_train_config(self, server_round: int) -> dict:
-        """Clients clip to C and add no noise (Algorithm 2: the server adds it)."""
-        return {**super().client_train_config(server_round), "privatize": True, "noise-std": 0.0}
-
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self.set_dimension(sum(a.size for a in arrays.to_numpy_ndarrays()))
         messages = super().configure_train(server_round, arrays, config, grid)
         self.warn_true_epsilon()
         return messages
-
-    def server_clip(self, vector: np.ndarray, metrics) -> tuple[np.ndarray, float]:
-        """Clients clipped; clip again (a client that did not cannot exceed C) and keep the
-        norm the client measured before its clipping."""
-        vector, server_norm = clip_to_norm(vector, self.clipping_norm)
-        return vector, float(metrics.get("update-norm", server_norm))
 
     def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
                   received: int | None = None) -> np.ndarray:

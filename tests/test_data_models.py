@@ -1,6 +1,7 @@
 """Datasets, partitioners and the model zoo."""
 
 import functools
+import os
 import socket
 import time
 from pathlib import Path
@@ -17,7 +18,9 @@ from fl_app.task.models import MODELS, build_model, count_parameters, head_param
 
 torch.set_num_threads(1)
 
-MNIST_DIR = Path("/work/shared/data/mnist")
+# The full MNIST as the four IDX .gz files (train/t10k images/labels), e.g. from yann.lecun.com or a
+# Flower/torchvision download: `DPFL_MNIST_DIR=/path/to/mnist python -m pytest` (README: Tests).
+MNIST_DIR = Path(os.environ.get("DPFL_MNIST_DIR", "") or "/nonexistent-dpfl-mnist")
 
 
 @pytest.fixture
@@ -54,7 +57,8 @@ def test_digits():
     assert abs(pool.x.mean()) < 1e-3 and abs(pool.x.std() - 1) < 1e-3
 
 
-@pytest.mark.skipif(not MNIST_DIR.is_dir(), reason=f"{MNIST_DIR} is missing")
+@pytest.mark.skipif(not MNIST_DIR.is_dir(), reason="full MNIST not found: set DPFL_MNIST_DIR to a folder with the "
+                    "four MNIST IDX .gz files to run this test")
 def test_full_mnist_from_idx_files():
     pool, test = load_dataset("mnist", data_dir=str(MNIST_DIR))
     assert pool.x.shape == (60000, 1, 28, 28) and test.x.shape == (10000, 1, 28, 28)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fl_app.privacy.ledger import epsilon_of
-from tests.deployment import ROOT, Deployment, make_node_keys
+from fl_app.local_deployment import ROOT, Deployment, make_node_keys
 
 pytestmark = pytest.mark.slow
 

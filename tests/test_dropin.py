@@ -19,7 +19,8 @@ from clients.mods import make_dp_privatize_mod, uniform_weight_mod
 from fl_app.inprocess import InProcessGrid
 from fl_app.privacy.ledger import epsilon_of
 from strategies.dp_fedavg import DPFedAvg
-from strategies.legacy import DPSecAggPlusWorkflow, LegacyDPFedAvg
+from strategies.legacy import LegacyDPFedAvg
+from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from tests.foreign_app.foreign.task import train as softmax_regression_steps
 from fl_app.privacy.mechanisms import flatten
 
@@ -146,8 +147,8 @@ def test_legacy_strategy_stops_on_the_privacy_budget():
 
 def test_legacy_numpyclient_with_mod_under_secaggplus():
     """@app.main with LegacyContext + DefaultWorkflow(DPSecAggPlusWorkflow), mods=[secaggplus_mod, dp mod]."""
-    strategy = LegacyDPFedAvg(dp(), secure_aggregation=True, evaluate_fn=legacy_evaluate,
-                              initial_parameters=ndarrays_to_parameters(initial_weights()))
+    strategy = SecAggPlusDPFedAvg(dp(), evaluate_fn=legacy_evaluate,
+                                  initial_parameters=ndarrays_to_parameters(initial_weights()))
     server_app = ServerApp()
 
     @server_app.main()

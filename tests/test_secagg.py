@@ -21,14 +21,14 @@ from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 from fl_app.privacy.ledger import epsilon_of
 from strategies.dp_fedavg import DPFedAvg
-from strategies.legacy import LegacyDPFedAvg, secagg_clipping_range
+from strategies.secagg import SecAggPlusDPFedAvg, secagg_clipping_range
 from fl_app.privacy.mechanisms import flatten
 from tests.stub_clients import FixedUpdateClient
 
 C, SIGMA = 0.5, 1.3
 
 
-class SpyLegacyDPFedAvg(LegacyDPFedAvg):
+class SpySecAggPlusDPFedAvg(SecAggPlusDPFedAvg):
     """Keeps what aggregate_fit receives."""
 
     seen: list
@@ -66,7 +66,7 @@ def run_secagg_round(num_nodes, update_fn, fail=None):
     grid = InProcessGrid(secagg_stub_app(update_fn, uploads), num_nodes, {}, fail=fail)
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
                   client_sampling="fixed", seed=3)
-    strategy = SpyLegacyDPFedAvg(dp, secure_aggregation=True)
+    strategy = SpySecAggPlusDPFedAvg(dp)
     start = initial()
     result = strategy.start(grid, start, num_rounds=1)
     delta = flatten(result.arrays.to_numpy_ndarrays()) - flatten(start.to_numpy_ndarrays())
@@ -147,8 +147,8 @@ def test_secagg_halts_when_too_few_finish(caplog):
 def test_secagg_rejects_unequal_weights():
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed")
     with pytest.raises(ValueError, match="noise_placement='distributed'"):
-        LegacyDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA), secure_aggregation=True)
-    strategy = LegacyDPFedAvg(dp, secure_aggregation=True)
+        SecAggPlusDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA))
+    strategy = SecAggPlusDPFedAvg(dp)
     strategy._global = [np.zeros(3, np.float32)]
     dp.setup_population(2)
 

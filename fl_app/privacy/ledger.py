@@ -3,6 +3,10 @@
 A ledger is a list of (noise_multiplier, sample_rate, steps) events of the
 sampled Gaussian mechanism, composed by a maintained accountant (Opacus RDP by
 default, Opacus PRV selectable). The list is the whole state: save it, restore it.
+
+Two ledgers implement the one interface `Ledger` that strategies and reports use:
+`ClientLevelLedger` (one protected unit: a client; against the released model and against
+the server) and `SampleLevelLedgers` (one ledger per client of its samples, DP-SGD).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
@@ -142,6 +147,19 @@ def per_update_noise_multiplier(noise_multiplier: float, expected_clients: float
     2C, so the release has multiplier (sigma C / sqrt(m)) / (2C) = sigma / (2 sqrt(m)).
     """
     return noise_multiplier / (2.0 * math.sqrt(expected_clients))
+
+
+class Ledger(Protocol):
+    """What every ledger offers: delta, the epsilon spent, and its whole state."""
+
+    delta: float
+    accountant: str
+
+    def epsilon(self) -> float:
+        """eps(delta) spent so far (the figure the run prints)."""
+
+    def state_dict(self) -> dict:
+        """The whole state, JSON-serializable; `from_state_dict` restores it."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Privacy mechanisms on flat update vectors (numpy only; used by server and clients).
 
 Every mechanism exists here once. Updates travel as lists of arrays; mechanisms act
-on the concatenation of all of them (the "global" vector of ALGORITHMS.md section 0).
+on the concatenation of all of them (the "global" vector of docs/algorithms.md §0).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def haar_weights(n: int) -> list[int]:
 
 
 def haar_coefficients(vector: np.ndarray) -> list[np.ndarray]:
-    """The paper's Haar coefficients (section 4.3): base = mean, detail = (mean(L) - mean(R)) / 2.
+    """The wavelet paper's Haar coefficients (its section 4.3): base = mean, detail = (mean(L) - mean(R)) / 2.
 
     pywt's Haar is orthonormal: its level-l coefficient is 2^(l/2) times the paper's, so
     the paper's = pywt's / sqrt(W) (W = block size, n for the base). Zero-pads to 2^L.
@@ -265,7 +265,7 @@ def haar_coefficients(vector: np.ndarray) -> list[np.ndarray]:
 
 
 def haar_wavelet_noise(vector: np.ndarray, scale: float, rng: np.random.Generator) -> np.ndarray:
-    """The published wavelet mechanism (dp-fedavg-wavelet.txt, WaveletNoise of Algorithm 2).
+    """The published wavelet mechanism (the wavelet paper's WaveletNoise of Algorithm 2; docs/algorithms.md §6).
 
     Pad to n = 2^L, Haar transform, add N(0, (scale / W)^2) to every paper-normalised coefficient
     (scale = sigma_H * C; W = n for the base, the block size for a detail), inverse, unpad.
@@ -315,7 +315,7 @@ def haar_coefficient_norm(vector: np.ndarray) -> float:
 
 
 def coefficient_clipping_noise_multiplier(sigma_h: float, n: int) -> float:
-    """sigma_H / n: the Gaussian noise multiplier of DP-SGD-WAV (dp-fedavg-wavelet.txt Algorithm 1).
+    """sigma_H / n: the Gaussian noise multiplier of DP-SGD-WAV (the wavelet paper's Algorithm 1; docs/algorithms.md §6).
 
     Derivation. Let H = D^(-1/2) U g be the paper's coefficients of a gradient g (padded to
     n = 2^L), U the orthonormal Haar matrix (pywt) and D = diag(W): W = n for the base

@@ -83,7 +83,7 @@ def check_dpsgd(*, sample_noise_multiplier: float, sample_clipping_norm: float, 
                 target_epsilon: float, dpsgd_noise: str, wavelet_calibration: str, grad_sample_mode: str,
                 accountant: str, mu_source: str, mu_noise_multiplier: float) -> None:
     """The rules of sample-level DP-SGD in every client (ALI-DPFL, docs/algorithms.md §5 and §6)."""
-    from .dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
+    from .dpsgd_noise import WAVELET_CALIBRATIONS
 
     require(0 < batch_sample_rate <= 1, "batch_sample_rate", batch_sample_rate, "must be in (0, 1]")
     require(sample_noise_multiplier > 0, "sample_noise_multiplier", sample_noise_multiplier, "must be > 0")
@@ -91,13 +91,20 @@ def check_dpsgd(*, sample_noise_multiplier: float, sample_clipping_norm: float, 
     require(target_epsilon > 0, "target_epsilon", target_epsilon,
             "must be > 0: each client's sample-level budget (R_c, the local step budget, follows from it)")
     require(mu_noise_multiplier > 0, "mu_noise_multiplier", mu_noise_multiplier, "must be > 0")
-    one_of("dpsgd_noise", dpsgd_noise, DPSGD_NOISES)
     one_of("wavelet_calibration", wavelet_calibration, WAVELET_CALIBRATIONS)
-    one_of("grad_sample_mode", grad_sample_mode, GRAD_SAMPLE_MODES)
     one_of("mu_source", mu_source, MU_SOURCES)
     one_of("accountant", accountant, ACCOUNTANT_NAMES)
+    check_dpsgd_clipping(grad_sample_mode, dpsgd_noise)
     if dpsgd_noise == "wavelet":
-        require(grad_sample_mode != "ghost", "grad_sample_mode", grad_sample_mode,
-                "'ghost' cannot clip per-sample gradients in the Haar domain that dpsgd_noise = 'wavelet' needs: "
-                "use hooks, functorch or ew")
         check_wavelet_accountant(wavelet_calibration, accountant)
+
+
+def check_dpsgd_clipping(grad_sample_mode: str, dpsgd_noise: str) -> None:
+    """Opacus' per-sample gradient mode and the DP-SGD noise: ghost clipping cannot clip in the Haar domain."""
+    from .dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES
+
+    one_of("grad_sample_mode", grad_sample_mode, GRAD_SAMPLE_MODES)
+    one_of("dpsgd_noise", dpsgd_noise, DPSGD_NOISES)
+    require(not (dpsgd_noise == "wavelet" and grad_sample_mode == "ghost"), "grad_sample_mode", grad_sample_mode,
+            "'ghost' cannot clip per-sample gradients in the Haar domain that dpsgd_noise = 'wavelet' needs: "
+            "use hooks, functorch or ew")

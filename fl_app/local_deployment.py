@@ -1,4 +1,4 @@
-"""A real Flower deployment on loopback for tests: flower-superlink, flower-supernode and `flwr run`.
+"""A real Flower deployment on loopback (for tests and benchmarks): flower-superlink, flower-supernode and `flwr run`.
 
 Every process gets its own FLWR_HOME under the test's tmp folder, ports come from 19000-19999
 (never Flower's defaults), telemetry / dependency installation / update checks are off, and

@@ -1,0 +1,319 @@
+"""The algorithm registry: everything the app knows about each algorithm, in one record.
+
+A record names the server strategy and how to build it from the run config, the client and how
+to build it, the run-config keys the algorithm owns, the settings it ignores, its non-private
+reference and its plot label. `fl_app.server_app`, `fl_app.client_app`, `fl_app.config`,
+`fl_app.launch` and `fl_app.results` read these records and never branch on an algorithm's
+name. The rules between DP settings live with the strategies (`check_settings`), so a strategy
+built from Python checks exactly what `fl_app.config.validate` checks for a run config.
+
+Adding an algorithm: write its strategy and client classes, then add one `Algorithm` record to
+`ALGORITHMS` below (docs/architecture.md walks through an example).
+
+Client classes are imported inside the builders: a ClientApp imports Opacus only for DP-SGD.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.client import NumPyClient
+
+from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from strategies.ali_dpfl import ALIDPFL
+from strategies.dp_fedavg import DPFedAvg
+from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from strategies.round_loop import DPRoundLoop
+from strategies.topk import DPFedSAMTopK
+from strategies.wavelet import DPFedAvgWavelet
+
+
+@dataclass(frozen=True)
+class ClientSetup:
+    """What every client builder gets: the validated config, the node's Context, its data and model."""
+
+    cfg: dict
+    context: Context
+    partition_id: int
+    trainset: Any
+    testset: Any
+    model: Any
+
+    def training_kwargs(self) -> dict:
+        """The local-training settings every TrainingClient takes."""
+        cfg = self.cfg
+        return dict(batch_size=cfg["batch-size"], lr=cfg["lr"], momentum=cfg["momentum"],
+                    weight_decay=cfg["weight-decay"], local_epochs=cfg["local-epochs"],
+                    local_steps=cfg["local-steps"], partition_id=self.partition_id, seed=cfg["seed"],
+                    secure_rng=cfg["secure-rng"], lr_decay=cfg["lr-decay"])
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm of the product.
+
+    strategy_class, strategy_settings : the server strategy and its keyword arguments from a run
+        config (the round-loop ones are added by `strategy_kwargs`); `strategy_class.check_settings`
+        checks them.
+    build_client : ClientSetup -> the NumPyClient that trains on a node.
+    owned_keys : run-config keys that only this algorithm (and others listing them) may change.
+    unused_keys : keys of other privacy models that this algorithm ignores, with the key to use instead.
+    reference : run-config overrides that make its non-private reference run.
+    privacy_unit : "client" (client-level DP) or "sample" (sample-level DP-SGD).
+    shares_body_only : the server holds and broadcasts the body; heads stay on the clients.
+    opacus_model : the model is made Opacus-compatible (the server's copy too).
+    secure_aggregation : can run under SecAgg+ (sums of dense client-level updates).
+    check_config : extra run-config rules of this algorithm (raise ValueError naming the key).
+    """
+
+    name: str
+    description: str
+    strategy_class: type[DPRoundLoop]
+    strategy_settings: Callable[[dict], dict]
+    build_client: Callable[[ClientSetup], NumPyClient]
+    owned_keys: tuple[str, ...] = ()
+    unused_keys: dict[str, str | None] = field(default_factory=dict)
+    reference: dict = field(default_factory=lambda: {"noise-multiplier": 0.0, "clipping-norm": 0.0,
+                                                     "target-epsilon": 0.0})
+    privacy_unit: str = "client"
+    shares_body_only: bool = False
+    opacus_model: bool = False
+    secure_aggregation: bool = False
+    check_config: Callable[[dict], None] | None = None
+
+    def strategy_kwargs(self, cfg: dict) -> dict:
+        """Every keyword argument of the strategy, from a validated run config."""
+        return dict(sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
+                    server_learning_rate=cfg["server-lr"], delta=cfg["delta"], accountant=cfg["accountant"],
+                    target_epsilon=cfg["target-epsilon"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
+                    min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
+                    **self.strategy_settings(cfg))
+
+    def build_strategy(self, cfg: dict, **hooks) -> DPRoundLoop:
+        return self.strategy_class(**self.strategy_kwargs(cfg), **hooks)
+
+    def run_label(self, summary: dict) -> str:
+        """How a run of this algorithm is labelled in plots and reports."""
+        if self.privacy_unit == "sample":
+            return f"{self.name} (sample-level, target epsilon {summary.get('target_epsilon')})"
+        sigma = summary.get("noise_multiplier")
+        return f"{self.name} sigma={sigma}" if sigma else f"{self.name} non-private reference"
+
+
+# ---------------------------------------------------------------------------- strategy settings
+def client_level(cfg: dict) -> dict:
+    return dict(clipping_norm=cfg["clipping-norm"], noise_multiplier=cfg["noise-multiplier"],
+                noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"],
+                secure_aggregation=cfg["secure-aggregation"])
+
+
+def topk_settings(cfg: dict) -> dict:
+    return {**client_level(cfg), "sparsity": cfg["sparsity"], "topk_mode": cfg["topk-mode"]}
+
+
+def wavelet_settings(cfg: dict) -> dict:
+    return {**client_level(cfg), "wavelet_calibration": cfg["wavelet-calibration"]}
+
+
+def dpsgd_settings(cfg: dict) -> dict:
+    return dict(batch_sample_rate=cfg["batch-sample-rate"], sample_noise_multiplier=cfg["sample-noise-multiplier"],
+                sample_clipping_norm=cfg["sample-clipping-norm"], adaptive=cfg["adaptive"],
+                local_steps=cfg["local-steps"], gamma=cfg["gamma"], mu_source=cfg["mu-source"],
+                mu_noise_multiplier=cfg["mu-noise-multiplier"], dpsgd_noise=cfg["dpsgd-noise"],
+                wavelet_calibration=cfg["wavelet-calibration"], grad_sample_mode=cfg["grad-sample-mode"])
+
+
+# ---------------------------------------------------------------------------- clients
+def sgd_client(setup: ClientSetup) -> NumPyClient:
+    from clients.base import TrainingClient
+
+    return TrainingClient(setup.model, setup.trainset, setup.testset, **setup.training_kwargs())
+
+
+def sam_client(setup: ClientSetup) -> NumPyClient:
+    from clients.sam import SAMClient
+
+    return SAMClient(setup.model, setup.trainset, setup.testset, rho=setup.cfg["sam-rho"], **setup.training_kwargs())
+
+
+def topk_sam_client(setup: ClientSetup) -> NumPyClient:
+    from clients.topk import TopKSAMClient
+
+    return TopKSAMClient(setup.model, setup.trainset, setup.testset, rho=setup.cfg["sam-rho"],
+                         **setup.training_kwargs())
+
+
+def fine_tuned(inner: Callable[[ClientSetup], NumPyClient]) -> Callable[[ClientSetup], NumPyClient]:
+    """A -FT baseline: `inner` trains; evaluation fine-tunes the global model locally first."""
+
+    def build(setup: ClientSetup) -> NumPyClient:
+        from clients.personalized import FineTuneClient
+
+        return FineTuneClient(inner(setup), setup.cfg["fine-tune-steps"])
+
+    return build
+
+
+def head_store(context: Context, partition_id: int):
+    """Where this node keeps its personal head: a file under node config `state-dir` (a deployment),
+    else Context.state (simulation, where Context.state lives as long as the run)."""
+    from clients.personalized import ContextHeadStore, FileHeadStore
+
+    state_dir = context.node_config.get("state-dir")
+    if state_dir is None:
+        return ContextHeadStore(context.state)
+    if not os.path.isabs(os.path.expanduser(str(state_dir))):
+        raise ValueError(f"node config state-dir={state_dir!r} must be an absolute folder path")
+    return FileHeadStore(Path(os.path.expanduser(str(state_dir)))
+                         / f"personal-head-run{context.run_id}-partition{partition_id}.npz")
+
+
+def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
+    """DP2-FedSAM (SAM on the body) or CENTAUR (SGD): the head stays on the client."""
+
+    def build(setup: ClientSetup) -> NumPyClient:
+        from clients.personalized import DP2FedSAMClient, PartialSharingClient
+        from fl_app.task.models import split_state_keys
+
+        cfg = setup.cfg
+        _, head_keys = split_state_keys(setup.model, cfg["head-prefix"])
+        personal = dict(head_keys=head_keys, head_store=head_store(setup.context, setup.partition_id),
+                        head_epochs=cfg["head-epochs"], head_steps=cfg["head-steps"],
+                        head_lr=cfg["head-lr"] or cfg["lr"], **setup.training_kwargs())
+        if sam:
+            return DP2FedSAMClient(setup.model, setup.trainset, setup.testset, rho=cfg["sam-rho"], **personal)
+        return PartialSharingClient(setup.model, setup.trainset, setup.testset, **personal)
+
+    return build
+
+
+def dpsgd_client(setup: ClientSetup) -> NumPyClient:
+    from clients.dpsgd import DPSGDClient
+
+    cfg = setup.cfg
+    return DPSGDClient(setup.model, setup.trainset, setup.testset, state=setup.context.state,
+                       sample_rate=cfg["batch-sample-rate"], noise_multiplier=cfg["sample-noise-multiplier"],
+                       clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
+                       delta=cfg["delta"] or DEFAULT_SAMPLE_DELTA, accountant=cfg["accountant"],
+                       grad_sample_mode=cfg["grad-sample-mode"], mu_max=cfg["mu-max"],
+                       mu_noise_multiplier=cfg["mu-noise-multiplier"], noise=cfg["dpsgd-noise"],
+                       wavelet_calibration=cfg["wavelet-calibration"], **setup.training_kwargs())
+
+
+# ---------------------------------------------------------------------------- extra config rules
+def check_head_prefix(cfg: dict) -> None:
+    """The head prefix must name some but not all of the model's parameters."""
+    from fl_app.task.data import dataset_info
+    from fl_app.task.models import build_model, split_state_keys
+
+    if not cfg["head-prefix"]:
+        return
+    info = dataset_info(cfg["dataset"])
+    try:
+        split_state_keys(build_model(cfg["model"], info["input_shape"], info["num_classes"]), cfg["head-prefix"])
+    except ValueError as exc:
+        raise ValueError(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} does not fit model "
+                         f"{cfg['model']!r}: {exc}") from None
+
+
+def check_dpsgd_config(cfg: dict) -> None:
+    if cfg["target-epsilon-mode"] != "stop":
+        raise ValueError(f"run-config key 'target-epsilon-mode' = {cfg['target-epsilon-mode']!r}: only 'stop' is "
+                         "allowed (clients stop at R_c steps)")
+    if cfg["wavelet-calibration"] != "exact" and cfg["dpsgd-noise"] != "wavelet":
+        raise ValueError(f"run-config key 'wavelet-calibration' = {cfg['wavelet-calibration']!r} applies only with "
+                         "dpsgd-noise = 'wavelet'")
+
+
+SAMPLE_LEVEL_KEYS = ("sample-noise-multiplier", "sample-clipping-norm", "batch-sample-rate", "grad-sample-mode",
+                     "dpsgd-noise", "adaptive", "gamma", "mu-source", "mu-max", "mu-noise-multiplier",
+                     "wavelet-calibration")
+HEAD_KEYS = ("head-prefix",)
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("dp-fedavg", "DP-FedAvg: local SGD, clip + Gaussian noise (docs/algorithms.md §1)",
+              DPFedAvg, client_level, sgd_client, secure_aggregation=True),
+    Algorithm("dp-fedsam", "DP-FedSAM: local SAM, clip + Gaussian noise (§2)",
+              DPFedAvg, client_level, sam_client, secure_aggregation=True),
+    Algorithm("dp-fedsam-topk", "DP-FedSAM-top_k: DP-FedSAM with top-k sparse uploads (§3)",
+              DPFedSAMTopK, topk_settings, topk_sam_client, owned_keys=("sparsity", "topk-mode"),
+              secure_aggregation=True),
+    Algorithm("dp-fedavg-wav", "DP-FedAvg-WAV: Haar-wavelet noise at the server (§6)",
+              DPFedAvgWavelet, wavelet_settings, sgd_client, owned_keys=("wavelet-calibration",)),
+    Algorithm("dp2-fedsam", "DP²-FedSAM: shared body with SAM, personal heads (§4)",
+              PartialSharingDPFedAvg, client_level, partial_sharing_client(sam=True), owned_keys=HEAD_KEYS,
+              shares_body_only=True, check_config=check_head_prefix),
+    Algorithm("centaur", "CENTAUR: DP²-FedSAM with SGD on the body (§4)",
+              PartialSharingDPFedAvg, client_level, partial_sharing_client(sam=False), owned_keys=HEAD_KEYS,
+              shares_body_only=True, check_config=check_head_prefix),
+    Algorithm("dp-fedavg-ft", "DP-FedAvg-FT: DP-FedAvg, evaluated after local fine-tuning (§4)",
+              PersonalizedDPFedAvg, client_level, fine_tuned(sgd_client), owned_keys=("fine-tune-steps",)),
+    Algorithm("dp-fedsam-ft", "DP-FedSAM-FT: DP-FedSAM, evaluated after local fine-tuning (§4)",
+              PersonalizedDPFedAvg, client_level, fine_tuned(sam_client), owned_keys=("fine-tune-steps",)),
+    Algorithm("ali-dpfl", "ALI-DPFL: DP-SGD clients, adaptive local iterations (§5; DP-SGD-WAV with "
+              "dpsgd-noise = 'wavelet', §6)",
+              ALIDPFL, dpsgd_settings, dpsgd_client, owned_keys=SAMPLE_LEVEL_KEYS,
+              unused_keys={"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
+                           "noise-placement": None},
+              reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
+                         "target-epsilon": 0.0},
+              privacy_unit="sample", opacus_model=True, check_config=check_dpsgd_config),
+)}
+DEFAULT_ALGORITHM = "dp-fedsam"
+
+
+def algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm={name!r} is not one of: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def owners(key: str) -> list[str]:
+    """The algorithms that own a run-config key (empty: a key every algorithm may set)."""
+    return [a.name for a in ALGORITHMS.values() if key in a.owned_keys]
+
+
+def check_config(cfg: dict, defaults: dict) -> None:
+    """The run-config rules of cfg['algorithm']: owned and unused keys, the strategy's settings
+    (the very `check_settings` a strategy built from Python runs), SecAgg+ support and the
+    algorithm's own rules. Raises ValueError naming the key, the value and what is allowed."""
+    algo = ALGORITHMS[cfg["algorithm"]]
+    for key in {k for a in ALGORITHMS.values() for k in a.owned_keys}:
+        if cfg[key] != defaults[key] and key not in algo.owned_keys:
+            allowed = " or ".join(owners(key))
+            raise ValueError(f"run-config key '{key}' = {cfg[key]!r} applies only to algorithm = {allowed}, "
+                             f"but 'algorithm' = {algo.name!r}; remove {key} or change the algorithm")
+    for key, instead in algo.unused_keys.items():
+        if cfg[key] != defaults[key]:
+            hint = f"; use '{instead}'" if instead else ""
+            raise ValueError(f"run-config key '{key}' = {cfg[key]!r} is a client-level DP setting that algorithm "
+                             f"{algo.name!r} ({algo.privacy_unit}-level DP) does not use: leave it at "
+                             f"{defaults[key]!r}{hint}")
+    if cfg["secure-aggregation"] and not algo.secure_aggregation:
+        supported = ", ".join(a.name for a in ALGORITHMS.values() if a.secure_aggregation)
+        raise ValueError(f"run-config key 'secure-aggregation' = True works with algorithm {supported} "
+                         f"(sums of dense updates), not {algo.name!r}")
+    try:
+        algo.strategy_class.check_settings(**algo.strategy_kwargs(cfg))
+    except ValueError as exc:
+        raise ValueError(f"algorithm {algo.name!r}: {exc}") from None
+    if algo.check_config:
+        algo.check_config(cfg)
+
+
+def reference_overrides(overrides: dict, defaults: dict) -> dict:
+    """Run-config overrides of the non-private reference of a run configured by `overrides`.
+
+    The reference keeps the data, model and training settings, drops the keys its own algorithm
+    does not accept, and applies the algorithm's `reference` overrides.
+    """
+    algo = ALGORITHMS[overrides.get("algorithm", defaults["algorithm"])]
+    ref_algorithm = ALGORITHMS[algo.reference.get("algorithm", algo.name)]
+    dropped = {k for a in ALGORITHMS.values() for k in a.owned_keys} - set(ref_algorithm.owned_keys)
+    kept = {k: v for k, v in overrides.items() if k not in dropped}
+    return {**kept, **algo.reference}

@@ -1,0 +1,90 @@
+"""The project's import graph, read from the code with `ast` (nothing is imported or run).
+
+    python -m fl_app.import_graph            # Mermaid diagram of module imports (docs/architecture.md)
+
+`import_edges()` lists (importer, imported, lazy) for every import of a project module by
+another; `lazy` marks imports inside a function (made only when that code runs).
+tests/test_architecture.py checks the layer rules on these edges and that the diagram in
+docs/architecture.md is the current one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fl_app", "strategies", "clients")
+LAYERS = {  # subgraph title -> module prefixes, from the bottom layer up
+    "neutral core": ("fl_app.privacy", "fl_app.task"),
+    "server strategies": ("strategies",),
+    "clients": ("clients",),
+    "app wiring": ("fl_app",),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _resolve(importer: str, node: ast.ImportFrom | ast.Import, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:  # relative: from .x import y
+        base = importer.split(".") if is_package else importer.split(".")[:-1]
+        base = base[: len(base) - node.level + 1]
+        prefix = ".".join(base + ([node.module] if node.module else []))
+    else:
+        prefix = node.module or ""
+    return [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
+
+
+def import_edges() -> list[tuple[str, str, bool]]:
+    """(importer, imported project module, lazy) for every import between project modules."""
+    modules = project_modules()
+    edges = set()
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        lazy_nodes = {id(n) for f in functions for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _resolve(name, node, path.name == "__init__.py"):
+                if target in modules and target != name:
+                    edges.add((name, target, id(node) in lazy_nodes))
+    # an import that is made both eagerly and lazily counts as eager
+    eager = {(a, b) for a, b, lazy in edges if not lazy}
+    return sorted(e for e in edges if not (e[2] and (e[0], e[1]) in eager))
+
+
+def layer_of(module: str) -> str:
+    for layer, prefixes in LAYERS.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return layer
+    raise ValueError(f"module {module} is in no layer")
+
+
+def mermaid() -> str:
+    """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy imports)."""
+    modules = [m for m in project_modules() if not m.endswith("__init__") and m not in PACKAGES
+               and m not in ("fl_app.privacy", "fl_app.task")]
+    node_id = {m: m.replace(".", "_") for m in modules}
+    lines = ["flowchart BT"]
+    for layer in LAYERS:
+        lines.append(f'  subgraph {layer.replace(" ", "_")}["{layer}"]')
+        lines += [f'    {node_id[m]}["{m}"]' for m in modules if layer_of(m) == layer]
+        lines.append("  end")
+    for a, b, lazy in import_edges():
+        if a in node_id and b in node_id:
+            lines.append(f"  {node_id[a]} {'-.->' if lazy else '-->'} {node_id[b]}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(mermaid())

@@ -1,0 +1,66 @@
+"""Who adds the Gaussian noise of client-level DP (docs/algorithms.md §0), as two small parts
+that `DPFedAvg` is composed with, in the spirit of Flower's server-side and client-side
+fixed-clipping DP wrappers.
+
+- `CentralNoise`: a trusted server clips every update to C and adds N(0, sigma^2 C^2 I) to the sum.
+- `DistributedNoise`: each client clips and adds its share N(0, sigma^2 C^2 / m I); the server
+  adds the top-up N(0, sigma^2 C^2 (m - k)/m I) for the m - k shares that did not arrive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fl_app.privacy import protocol as keys
+from fl_app.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
+
+
+class CentralNoise:
+    """The server clips and adds all the noise. `clients_clip`: clients clip too (and report the
+    norm they measured), as DP-FedAvg-WAV's Algorithm 2 has them do; the server clips again, so a
+    client that did not clip still counts at most C."""
+
+    name = "central"
+
+    def __init__(self, clients_clip: bool = False) -> None:
+        self.clients_clip = clients_clip
+
+    def client_config(self, noise_multiplier: float, clipping_norm: float, expected_clients: float) -> dict:
+        return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: self.clients_clip, keys.NOISE_STD: 0.0}
+
+    def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
+        """(update to sum, its norm before clipping)."""
+        clipped, server_norm = clip_to_norm(vector, clipping_norm)
+        if self.clients_clip:
+            return clipped, float(metrics.get(keys.UPDATE_NORM, server_norm))
+        return clipped, server_norm
+
+    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+                         received: int) -> float:
+        """sigma * C, whoever arrived."""
+        return noise_multiplier * clipping_norm
+
+
+class DistributedNoise:
+    """Clients clip and add their noise share; the server tops up the shares that did not arrive."""
+
+    name = "distributed"
+
+    def client_config(self, noise_multiplier: float, clipping_norm: float, expected_clients: float) -> dict:
+        return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: True,
+                keys.NOISE_STD: distributed_noise_std(noise_multiplier, clipping_norm, expected_clients)}
+
+    def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
+        """The client clipped and reported its norm before clipping."""
+        return vector, float(metrics.get(keys.UPDATE_NORM, math.nan))
+
+    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+                         received: int) -> float:
+        """sigma * C * sqrt((m - k)/m) for the k shares received."""
+        return topup_noise_std(noise_multiplier, clipping_norm, expected_clients, received)
+
+
+def noise_placement(name: str, clients_clip: bool = False) -> CentralNoise | DistributedNoise:
+    return DistributedNoise() if name == "distributed" else CentralNoise(clients_clip)

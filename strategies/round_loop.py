@@ -1,0 +1,260 @@
+"""The one DP round loop that every strategy of this package runs (docs/algorithms.md §0).
+
+`DPRoundLoop` is Flower's Message-API FedAvg plus what differential privacy needs around it:
+
+1. the population: wait for `min_available_nodes`, then fix M and m (expected clients per round)
+   and build the ledger (`make_ledger`, per strategy);
+2. sampling: Poisson (each node with probability q) or fixed-size (exactly m), seeded per round;
+3. the reply gate: every reply is decoded and checked (`accepted_updates`) before anything reads it;
+4. the budget stop: before each round, `budget_exhausted()` may end the run;
+5. the round record: one dict per round in `history`, one log line, and the `on_round_end`
+   hooks (the run directory, dashboards, checkpoints).
+
+Client-level DP-FedAvg (`strategies.dp_fedavg`) and sample-level ALI-DPFL
+(`strategies.ali_dpfl`) are siblings on this base; they differ in the train config, the
+aggregation and the ledger. The legacy adapter (`strategies.legacy`) drives the same methods
+from Flower's legacy workflow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.supercore import log
+
+from fl_app.privacy.mechanisms import flatten, make_rng, update_problem
+from fl_app.privacy.settings import CLIENT_SAMPLINGS, one_of, require
+
+RoundCallback = Callable[[dict], None]
+
+
+class DPRoundLoop(FedAvg):
+    """Sampling, reply gate, budget stop and round record for a DP strategy.
+
+    Parameters
+    ----------
+    sample_rate : q, the probability that a client is sampled in a round.
+    client_sampling : "poisson" (each with probability q) or "fixed" (exactly m = round(q M)).
+    server_learning_rate : eta_s in w <- w + eta_s * aggregate.
+    delta : target delta; 0 means the strategy's default (`default_delta`).
+    accountant : the ledger's accountant ("rdp" or "prv").
+    seed, secure_rng : seeded sampling and noise streams, or OS entropy.
+    min_available_nodes : wait for this many connected nodes before round 1.
+    fraction_evaluate : fraction of clients evaluating each round (0: none).
+    on_round_end : called with each round's record (the run directory, dashboards, checkpoints).
+
+    Subclasses implement `make_ledger`, `client_train_config`, `aggregate_train`,
+    `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and `describe`.
+    """
+
+    def __init__(self, *, sample_rate: float, client_sampling: str = "poisson", server_learning_rate: float = 1.0,
+                 delta: float = 0.0, accountant: str = "rdp", seed: int = 0, secure_rng: bool = False,
+                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 on_round_end: RoundCallback | None = None) -> None:
+        super().__init__(fraction_train=sample_rate, fraction_evaluate=fraction_evaluate,
+                         min_train_nodes=0, min_evaluate_nodes=0, min_available_nodes=min_available_nodes)
+        require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
+        one_of("client_sampling", client_sampling, CLIENT_SAMPLINGS)
+        require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: the default delta)")
+        self.sample_rate = sample_rate
+        self.client_sampling = client_sampling
+        self.server_learning_rate = server_learning_rate
+        self.requested_delta = delta
+        self.accountant = accountant
+        self.seed = seed
+        self.secure_rng = secure_rng
+        self.on_round_end = on_round_end
+        self.num_clients = 0  # M, set with the population
+        self.expected_clients = 0.0  # m
+        self.ledger = None
+        self.stop_reason = ""
+        self.history: list[dict] = []
+        self.num_rounds = 0
+        self.current_arrays: ArrayRecord | None = None  # the global arrays of the round in flight
+
+    # ------------------------------------------------------------------ population
+    def default_delta(self, num_clients: int) -> float:
+        """delta when none is configured."""
+        raise NotImplementedError
+
+    def make_ledger(self, delta: float):
+        """The strategy's privacy ledger (built once the population is known)."""
+        raise NotImplementedError
+
+    def setup_population(self, num_clients: int) -> None:
+        """Fix M, m and delta, and build the ledger."""
+        self.num_clients = num_clients
+        if self.client_sampling == "fixed":
+            self.expected_clients = float(max(1, round(self.sample_rate * num_clients)))
+        else:
+            self.expected_clients = self.sample_rate * num_clients
+        delta = self.requested_delta if self.requested_delta > 0 else self.default_delta(num_clients)
+        self.ledger = self.make_ledger(delta)
+
+    def ensure_population(self, count_nodes: Callable[[], int], poll_seconds: float = 1.0) -> None:
+        """Before round 1: wait until `count_nodes()` >= min_available_nodes, then `setup_population`."""
+        if self.ledger is not None:
+            return
+        while (available := count_nodes()) < self.min_available_nodes:
+            log(INFO, "Waiting for nodes: %d connected, %d required", available, self.min_available_nodes)
+            time.sleep(poll_seconds)
+        self.setup_population(available)
+
+    def set_num_rounds(self, num_rounds: int) -> None:
+        """R_s, the number of rounds the run is configured for (calibration and ALI-DPFL need it)."""
+        self.num_rounds = int(num_rounds)
+
+    # ------------------------------------------------------------------ train
+    def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
+        """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round."""
+        rng = make_rng(self.seed, 1, server_round, secure=self.secure_rng)
+        nodes = sorted(node_ids)
+        if self.client_sampling == "fixed":
+            k = min(len(nodes), int(self.expected_clients))
+            return sorted(rng.choice(nodes, size=k, replace=False).tolist())
+        return [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
+
+    def client_train_config(self, server_round: int) -> dict:
+        """What the sampled clients need this round (protocol keys)."""
+        raise NotImplementedError
+
+    def begin_round(self, arrays: ArrayRecord) -> None:
+        """The global arrays that this round's updates are measured against."""
+        self.current_arrays = arrays
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self.ensure_population(lambda: len(list(grid.get_node_ids())))
+        self.begin_round(arrays)
+        nodes = list(grid.get_node_ids())
+        node_ids = self.sample_clients(server_round, nodes)
+        log(INFO, "configure_train: sampled %d of %d clients (m=%.1f)", len(node_ids), len(nodes),
+            self.expected_clients)
+        train_config = ConfigRecord({**dict(config), **self.client_train_config(server_round)})
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: train_config})
+        return self._construct_messages(record, node_ids, MessageType.TRAIN)
+
+    # ------------------------------------------------------------------ the reply gate
+    def decode_update(self, content: RecordDict) -> list[np.ndarray]:
+        """The update arrays of one reply (subclasses decode compressed forms)."""
+        return content[self.arrayrecord_key].to_numpy_ndarrays()
+
+    def accepted_updates(self, server_round: int, replies: Iterable[Message],
+                         shapes: list) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
+        """(flat update, metrics) of every well-formed reply, and the counts of failed and rejected ones."""
+        accepted, failures, rejected = [], 0, 0
+        for msg in replies:
+            if msg.has_error():
+                failures += 1
+                log(WARNING, "Round %d: node %d failed: %s", server_round, msg.metadata.src_node_id,
+                    msg.error.reason)
+                continue
+            try:
+                arrays = self.decode_update(msg.content)
+                problem = update_problem(arrays, shapes)
+            except Exception as exc:  # malformed content of any kind
+                problem = f"undecodable update ({exc})"
+            if problem:
+                rejected += 1
+                log(WARNING, "Round %d: rejected update from node %d: %s", server_round,
+                    msg.metadata.src_node_id, problem)
+                continue
+            accepted.append((flatten(arrays), dict(next(iter(msg.content.metric_records.values()), {}))))
+        return accepted, failures, rejected
+
+    # ------------------------------------------------------------------ budget and record
+    def privacy_metrics(self) -> dict:
+        raise NotImplementedError
+
+    def budget_exhausted(self) -> bool:
+        """Would the next round spend more than the budget allows?"""
+        return False
+
+    def budget_stop_reason(self, server_round: int) -> str:
+        raise NotImplementedError
+
+    def round_details(self) -> dict:
+        """Entries for the round record that are not metrics (MetricRecord holds numbers only)."""
+        return {}
+
+    def finish_round(self, record: dict, started: float) -> None:
+        """The round's record is complete: seconds, history, one log line, the on_round_end hook."""
+        record.update(self.round_details())
+        record["seconds"] = time.perf_counter() - started
+        self.history.append(record)
+        log(INFO, "Round %d: %s", record["round"], format_record(record))
+        if self.on_round_end:
+            self.on_round_end(record)
+
+    def client_evaluation_record(self, metrics: MetricRecord) -> dict:
+        """How the clients' aggregated evaluation metrics appear in the round's record."""
+        return {f"client_{k}": v for k, v in metrics.items()}
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's round loop, plus: stop on the privacy budget, one record per round."""
+        self.set_num_rounds(num_rounds)
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        self.summary()
+        train_config = train_config or ConfigRecord()
+        evaluate_config = evaluate_config or ConfigRecord()
+        result, arrays = Result(), initial_arrays
+        if evaluate_fn and (res := evaluate_fn(0, arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
+        self.ensure_population(lambda: len(list(grid.get_node_ids())))
+        self.stop_reason = "num-rounds reached"
+        for rnd in range(1, num_rounds + 1):
+            if self.budget_exhausted():
+                self.stop_reason = self.budget_stop_reason(rnd)
+                log(WARNING, "Stopping before round %d: %s", rnd, self.stop_reason)
+                break
+            started = time.perf_counter()
+            log(INFO, "")
+            log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
+            instructions = list(self.configure_train(rnd, arrays, train_config, grid))
+            replies = list(grid.send_and_receive(instructions, timeout=timeout))
+            arrays, train_metrics = self.aggregate_train(rnd, replies)
+            result.arrays = arrays
+            result.train_metrics_clientapp[rnd] = train_metrics
+            record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
+            eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid)
+            if eval_msgs:
+                client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
+                if client_eval is not None:
+                    result.evaluate_metrics_clientapp[rnd] = client_eval
+                    record.update(self.client_evaluation_record(client_eval))
+            if evaluate_fn and (res := evaluate_fn(rnd, arrays)) is not None:
+                result.evaluate_metrics_serverapp[rnd] = res
+                record.update(dict(res))
+            self.finish_round(record, started)
+        return result
+
+    def describe_sampling(self) -> dict:
+        """The summary.json entries every DP strategy shares."""
+        return {"client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
+                "num_clients": self.num_clients, "expected_clients_per_round": self.expected_clients,
+                "accountant": self.accountant, "stop_reason": self.stop_reason}
+
+
+def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Message] = ()) -> dict:
+    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (empty if none).
+
+    The node is the instruction's destination (the SuperLink itself answers for a node that went away).
+    """
+    destination = {m.metadata.message_id: m.metadata.dst_node_id for m in instructions}
+    failed = [f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
+              for m in replies if m.has_error()]
+    return {"failed_nodes": failed} if failed else {}
+
+
+def format_record(record: dict) -> str:
+    keys = ("accuracy", "loss", "personalized_accuracy", "epsilon", "delta", "clients", "rejected", "clipped_fraction")
+    return "  ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
+                     for k in keys if k in record)

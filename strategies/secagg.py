@@ -1,0 +1,155 @@
+"""SecAgg+ for the client-level DP strategies: the server sees only the sum of the noisy updates
+(docs/algorithms.md §0; Flower's SecAgg+ exists on its legacy API only).
+
+`SecAggPlusDPFedAvg` is the legacy adapter (`strategies.legacy.LegacyDPFedAvg`) run under
+Flower's SecAgg+ (`DPSecAggPlusWorkflow`). `aggregate_fit` then never sees an individual update:
+every result carries the same vector, the weighted mean sum_i(w_i x_i) / sum_i(w_i) of the k
+clients that finished the protocol. Clients report weight w_i = 1 (`clients.mods`), so the mean
+is uniform and sum = k * mean; that sum goes through the wrapped strategy's noisy average step,
+which tops the noise up for the m - k shares that did not arrive.
+
+SecAgg+ quantizes each upload x to integers after clipping every coordinate to [-R, R].
+`secagg_clipping_range` picks R = C + z s (s = noise-share std, z from a union bound over
+all coordinates of all clients) so that the quantizer clips nothing except with
+probability `failure_probability` per round: a clipped coordinate would change the sum
+nonlinearly and void the accounting of the sum as one Gaussian release.
+"""
+
+from __future__ import annotations
+
+from logging import ERROR
+from statistics import NormalDist
+
+import numpy as np
+from flwr.app import Context
+from flwr.common import FitRes, parameters_to_ndarrays
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fl_app.privacy import protocol as keys
+from fl_app.privacy.mechanisms import flatten, unflatten, update_problem
+from fl_app.privacy.settings import check_secure_aggregation
+
+from .dp_fedavg import DPFedAvg
+from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
+
+SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
+SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate
+
+
+def secagg_clipping_range(clipping_norm: float, noise_std: float, dim: int, clients: int,
+                          failure_probability: float = 1e-9) -> float:
+    """R = C + z s with 2 * dim * clients * P(N(0,1) > z) = failure_probability.
+
+    A clipped update has |Delta_j| <= ||Delta||_2 <= C in every coordinate, and its noise
+    share is N(0, s^2), so by a union bound no coordinate of any client exceeds R except
+    with the given probability.
+    """
+    if clipping_norm <= 0:
+        raise ValueError(f"clipping_norm={clipping_norm!r} must be > 0 under SecAgg+: the quantizer needs "
+                         "bounded updates")
+    tail = failure_probability / (2.0 * max(1, dim) * max(1, clients))
+    return float(clipping_norm + NormalDist().inv_cdf(1.0 - tail) * noise_std)
+
+
+def secagg_quantization_range(clients: int) -> int:
+    """Levels per coordinate such that the sum over `clients` cannot overflow the 2^32 modulus."""
+    return int(min(SECAGG_QUANTIZATION_RANGE, (SECAGG_MODULUS_RANGE - 1) // max(2, clients)))
+
+
+class SecAggPlusDPFedAvg(LegacyDPFedAvg):
+    """A client-level DP strategy (`dp`, distributed noise) whose updates are summed by SecAgg+.
+
+    Parameters
+    ----------
+    dp : the DPFedAvg (or subclass) that does all the DP work; needs noise_placement = "distributed".
+    num_shares, reconstruction_threshold : SecAgg+ settings used by `start` (fractions of the
+        sampled clients / of the shares, as in Flower's `SecAggPlusWorkflow`).
+    evaluate_fn, on_fit_config_fn, initial_parameters, num_rounds : as in LegacyDPFedAvg.
+    """
+
+    secure_aggregation = True
+
+    def __init__(self, dp: DPFedAvg, *, num_shares: float = 1.0, reconstruction_threshold: float = 0.5,
+                 evaluate_fn: LegacyEvaluateFn | None = None, on_fit_config_fn=None, initial_parameters=None,
+                 num_rounds: int = 0) -> None:
+        check_secure_aggregation(dp.noise_placement, dp.clipping_norm)
+        if dp.ledger is not None and not dp.secure_aggregation:
+            raise ValueError("build the strategy with secure_aggregation=True, or wrap it before the first round "
+                             "(its ledger already exists)")
+        dp.secure_aggregation = True  # the server-side figure: the server sees only the sum
+        super().__init__(dp, evaluate_fn=evaluate_fn, on_fit_config_fn=on_fit_config_fn,
+                         initial_parameters=initial_parameters, num_rounds=num_rounds)
+        self.num_shares = num_shares
+        self.reconstruction_threshold = reconstruction_threshold
+        self.secagg_settings: dict = {}
+
+    def __repr__(self) -> str:
+        return f"SecAggPlusDPFedAvg({type(self.dp).__name__})"
+
+    def describe(self) -> dict:
+        return {**super().describe(), "secagg": self.secagg_settings}
+
+    def fit_workflow(self, timeout: float | None) -> SecAggPlusWorkflow:
+        return DPSecAggPlusWorkflow(self.num_shares, self.reconstruction_threshold, timeout=timeout)
+
+    def aggregate_updates(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                          failures: list) -> tuple[list[np.ndarray], dict]:
+        """SecAgg+: every result carries the same mean of the k uploads; sum = k * mean."""
+        shapes = [a.shape for a in self._global]
+        weights = {res.num_examples for _, res in results}
+        if len(weights) > 1:
+            raise ValueError(f"SecAgg+ received updates with different weights {sorted(weights)}: the sum of a "
+                             "weighted mean cannot be recovered; clients must report num_examples = 1 "
+                             "(clients.mods.uniform_weight_mod / dp_privatize_mod do)")
+        k = len(results)
+        updates: list[np.ndarray] = []
+        problem = "no client finished the protocol" if k == 0 else None
+        if k:
+            mean = parameters_to_ndarrays(results[0][1].parameters)
+            problem = update_problem([np.asarray(a, np.float32) for a in mean], shapes)
+            if problem is None:
+                updates = [(flatten(mean).astype(np.float64) * k).astype(np.float32)]
+        if problem:
+            log(ERROR, "Round %d: rejected the secure sum of %d updates: %s", server_round, k, problem)
+        new_global = self.dp.noisy_average_step(server_round, updates, flatten(self._global),
+                                                received=k if updates else 0)
+        metrics = {"clients": k if updates else 0, "rejected": 0 if updates else k, "failures": len(failures),
+                   "server_noise_std": self.dp.last_server_noise_std, **self.dp.privacy_metrics()}
+        return unflatten(new_global, shapes), metrics
+
+
+class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
+    """Flower's SecAgg+ set up for a SecAggPlusDPFedAvg: uniform weights (max_weight = 1) and a quantizer
+    range R that the noisy updates do not reach (`secagg_clipping_range`), recomputed every round."""
+
+    def __init__(self, num_shares: int | float = 1.0, reconstruction_threshold: int | float = 0.5, *,
+                 failure_probability: float = 1e-9, timeout: float | None = None) -> None:
+        super().__init__(num_shares, reconstruction_threshold, max_weight=1.0, timeout=timeout)
+        self.failure_probability = failure_probability
+
+    def __call__(self, grid: Grid, context: Context) -> None:
+        strategy = getattr(context, "strategy", None)
+        if not isinstance(strategy, SecAggPlusDPFedAvg):
+            raise TypeError("DPSecAggPlusWorkflow needs a SecAggPlusDPFedAvg as the LegacyContext's strategy")
+        strategy.ensure_population(context.client_manager)
+        dp = strategy.dp
+        parameters = compat.arrayrecord_to_parameters(context.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
+        dim = sum(a.size for a in parameters_to_ndarrays(parameters))
+        clients = max(2, dp.num_clients)
+        noise_std = float(dp.client_train_config(0)[keys.NOISE_STD])
+        self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients,
+                                                    self.failure_probability)
+        self.quantization_range = secagg_quantization_range(clients)
+        strategy.secagg_settings = {
+            "num_shares": self.num_shares, "reconstruction_threshold": self.reconstruction_threshold,
+            "max_weight": self.max_weight, "clipping_range": self.clipping_range,
+            "quantization_range": self.quantization_range, "modulus_range": self.modulus_range,
+            "quantization_step": 2 * self.clipping_range / self.quantization_range,
+            "quantizer_clip_probability_bound": self.failure_probability,
+        }
+        super().__call__(grid, context)

@@ -1,0 +1,83 @@
+"""The layers of docs/architecture.md hold in the code, and the project stands on its own.
+
+- the neutral core (fl_app.privacy, fl_app.task) imports no strategy, client or app module;
+- no module under clients/ imports a server strategy, and no strategy imports a client;
+- no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one);
+- no file of the project points outside the repository;
+- the import graph drawn in docs/architecture.md is the code's current one.
+"""
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fl_app.algorithms import ALGORITHMS
+from fl_app.import_graph import ROOT, import_edges, layer_of, mermaid, project_modules
+
+EDGES = import_edges()
+
+
+def test_the_graph_sees_the_known_imports():
+    assert ("strategies.dp_fedavg", "strategies.round_loop", False) in EDGES
+    assert ("clients.base", "fl_app.privacy.mechanisms", False) in EDGES
+    assert ("fl_app.algorithms", "clients.dpsgd", True) in EDGES  # lazy: only DP-SGD needs Opacus
+    assert len(EDGES) > 60
+
+
+@pytest.mark.parametrize("importer_layer,forbidden", [
+    ("neutral core", ("server strategies", "clients", "app wiring")),
+    ("clients", ("server strategies", "app wiring")),
+    ("server strategies", ("clients", "app wiring")),
+])
+def test_layers_import_only_downwards(importer_layer, forbidden):
+    bad = [(a, b) for a, b, _ in EDGES if layer_of(a) == importer_layer and layer_of(b) in forbidden]
+    assert bad == [], f"{importer_layer} must not import {forbidden}: {bad}"
+
+
+def string_constants(path: Path) -> list[tuple[int, str]]:
+    return [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def test_only_the_registry_names_algorithms():
+    names = set(ALGORITHMS)
+    found = [f"{name}:{line}: {value!r}" for name, path in project_modules().items() if name != "fl_app.algorithms"
+             for line, value in string_constants(path) if value in names]
+    assert found == [], "branch on the registry's records instead of algorithm names: " + "; ".join(found)
+
+
+def test_a_new_name_in_a_module_would_be_caught(tmp_path):
+    """The check above can fail: a module comparing cfg['algorithm'] with a name is found."""
+    module = tmp_path / "bad.py"
+    module.write_text("def f(cfg):\n    return cfg['algorithm'] == 'ali-dpfl'\n")
+    assert (2, "ali-dpfl") in string_constants(module)
+
+
+OUTSIDE = [r"\.\./shared", "/wor" + "k/", "ALGORITHMS" + r"\.md", "DESIGN" + r"\.md",
+           r"\b(ali-dpfl|dp-fedsam|dp2-fedsam|dp2-fedsam-conference|dp-fedavg-wavelet)\.txt\b"]
+
+
+def test_no_file_points_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in (".py", ".md", ".toml", ".txt", ".cfg", "") or not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        hits += [f"{name}: {m.group(0)}" for pattern in OUTSIDE for m in re.finditer(pattern, text)]
+    assert hits == [], hits
+
+
+def test_benchmarks_run_as_modules_without_path_hacks():
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        assert "sys.path" not in text and "from tests" not in text and "import tests" not in text, path.name
+
+
+def test_architecture_doc_draws_the_current_graph():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m fl_app.import_graph"
