@@ -1,6 +1,7 @@
 """The project's import graph, read from the code with `ast` (nothing is imported or run).
 
-    python -m fl_app.import_graph            # Mermaid diagram of module imports (docs/architecture.md)
+    python -m fl_app.import_graph            # Mermaid diagram of module imports
+    python -m fl_app.import_graph --write    # ... written into docs/architecture.md
 
 `import_edges()` lists (importer, imported, lazy) for every import of a project module by
 another; `lazy` marks imports inside a function (made only when that code runs).
@@ -86,5 +87,18 @@ def mermaid() -> str:
     return "\n".join(lines)
 
 
+def write_into(doc: Path) -> None:
+    """Replace the ```mermaid block of `doc` with the current graph."""
+    text = doc.read_text()
+    start = text.index("```mermaid\n") + len("```mermaid\n")
+    end = text.index("\n```", start)
+    doc.write_text(text[:start] + mermaid() + text[end:])
+
+
 if __name__ == "__main__":
-    print(mermaid())
+    import sys
+
+    if "--write" in sys.argv:
+        write_into(ROOT / "docs" / "architecture.md")
+    else:
+        print(mermaid())

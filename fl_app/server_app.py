@@ -14,7 +14,7 @@ from flwr.supercore import log
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
-from fl_app.task.data import dataset_info, load_dataset
+from fl_app.task.data import dataset_info, load_dataset, load_partition
 from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
 from strategies.round_loop import DPRoundLoop
@@ -32,12 +32,25 @@ def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPRoundLoo
     algo = algorithm(cfg["algorithm"])
     hooks = {"on_round_end": on_round_end}
     if algo.privacy_unit == "sample":
-        hooks["gradient_fn"] = gradient_fn
+        hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(cfg))
     strategy = algo.build_strategy(cfg, **hooks)
     if cfg["secure-aggregation"]:
         return SecAggPlusDPFedAvg(strategy, num_shares=cfg["secagg-num-shares"],
                                   reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
     return strategy
+
+
+def partition_size_fn(cfg: dict):
+    """(partition id, number of partitions) -> |D_i|: the public partition sizes, computed on the server
+    from the same data and partitioner as the clients (ALI-DPFL's averaging weights)."""
+
+    def size(partition_id: int, num_partitions: int) -> int:
+        trainset, _ = load_partition(cfg["dataset"], partition_id, num_partitions, cfg["partitioner"],
+                                     alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
+                                     seed=cfg["seed"], data_dir=cfg["data-dir"])
+        return len(trainset)
+
+    return size
 
 
 def build_global_model(cfg: dict) -> torch.nn.Module:

@@ -38,10 +38,12 @@ from fl_app.privacy.ledger import SampleLevelLedgers, epsilon_of
 from fl_app.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
 from fl_app.privacy.settings import check_dpsgd, require
 
+from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop, RoundCallback
 
 
 GradientFn = Callable[[list[np.ndarray]], np.ndarray]
+PartitionSizeFn = Callable[[int, int], int]
 
 
 def optimal_local_steps(*, mu: float, clipping_norm: float, noise_multiplier: float, dim: int,
@@ -86,17 +88,33 @@ class ALIDPFL(DPRoundLoop):
     local_steps : tau of the first round and of the fixed baseline (0 means 1).
     gamma : heterogeneity Gamma of eq. (9).
     mu_source, mu_noise_multiplier : see the module docstring.
+    mu_max : a client's mu is clipped to [0, mu_max] on the server too (mu_source = clients).
     gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
+    partition_size : (partition id, number of partitions) -> |D_i|, the public partition sizes. The
+        averaging weights p_i come from it, never from what a client reports (a reply whose
+        num-examples differs is rejected); without it the server averages uniformly.
     dpsgd_noise, wavelet_calibration : "wavelet" for DP-SGD-WAV clients; the ledgers charge
         its true multiplier (`dpsgd_multipliers`), and with `paper` calibration the
         run also reports the epsilon the paper would claim.
     grad_sample_mode : the clients' Opacus per-sample gradient mode (checked against dpsgd_noise).
     """
 
+    reply_metric_rules = {
+        keys.NUM_EXAMPLES: MetricRule(required=True, low=1, high=2**31, integer=True),
+        keys.PARTITION_ID: MetricRule(required=True, low=0, high=2**31, integer=True),
+        keys.LOCAL_STEPS: MetricRule(required=True, low=0, high=2**31, integer=True),
+        keys.DPSGD_STEPS: MetricRule(required=True, low=0, high=2**53, integer=True),
+        keys.MU_RELEASES: MetricRule(low=0, high=2**31, integer=True),
+        keys.MU: MetricRule(),
+        keys.EPSILON: MetricRule(low=0.0),
+        keys.BUDGET_LEFT: MetricRule(low=0, high=1, integer=True),
+    }
+
     def __init__(self, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
                  sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0, accountant: str = "rdp",
                  adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
-                 mu_noise_multiplier: float = 10.0, gradient_fn: GradientFn | None = None,
+                 mu_noise_multiplier: float = 10.0, mu_max: float = 1.0, gradient_fn: GradientFn | None = None,
+                 partition_size: PartitionSizeFn | None = None,
                  dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
                  secure_rng: bool = False, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
@@ -104,7 +122,7 @@ class ALIDPFL(DPRoundLoop):
         self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
                             sample_clipping_norm=sample_clipping_norm, target_epsilon=target_epsilon,
                             accountant=accountant, local_steps=local_steps, gamma=gamma, mu_source=mu_source,
-                            mu_noise_multiplier=mu_noise_multiplier, dpsgd_noise=dpsgd_noise,
+                            mu_noise_multiplier=mu_noise_multiplier, mu_max=mu_max, dpsgd_noise=dpsgd_noise,
                             wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode)
         require(not (adaptive and mu_source == "server" and gradient_fn is None), "mu_source", mu_source,
                 "'server' with adaptive=True needs a gradient_fn (the server's data)")
@@ -118,8 +136,9 @@ class ALIDPFL(DPRoundLoop):
         self.sample_target_epsilon = target_epsilon
         self.adaptive, self.gamma = adaptive, gamma
         self.initial_local_steps = max(1, local_steps)
-        self.mu_source, self.mu_noise_multiplier = mu_source, mu_noise_multiplier
+        self.mu_source, self.mu_noise_multiplier, self.mu_max = mu_source, mu_noise_multiplier, mu_max
         self.gradient_fn = gradient_fn
+        self.partition_size = partition_size
         self.dpsgd_noise, self.wavelet_calibration = dpsgd_noise, wavelet_calibration
         self.grad_sample_mode = grad_sample_mode
         self.noise = dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # d set in round 1
@@ -130,13 +149,15 @@ class ALIDPFL(DPRoundLoop):
         self.tau_list: list[int] = []
         self.steps_taken: dict[int, int] = {}  # partition id -> cumulative DP-SGD steps
         self.mu_releases: dict[int, int] = {}  # partition id -> cumulative mu releases
+        self.mu_rounds = 0  # rounds that asked for a mu release
         self.dataset_sizes: dict[int, int] = {}  # partition id -> |D_i|
         self.clients_out_of_budget = False
 
     @classmethod
     def check_settings(cls, *, batch_sample_rate: float, sample_noise_multiplier: float, sample_clipping_norm: float,
                        target_epsilon: float, accountant: str = "rdp", local_steps: int = 1, gamma: float = 5.0,
-                       mu_source: str = "server", mu_noise_multiplier: float = 10.0, dpsgd_noise: str = "gaussian",
+                       mu_source: str = "server", mu_noise_multiplier: float = 10.0, mu_max: float = 1.0,
+                       dpsgd_noise: str = "gaussian",
                        wavelet_calibration: str = "exact", grad_sample_mode: str = "ew", **_) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
         check_dpsgd(sample_noise_multiplier=sample_noise_multiplier, sample_clipping_norm=sample_clipping_norm,
@@ -144,6 +165,7 @@ class ALIDPFL(DPRoundLoop):
                     wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode,
                     accountant=accountant, mu_source=mu_source, mu_noise_multiplier=mu_noise_multiplier)
         require(gamma >= 0, "gamma", gamma, "must be >= 0")
+        require(mu_max > 0, "mu_max", mu_max, "must be > 0")
         require(local_steps >= 0, "local_steps", local_steps, "must be >= 0 (0: 1)")
 
     @property
@@ -207,16 +229,19 @@ class ALIDPFL(DPRoundLoop):
         global_arrays = self.current_arrays.to_numpy_ndarrays()
         self.set_dimension(sum(a.size for a in global_arrays))
         shapes = [a.shape for a in global_arrays]
+        if self.releases_mu():
+            self.mu_rounds += 1
         accepted, failures, rejected = self.accepted_updates(server_round, replies, shapes)
-        rows = []
+        rows, weights = [], []
         for vector, metrics in accepted:
-            problem = reply_metrics_problem(metrics)
+            problem, weight = self.row_problem(metrics, tau, {m[keys.PARTITION_ID] for _, m in rows})
             if problem:
                 rejected += 1
                 log(WARNING, "Round %d: rejected reply: %s", server_round, problem)
                 continue
             rows.append((vector, metrics))
-        weights = np.array([float(m[keys.NUM_EXAMPLES]) for _, m in rows])
+            weights.append(weight)
+        weights = np.array(weights, dtype=np.float64)
         global_vector = flatten(global_arrays)
         if rows:
             average = np.sum([w * v for w, (v, _) in zip(weights / weights.sum(), rows)], axis=0, dtype=np.float64)
@@ -247,24 +272,44 @@ class ALIDPFL(DPRoundLoop):
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
 
+    def row_problem(self, metrics: dict, tau: int, seen: set[int]) -> tuple[str | None, float]:
+        """(why a DP-SGD client's reply cannot be used, or None; its averaging weight p_i before normalising)."""
+        problem = reply_metrics_problem(metrics)
+        pid, reported = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
+        if problem is None and metrics[keys.LOCAL_STEPS] > tau:
+            problem = f"{metrics[keys.LOCAL_STEPS]} local steps taken, {tau} asked"
+        if problem is None and pid in seen:
+            problem = f"partition id {pid} already replied this round"
+        if problem or self.partition_size is None:
+            return problem, 1.0
+        try:
+            public = int(self.partition_size(pid, self.num_clients))
+        except ValueError as exc:
+            return f"partition id {pid}: {exc}", 0.0
+        if reported != public:
+            return f"num-examples {reported} differs from partition {pid}'s public size {public}", 0.0
+        return None, float(public)
+
     def update_ledgers(self, server_round: int, replies: list[dict]) -> None:
-        """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts.
+        """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts, never beyond
+        what the server asked for (the sum of tau over the rounds so far; the rounds that asked for mu).
 
         Cumulative counts make the mirror whole again after a lost reply. The epsilon the
         client computed itself must agree with the mirror; a mismatch is logged.
         """
         assert self.ledger is not None
+        asked_steps = sum(self.tau_list)
         for m in replies:
             pid = int(m[keys.PARTITION_ID])
             self.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
-            new_steps = int(m[keys.DPSGD_STEPS]) - self.steps_taken.get(pid, 0)
-            new_releases = int(m.get(keys.MU_RELEASES, 0)) - self.mu_releases.get(pid, 0)
-            if new_steps > 0:
-                self.ledger.record(pid, self.accounted_multiplier, self.batch_sample_rate, new_steps)
-            if new_releases > 0:
-                self.ledger.record(pid, self.mu_noise_multiplier, 1.0, new_releases)
-            self.steps_taken[pid] = max(self.steps_taken.get(pid, 0), int(m[keys.DPSGD_STEPS]))
-            self.mu_releases[pid] = max(self.mu_releases.get(pid, 0), int(m.get(keys.MU_RELEASES, 0)))
+            known_steps, known_releases = self.steps_taken.get(pid, 0), self.mu_releases.get(pid, 0)
+            steps = min(max(int(m[keys.DPSGD_STEPS]), known_steps), asked_steps)
+            releases = min(max(int(m.get(keys.MU_RELEASES, 0)), known_releases), self.mu_rounds)
+            if steps > known_steps:
+                self.ledger.record(pid, self.accounted_multiplier, self.batch_sample_rate, steps - known_steps)
+            if releases > known_releases:
+                self.ledger.record(pid, self.mu_noise_multiplier, 1.0, releases - known_releases)
+            self.steps_taken[pid], self.mu_releases[pid] = steps, releases
             mirrored = self.ledger.clients[pid].epsilon() if pid in self.ledger.clients else 0.0
             reported = float(m.get(keys.EPSILON, mirrored))
             if not math.isclose(mirrored, reported, rel_tol=1e-6, abs_tol=1e-9):
@@ -299,8 +344,8 @@ class ALIDPFL(DPRoundLoop):
         ratios, used = [], []
         if self.mu_source == "clients":
             for (_, m), w in zip(rows, weights):
-                if keys.MU in m and math.isfinite(float(m[keys.MU])):
-                    ratios.append(float(m[keys.MU]))
+                if keys.MU in m:  # finite (reply gate); clipped here as the client should have
+                    ratios.append(min(max(float(m[keys.MU]), 0.0), self.mu_max))
                     used.append(w)
         else:
             assert self.gradient_fn is not None
@@ -361,6 +406,7 @@ class ALIDPFL(DPRoundLoop):
             "adaptive": self.adaptive,
             "gamma": self.gamma,
             "mu_source": self.mu_source,
+            "mu_max": self.mu_max if self.releases_mu() else None,
             "mu_noise_multiplier": self.mu_noise_multiplier if self.releases_mu() else None,
             "dpsgd_noise": self.dpsgd_noise,
             "grad_sample_mode": self.grad_sample_mode,
@@ -377,13 +423,7 @@ class ALIDPFL(DPRoundLoop):
 
 
 def reply_metrics_problem(metrics: dict) -> str | None:
-    """Why a DP-SGD client's metrics cannot be used (missing / invalid counts), else None."""
-    for key in (keys.NUM_EXAMPLES, keys.PARTITION_ID, keys.LOCAL_STEPS, keys.DPSGD_STEPS):
-        if key not in metrics:
-            return f"metric '{key}' missing"
-    n = float(metrics[keys.NUM_EXAMPLES])
-    if not (math.isfinite(n) and n > 0):
-        return f"num-examples = {metrics[keys.NUM_EXAMPLES]!r} must be > 0"
-    if int(metrics[keys.LOCAL_STEPS]) < 0 or int(metrics[keys.DPSGD_STEPS]) < int(metrics[keys.LOCAL_STEPS]):
+    """Why a DP-SGD client's gated metrics are inconsistent (more steps this round than in all), else None."""
+    if metrics[keys.DPSGD_STEPS] < metrics[keys.LOCAL_STEPS]:
         return f"inconsistent step counts {metrics[keys.LOCAL_STEPS]!r} / {metrics[keys.DPSGD_STEPS]!r}"
     return None

@@ -25,10 +25,11 @@ from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier
-from fl_app.privacy.mechanisms import flatten, gaussian_noise, make_rng, unflatten
+from fl_app.privacy.mechanisms import flatten, gaussian_noise, l2_norm, make_rng, unflatten
 from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregation
 
 from .noise_placement import noise_placement as make_noise_placement
+from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop, RoundCallback
 
 
@@ -52,6 +53,8 @@ class DPFedAvg(DPRoundLoop):
     """
 
     clients_clip_under_central_noise = False
+    reply_metric_rules = {keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
+                          keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15)}
 
     def __init__(self, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
                  noise_placement: str = "central", client_sampling: str = "poisson",
@@ -151,6 +154,13 @@ class DPFedAvg(DPRoundLoop):
             **self.privacy_metrics(),
         }
         return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
+
+    def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
+        """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
+        bound = self.noise.upload_norm_bound(self.noise_multiplier, self.clipping_norm, self.expected_clients,
+                                             vector.size)
+        norm = l2_norm(vector)
+        return f"upload norm {norm:.6g} above the bound {bound:.6g} of an honest noisy update" if norm > bound else None
 
     def server_clip(self, vector: np.ndarray, metrics: dict) -> tuple[np.ndarray, float]:
         """(update to sum, its norm before clipping), by the noise placement."""

@@ -34,13 +34,26 @@ from .dp_fedavg import DPFedAvg
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
 
-def _numbers(metrics: dict) -> dict:
-    """The numeric entries of a legacy metrics dict (MetricRecord holds numbers only)."""
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))}
+def _numbers(metrics) -> dict:
+    """The finite numeric entries of a legacy metrics dict (MetricRecord holds numbers only)."""
+    if not isinstance(metrics, dict):
+        return {}
+    return {str(k): v for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def _reply(node_id: int, content: RecordDict | None = None, error: Error | None = None) -> Message:
+def legacy_content(array_key: str, res: FitRes) -> RecordDict:
+    """A FitRes as Message content for the wrapped strategy's reply gate; parameters that do not decode
+    give content without arrays (which the gate rejects), never an exception."""
+    content = RecordDict({"metrics": MetricRecord(_numbers({**res.metrics, keys.NUM_EXAMPLES: res.num_examples}))})
+    try:
+        content[array_key] = ArrayRecord(parameters_to_ndarrays(res.parameters))
+    except Exception:  # undecodable bytes from a client
+        pass
+    return content
+
+
+def reply_message(node_id: int, content: RecordDict | None = None, error: Error | None = None) -> Message:
     """A reply Message from `node_id`, as the Message-API strategy expects one."""
     metadata = Metadata(run_id=0, message_id="", src_node_id=node_id, dst_node_id=0, reply_to_message_id="",
                         group_id="", created_at=time.time(), ttl=0.0, message_type=MessageType.TRAIN)
@@ -160,11 +173,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
     def aggregate_updates(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                           failures: list) -> tuple[list[np.ndarray], dict]:
         """(new global arrays, round metrics): the results as replies to the wrapped strategy."""
-        replies = [_reply(proxy.node_id, RecordDict({
-            self.dp.arrayrecord_key: ArrayRecord(parameters_to_ndarrays(res.parameters)),
-            "metrics": MetricRecord(_numbers({**res.metrics, keys.NUM_EXAMPLES: res.num_examples}))}))
-            for proxy, res in results]
-        replies += [_reply(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
+        replies = [reply_message(proxy.node_id, legacy_content(self.dp.arrayrecord_key, res)) for proxy, res in results]
+        replies += [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
         arrays, metric_record = self.dp.aggregate_train(server_round, replies)
         return arrays.to_numpy_ndarrays(), dict(metric_record)
 
@@ -190,6 +200,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
         """Flower's weighted loss, the clients' numeric metrics weighted by their example counts."""
+        results = [(proxy, res) for proxy, res in results  # plausible example counts and a finite loss only
+                   if isinstance(res.num_examples, int) and 0 < res.num_examples < 2**31
+                   and isinstance(res.loss, (int, float)) and math.isfinite(res.loss)]
         loss, _ = super().aggregate_evaluate(server_round, results, failures)
         total = sum(res.num_examples for _, res in results)
         metrics: dict = {}

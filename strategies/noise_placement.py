@@ -16,6 +16,8 @@ import numpy as np
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
 
+from .reply_gate import upload_norm_bound
+
 
 class CentralNoise:
     """The server clips and adds all the noise. `clients_clip`: clients clip too (and report the
@@ -42,6 +44,11 @@ class CentralNoise:
         """sigma * C, whoever arrived."""
         return noise_multiplier * clipping_norm
 
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+                          dim: int) -> float:
+        """No bound on what arrives: the server clips every update to C itself."""
+        return math.inf
+
 
 class DistributedNoise:
     """Clients clip and add their noise share; the server tops up the shares that did not arrive."""
@@ -60,6 +67,12 @@ class DistributedNoise:
                          received: int) -> float:
         """sigma * C * sqrt((m - k)/m) for the k shares received."""
         return topup_noise_std(noise_multiplier, clipping_norm, expected_clients, received)
+
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+                          dim: int) -> float:
+        """The norm an honest upload (clipped to C plus its share) exceeds with probability <= 1e-12."""
+        return upload_norm_bound(clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm,
+                                                                      expected_clients), dim)
 
 
 def noise_placement(name: str, clients_clip: bool = False) -> CentralNoise | DistributedNoise:

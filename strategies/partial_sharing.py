@@ -26,6 +26,9 @@ from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import make_rng
 
 from .dp_fedavg import DPFedAvg
+from .reply_gate import MetricRule, read_metrics
+
+EVALUATION_RULES = {keys.ACCURACY: MetricRule(low=0.0, high=1.0), keys.LOSS: MetricRule(low=0.0)}
 
 
 class PersonalizedDPFedAvg(DPFedAvg):
@@ -57,16 +60,16 @@ class PersonalizedDPFedAvg(DPFedAvg):
         """Unweighted mean over clients of their accuracy and loss (failed or empty replies are skipped)."""
         accuracies, losses, failures = [], [], 0
         for msg in replies:
-            metrics = {} if msg.has_error() else next(iter(msg.content.metric_records.values()), {})
-            acc = float(metrics.get(keys.ACCURACY, math.nan))
-            if not math.isfinite(acc):
+            metrics, problem = ({}, msg.error.reason) if msg.has_error() else read_metrics(msg.content, EVALUATION_RULES)
+            if problem is None and keys.ACCURACY not in metrics:
+                problem = "no accuracy (empty held-out split?)"
+            if problem:
                 failures += 1
-                reason = msg.error.reason if msg.has_error() else "no accuracy (empty held-out split?)"
                 log(WARNING, "Round %d: no personalized evaluation from node %d: %s", server_round,
-                    msg.metadata.src_node_id, reason)
+                    msg.metadata.src_node_id, problem)
                 continue
-            accuracies.append(acc)
-            losses.append(float(metrics.get(keys.LOSS, math.nan)))
+            accuracies.append(metrics[keys.ACCURACY])
+            losses.append(metrics.get(keys.LOSS, math.nan))
         if not accuracies:
             return None
         return MetricRecord({

@@ -31,6 +31,8 @@ from flwr.supercore import log
 from fl_app.privacy.mechanisms import flatten, make_rng, update_problem
 from fl_app.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
+from .reply_gate import MetricRule, read_metrics
+
 RoundCallback = Callable[[dict], None]
 
 
@@ -50,8 +52,11 @@ class DPRoundLoop(FedAvg):
     on_round_end : called with each round's record (the run directory, dashboards, checkpoints).
 
     Subclasses implement `make_ledger`, `client_train_config`, `aggregate_train`,
-    `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and `describe`.
+    `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and `describe`, and declare the
+    metrics they read from a train reply in `reply_metric_rules`.
     """
+
+    reply_metric_rules: dict[str, MetricRule] = {}
 
     def __init__(self, *, sample_rate: float, client_sampling: str = "poisson", server_learning_rate: float = 1.0,
                  delta: float = 0.0, accountant: str = "rdp", seed: int = 0, secure_rng: bool = False,
@@ -147,7 +152,8 @@ class DPRoundLoop(FedAvg):
 
     def accepted_updates(self, server_round: int, replies: Iterable[Message],
                          shapes: list) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
-        """(flat update, metrics) of every well-formed reply, and the counts of failed and rejected ones."""
+        """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
+        and the counts of failed and rejected replies. Nothing in a reply can raise here."""
         accepted, failures, rejected = [], 0, 0
         for msg in replies:
             if msg.has_error():
@@ -158,15 +164,24 @@ class DPRoundLoop(FedAvg):
             try:
                 arrays = self.decode_update(msg.content)
                 problem = update_problem(arrays, shapes)
+                if problem is None:
+                    vector = flatten(arrays)
+                    metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
+                if problem is None:
+                    problem = self.upload_problem(vector, metrics)
             except Exception as exc:  # malformed content of any kind
-                problem = f"undecodable update ({exc})"
+                problem = f"undecodable reply ({type(exc).__name__}: {exc})"
             if problem:
                 rejected += 1
-                log(WARNING, "Round %d: rejected update from node %d: %s", server_round,
+                log(WARNING, "Round %d: rejected the reply of node %d: %s", server_round,
                     msg.metadata.src_node_id, problem)
                 continue
-            accepted.append((flatten(arrays), dict(next(iter(msg.content.metric_records.values()), {}))))
+            accepted.append((vector, metrics))
         return accepted, failures, rejected
+
+    def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
+        """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
+        return None
 
     # ------------------------------------------------------------------ budget and record
     def privacy_metrics(self) -> dict:

@@ -102,16 +102,19 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         """SecAgg+: every result carries the same mean of the k uploads; sum = k * mean."""
         shapes = [a.shape for a in self._global]
         weights = {res.num_examples for _, res in results}
-        if len(weights) > 1:
-            raise ValueError(f"SecAgg+ received updates with different weights {sorted(weights)}: the sum of a "
-                             "weighted mean cannot be recovered; clients must report num_examples = 1 "
-                             "(clients.mods.uniform_weight_mod / dp_privatize_mod do)")
         k = len(results)
         updates: list[np.ndarray] = []
         problem = "no client finished the protocol" if k == 0 else None
-        if k:
-            mean = parameters_to_ndarrays(results[0][1].parameters)
-            problem = update_problem([np.asarray(a, np.float32) for a in mean], shapes)
+        if len(weights) > 1:
+            problem = (f"updates with different weights {sorted(weights)}: the sum of a weighted mean cannot be "
+                       "recovered; clients must report num_examples = 1 (clients.mods.uniform_weight_mod and "
+                       "dp_privatize_mod do)")
+        elif k:
+            try:
+                mean = parameters_to_ndarrays(results[0][1].parameters)
+                problem = update_problem(mean, shapes)
+            except Exception as exc:  # undecodable sum
+                problem = f"undecodable sum ({type(exc).__name__}: {exc})"
             if problem is None:
                 updates = [(flatten(mean).astype(np.float64) * k).astype(np.float32)]
         if problem:

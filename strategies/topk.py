@@ -22,6 +22,7 @@ from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode
 from fl_app.privacy.settings import one_of, require, require_noise_placement
 
 from .dp_fedavg import DPFedAvg
+from .reply_gate import MetricRule
 
 
 def payload_bytes(record: ArrayRecord) -> int:
@@ -37,6 +38,8 @@ class DPFedSAMTopK(DPFedAvg):
     update, its Definition 5). Needs `distributed` noise: top-k after noise must run on the
     client, before upload.
     """
+
+    reply_metric_rules = {**DPFedAvg.reply_metric_rules, keys.KEPT_VALUES: MetricRule(low=0, integer=True)}
 
     def __init__(self, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **kwargs) -> None:
         self.check_topk(sparsity, topk_mode, kwargs.get("noise_placement", "central"))

@@ -108,9 +108,13 @@ class DPFedAvgWavelet(DPFedAvg):
             self.accounted_noise_multiplier(), true)
 
     # ------------------------------------------------------------------ rounds
+    def begin_round(self, arrays: ArrayRecord) -> None:
+        """The round's global arrays fix d and n (Message API and legacy adapter alike)."""
+        self.set_dimension(sum(a.size for a in arrays.to_numpy_ndarrays()))
+        super().begin_round(arrays)
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self.set_dimension(sum(a.size for a in arrays.to_numpy_ndarrays()))
         messages = super().configure_train(server_round, arrays, config, grid)
         self.warn_true_epsilon()
         return messages

@@ -231,10 +231,12 @@ def stub_app(sizes):
 
 
 def test_models_are_averaged_with_weights_proportional_to_dataset_size():
+    """Weights are the public partition sizes; a reply whose num-examples is invalid is rejected."""
     sizes = [10, 30, 60, 99]
     grid = InProcessGrid(stub_app(sizes), 4, {})
     strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0,
-                       sample_clipping_norm=1.0, target_epsilon=5.0, adaptive=False, local_steps=2)
+                       sample_clipping_norm=1.0, target_epsilon=5.0, adaptive=False, local_steps=2,
+                       partition_size=lambda pid, n: sizes[pid])
     initial = ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
     result = strategy.start(grid, initial, num_rounds=1)
     new = flatten(result.arrays.to_numpy_ndarrays())
@@ -310,3 +312,57 @@ def test_end_to_end_mnist_dirichlet_005(tmp_path):
     assert summary["epsilon"] <= 4.0 and all(r["epsilon"] <= 4.0 for r in rows)
     assert summary["epsilon"] == max(summary["epsilon_per_client"].values())
     assert summary["epsilon"] == epsilon_of([(1.5, 0.1, summary["local_steps_total"])], 1e-5)
+
+
+def hostile_stub_app(sizes, lie: dict):
+    """stub_app whose client 0 overrides its metrics with `lie` (what a malicious client would send)."""
+    honest = stub_app(sizes)
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        reply = honest(msg, context)
+        if int(context.node_config["partition-id"]) == 0:
+            metrics = {**dict(reply.content["metrics"]), **lie}
+            reply = Message(RecordDict({"arrays": reply.content["arrays"], "metrics": MetricRecord(metrics)}),
+                            reply_to=msg)
+        return reply
+
+    return app
+
+
+def run_one_round(app, partition_size=None, **kwargs):
+    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
+                       target_epsilon=5.0, adaptive=False, local_steps=2, partition_size=partition_size, **kwargs)
+    initial = ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
+    result = strategy.start(InProcessGrid(app, 4, {}), initial, num_rounds=1)
+    return strategy, flatten(result.arrays.to_numpy_ndarrays()), result.train_metrics_clientapp[1]
+
+
+def test_a_client_cannot_buy_weight_by_reporting_a_huge_dataset():
+    sizes = [10, 30, 60, 99]
+    _, new, metrics = run_one_round(hostile_stub_app(sizes, {"num-examples": 1e9}), lambda pid, n: sizes[pid])
+    assert metrics["rejected"] == 2 and new[0] == pytest.approx((0.3 * 2 + 0.6 * 3) / 0.9)  # client 0 refused
+    _, new, metrics = run_one_round(hostile_stub_app(sizes, {"num-examples": 1e9}))  # no public sizes: uniform
+    assert metrics["rejected"] == 1 and new[0] == pytest.approx((1 + 2 + 3) / 3)
+
+
+@pytest.mark.parametrize("lie", [{"dpsgd-steps": 10**15}, {"local-steps": 10**6, "dpsgd-steps": 10**6}])
+def test_reported_step_counts_never_exceed_what_the_server_asked(lie):
+    strategy, _, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], lie))
+    assert strategy.total_steps <= 2  # tau = 2 asked in the only round
+    assert metrics["epsilon"] <= epsilon_of([(1.0, 0.1, 2)], 1e-5) + 1e-12
+
+
+@pytest.mark.parametrize("lie", [{"local-steps": float("nan")}, {"num-examples": float("inf")}, {"mu": float("nan")},
+                                 {"partition-id": -1}, {"partition-id": 2}, {"budget-left": 7}])
+def test_malformed_or_duplicate_metrics_are_rejected_not_raised(lie):
+    _, new, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], lie))
+    assert metrics["rejected"] == 2 and metrics["clients"] == 2 and np.all(np.isfinite(new))
+
+
+def test_client_mu_is_clipped_on_the_server():
+    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
+                       target_epsilon=5.0, mu_source="clients", mu_max=0.5)
+    rows = [(np.ones(3, np.float32), {"mu": 1e6}), (np.ones(3, np.float32), {"mu": -3.0})]
+    assert strategy.estimate_mu([np.zeros(3, np.float32)], [(3,)], rows, np.array([1.0, 1.0])) == pytest.approx(0.25)

@@ -80,4 +80,4 @@ def test_benchmarks_run_as_modules_without_path_hacks():
 
 def test_architecture_doc_draws_the_current_graph():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m fl_app.import_graph"
+    assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m fl_app.import_graph --write"

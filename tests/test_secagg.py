@@ -144,7 +144,9 @@ def test_secagg_halts_when_too_few_finish(caplog):
     assert "no aggregate" in caplog.text
 
 
-def test_secagg_rejects_unequal_weights():
+def test_secagg_rejects_unequal_weights(caplog):
+    """A sum of unequally weighted updates cannot be un-averaged: it is rejected (never raised), the round
+    counts every update as rejected, and the model moves by the full server noise only (topped up for all m)."""
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed")
     with pytest.raises(ValueError, match="noise_placement='distributed'"):
         SecAggPlusDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA))
@@ -157,8 +159,11 @@ def test_secagg_rejects_unequal_weights():
             from flwr.common import ndarrays_to_parameters
             self.num_examples, self.parameters, self.metrics = n, ndarrays_to_parameters([np.zeros(3)]), {}
 
-    with pytest.raises(ValueError, match="num_examples = 1"):
-        strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
+    parameters, metrics = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
+    assert "num_examples = 1" in caplog.text
+    assert metrics["rejected"] == 2 and metrics["clients"] == 0
+    assert metrics["server_noise_std"] == pytest.approx(SIGMA * C)  # the top-up covers all m = 2 shares
+    assert np.all(np.isfinite(parameters_to_ndarrays(parameters)[0]))
 
 
 def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list]:

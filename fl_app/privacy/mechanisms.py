@@ -94,7 +94,7 @@ def topup_noise_std(
 
 
 def update_problem(arrays: Sequence[np.ndarray], shapes: Shapes) -> str | None:
-    """Why a client update cannot be averaged in (wrong count/shape, non-float, non-finite), else None."""
+    """Why a client update cannot be averaged in (wrong count/shape, non-float, not finite as float32), else None."""
     if len(arrays) != len(shapes):
         return f"expected {len(shapes)} arrays, got {len(arrays)}"
     for i, (a, shape) in enumerate(zip(arrays, shapes)):
@@ -102,8 +102,9 @@ def update_problem(arrays: Sequence[np.ndarray], shapes: Shapes) -> str | None:
             return f"array {i} has shape {tuple(a.shape)}, expected {tuple(shape)}"
         if not np.issubdtype(a.dtype, np.floating):
             return f"array {i} has dtype {a.dtype}, expected a float type"
-        if not np.all(np.isfinite(a)):
-            return f"array {i} contains NaN or Inf"
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not np.all(np.isfinite(np.asarray(a, dtype=np.float32))):  # finite in the dtype it is summed in
+                return f"array {i} contains NaN or Inf (as float32)"
     return None
 
 

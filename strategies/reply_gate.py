@@ -1,0 +1,82 @@
+"""The reply gate: what a client reply must look like before a strategy reads any of it.
+
+Every strategy passes every reply through `DPRoundLoop.accepted_updates`, which uses these
+checks; a reply that fails one is rejected (logged with the node and the reason, counted in
+`rejected`, and its noise share topped up like a dropout). Nothing a client sends can raise
+in the ServerApp: metric values are read only through `read_metrics`.
+
+- arrays: the count and shapes of the global model, a float dtype, and finite after the cast
+  to float32, the dtype they are aggregated in (`fl_app.privacy.mechanisms.update_problem`);
+- metrics: one metric record (`metrics`, or the only one), each expected key a finite real
+  scalar in its range (`MetricRule`); other keys are ignored;
+- norms: under distributed noise an upload may not exceed `upload_norm_bound` (below).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flwr.app import RecordDict
+
+METRICS_RECORD = "metrics"  # the name the clients' adapter and Flower's NumPyClient use
+HONEST_REJECTION_PROBABILITY = 1e-12  # per upload: how often the norm bound may reject an honest one
+
+
+@dataclass(frozen=True)
+class MetricRule:
+    """What one metric of a reply must be: present (if required), a finite real scalar in [low, high]."""
+
+    required: bool = False
+    low: float = -math.inf
+    high: float = math.inf
+    integer: bool = False
+
+    def problem(self, key: str, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"metric '{key}' = {value!r} is not a number"
+        if not math.isfinite(value):
+            return f"metric '{key}' = {value!r} is not finite"
+        if self.integer and value != int(value):
+            return f"metric '{key}' = {value!r} is not an integer"
+        if not self.low <= value <= self.high:
+            return f"metric '{key}' = {value!r} is outside [{self.low}, {self.high}]"
+        return None
+
+
+def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dict, str | None]:
+    """(the rule-checked metrics as floats/ints, None) or ({}, why the reply's metrics are unusable)."""
+    records = content.metric_records
+    if METRICS_RECORD in records:
+        record = records[METRICS_RECORD]
+    elif len(records) == 1:
+        record = next(iter(records.values()))
+    elif not records:
+        record = {}
+    else:
+        return {}, f"{len(records)} metric records and none named '{METRICS_RECORD}'"
+    clean = {}
+    for key, rule in rules.items():
+        if key not in record:
+            if rule.required:
+                return {}, f"metric '{key}' missing"
+            continue
+        problem = rule.problem(key, record[key])
+        if problem:
+            return {}, problem
+        clean[key] = int(record[key]) if rule.integer else float(record[key])
+    return clean, None
+
+
+def upload_norm_bound(clipping_norm: float, noise_std: float, dim: int,
+                      failure_probability: float = HONEST_REJECTION_PROBABILITY) -> float:
+    """B = C (1 + 1e-5) + s (sqrt(d) + t), t = sqrt(2 ln(1 / p)): an honest upload (update clipped to
+    C plus its noise share N(0, s^2 I_d)) has norm above B with probability at most p.
+
+    ||clip(Delta) + z|| <= C + ||z||, and z -> ||z|| is 1-Lipschitz with E||z|| <= s sqrt(d), so by
+    Gaussian concentration P(||z|| > s sqrt(d) + s t) <= exp(-t^2 / 2) = p. The factor 1e-5 covers
+    float32 rounding of the clipped update. An upload above B is rejected: each accepted one moves the
+    aggregate by at most B / m.
+    """
+    t = math.sqrt(2.0 * math.log(1.0 / failure_probability))
+    return clipping_norm * (1 + 1e-5) + noise_std * (math.sqrt(dim) + t)

@@ -1,0 +1,274 @@
+"""Hostile replies: a seeded fuzz of malformed client replies, mixed with honest ones, through every
+strategy path (Message API: DP-FedAvg central and distributed, top-k, wavelet, partial sharing, ALI-DPFL;
+legacy adapter; SecAgg+ sums; personalized and legacy client evaluation).
+
+For every round: no exception escapes, the global model stays finite, and the model moves by at
+most eta_s * k * B / m, where k replies were accepted and B is the most one accepted upload may
+weigh (C when the server clips; the honest-noise bound under distributed noise, here with sigma = 0
+so that the bound is exact). The counts are printed (README, threat model section).
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Error, MetricRecord, RecordDict
+from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
+
+from fl_app.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
+from strategies.ali_dpfl import ALIDPFL
+from strategies.dp_fedavg import DPFedAvg
+from strategies.legacy import LegacyDPFedAvg, reply_message
+from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from strategies.secagg import SecAggPlusDPFedAvg
+from strategies.topk import DPFedSAMTopK
+from strategies.wavelet import DPFedAvgWavelet
+
+SHAPES = [(4, 3), (5,)]
+DIM = 17
+C, ETA, M = 0.5, 1.0, 4
+ROUNDS = 130  # per strategy path; 9 paths -> 1,170 rounds, each with at least one hostile reply
+SEED = 20261122
+
+
+def honest_update(rng: np.random.Generator) -> list[np.ndarray]:
+    """An update clipped to C (what an honest client with sigma = 0 uploads)."""
+    v = rng.standard_normal(DIM).astype(np.float32)
+    v *= np.float32(min(1.0, 0.99 * C / float(np.linalg.norm(v))))
+    return [v[:12].reshape(4, 3), v[12:]]
+
+
+def hostile_arrays(rng: random.Random, nprng: np.random.Generator) -> tuple[str, list[np.ndarray] | None]:
+    """(kind, arrays) of one malformed or oversized upload."""
+    good = honest_update(nprng)
+    kinds = {
+        "huge-finite": lambda: [a * np.float32(1e6 / C) for a in good],
+        "float64-1e300": lambda: [good[0].astype(np.float64) * 1e300, good[1]],
+        "nan": lambda: [np.full((4, 3), np.nan, np.float32), good[1]],
+        "inf": lambda: [good[0], np.full(5, -np.inf, np.float32)],
+        "int-dtype": lambda: [np.ones((4, 3), np.int64), good[1]],
+        "bool-dtype": lambda: [np.ones((4, 3), bool), good[1]],
+        "complex": lambda: [good[0].astype(np.complex64), good[1]],
+        "wrong-shape": lambda: [good[0].reshape(3, 4), good[1]],
+        "too-few": lambda: [good[0]],
+        "too-many": lambda: good + [good[1]],
+        "scalar": lambda: [np.float32(1.0), good[1]],
+        "empty": lambda: [],
+        "missing": lambda: None,
+    }
+    kind = rng.choice(sorted(kinds))
+    return kind, kinds[kind]()
+
+
+def hostile_metrics(rng: random.Random) -> tuple[str, dict | list]:
+    """(kind, metrics) where the record or one value is malformed."""
+    key = rng.choice(["update-norm", "train-loss", "num-examples", "partition-id", "local-steps", "dpsgd-steps",
+                      "mu", "mu-releases", "epsilon", "budget-left", "kept-values"])
+    value = rng.choice([[1.0], [1, 2], float("nan"), float("inf"), -float("inf"), -1.0, 1e300, 2.5, 10**15, -7])
+    return f"{key}={value!r}", {key: value}
+
+
+def reply(node: int, arrays, metrics: dict, extra_records: int = 0):
+    content = RecordDict()
+    if arrays is not None:
+        content["arrays"] = ArrayRecord([np.asarray(a) for a in arrays])
+    for i in range(extra_records):  # a junk record before the real one
+        content[f"junk{i}"] = MetricRecord({"x": float("nan")})
+    content["metrics"] = MetricRecord(metrics)
+    return reply_message(node, content)
+
+
+def honest_metrics(pid: int) -> dict:
+    return {"update-norm": 0.4, "train-loss": 0.7, "num-examples": 10, "partition-id": pid, "local-steps": 1,
+            "dpsgd-steps": 1, "epsilon": 0.1, "budget-left": 1}
+
+
+def round_replies(rng: random.Random, nprng: np.random.Generator, encode=None) -> tuple[list, list[str]]:
+    """Three honest replies and 1-2 hostile ones (arrays, metrics, a junk record, or an error), shuffled."""
+    replies, kinds = [], []
+    for pid in range(3):
+        upload = honest_update(nprng)
+        replies.append(reply(100 + pid, encode(upload) if encode else upload, honest_metrics(pid)))
+    for j in range(rng.choice([1, 2])):
+        node, pid = 103 + j, 3 + j
+        what = rng.choice(["arrays", "metrics", "junk-record-first", "error"])
+        if what == "arrays":
+            kind, arrays = hostile_arrays(rng, nprng)
+            replies.append(reply(node, arrays, honest_metrics(pid)))
+        elif what == "metrics":
+            kind, bad = hostile_metrics(rng)
+            upload = honest_update(nprng)
+            replies.append(reply(node, encode(upload) if encode else upload, {**honest_metrics(pid), **bad}))
+        elif what == "junk-record-first":
+            kind = what
+            upload = [a * np.float32(1e6) for a in honest_update(nprng)]  # oversized too
+            replies.append(reply(node, upload, honest_metrics(pid), extra_records=2))
+        else:
+            kind = what
+            replies.append(reply_message(node, error=Error(code=1, reason="node crashed")))
+        kinds.append(kind)
+    rng.shuffle(replies)
+    return replies, kinds
+
+
+def initial() -> ArrayRecord:
+    return ArrayRecord([np.zeros(s, np.float32) for s in SHAPES])
+
+
+def topk_encode(upload):
+    return sparse_encode(upload, topk_sparsify(upload, 0.5, "per-layer"))
+
+
+MESSAGE_PATHS = {
+    "dp-fedavg central": (lambda: DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
+                                           noise_placement="central"), None, C),
+    "dp-fedavg distributed": (lambda: DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
+                                               noise_placement="distributed"), None, C * (1 + 1e-5)),
+    "top-k": (lambda: DPFedSAMTopK(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
+                                   noise_placement="distributed", sparsity=0.5), topk_encode, C * (1 + 1e-5)),
+    "wavelet": (lambda: DPFedAvgWavelet(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0), None, C),
+    "partial sharing": (lambda: PartialSharingDPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
+                                                       noise_placement="distributed"), None, C * (1 + 1e-5)),
+}
+COUNTS: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("path", sorted(MESSAGE_PATHS))
+def test_message_api_strategies_survive_hostile_replies(path):
+    make, encode, bound = MESSAGE_PATHS[path]
+    rng, nprng = random.Random(f"{SEED}-{path}"), np.random.default_rng(SEED)
+    strategy = make()
+    strategy.setup_population(M)
+    arrays = initial()
+    hostile = 0
+    for rnd in range(1, ROUNDS + 1):
+        replies, kinds = round_replies(rng, nprng, encode)
+        hostile += len(kinds)
+        strategy.begin_round(arrays)
+        new_arrays, metrics = strategy.aggregate_train(rnd, replies)
+        old, new = flatten(arrays.to_numpy_ndarrays()), flatten(new_arrays.to_numpy_ndarrays())
+        assert np.all(np.isfinite(new)), (rnd, kinds)
+        accepted = metrics["clients"]
+        assert accepted >= 3 - (path == "top-k") * 0, (rnd, kinds, dict(metrics))
+        assert l2_norm(new - old) <= ETA * accepted * bound / strategy.expected_clients + 1e-6, (rnd, kinds)
+        assert metrics["clients"] + metrics["rejected"] + metrics["failures"] == len(replies)
+        arrays = new_arrays
+    COUNTS[path] = hostile
+    print(f"{path}: {ROUNDS} rounds, {hostile} hostile replies, 0 exceptions, model finite")
+
+
+def test_ali_dpfl_survives_hostile_replies():
+    rng, nprng = random.Random(f"{SEED}-ali"), np.random.default_rng(SEED)
+    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
+                       target_epsilon=50.0, adaptive=False, local_steps=1, partition_size=lambda pid, n: 10)
+    strategy.set_num_rounds(ROUNDS)
+    strategy.setup_population(M + 2)
+    arrays, hostile = initial(), 0
+    for rnd in range(1, ROUNDS + 1):
+        replies, kinds = round_replies(rng, nprng)
+        for r in replies:  # cumulative honest counts, as real DP-SGD clients report them
+            if not r.has_error() and r.content["metrics"].get("dpsgd-steps") == 1:
+                r.content["metrics"]["dpsgd-steps"] = rnd
+        hostile += len(kinds)
+        strategy.begin_round(arrays)
+        new_arrays, metrics = strategy.aggregate_train(rnd, replies)
+        assert np.all(np.isfinite(flatten(new_arrays.to_numpy_ndarrays()))), (rnd, kinds)
+        assert strategy.total_steps <= rnd  # never more steps charged than tau = 1 per round asked
+        assert metrics["clients"] >= 3, (rnd, kinds)
+        arrays = new_arrays
+    COUNTS["ali-dpfl"] = hostile
+    print(f"ali-dpfl: {ROUNDS} rounds, {hostile} hostile replies, 0 exceptions, model finite")
+
+
+def fit_res(rng: random.Random, nprng: np.random.Generator, legacy_weight: int = 10) -> tuple[FitRes, str]:
+    """An honest or hostile legacy FitRes."""
+    upload = honest_update(nprng)
+    what = rng.choice(["honest", "honest", "garbage-bytes", "nan", "huge", "metrics-list", "weight"])
+    params = ndarrays_to_parameters(upload)
+    metrics: dict = {"update-norm": 0.4}
+    weight = legacy_weight
+    if what == "garbage-bytes":
+        params = Parameters(tensors=[bytes(rng.getrandbits(8) for _ in range(40))], tensor_type="numpy.ndarray")
+    elif what == "nan":
+        params = ndarrays_to_parameters([np.full((4, 3), np.nan, np.float32), upload[1]])
+    elif what == "huge":
+        params = ndarrays_to_parameters([a.astype(np.float64) * 1e300 for a in upload])
+    elif what == "metrics-list":
+        metrics = {"update-norm": [1.0, 2.0], "train-loss": "x"}
+    elif what == "weight":
+        weight = rng.choice([0, -5, 10**18])
+    return FitRes(Status(Code.OK, ""), params, weight, metrics), what
+
+
+def test_legacy_adapter_survives_hostile_results():
+    rng, nprng = random.Random(f"{SEED}-legacy"), np.random.default_rng(SEED)
+    strategy = LegacyDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
+                                       noise_placement="central"))
+    strategy.dp.setup_population(M)
+    weights, hostile = [np.zeros(s, np.float32) for s in SHAPES], 0
+    for rnd in range(1, ROUNDS + 1):
+        pairs = [fit_res(rng, nprng) for _ in range(4)]
+        hostile += sum(what != "honest" for _, what in pairs)
+        strategy._global = weights
+        strategy.dp.begin_round(ArrayRecord(weights))
+        parameters, metrics = strategy.aggregate_fit(rnd, [(FakeProxy(100 + i), r) for i, (r, _) in enumerate(pairs)],
+                                                     [])
+        from flwr.common import parameters_to_ndarrays
+        new = parameters_to_ndarrays(parameters)
+        assert all(np.all(np.isfinite(a)) for a in new)
+        assert l2_norm(flatten(new) - flatten(weights)) <= ETA * metrics["clients"] * C / M + 1e-6
+        weights = new
+    COUNTS["legacy"] = hostile
+    print(f"legacy: {ROUNDS} rounds, {hostile} hostile results, 0 exceptions, model finite")
+
+
+def test_secagg_sum_survives_hostile_results():
+    rng, nprng = random.Random(f"{SEED}-secagg"), np.random.default_rng(SEED)
+    strategy = SecAggPlusDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
+                                           noise_placement="distributed"))
+    strategy.dp.setup_population(M)
+    weights, hostile = [np.zeros(s, np.float32) for s in SHAPES], 0
+    for rnd in range(1, ROUNDS + 1):
+        res, what = fit_res(rng, nprng, legacy_weight=1)
+        hostile += what != "honest"
+        results = [(FakeProxy(100 + i), res) for i in range(3)]  # SecAgg+ hands every result the same sum
+        if what == "weight":
+            results[1] = (FakeProxy(101), FitRes(Status(Code.OK, ""), res.parameters, 1, {}))
+        strategy._global = weights
+        parameters, metrics = strategy.aggregate_fit(rnd, results, [])
+        from flwr.common import parameters_to_ndarrays
+        new = parameters_to_ndarrays(parameters)
+        assert all(np.all(np.isfinite(a)) for a in new), what
+        assert l2_norm(flatten(new) - flatten(weights)) <= ETA * 3 * C * (1 + 1e-5) / M + 1e-6 or what == "honest"
+        weights = new
+    COUNTS["secagg"] = hostile
+
+
+def test_client_evaluation_survives_hostile_metrics():
+    rng = random.Random(f"{SEED}-eval")
+    personalized = PersonalizedDPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0)
+    legacy = LegacyDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0))
+    hostile = 0
+    for rnd in range(1, ROUNDS + 1):
+        bad = rng.choice([[0.5], float("nan"), float("inf"), -3.0, 7.0, 10**300])
+        replies = [reply(100, None, {"accuracy": 0.8, "loss": 0.3}), reply(101, None, {"accuracy": bad, "loss": bad})]
+        result = personalized.aggregate_evaluate(rnd, replies)
+        assert result is not None and result["personalized_accuracy"] == pytest.approx(0.8)
+        loss = bad if isinstance(bad, float) else float("nan")
+        results = [(FakeProxy(100), EvaluateRes(Status(Code.OK, ""), 0.3, 10, {"accuracy": 0.8})),
+                   (FakeProxy(101), EvaluateRes(Status(Code.OK, ""), loss, rng.choice([10, 0, -1, 10**18]),
+                                                {"accuracy": bad}))]
+        legacy.aggregate_evaluate(rnd, results, [])
+        hostile += 2
+    COUNTS["evaluation"] = hostile
+
+
+def test_fuzz_covers_at_least_a_thousand_hostile_replies():
+    assert sum(COUNTS.values()) >= 1000, COUNTS
+    print("hostile replies by path:", COUNTS, "total", sum(COUNTS.values()))
+
+
+class FakeProxy:
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
