@@ -257,6 +257,7 @@ class DPSGDClient(TrainingClient):
         rnd = int(config.get(keys.SERVER_ROUND, 0))
         set_weights(self.model, parameters)
         ledger, counts = load_ledger(self.state, self.delta, self.accountant)
+        self.adopt_server_counts(ledger, counts, config)
         release_mu = bool(config.get(keys.RELEASE_MU, False))
         steps = self.allowed_steps(counts, int(config.get(keys.LOCAL_STEPS, 1)), release_mu)
         x, y = as_tensors(self.trainset)
@@ -287,6 +288,16 @@ class DPSGDClient(TrainingClient):
                         keys.EPSILON: ledger.epsilon(), keys.BUDGET_LEFT: int(self.fits(counts, 1, release_mu)),
                         keys.UPDATE_NORM: l2_norm(update), keys.NUM_EXAMPLES: n})
         return unflatten(update, [a.shape for a in new]), n, metrics
+
+    def adopt_server_counts(self, ledger: PrivacyLedger, counts: dict, config: dict) -> None:
+        """Charge what the server has charged this client beyond its own counts (its state was lost)."""
+        for key, count, multiplier, rate in ((keys.SPENT_STEPS, "steps", self.accounted_multiplier, self.sample_rate),
+                                             (keys.SPENT_MU_RELEASES, "mu-releases", self.mu_noise_multiplier, 1.0)):
+            spent = list(config.get(key, []))
+            server = int(spent[self.partition_id]) if self.partition_id < len(spent) else 0
+            if server > counts[count]:
+                ledger.record(multiplier, rate, server - counts[count])
+                counts[count] = server
 
     def release_mu(self, global_weights: list[np.ndarray], local_weights: list[np.ndarray], rnd: int) -> float:
         """clip(||grad F_i(w_i) - grad F_i(w)|| / ||w_i - w||, 0, mu_max) + N(0, (z mu_max)^2).

@@ -120,6 +120,7 @@ SPEC: dict[str, Key] = {
                              low=0, high=1, low_open=True),
     "secagg-reconstruction-threshold": Key(0.5, "SecAgg+ shares needed to unmask, as a fraction of the shares",
                                            low=0, high=1, low_open=True),
+    "resume": Key(False, "continue the run in results-dir (or run-name) from its last checkpoint, ledger included"),
     "results-dir": Key("", "absolute folder for this run's results (empty: ~/dpfl-results/<run-name>)"),
     "run-name": Key("", "name of the run folder (empty: <time>-<algorithm>-<dataset>)"),
 }
@@ -172,6 +173,11 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
                               "(relative paths resolve against the SuperLink's folder, not yours)")
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
         raise ConfigError(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
+    if cfg["resume"] and not (cfg["results-dir"] or cfg["run-name"]):
+        raise ConfigError("run-config key 'resume' = True needs 'results-dir' or 'run-name' to find the run to continue")
+    if cfg["resume"] and cfg["secure-aggregation"]:
+        raise ConfigError("run-config key 'resume' = True is not supported with 'secure-aggregation' = true yet "
+                          "(Flower's SecAgg+ workflow numbers rounds from 1)")
     try:
         check_config(cfg, {k: spec.default for k, spec in SPEC.items()})
     except ValueError as exc:

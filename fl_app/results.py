@@ -1,4 +1,4 @@
-"""The run directory: config.json, metrics.jsonl (one line per round), summary.json, plot.png.
+"""The run directory: config.json, status.json, metrics.jsonl, checkpoint.npz, summary.json, plot.png.
 
 Non-finite numbers (epsilon of a non-private run is inf) are written as null.
 `python -m fl_app.results RUN_DIR [REFERENCE_RUN_DIR ...]` redraws a run's plot with
@@ -7,12 +7,16 @@ other runs (e.g. the non-private reference) as extra lines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 def json_safe(obj):
@@ -35,14 +39,39 @@ def resolve_run_dir(cfg: dict) -> Path:
     return base.resolve()
 
 
-class RunDirectory:
-    """Writes one run's files as the run goes; nothing already written is lost on a crash."""
+class PreviousRunError(ValueError):
+    """The results folder holds another run that this one would overwrite or mix with."""
 
-    def __init__(self, path: Path | str) -> None:
+
+RESUMABLE_KEYS = ("resume", "num-rounds")  # what may change between a run and its resumption
+
+
+class RunDirectory:
+    """Writes one run's files as the run goes; nothing already written is lost on a crash.
+
+    Files: config.json, status.json (running / completed / failed), metrics.jsonl (one line per
+    round), checkpoint.npz (after every round: the global arrays and the strategy's whole state,
+    the ledger included, replaced atomically), summary.json and plot.png at the end.
+
+    A folder that holds a previous run is refused unless `resume`: then the checkpoint is read
+    (`checkpoint`), the config must match the previous one (but for RESUMABLE_KEYS), and
+    metrics.jsonl is rewritten from the checkpoint's history, so no round appears twice.
+    """
+
+    def __init__(self, path: Path | str, *, resume: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_file = self.path / "metrics.jsonl"
-        self.metrics_file.write_text("")
+        self.checkpoint_file = self.path / "checkpoint.npz"
+        self.checkpoint = self.read_checkpoint()
+        previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
+        if not resume and (self.checkpoint is not None or previous_rounds):
+            raise PreviousRunError(
+                f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
+                f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue it, "
+                "or choose another results-dir or run-name")
+        history = self.checkpoint[0]["history"] if self.checkpoint is not None else []
+        self.metrics_file.write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in history))
 
     def _write_json(self, name: str, obj) -> None:
         tmp = self.path / f".{name}.tmp"
@@ -50,11 +79,50 @@ class RunDirectory:
         os.replace(tmp, self.path / name)
 
     def write_config(self, cfg: dict) -> None:
+        """config.json; resuming, the previous run's config must agree (but for RESUMABLE_KEYS)."""
+        previous_file = self.path / "config.json"
+        if self.checkpoint is not None and previous_file.exists():
+            previous = json.loads(previous_file.read_text())
+            differ = sorted(k for k in set(previous) | set(cfg) if k not in RESUMABLE_KEYS
+                            and json_safe(previous.get(k)) != json_safe(cfg.get(k)))
+            if differ:
+                raise PreviousRunError(
+                    f"resume = true, but the run in {self.path} was made with other settings: "
+                    + ", ".join(f"'{k}' = {previous.get(k)!r} there, {cfg.get(k)!r} now" for k in differ))
         self._write_json("config.json", cfg)
+
+    def write_status(self, status: str, **details) -> None:
+        """status.json: running (also what a killed run leaves), completed or failed."""
+        self._write_json("status.json", {"status": status, "pid": os.getpid(), "time": time.time(), **details})
 
     def append_round(self, record: dict) -> None:
         with self.metrics_file.open("a") as f:
             f.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
+
+    def write_checkpoint(self, state: dict, arrays) -> None:
+        """checkpoint.npz: the global arrays and the strategy's state as JSON, replaced atomically."""
+        state_bytes = np.frombuffer(json.dumps(json_safe(state)).encode(), dtype=np.uint8)
+        payload = {f"array_{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".checkpoint.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, state=state_bytes, **payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.checkpoint_file)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def read_checkpoint(self) -> tuple[dict, list] | None:
+        """(strategy state, global arrays) of the last completed round, or None."""
+        if not self.checkpoint_file.exists():
+            return None
+        with np.load(self.checkpoint_file, allow_pickle=False) as data:
+            state = json.loads(data["state"].tobytes().decode())
+            arrays = [data[f"array_{i}"] for i in range(len(data.files) - 1)]
+        return state, arrays
 
     def write_summary(self, summary: dict) -> None:
         self._write_json("summary.json", summary)

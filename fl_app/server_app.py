@@ -26,11 +26,12 @@ app = ServerApp()
 MU_SAMPLES = 256  # ali-dpfl, mu-source = server: gradients on this many server evaluation samples
 
 
-def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None) -> DPRoundLoop | SecAggPlusDPFedAvg:
+def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None,
+                   on_checkpoint=None) -> DPRoundLoop | SecAggPlusDPFedAvg:
     """The server strategy of cfg['algorithm'] (from the registry); under secure-aggregation the same
     strategy run through Flower's SecAgg+ workflow."""
     algo = algorithm(cfg["algorithm"])
-    hooks = {"on_round_end": on_round_end}
+    hooks = {"on_round_end": on_round_end, "on_checkpoint": on_checkpoint}
     if algo.privacy_unit == "sample":
         hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(cfg))
     strategy = algo.build_strategy(cfg, **hooks)
@@ -69,10 +70,15 @@ def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
 
 
 def run_federated(grid: Grid, cfg: dict) -> dict:
-    """Train with the validated config `cfg` on `grid`; write the run directory; return the summary."""
+    """Train with the validated config `cfg` on `grid`; write the run directory; return the summary.
+
+    With `resume`, continue the run in the results folder from its last checkpoint: the global
+    arrays, the history and the ledger as they were after the last completed round.
+    """
     t0 = time.perf_counter()
-    run_dir = RunDirectory(resolve_run_dir(cfg))
+    run_dir = RunDirectory(resolve_run_dir(cfg), resume=cfg["resume"])
     run_dir.write_config(cfg)
+    run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
     if not cfg["secure-rng"] and cfg["noise-multiplier"] > 0:
         log(WARNING, "DP noise is seeded from 'seed' for reproducibility: keep the seed secret, or set "
@@ -89,20 +95,32 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         set_weights(model, arrays)
         return loss_gradient(model, server_testset, MU_SAMPLES)
 
-
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
-    strategy = build_strategy(cfg, on_round_end=run_dir.append_round, gradient_fn=gradient_fn)
-    result = strategy.start(grid, ArrayRecord(shared_weights(model, cfg)), num_rounds=cfg["num-rounds"],
-                            evaluate_fn=None if partial else evaluate_fn)
+    strategy = build_strategy(cfg, on_round_end=run_dir.append_round, gradient_fn=gradient_fn,
+                              on_checkpoint=run_dir.write_checkpoint)
+    initial = ArrayRecord(shared_weights(model, cfg))
+    resumed_from = 0
+    if run_dir.checkpoint is not None:
+        state, arrays = run_dir.checkpoint
+        strategy.load_state_dict(state)
+        initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
+    try:
+        result = strategy.start(grid, initial, num_rounds=cfg["num-rounds"],
+                                evaluate_fn=None if partial else evaluate_fn)
+    except BaseException as exc:
+        run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
+        raise
     server_eval = result.evaluate_metrics_serverapp
-    final = server_eval[max(server_eval)] if server_eval else {}
+    final = server_eval[max(server_eval)] if server_eval else (strategy.history[-1] if strategy.history else {})
     summary = {
+        "status": "completed",
         "strategy": cfg["algorithm"],
         "dataset": cfg["dataset"],
         "model": cfg["model"],
         "num_parameters": count_parameters(model),
         "rounds_completed": len(strategy.history),
+        "resumed_after_round": resumed_from or None,
         "final_accuracy": final.get("accuracy"),  # global model, server test set (null under partial sharing)
         "final_loss": final.get("loss"),
         "seconds": time.perf_counter() - t0,
@@ -110,6 +128,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         **strategy.describe(),
     }
     run_dir.write_summary(summary)
+    run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
     plot_runs([run_dir.path], run_dir.path / "plot.png")
     accuracy = summary.get("personalized_accuracy") if partial else summary["final_accuracy"]
     log(INFO, "Finished: %saccuracy %.4f, epsilon %.4g (delta %.3g) after %d rounds; results in %s",

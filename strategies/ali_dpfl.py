@@ -39,7 +39,7 @@ from fl_app.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflat
 from fl_app.privacy.settings import check_dpsgd, require
 
 from .reply_gate import MetricRule
-from .round_loop import DPRoundLoop, RoundCallback
+from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
 
 
 GradientFn = Callable[[list[np.ndarray]], np.ndarray]
@@ -118,7 +118,7 @@ class ALIDPFL(DPRoundLoop):
                  dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
                  secure_rng: bool = False, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
-                 on_round_end: RoundCallback | None = None) -> None:
+                 on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
                             sample_clipping_norm=sample_clipping_norm, target_epsilon=target_epsilon,
                             accountant=accountant, local_steps=local_steps, gamma=gamma, mu_source=mu_source,
@@ -129,7 +129,8 @@ class ALIDPFL(DPRoundLoop):
         super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
-                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end)
+                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end,
+                         on_checkpoint=on_checkpoint)
         self.batch_sample_rate = batch_sample_rate
         self.sample_noise_multiplier = sample_noise_multiplier
         self.sample_clipping_norm = sample_clipping_norm
@@ -191,6 +192,26 @@ class ALIDPFL(DPRoundLoop):
             self.rounds_budget, self.steps_budget, self.sample_target_epsilon, delta, self.tau)
         return SampleLevelLedgers(delta, self.accountant)
 
+    def ledger_from_state(self, state: dict) -> SampleLevelLedgers:
+        return SampleLevelLedgers.from_state_dict(state)
+
+    def extra_state(self) -> dict:
+        def by_pid(d: dict) -> dict:
+            return {str(k): v for k, v in d.items()}
+        return {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list,
+                "steps_taken": by_pid(self.steps_taken), "mu_releases": by_pid(self.mu_releases),
+                "dataset_sizes": by_pid(self.dataset_sizes), "mu_rounds": self.mu_rounds,
+                "clients_out_of_budget": self.clients_out_of_budget}
+
+    def load_extra_state(self, state: dict) -> None:
+        def by_pid(d: dict) -> dict:
+            return {int(k): int(v) for k, v in d.items()}
+        self.steps_budget, self.tau = int(state["steps_budget"]), int(state["tau"])
+        self.tau_list = [int(t) for t in state["tau_list"]]
+        self.steps_taken, self.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
+        self.dataset_sizes, self.mu_rounds = by_pid(state["dataset_sizes"]), int(state["mu_rounds"])
+        self.clients_out_of_budget = bool(state["clients_out_of_budget"])
+
     @property
     def rounds_budget(self) -> int:
         """R_s: the configured number of rounds."""
@@ -218,8 +239,13 @@ class ALIDPFL(DPRoundLoop):
         return self.adaptive and self.mu_source == "clients" and self.rounds_budget < self.steps_budget
 
     def client_train_config(self, server_round: int) -> dict:
+        """tau, whether to release mu, and every client's spent budget as the server has charged it (a client
+        whose own state was lost, e.g. after a restart, never spends it again)."""
+        pids = range(max([self.num_clients - 1, *self.steps_taken, *self.mu_releases], default=-1) + 1)
         return {keys.SERVER_ROUND: server_round, keys.LOCAL_STEPS: self.round_local_steps(),
-                keys.RELEASE_MU: self.releases_mu(), keys.PRIVATIZE: False}
+                keys.RELEASE_MU: self.releases_mu(), keys.PRIVATIZE: False,
+                keys.SPENT_STEPS: [self.steps_taken.get(p, 0) for p in pids],
+                keys.SPENT_MU_RELEASES: [self.mu_releases.get(p, 0) for p in pids]}
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -30,7 +30,7 @@ from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregat
 
 from .noise_placement import noise_placement as make_noise_placement
 from .reply_gate import MetricRule
-from .round_loop import DPRoundLoop, RoundCallback
+from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
 
 
 class DPFedAvg(DPRoundLoop):
@@ -62,7 +62,7 @@ class DPFedAvg(DPRoundLoop):
                  target_epsilon: float = 0.0, target_epsilon_mode: str = "stop",
                  secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = False,
                  min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
-                 on_round_end: RoundCallback | None = None) -> None:
+                 on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         self.check_settings(sample_rate=sample_rate, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier,
                             noise_placement=noise_placement, client_sampling=client_sampling,
                             target_epsilon=target_epsilon, target_epsilon_mode=target_epsilon_mode, delta=delta,
@@ -70,7 +70,8 @@ class DPFedAvg(DPRoundLoop):
         super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
-                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end)
+                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end,
+                         on_checkpoint=on_checkpoint)
         self.clipping_norm = clipping_norm
         self.noise_multiplier = noise_multiplier
         self.noise = make_noise_placement(noise_placement, self.clients_clip_under_central_noise)
@@ -108,6 +109,15 @@ class DPFedAvg(DPRoundLoop):
             log(INFO, "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
                 self.noise_multiplier, self.target_epsilon, self.num_rounds)
         return ClientLevelLedger(delta, self.accountant, self.noise_placement, self.secure_aggregation)
+
+    def ledger_from_state(self, state: dict) -> ClientLevelLedger:
+        return ClientLevelLedger.from_state_dict(state)
+
+    def extra_state(self) -> dict:
+        return {"noise_multiplier": self.noise_multiplier}  # as calibrated
+
+    def load_extra_state(self, state: dict) -> None:
+        self.noise_multiplier = float(state["noise_multiplier"])
 
     def summary(self) -> None:
         log(INFO, "\t├──> Client-level DP (%s)", type(self).__name__)

@@ -221,7 +221,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
             return
         record, self._pending = self._pending, None
         record.update(extra or {})
-        self.dp.finish_round(record, self._round_start)
+        self.dp.finish_round(record, self._round_start, self.result.arrays)
 
     # ------------------------------------------------------------------ run (fl_app)
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,

@@ -7,8 +7,12 @@
 2. sampling: Poisson (each node with probability q) or fixed-size (exactly m), seeded per round;
 3. the reply gate: every reply is decoded and checked (`accepted_updates`) before anything reads it;
 4. the budget stop: before each round, `budget_exhausted()` may end the run;
-5. the round record: one dict per round in `history`, one log line, and the `on_round_end`
-   hooks (the run directory, dashboards, checkpoints).
+5. the round record: one dict per round in `history`, one log line, the `on_checkpoint` hook
+   (the strategy's whole state and the global arrays, written before anything of the round is
+   published) and the `on_round_end` hook (the run directory, dashboards).
+
+`state_dict()` / `load_state_dict()` carry everything a resumed run needs (the ledger included),
+so that a run killed in round r continues from round r with no round charged twice or lost.
 
 Client-level DP-FedAvg (`strategies.dp_fedavg`) and sample-level ALI-DPFL
 (`strategies.ali_dpfl`) are siblings on this base; they differ in the train config, the
@@ -34,6 +38,7 @@ from fl_app.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 from .reply_gate import MetricRule, read_metrics
 
 RoundCallback = Callable[[dict], None]
+CheckpointCallback = Callable[[dict, ArrayRecord], None]
 
 
 class DPRoundLoop(FedAvg):
@@ -49,7 +54,8 @@ class DPRoundLoop(FedAvg):
     seed, secure_rng : seeded sampling and noise streams, or OS entropy.
     min_available_nodes : wait for this many connected nodes before round 1.
     fraction_evaluate : fraction of clients evaluating each round (0: none).
-    on_round_end : called with each round's record (the run directory, dashboards, checkpoints).
+    on_round_end : called with each round's record (the run directory, dashboards).
+    on_checkpoint : called with (state_dict(), global arrays) after each round, before on_round_end.
 
     Subclasses implement `make_ledger`, `client_train_config`, `aggregate_train`,
     `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and `describe`, and declare the
@@ -61,7 +67,7 @@ class DPRoundLoop(FedAvg):
     def __init__(self, *, sample_rate: float, client_sampling: str = "poisson", server_learning_rate: float = 1.0,
                  delta: float = 0.0, accountant: str = "rdp", seed: int = 0, secure_rng: bool = False,
                  min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
-                 on_round_end: RoundCallback | None = None) -> None:
+                 on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         super().__init__(fraction_train=sample_rate, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=0, min_evaluate_nodes=0, min_available_nodes=min_available_nodes)
         require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
@@ -75,6 +81,8 @@ class DPRoundLoop(FedAvg):
         self.seed = seed
         self.secure_rng = secure_rng
         self.on_round_end = on_round_end
+        self.on_checkpoint = on_checkpoint
+        self.completed_rounds = 0
         self.num_clients = 0  # M, set with the population
         self.expected_clients = 0.0  # m
         self.ledger = None
@@ -198,14 +206,43 @@ class DPRoundLoop(FedAvg):
         """Entries for the round record that are not metrics (MetricRecord holds numbers only)."""
         return {}
 
-    def finish_round(self, record: dict, started: float) -> None:
-        """The round's record is complete: seconds, history, one log line, the on_round_end hook."""
+    def finish_round(self, record: dict, started: float, arrays: ArrayRecord) -> None:
+        """The round's record is complete: seconds, history, the checkpoint, one log line, on_round_end."""
         record.update(self.round_details())
         record["seconds"] = time.perf_counter() - started
         self.history.append(record)
+        self.completed_rounds = int(record["round"])
+        if self.on_checkpoint:
+            self.on_checkpoint(self.state_dict(), arrays)
         log(INFO, "Round %d: %s", record["round"], format_record(record))
         if self.on_round_end:
             self.on_round_end(record)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, JSON-serializable (the ledger's own state included)."""
+        return {"completed_rounds": self.completed_rounds, "history": self.history, "stop_reason": self.stop_reason,
+                "num_clients": self.num_clients, "expected_clients": self.expected_clients,
+                "ledger": None if self.ledger is None else self.ledger.state_dict(), **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after `state["completed_rounds"]` with the ledger as it was then."""
+        self.completed_rounds = int(state["completed_rounds"])
+        self.history = list(state["history"])
+        self.stop_reason = state["stop_reason"]
+        self.num_clients, self.expected_clients = int(state["num_clients"]), float(state["expected_clients"])
+        self.ledger = None if state["ledger"] is None else self.ledger_from_state(state["ledger"])
+        self.load_extra_state(state)
+
+    def extra_state(self) -> dict:
+        """The strategy's own state beyond the round loop's."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def ledger_from_state(self, state: dict):
+        raise NotImplementedError
 
     def client_evaluation_record(self, metrics: MetricRecord) -> dict:
         """How the clients' aggregated evaluation metrics appear in the round's record."""
@@ -221,11 +258,14 @@ class DPRoundLoop(FedAvg):
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
         result, arrays = Result(), initial_arrays
-        if evaluate_fn and (res := evaluate_fn(0, arrays)) is not None:
+        if evaluate_fn and not self.completed_rounds and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.stop_reason = "num-rounds reached"
-        for rnd in range(1, num_rounds + 1):
+        if self.completed_rounds:
+            log(INFO, "Resuming after round %d (ledger: epsilon %s so far)", self.completed_rounds,
+                self.privacy_metrics().get("epsilon"))
+        for rnd in range(self.completed_rounds + 1, num_rounds + 1):
             if self.budget_exhausted():
                 self.stop_reason = self.budget_stop_reason(rnd)
                 log(WARNING, "Stopping before round %d: %s", rnd, self.stop_reason)
@@ -248,7 +288,7 @@ class DPRoundLoop(FedAvg):
             if evaluate_fn and (res := evaluate_fn(rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
-            self.finish_round(record, started)
+            self.finish_round(record, started, arrays)
         return result
 
     def describe_sampling(self) -> dict:

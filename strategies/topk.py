@@ -86,6 +86,14 @@ class DPFedSAMTopK(DPFedAvg):
         metrics["dense_bytes"] = dense
         return arrays, metrics
 
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), "upload_bytes_total": self.upload_bytes_total,
+                "dense_bytes_total": self.dense_bytes_total}
+
+    def load_extra_state(self, state: dict) -> None:
+        super().load_extra_state(state)
+        self.upload_bytes_total, self.dense_bytes_total = int(state["upload_bytes_total"]), int(state["dense_bytes_total"])
+
     def summary(self) -> None:
         super().summary()
         log(INFO, "\t└──> top-k: p=%.3g (%s), sparse uploads", self.sparsity, self.topk_mode)

@@ -92,6 +92,13 @@ class DPFedAvgWavelet(DPFedAvg):
         assert self.ledger is not None
         self.claimed = PrivacyLedger(self.ledger.delta, self.accountant)
 
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), "claimed": None if self.claimed is None else self.claimed.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        super().load_extra_state(state)
+        self.claimed = None if state["claimed"] is None else PrivacyLedger.from_state_dict(state["claimed"])
+
     def warn_true_epsilon(self) -> None:
         """`paper`: say once what the paper would claim and what the run really spends."""
         if self._warned or self.wavelet_calibration != "paper" or self.ledger is None:

@@ -14,6 +14,8 @@ LOCAL_STEPS = "local-steps"  # also reported back: steps taken
 LOCAL_EPOCHS = "local-epochs"
 LEARNING_RATE = "lr"
 RELEASE_MU = "release-mu"  # ALI-DPFL: release a noisy mu estimate
+SPENT_STEPS = "spent-steps"  # ALI-DPFL: per partition id, the DP-SGD steps the server has charged so far
+SPENT_MU_RELEASES = "spent-mu-releases"  # ALI-DPFL: per partition id, the mu releases charged so far
 
 # Metrics: client -> server.
 NUM_EXAMPLES = "num-examples"
