@@ -143,3 +143,57 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
             in record["failed_nodes"][0]
     assert result["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
     assert result["epsilon"] == pytest.approx(epsilon_of([(0.7, 1.0, 2)], 1 / 4))
+
+
+def serverapp_pids(d: Deployment) -> list[int]:
+    """The live flwr-serverapp processes the SuperLink started (the ServerApp of the run in progress)."""
+    from fl_app.local_deployment import _alive, descendants
+
+    pids = []
+    for pid in descendants(d.procs[0].pid):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"flwr-serverapp" in cmdline and _alive(pid):
+            pids.append(pid)
+    return pids
+
+
+def test_serverapp_killed_mid_run_and_resumed(deployment, tmp_path):
+    """SIGKILL the ServerApp after round 1 of 3, then `flwr run` again with resume = true: the run ends
+    with the uninterrupted run's epsilon and records, and the ledger holds one event per round."""
+    import os
+    import signal
+
+    d = deployment()
+    d.start_superlink()
+    for i in range(3):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3")
+    for i in range(3):
+        d.wait_connected(f"n{i}")
+    run = {**APP, "num-rounds": 3, "min-nodes": 3}
+    finish(d, d.run_app({**run, "results-dir": str(tmp_path / "whole")}, log="whole"), "whole")
+
+    killed = tmp_path / "killed"
+    cli = d.run_app({**run, "results-dir": str(killed)}, log="killed")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not ((killed / "metrics.jsonl").exists() and (killed / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline and cli.poll() is None, d.log("killed")[-3000:]
+        time.sleep(0.2)
+    pids = serverapp_pids(d)
+    assert pids, "no flwr-serverapp process found under the SuperLink"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    cli.wait(timeout=RUN_TIMEOUT)
+    assert json.loads((killed / "status.json").read_text())["status"] == "running"  # what a killed run leaves
+    assert not (killed / "summary.json").exists()
+
+    finish(d, d.run_app({**run, "results-dir": str(killed), "resume": True}, log="resumed"), "resumed")
+    whole, whole_rounds = read_run(tmp_path / "whole")
+    resumed, resumed_rounds = read_run(killed)
+    assert resumed["status"] == "completed" and resumed["resumed_after_round"] >= 1
+    assert resumed["epsilon"] == whole["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 3)], 1 / 3))
+    assert [r["round"] for r in resumed_rounds] == [1, 2, 3]
+    assert [r["clients"] for r in resumed_rounds] == [r["clients"] for r in whole_rounds]
+    assert sum(steps for _, _, steps in resumed["ledger"]["model"]["history"]) == 3
