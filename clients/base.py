@@ -39,7 +39,7 @@ class TrainingClient(NumPyClient):
     def __init__(self, model: nn.Module, trainset, testset, *, batch_size: int = 32, lr: float = 0.1,
                  momentum: float = 0.5, weight_decay: float = 5e-4, local_epochs: int = 1,
                  local_steps: int = 0, partition_id: int = 0, seed: int = 0,
-                 secure_rng: bool = False, lr_decay: float = 1.0) -> None:
+                 secure_rng: bool = True, lr_decay: float = 1.0) -> None:
         self.model = model
         self.trainset, self.testset = trainset, testset
         self.batch_size, self.lr, self.momentum, self.weight_decay = batch_size, lr, momentum, weight_decay

@@ -113,7 +113,8 @@ SPEC: dict[str, Key] = {
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
                                low=0, low_open=True),
     "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
-    "secure-rng": Key(False, "draw DP noise from OS entropy (not reproducible; the seed cannot undo it)"),
+    "secure-rng": Key(True, "draw DP noise and client sampling from OS entropy (false: reproducible from 'seed', "
+                            "and the printed epsilon is NOT a guarantee: anyone with the seed can remove the noise)"),
     "secure-aggregation": Key(False, "sum client updates with Flower's SecAgg+: the server sees only the sum "
                               "(needs noise-placement = distributed)"),
     "secagg-num-shares": Key(1.0, "SecAgg+ key shares per client, as a fraction of the sampled clients",

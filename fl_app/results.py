@@ -133,7 +133,8 @@ def run_label(summary: dict) -> str:
     from fl_app.algorithms import ALGORITHMS
 
     name = summary.get("strategy")
-    return ALGORITHMS[name].run_label(summary) if name in ALGORITHMS else str(name)
+    label = ALGORITHMS[name].run_label(summary) if name in ALGORITHMS else str(name)
+    return label if summary.get("epsilon_is_guarantee", True) else f"{label} (epsilon: no guarantee)"
 
 
 def read_metrics(run_dir: Path | str) -> list[dict]:

@@ -80,9 +80,9 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
     run_dir.write_config(cfg)
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
-    if not cfg["secure-rng"] and cfg["noise-multiplier"] > 0:
-        log(WARNING, "DP noise is seeded from 'seed' for reproducibility: keep the seed secret, or set "
-                     "secure-rng = true for deployments")
+    if not cfg["secure-rng"]:
+        log(WARNING, "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
+                     "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee")
     model = build_global_model(cfg)
     _, server_testset = load_dataset(cfg["dataset"], cfg["data-dir"])
 
@@ -131,9 +131,11 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
     run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
     plot_runs([run_dir.path], run_dir.path / "plot.png")
     accuracy = summary.get("personalized_accuracy") if partial else summary["final_accuracy"]
-    log(INFO, "Finished: %saccuracy %.4f, epsilon %.4g (delta %.3g) after %d rounds; results in %s",
+    log(INFO, "Finished: %saccuracy %.4f, epsilon %.4g (delta %.3g)%s after %d rounds; results in %s",
         "personalized " if partial else "", accuracy if accuracy is not None else float("nan"),
-        summary["epsilon"], summary["delta"], summary["rounds_completed"], run_dir.path)
+        summary["epsilon"], summary["delta"],
+        "" if summary["epsilon_is_guarantee"] else " NOT a guarantee: " + "; ".join(summary["epsilon_caveats"]),
+        summary["rounds_completed"], run_dir.path)
     return summary
 
 

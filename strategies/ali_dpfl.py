@@ -117,7 +117,7 @@ class ALIDPFL(DPRoundLoop):
                  partition_size: PartitionSizeFn | None = None,
                  dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
-                 secure_rng: bool = False, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
                             sample_clipping_norm=sample_clipping_norm, target_epsilon=target_epsilon,

@@ -60,7 +60,7 @@ class DPFedAvg(DPRoundLoop):
                  noise_placement: str = "central", client_sampling: str = "poisson",
                  server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = "rdp",
                  target_epsilon: float = 0.0, target_epsilon_mode: str = "stop",
-                 secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = False,
+                 secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
                  min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         self.check_settings(sample_rate=sample_rate, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier,
@@ -221,6 +221,10 @@ class DPFedAvg(DPRoundLoop):
 
     def budget_stop_reason(self, server_round: int) -> str:
         return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more"
+
+    def guarantee_caveats(self) -> list[str]:
+        """Seeded noise only matters when there is noise."""
+        return super().guarantee_caveats() if self.noise_multiplier > 0 else []
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json."""

@@ -70,7 +70,10 @@ class DistributedNoise:
 
     def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
                           dim: int) -> float:
-        """The norm an honest upload (clipped to C plus its share) exceeds with probability <= 1e-12."""
+        """The norm an honest upload (clipped to C plus its share) exceeds with probability <= 1e-12
+        (no bound without clipping: the non-private reference)."""
+        if clipping_norm <= 0:
+            return math.inf
         return upload_norm_bound(clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm,
                                                                       expected_clients), dim)
 

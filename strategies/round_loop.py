@@ -51,7 +51,9 @@ class DPRoundLoop(FedAvg):
     server_learning_rate : eta_s in w <- w + eta_s * aggregate.
     delta : target delta; 0 means the strategy's default (`default_delta`).
     accountant : the ledger's accountant ("rdp" or "prv").
-    seed, secure_rng : seeded sampling and noise streams, or OS entropy.
+    seed, secure_rng : OS entropy for sampling and noise (default), or streams seeded from `seed`
+        (reproducible, but then anyone who knows the seed can remove the noise: the printed epsilon
+        is marked as no guarantee).
     min_available_nodes : wait for this many connected nodes before round 1.
     fraction_evaluate : fraction of clients evaluating each round (0: none).
     on_round_end : called with each round's record (the run directory, dashboards).
@@ -65,7 +67,7 @@ class DPRoundLoop(FedAvg):
     reply_metric_rules: dict[str, MetricRule] = {}
 
     def __init__(self, *, sample_rate: float, client_sampling: str = "poisson", server_learning_rate: float = 1.0,
-                 delta: float = 0.0, accountant: str = "rdp", seed: int = 0, secure_rng: bool = False,
+                 delta: float = 0.0, accountant: str = "rdp", seed: int = 0, secure_rng: bool = True,
                  min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         super().__init__(fraction_train=sample_rate, fraction_evaluate=fraction_evaluate,
@@ -291,11 +293,19 @@ class DPRoundLoop(FedAvg):
             self.finish_round(record, started, arrays)
         return result
 
+    def guarantee_caveats(self) -> list[str]:
+        """Why the printed epsilon is not a guarantee (empty: it is one)."""
+        if not self.secure_rng:
+            return ["noise derivable from the seed (secure-rng = false): anyone who knows 'seed' can remove it"]
+        return []
+
     def describe_sampling(self) -> dict:
         """The summary.json entries every DP strategy shares."""
+        caveats = self.guarantee_caveats()
         return {"client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
                 "num_clients": self.num_clients, "expected_clients_per_round": self.expected_clients,
-                "accountant": self.accountant, "stop_reason": self.stop_reason}
+                "accountant": self.accountant, "stop_reason": self.stop_reason, "secure_rng": self.secure_rng,
+                "epsilon_is_guarantee": not caveats, "epsilon_caveats": caveats}
 
 
 def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Message] = ()) -> dict:

@@ -69,13 +69,15 @@ def test_distributed_dropouts_are_topped_up():
 
 def test_poisson_sampling_rate():
     grid = InProcessGrid(stub_app(zero_update), 200, {})
-    s = DPFedAvg(sample_rate=0.2, clipping_norm=C, noise_multiplier=1.0)
+    s = DPFedAvg(sample_rate=0.2, clipping_norm=C, noise_multiplier=1.0, secure_rng=False)
     s.setup_population(200)
     counts = [len(s.sample_clients(r, list(grid.get_node_ids()))) for r in range(1, 101)]
     # Binomial(200, 0.2) per round: mean 40, sd of the mean over 100 rounds ~0.57
     assert abs(np.mean(counts) - 40) < 3
     assert len(set(counts)) > 5  # it really varies
-    assert s.sample_clients(7, list(range(200))) == s.sample_clients(7, list(range(200)))
+    assert s.sample_clients(7, list(range(200))) == s.sample_clients(7, list(range(200)))  # seeded: reproducible
+    secure = DPFedAvg(sample_rate=0.2, clipping_norm=C, noise_multiplier=1.0)  # the default: OS entropy
+    assert secure.sample_clients(7, list(range(200))) != secure.sample_clients(7, list(range(200)))
 
 
 def test_central_clipping_and_uniform_average():
@@ -186,3 +188,26 @@ def test_strategy_rejects_bad_settings(kwargs, needle):
     args = dict(sample_rate=0.1, clipping_norm=1.0, noise_multiplier=1.0) | kwargs
     with pytest.raises(ValueError, match=needle):
         DPFedAvg(**args)
+
+
+@pytest.mark.parametrize("secure_rng", [True, False])
+def test_regenerating_the_noise_from_the_seed_recovers_nothing_by_default(secure_rng):
+    """The attack of a server that knows the run config: regenerate the client's noise share from 'seed'
+    and subtract it. With the default (OS entropy) the residual is the full noise; seeded noise
+    (secure_rng=False, which the summary marks as no guarantee) gives the clipped update away."""
+    from clients.base import TrainingClient
+    from fl_app.privacy.mechanisms import clip_to_norm, gaussian_noise, make_rng
+
+    update = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
+    client = TrainingClient(torch.nn.Linear(2, 2), [], [], seed=42, partition_id=3, secure_rng=secure_rng)
+    config = {"privatize": True, "clipping-norm": C, "noise-std": 0.05, "server-round": 5}
+    upload, _ = client.privatize(update, config)
+    regenerated = gaussian_noise(update.size, 0.05, make_rng(42, 3, 5, 3))
+    error = np.linalg.norm(upload - regenerated - clip_to_norm(update, C)[0])
+    if secure_rng:
+        assert error > 0.05 * np.sqrt(update.size) * 0.9 * np.sqrt(2)  # two independent noises remain
+    else:
+        assert error < 1e-4
+    strategy = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0, secure_rng=secure_rng)
+    strategy.setup_population(4)
+    assert strategy.describe()["epsilon_is_guarantee"] is secure_rng

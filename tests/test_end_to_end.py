@@ -70,7 +70,7 @@ def test_run_directory_contents(default_runs):
 
 
 def test_short_run_is_reproducible(tmp_path):
-    overrides = {"num-rounds": 2, "dataset": "digits", "model": "mlp", "local-epochs": 1}
+    overrides = {"num-rounds": 2, "dataset": "digits", "model": "mlp", "local-epochs": 1, "secure-rng": False}
     _, a, dir_a = run(tmp_path, "a", **overrides)
     _, b, dir_b = run(tmp_path, "b", **overrides)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731

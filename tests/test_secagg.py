@@ -170,7 +170,7 @@ def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list]:
     from fl_app.results import read_metrics
 
     cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
-                    "local-epochs": 1, "min-nodes": 4, "secure-aggregation": secure,
+                    "local-epochs": 1, "min-nodes": 4, "secure-aggregation": secure, "secure-rng": False,
                     "results-dir": str(tmp_path / ("secure" if secure else "plain")), **overrides})
     summary = run_federated(InProcessGrid(fl_client_app, 4, cfg), cfg)
     return summary, read_metrics(summary["results_dir"])

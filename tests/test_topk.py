@@ -217,7 +217,7 @@ def test_strategy_rejects_bad_settings(kwargs, needle):
 def tiny_config(tmp_path, name, **overrides):
     return validate({"dataset": "digits", "model": "mlp", "num-rounds": 2, "sample-rate": 0.5,
                      "client-sampling": "fixed", "local-steps": 3, "batch-size": 16, "noise-multiplier": 0.8,
-                     "clipping-norm": 0.5, "results-dir": str(tmp_path / name), **overrides})
+                     "clipping-norm": 0.5, "secure-rng": False, "results-dir": str(tmp_path / name), **overrides})
 
 
 def final_arrays(cfg, clients=6):
