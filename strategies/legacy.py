@@ -131,7 +131,16 @@ class LegacyDPFedAvg(LegacyFedAvg):
         return {**self.dp.describe(), "secure_aggregation": self.secure_aggregation}
 
     def ensure_population(self, client_manager: ClientManager) -> None:
-        """Before round 1: wait for `min_available_nodes` nodes, then fix M, m and delta."""
+        """Before round 1: wait for `min_available_nodes` nodes, then fix M, m and delta.
+
+        `calibrate` needs the number of rounds the run will have; Flower's ServerConfig does not tell
+        the strategy, so it must come as `num_rounds` (or through `start`): refused otherwise, before any
+        client trains, rather than calibrated for one round and overspent.
+        """
+        if (self.dp.ledger is None and getattr(self.dp, "target_epsilon_mode", "stop") == "calibrate"
+                and getattr(self.dp, "target_epsilon", 0) > 0 and self.dp.num_rounds <= 0):
+            raise ValueError("target_epsilon_mode='calibrate' needs the number of rounds: pass num_rounds= (the "
+                             "ServerConfig's num_rounds) to the legacy strategy, or use target_epsilon_mode='stop'")
         self.dp.ensure_population(client_manager.num_available)
 
     # ------------------------------------------------------------------ fit

@@ -253,3 +253,29 @@ def test_mismatched_client_fails_alone_and_the_round_goes_on():
     assert record["failures"] == 1 and record["clients"] == NODES - 1
     assert "does not match the global model" in record["failed_nodes"][0]
     assert np.all(np.isfinite(flatten(result.arrays.to_numpy_ndarrays())))
+
+
+def legacy_server_app(strategy, rounds):
+    return ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
+                                                                   config=ServerConfig(num_rounds=rounds)))
+
+
+def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_target():
+    """As the deployment guide shows it (ServerConfig(num_rounds=...)): without num_rounds the strategy
+    refuses before any client trains; with it, sigma is calibrated for all the rounds and the last
+    printed epsilon is at most the target."""
+    def calibrated():
+        return DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="distributed",
+                        delta=1e-3, target_epsilon=3.0, target_epsilon_mode="calibrate")
+
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(ValueError, match="num_rounds"):
+        legacy_server_app(LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights())),
+                          10)(grid, context)
+    assert grid.sent == []
+    strategy = LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights()),
+                              num_rounds=10)
+    legacy_server_app(strategy, 10)(grid, context)
+    assert len(strategy.history) == 10
+    assert 2.9 <= strategy.history[-1]["epsilon"] <= 3.0
