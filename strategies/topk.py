@@ -19,7 +19,7 @@ from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode
-from fl_app.privacy.settings import one_of, require, require_noise_placement
+from fl_app.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg
 from .reply_gate import MetricRule
@@ -57,8 +57,15 @@ class DPFedSAMTopK(DPFedAvg):
     def check_topk(sparsity: float, topk_mode: str, noise_placement: str) -> None:
         require(0 < sparsity <= 1, "sparsity", sparsity, "must be in (0, 1]")
         one_of("topk_mode", topk_mode, TOPK_MODES)
-        require_noise_placement("DP-FedSAM-top_k", noise_placement, "distributed",
-                                "keeps the top-k coordinates after the noise on the client")
+
+    def guarantee_caveats(self) -> list[str]:
+        """Top-k of each client's noisy share (the paper's order, distributed noise) is not post-processing of
+        the release: which coordinates of the sum are exactly zero depends on who took part."""
+        caveats = super().guarantee_caveats()
+        if self.noise_placement == "distributed" and self.noise_multiplier > 0 and self.sparsity < 1:
+            caveats.append("top-k after distributed noise: the support of the released sum depends on who took "
+                           "part (docs/topk-wavelet.md); noise-placement = 'central' gives the accounted epsilon")
+        return caveats
 
     def client_train_config(self, server_round: int) -> dict:
         return {**super().client_train_config(server_round), keys.SPARSITY: float(self.sparsity),

@@ -205,7 +205,7 @@ def test_bad_sparse_update_is_rejected_not_averaged(corrupt, reason, caplog):
 
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(sparsity=0.0), "sparsity"), (dict(sparsity=1.2), "sparsity"),
-    (dict(topk_mode="row"), "topk_mode"), (dict(noise_placement="central"), "distributed"),
+    (dict(topk_mode="row"), "topk_mode"),
 ])
 def test_strategy_rejects_bad_settings(kwargs, needle):
     args = dict(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=1.0, noise_placement="distributed") | kwargs
@@ -255,3 +255,60 @@ def test_run_writes_upload_and_dense_bytes(tmp_path):
     # (1/8 + 4 * 0.4) / 4 bytes per parameter; the npy headers of 8 arrays weigh on 9,610 parameters
     assert summary["upload_fraction_of_dense"] == pytest.approx((1 / 8 + 1.6) / 4, rel=0.06)
     assert math.isfinite(summary["epsilon"]) and summary["sparsity"] == 0.4
+
+
+def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, p: float = 0.1) -> list[int]:
+    """Exact zeros in the released aggregate when `present` of m = 5 sampled clients' uploads arrive."""
+    from fl_app.privacy import protocol as keys
+    from strategies.legacy import reply_message
+    from flwr.app import Error, MetricRecord, RecordDict
+
+    strategy = DPFedSAMTopK(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=1.0, noise_placement=placement,
+                            sparsity=p)
+    strategy.setup_population(5)
+    zeros, rng = [], np.random.default_rng(0)
+    arrays = ArrayRecord([np.zeros(d, np.float32)])
+    for _ in range(trials):
+        strategy.begin_round(arrays)
+        config = strategy.client_train_config(1)
+        replies = []
+        for pid in range(5):
+            if pid >= present:
+                replies.append(reply_message(100 + pid, error=Error(code=1, reason="dropped")))
+                continue
+            update = rng.standard_normal(d).astype(np.float32)
+            if config[keys.PRIVATIZE]:  # distributed: clip and add the share, then top-k (the paper's order)
+                update = update / max(1.0, float(np.linalg.norm(update))) + \
+                    rng.standard_normal(d).astype(np.float32) * np.float32(config[keys.NOISE_STD])
+            encoded = sparse_encode([update], topk_sparsify([update], p))
+            replies.append(reply_message(100 + pid, RecordDict({"arrays": ArrayRecord(encoded),
+                                                               "metrics": MetricRecord({})})))
+        new, _ = strategy.aggregate_train(1, replies)
+        zeros.append(int(np.count_nonzero(new.to_numpy_ndarrays()[0] == 0)))
+    return zeros
+
+
+def test_zero_count_distinguisher_gains_nothing_on_central_topk_and_flags_distributed():
+    """The audit of issue 10: counting exact zeros of the release tells 'all 5 sampled clients arrived'
+    from 'one dropped out' perfectly when clients sparsify their noisy shares (so that variant is marked
+    as no guarantee), and not at all when the server adds dense noise to the sum of sparse clipped updates
+    (a Gaussian mechanism with sensitivity C: the accounted epsilon holds)."""
+    central_all, central_four = zero_count_trials("central", 5, 20), zero_count_trials("central", 4, 20)
+    assert central_all == central_four == [0] * 20  # the score has no signal: TPR = FPR for every threshold
+    distributed_all, distributed_four = zero_count_trials("distributed", 5, 20), zero_count_trials("distributed", 4, 20)
+    assert min(distributed_all) > 300 and max(distributed_four) == 0  # a perfect distinguisher
+    flagged = DPFedSAMTopK(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=1.0, noise_placement="distributed")
+    honest = DPFedSAMTopK(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=1.0, noise_placement="central")
+    for s in (flagged, honest):
+        s.setup_population(5)
+    assert flagged.describe()["epsilon_is_guarantee"] is False and "support" in flagged.describe()["epsilon_caveats"][0]
+    assert honest.describe()["epsilon_is_guarantee"] is True
+
+
+def test_central_topk_app_run_clips_on_the_server(tmp_path):
+    cfg = tiny_config(tmp_path, "central", algorithm="dp-fedsam-topk", sparsity=0.3, **{"noise-placement": "central"})
+    summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
+    assert summary["epsilon_is_guarantee"] is False  # tiny_config is seeded (secure-rng = false) ...
+    assert summary["epsilon_caveats"] == ["noise derivable from the seed (secure-rng = false): anyone who knows "
+                                          "'seed' can remove it"]  # ... but top-k itself adds no caveat
+    assert summary["upload_fraction_of_dense"] < 0.6 and summary["rounds_completed"] == 2
