@@ -109,7 +109,8 @@ class Algorithm:
 def client_level(cfg: dict) -> dict:
     return dict(clipping_norm=cfg["clipping-norm"], noise_multiplier=cfg["noise-multiplier"],
                 noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"],
-                secure_aggregation=cfg["secure-aggregation"])
+                secure_aggregation=cfg["secure-aggregation"], audit_canaries=cfg["audit-canaries"],
+                audit_canary_kind=cfg["audit-canary-kind"])
 
 
 def topk_settings(cfg: dict) -> dict:
@@ -259,7 +260,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               "dpsgd-noise = 'wavelet', §6)",
               ALIDPFL, dpsgd_settings, dpsgd_client, owned_keys=SAMPLE_LEVEL_KEYS,
               unused_keys={"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
-                           "noise-placement": None},
+                           "noise-placement": None, "audit-canaries": None,
+                           "audit-canary-kind": None},
               reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
                          "target-epsilon": 0.0},
               privacy_unit="sample", opacus_model=True, check_config=check_dpsgd_config),

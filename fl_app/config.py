@@ -112,6 +112,11 @@ SPEC: dict[str, Key] = {
                   low=0, low_open=True),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
                                low=0, low_open=True),
+    "audit-canaries": Key(0, "K canary clients for the one-shot empirical privacy estimate (Andrew et al.), "
+                             "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0),
+    "audit-canary-kind": Key("isotropic", "canary directions: 'isotropic' (random, the paper's) or 'smooth' (coarse "
+                                          "Haar directions, where noise that is weak along smooth directions shows)",
+                             ("isotropic", "smooth")),
     "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
     "secure-rng": Key(True, "draw DP noise and client sampling from OS entropy (false: reproducible from 'seed', "
                             "and the printed epsilon is NOT a guarantee: anyone with the seed can remove the noise)"),
@@ -176,6 +181,9 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
     if cfg["resume"] and not (cfg["results-dir"] or cfg["run-name"]):
         raise ConfigError("run-config key 'resume' = True needs 'results-dir' or 'run-name' to find the run to continue")
+    if cfg["resume"] and cfg["audit-canaries"]:
+        raise ConfigError("run-config key 'resume' = True is not supported with 'audit-canaries' > 0 yet (the audit "
+                          "measures the model delta from round 1)")
     if cfg["resume"] and cfg["secure-aggregation"]:
         raise ConfigError("run-config key 'resume' = True is not supported with 'secure-aggregation' = true yet "
                           "(Flower's SecAgg+ workflow numbers rounds from 1)")

@@ -136,6 +136,9 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         summary["epsilon"], summary["delta"],
         "" if summary["epsilon_is_guarantee"] else " NOT a guarantee: " + "; ".join(summary["epsilon_caveats"]),
         summary["rounds_completed"], run_dir.path)
+    if summary.get("audit"):
+        log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
+            summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])
     return summary
 
 

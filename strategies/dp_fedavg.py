@@ -24,9 +24,10 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
+from fl_app.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
 from fl_app.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier
 from fl_app.privacy.mechanisms import flatten, gaussian_noise, l2_norm, make_rng, unflatten
-from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregation
+from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregation, one_of, require
 
 from .noise_placement import noise_placement as make_noise_placement
 from .reply_gate import MetricRule
@@ -47,6 +48,10 @@ class DPFedAvg(DPRoundLoop):
         target, or "calibrate" sigma up front for the configured number of rounds.
     secure_aggregation : the server only ever sees the sum (SecAgg+, `strategies.secagg`);
         changes the "against the server" figure only.
+    audit_canaries : K canary clients for the one-shot empirical privacy estimate
+        (`fl_app.privacy.audit`): each, sampled with probability q per round, adds C * u_i to the sum;
+        K more directions are never inserted; the estimate is in `describe()["audit"]`.
+    audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
 
     Fixed-size client sampling is accounted as Poisson sampling with the same q (an
     approximation stated in the summary).
@@ -61,8 +66,11 @@ class DPFedAvg(DPRoundLoop):
                  server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = "rdp",
                  target_epsilon: float = 0.0, target_epsilon_mode: str = "stop",
                  secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
-                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0, audit_canaries: int = 0,
+                 audit_canary_kind: str = "isotropic",
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
+        require(audit_canaries >= 0, "audit_canaries", audit_canaries, "must be >= 0 (0: no audit)")
+        one_of("audit_canary_kind", audit_canary_kind, CANARY_KINDS)
         self.check_settings(sample_rate=sample_rate, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier,
                             noise_placement=noise_placement, client_sampling=client_sampling,
                             target_epsilon=target_epsilon, target_epsilon_mode=target_epsilon_mode, delta=delta,
@@ -79,6 +87,9 @@ class DPFedAvg(DPRoundLoop):
         self.target_epsilon_mode = target_epsilon_mode
         self.secure_aggregation = secure_aggregation
         self.last_server_noise_std = 0.0
+        self.audit_canaries, self.audit_canary_kind = audit_canaries, audit_canary_kind
+        self.canary_seed = new_canary_seed() if secure_rng else int(make_rng(seed, 8).integers(2**63))
+        self.audit_start: np.ndarray | None = None  # the global vector before round 1
 
     @classmethod
     def check_settings(cls, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
@@ -133,6 +144,27 @@ class DPFedAvg(DPRoundLoop):
         return {keys.SERVER_ROUND: server_round,
                 **self.noise.client_config(self.noise_multiplier, self.clipping_norm, self.expected_clients)}
 
+    def begin_round(self, arrays: ArrayRecord) -> None:
+        if self.audit_canaries and self.audit_start is None:
+            self.audit_start = flatten(arrays.to_numpy_ndarrays())
+        super().begin_round(arrays)
+
+    def canary_updates(self, server_round: int, dim: int) -> list[np.ndarray]:
+        """C * u_i of the canaries sampled this round (each with probability q, like a client)."""
+        if not self.audit_canaries:
+            return []
+        draws = make_rng(self.seed, 9, server_round, secure=self.secure_rng).random(self.audit_canaries)
+        return [self.clipping_norm * canary_direction(self.canary_seed, i, dim, self.audit_canary_kind)
+                for i in np.flatnonzero(draws < self.sample_rate)]
+
+    def audit(self) -> dict | None:
+        """The one-shot estimate from the model delta of the rounds run so far (None without canaries)."""
+        if not self.audit_canaries or self.audit_start is None or self.latest_arrays is None:
+            return None
+        final = flatten(self.latest_arrays.to_numpy_ndarrays())
+        return audit_epsilon(final - self.audit_start, self.canary_seed, self.audit_canaries, self.audit_canaries,
+                             self.ledger.delta, self.audit_canary_kind)
+
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.current_arrays is not None and self.ledger is not None
@@ -147,7 +179,9 @@ class DPFedAvg(DPRoundLoop):
             if keys.TRAIN_LOSS in metrics:
                 losses.append(float(metrics[keys.TRAIN_LOSS]))
 
-        new_global = self.noisy_average_step(server_round, updates, flatten(global_arrays))
+        canaries = self.canary_updates(server_round, sum(a.size for a in global_arrays))
+        new_global = self.noisy_average_step(server_round, updates + canaries, flatten(global_arrays),
+                                             received=len(updates))
 
         finite_norms = np.array([n for n in norms if math.isfinite(n)])
         clip_active = self.clipping_norm > 0
@@ -240,5 +274,6 @@ class DPFedAvg(DPRoundLoop):
             "server_threat_model": self.ledger.server_threat_model,
             "secure_aggregation": self.secure_aggregation,
             "ledger": self.ledger.state_dict(),
+            **({"audit": self.audit()} if self.audit_canaries else {}),
             **self.privacy_metrics(),
         }

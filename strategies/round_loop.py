@@ -92,6 +92,7 @@ class DPRoundLoop(FedAvg):
         self.history: list[dict] = []
         self.num_rounds = 0
         self.current_arrays: ArrayRecord | None = None  # the global arrays of the round in flight
+        self.latest_arrays: ArrayRecord | None = None  # the global arrays after the last completed round
 
     # ------------------------------------------------------------------ population
     def default_delta(self, num_clients: int) -> float:
@@ -214,6 +215,7 @@ class DPRoundLoop(FedAvg):
         record["seconds"] = time.perf_counter() - started
         self.history.append(record)
         self.completed_rounds = int(record["round"])
+        self.latest_arrays = arrays
         if self.on_checkpoint:
             self.on_checkpoint(self.state_dict(), arrays)
         log(INFO, "Round %d: %s", record["round"], format_record(record))

@@ -119,7 +119,8 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
                 updates = [(flatten(mean).astype(np.float64) * k).astype(np.float32)]
         if problem:
             log(ERROR, "Round %d: rejected the secure sum of %d updates: %s", server_round, k, problem)
-        new_global = self.dp.noisy_average_step(server_round, updates, flatten(self._global),
+        canaries = self.dp.canary_updates(server_round, sum(a.size for a in self._global))
+        new_global = self.dp.noisy_average_step(server_round, updates + canaries, flatten(self._global),
                                                 received=k if updates else 0)
         metrics = {"clients": k if updates else 0, "rejected": 0 if updates else k, "failures": len(failures),
                    "server_noise_std": self.dp.last_server_noise_std, **self.dp.privacy_metrics()}
