@@ -197,3 +197,27 @@ def test_serverapp_killed_mid_run_and_resumed(deployment, tmp_path):
     assert [r["round"] for r in resumed_rounds] == [1, 2, 3]
     assert [r["clients"] for r in resumed_rounds] == [r["clients"] for r in whole_rounds]
     assert sum(steps for _, _, steps in resumed["ledger"]["model"]["history"]) == 3
+
+
+def test_trusted_entities_supernode_refuses_unsigned_apps(deployment, tmp_path):
+    """flwr 1.41: a SuperNode started with --trusted-entities runs only FABs that carry the platform's
+    verification and an ed25519 signature by a listed key. The open-source SuperLink verifies no app, so
+    that node refuses this (unsigned) app: its reply is an error, the others train, the run completes."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    trusted = tmp_path / "trusted.yaml"
+    trusted.write_text(f"fpk_00000000-0000-0000-0000-000000000001: '{key} test'\n")
+    d = deployment()
+    d.start_superlink()
+    d.start_supernode("n0", "partition-id=0 num-partitions=3")
+    d.start_supernode("n1", "partition-id=1 num-partitions=3")
+    d.start_supernode("strict", "partition-id=2 num-partitions=3", extra=["--trusted-entities", str(trusted)])
+    for name in ("n0", "n1", "strict"):
+        d.wait_connected(name)
+    finish(d, d.run_app({**APP, "num-rounds": 1, "min-nodes": 3, "results-dir": str(tmp_path / "run")}))
+    summary, (first,) = read_run(tmp_path / "run")
+    assert summary["status"] == "completed" and first["clients"] == 2 and first["failures"] == 1
+    assert "could not be verified" in d.log("strict") or "verification" in d.log("strict").lower()
