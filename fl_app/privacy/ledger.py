@@ -17,11 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.analysis import rdp as rdp_analysis
-from opacus.accountants.utils import get_noise_multiplier
 
-ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
+ACCOUNTANTS = ("rdp", "prv")  # Opacus' accountants; Opacus is imported when an epsilon is first computed
 PRV_MIN_SIGMA = 0.2  # below it PRV runs out of memory or returns inf (measured)
 
 Event = tuple[float, float, int]
@@ -61,11 +58,14 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
         logging.getLogger(__name__).warning(
             "sigma < %s: PRV cannot bound this composition; using the RDP accountant", PRV_MIN_SIGMA)
         accountant = "rdp"
+    from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     if accountant == "rdp":  # what RDPAccountant.get_privacy_spent computes, per-step RDP cached
         rdp = sum(_rdp_per_step(sigma, q) * steps for sigma, q, steps in events)
         eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
     else:
-        acc = ACCOUNTANTS[accountant]()
+        acc = {"rdp": RDPAccountant, "prv": PRVAccountant}[accountant]()
         acc.history = list(events)
         eps = acc.get_epsilon(delta=delta)
     # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
@@ -75,6 +75,9 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
 @functools.lru_cache(maxsize=1024)
 def _rdp_per_step(noise_multiplier: float, sample_rate: float):
     """RDP of one sampled-Gaussian step at Opacus' default orders (RDP composes additively)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     rdp = rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
                                    orders=RDPAccountant.DEFAULT_ALPHAS)
     rdp.setflags(write=False)
@@ -136,6 +139,8 @@ class PrivacyLedger:
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
                                accountant: str = "rdp") -> float:
     """Smallest sigma (to 0.01 in eps) with eps(delta) <= target after `steps` events (Opacus search)."""
+    from opacus.accountants.utils import get_noise_multiplier
+
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
                                       sample_rate=sample_rate, steps=steps, accountant=accountant))
 
