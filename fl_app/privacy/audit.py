@@ -26,7 +26,6 @@ import secrets
 
 import numpy as np
 import pywt
-from scipy import optimize, stats
 
 from .mechanisms import haar_padded_size
 
@@ -60,6 +59,8 @@ def new_canary_seed() -> int:
 def gdp_epsilon(mu: float, delta: float) -> float:
     """epsilon(delta) of mu-Gaussian DP (the Gaussian mechanism with sensitivity / noise std = mu):
     the root of delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Dong, Roth and Su, Cor. 2.13)."""
+    from scipy import optimize, stats
+
     if mu <= 0:
         return 0.0
     if mu > 37:  # Phi underflows: the two Gaussians do not overlap at any useful delta
