@@ -1,0 +1,91 @@
+"""Speed ratios, all measured in one run on this machine (the README's Performance table).
+
+    python -m benchmarks.speed [--rounds 3] [--clients 20] [--repeats 3]
+
+1. cold start: a fresh process from `import fl_app.client_app` to "data ready for partition i"
+   (data and partitions cached), against a bare `python -c "import torch"`;
+2. an in-process round of the default job against a bare PyTorch loop doing the same SAM steps;
+3. step costs on the MNIST CNN: SAM / SGD at batch 32, Opacus DP-SGD (`ew`) / SGD at batch 16, 32, 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+from benchmarks.dpsgd_bench import sgd_steps, time_per_step
+from benchmarks.round_overhead import bare_loop_seconds, product_seconds_per_round, step_seconds
+from clients.dpsgd import dpsgd_steps
+from fl_app.config import validate
+from fl_app.task.models import build_model
+
+READY = ("import fl_app.client_app; from fl_app.task.data import load_partition; "
+         "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)")
+
+
+def process_seconds(code: str, repeats: int) -> float:
+    """Median wall time of a fresh `python -c code`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def dpsgd_ratio(batch: int, repeats: int) -> float:
+    """Opacus DP-SGD (ew) step time / plain SGD step time on the MNIST CNN at expected batch `batch`."""
+    n, q, steps = 20 * batch, 0.05, 20
+    x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+    runs = {"sgd": lambda m, g: sgd_steps(m, x, y, steps, q, g),
+            "ew": lambda m, g: dpsgd_steps(m, x, y, steps=steps, sample_rate=q, noise_multiplier=1.0,
+                                            clipping_norm=1.0, lr=0.01, grad_sample_mode="ew", sampling_generator=g)}
+    times = {k: [] for k in runs}
+    for repeat in range(repeats + 1):  # the first one warms up
+        for key, run in runs.items():
+            model, generator = build_model("cnn-mnist", (1, 28, 28), 10, seed=0), torch.Generator().manual_seed(repeat)
+            ms = time_per_step(lambda: run(model, generator), steps)
+            if repeat:
+                times[key].append(ms)
+    return statistics.median(times["ew"]) / statistics.median(times["sgd"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python "
+          f"{platform.python_version()}, torch {torch.__version__} (1 thread)")
+    process_seconds(READY, 1)  # fills the data and partition cache
+    ready, bare_torch = process_seconds(READY, args.repeats), process_seconds("import torch", args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = validate({"num-rounds": args.rounds, "results-dir": tmp})
+        product, counts = product_seconds_per_round(cfg, args.clients)
+    bare = bare_loop_seconds(cfg, args.clients, counts)
+    sgd, sam = step_seconds(False), step_seconds(True)
+    rows = [("cold start: ClientApp import to partition ready / import torch", ready / bare_torch, 1.3),
+            ("in-process round of the default job / bare PyTorch loop, same SAM steps", product / bare, 1.10),
+            ("SAM step / SGD step (MNIST CNN, batch 32)", sam / sgd, 2.05)]
+    rows += [(f"DP-SGD step (Opacus ew) / SGD step, batch {b}", dpsgd_ratio(b, args.repeats), 1.8) for b in (16, 32, 64)]
+    print(f"cold start {ready:.2f} s, import torch {bare_torch:.2f} s; round {product:.3f} s, bare {bare:.3f} s "
+          f"({args.clients} clients, sampled {counts})")
+    print("| ratio | measured | target |\n|---|---|---|")
+    for name, value, target in rows:
+        print(f"| {name} | {value:.2f}x | <= {target}x |")
+
+
+if __name__ == "__main__":
+    main()
