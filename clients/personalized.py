@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +30,7 @@ from torch import nn
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import flatten, make_rng, unflatten
 
+from fl_app.task.atomic import atomic_write
 from fl_app.task.torch_helpers import evaluate_model, set_weights
 
 from .base import TrainingClient, sgd_step
@@ -84,25 +83,7 @@ class FileHeadStore:
             return {name: data[name] for name in data.files}
 
     def save(self, head: Head) -> None:
-        folder = self.path.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **head)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
-            dir_fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        atomic_write(self.path, lambda f: np.savez(f, **head))
 
 
 # ---------------------------------------------------------------- clients

@@ -7,16 +7,16 @@ other runs (e.g. the non-private reference) as extra lines.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from fl_app.task.atomic import atomic_write
 
 
 def json_safe(obj):
@@ -103,17 +103,7 @@ class RunDirectory:
         """checkpoint.npz: the global arrays and the strategy's state as JSON, replaced atomically."""
         state_bytes = np.frombuffer(json.dumps(json_safe(state)).encode(), dtype=np.uint8)
         payload = {f"array_{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".checkpoint.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, state=state_bytes, **payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.checkpoint_file)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        atomic_write(self.checkpoint_file, lambda f: np.savez(f, state=state_bytes, **payload))
 
     def read_checkpoint(self) -> tuple[dict, list] | None:
         """(strategy state, global arrays) of the last completed round, or None."""

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from fl_app.privacy.audit import canary_direction, gdp_epsilon
-from fl_app.privacy.mechanisms import flatten
 from fl_app.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg
 from strategies.wavelet import DPFedAvgWavelet

@@ -13,6 +13,7 @@ import clients.personalized as personalized
 from clients.base import TrainingClient
 from clients.personalized import ContextHeadStore, DP2FedSAMClient, FileHeadStore, PartialSharingClient
 from fl_app.client_app import app as client_app
+from fl_app.task import atomic
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
@@ -189,7 +190,7 @@ def test_head_file_survives_a_crash_during_the_next_write(tmp_path, monkeypatch)
     assert os.listdir(store.path.parent) == ["personal-head.npz"]  # the partial temp file is gone
 
     # a crash after the data is written but before the rename: still the old head
-    monkeypatch.setattr(personalized.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+    monkeypatch.setattr(atomic.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(OSError, match="killed"):
         store.save(new)
     monkeypatch.undo()

@@ -8,12 +8,11 @@ weigh (C when the server clips; the honest-noise bound under distributed noise, 
 so that the bound is exact). The counts are printed (README, threat model section).
 """
 
-import math
 import random
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Error, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Error, MetricRecord, RecordDict
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
 
 from fl_app.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify

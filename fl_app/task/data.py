@@ -19,7 +19,6 @@ import gzip
 import hashlib
 import io
 import os
-import tempfile
 import urllib.error
 import urllib.request
 import warnings
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from .atomic import atomic_write
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
 
@@ -179,20 +180,6 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _atomic_save(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """np.savez to a temp file in the same folder, then os.replace: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def _cached(key: str, build) -> dict[str, np.ndarray]:
     """The arrays stored under `key` in the cache, or `build()`'s, stored first (memory-mapped reads)."""
     path = cache_dir() / f"{key}.npz"
@@ -202,7 +189,7 @@ def _cached(key: str, build) -> dict[str, np.ndarray]:
                 return {k: data[k] for k in data.files}
     arrays = build()
     with contextlib.suppress(OSError):  # a read-only home: work without the cache
-        _atomic_save(path, arrays)
+        atomic_write(path, lambda f: np.savez(f, **arrays))  # concurrent readers never see half a file
     return arrays
 
 
