@@ -126,6 +126,7 @@ SPEC: dict[str, Key] = {
                              low=0, high=1, low_open=True),
     "secagg-reconstruction-threshold": Key(0.5, "SecAgg+ shares needed to unmask, as a fraction of the shares",
                                            low=0, high=1, low_open=True),
+    "tensorboard": Key(True, "write TensorBoard events into the run folder (tensorboard --logdir <results>)"),
     "resume": Key(False, "continue the run in results-dir (or run-name) from its last checkpoint, ledger included"),
     "results-dir": Key("", "absolute folder for this run's results (empty: ~/dpfl-results/<run-name>)"),
     "run-name": Key("", "name of the run folder (empty: <time>-<algorithm>-<dataset>)"),

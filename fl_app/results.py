@@ -2,7 +2,8 @@
 
 Non-finite numbers (epsilon of a non-private run is inf) are written as null.
 `python -m fl_app.results RUN_DIR [REFERENCE_RUN_DIR ...]` redraws a run's plot with
-other runs (e.g. the non-private reference) as extra lines.
+other runs (e.g. the non-private reference) as extra lines; `--tensorboard RUN_DIR ...` writes
+TensorBoard events for older run folders.
 """
 
 from __future__ import annotations
@@ -163,6 +164,13 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str) -> Path:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--tensorboard":
+        from fl_app.dashboards import write_tensorboard
+
+        for run in sys.argv[2:]:
+            print("TensorBoard events written into", write_tensorboard(run))
+        sys.exit(0)
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m fl_app.results RUN_DIR [OTHER_RUN_DIR ...]")
+        sys.exit("usage: python -m fl_app.results RUN_DIR [OTHER_RUN_DIR ...]\n"
+                 "       python -m fl_app.results --tensorboard RUN_DIR ...")
     print(plot_runs(sys.argv[1:], Path(sys.argv[1], "plot.png")))

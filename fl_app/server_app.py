@@ -13,6 +13,7 @@ from flwr.supercore import log
 
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
+from fl_app.dashboards import TensorBoardWriter
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition
 from fl_app.task.models import build_model, count_parameters, split_state_keys
@@ -97,7 +98,14 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
-    strategy = build_strategy(cfg, on_round_end=run_dir.append_round, gradient_fn=gradient_fn,
+    dashboard = TensorBoardWriter(run_dir.path, cfg) if cfg["tensorboard"] else None
+
+    def on_round_end(record: dict) -> None:
+        run_dir.append_round(record)
+        if dashboard:
+            dashboard.on_round(record)
+
+    strategy = build_strategy(cfg, on_round_end=on_round_end, gradient_fn=gradient_fn,
                               on_checkpoint=run_dir.write_checkpoint)
     initial = ArrayRecord(shared_weights(model, cfg))
     resumed_from = 0
@@ -128,6 +136,8 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         **strategy.describe(),
     }
     run_dir.write_summary(summary)
+    if dashboard:
+        dashboard.on_finish(summary)
     run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
     plot_runs([run_dir.path], run_dir.path / "plot.png")
     accuracy = summary.get("personalized_accuracy") if partial else summary["final_accuracy"]

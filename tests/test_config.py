@@ -83,6 +83,7 @@ BAD = [
     ({"audit-canaries": -1}, "audit-canaries", "[0, inf)"),
     ({"audit-canary-kind": "random"}, "audit-canary-kind", "isotropic, smooth"),
     ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "audit-canaries": 100}, "audit-canaries", "does not use"),
+    ({"tensorboard": 1}, "tensorboard", "true or false"),
     ({"resume": "yes"}, "resume", "true or false"),
     ({"resume": True}, "resume", "results-dir"),
     ({"resume": True, "run-name": "x", "secure-aggregation": True}, "resume", "secure-aggregation"),
