@@ -7,7 +7,9 @@ allowed, and runs before any training starts.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,11 @@ from fl_app.privacy.settings import (
 from fl_app.task.data import DATASETS, PARTITIONERS
 from fl_app.task.models import MODELS
 
+FLOAT_MAX = 1e6  # no float key needs more; larger values overflow the accountants or the model
+INT_MAX = 10**7  # rounds, steps, epochs, sizes
+NOISE_RANGE = (1e-3, 1e3)  # noise multipliers: below, Opacus' RDP divides by ~0; above, it takes seconds per call
+
+
 class ConfigError(ValueError):
     """A run-config key has a value that is not allowed."""
 
@@ -38,15 +45,25 @@ class Key:
     high: float | None = None  # inclusive unless high_open
     low_open: bool = False
     high_open: bool = False
+    nonzero_low: float | None = None  # 0, or at least this (noise multipliers: the accountants' range)
+
+    @property
+    def upper(self) -> float:
+        """The largest value allowed: `high`, else a cap that keeps the arithmetic finite."""
+        if self.high is not None:
+            return self.high
+        return INT_MAX if type(self.default) is int else FLOAT_MAX
 
     def allowed(self) -> str:
         if self.choices:
             return "one of: " + ", ".join(map(str, self.choices))
-        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[type(self.default)]
-        if self.low is not None or self.high is not None:
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string without "
+                "control characters"}[type(self.default)]
+        if type(self.default) in (int, float):
             lo = "-inf" if self.low is None else self.low
-            hi = "inf" if self.high is None else self.high
-            kind += f" in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open or self.high is None else ']'}"
+            interval = f"{'(' if self.low_open else '['}{lo}, {self.upper:g}{')' if self.high_open else ']'}"
+            kind += (f": 0 or in [{self.nonzero_low:g}, {self.upper:g}]" if self.nonzero_low is not None
+                     else f" in {interval}")
         return kind
 
 
@@ -63,7 +80,7 @@ SPEC: dict[str, Key] = {
     "client-sampling": Key("poisson", "client sampling scheme", CLIENT_SAMPLINGS),
     "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),
     "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),
-    "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0),
+    "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0, nonzero_low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
     "noise-placement": Key("distributed", "who adds the Gaussian noise", NOISE_PLACEMENTS),
     "delta": Key(0.0, "target delta (0: 1/number of clients)", low=0, high=1, high_open=True),
     "target-epsilon": Key(0.0, "privacy budget (0: none)", low=0),
@@ -95,7 +112,7 @@ SPEC: dict[str, Key] = {
     "fine-tune-steps": Key(0, "dp-fedavg-ft/dp-fedsam-ft: local steps before evaluating (0: the round's "
                               "local-steps/local-epochs)", low=0),
     "sample-noise-multiplier": Key(1.0, "ali-dpfl: DP-SGD noise multiplier sigma (noise std / C per step)",
-                                   low=0, low_open=True),
+                                   low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
     "sample-clipping-norm": Key(1.0, "ali-dpfl: DP-SGD per-sample gradient clipping norm C", low=0, low_open=True),
     "batch-sample-rate": Key(0.05, "ali-dpfl: DP-SGD Poisson batch sampling rate q_s", low=0, high=1,
                              low_open=True),
@@ -111,13 +128,13 @@ SPEC: dict[str, Key] = {
     "mu-max": Key(1.0, "ali-dpfl, mu-source = clients: each client's mu ratio is clipped to [0, mu-max]",
                   low=0, low_open=True),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
-                               low=0, low_open=True),
+                               low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
     "audit-canaries": Key(0, "K canary clients for the one-shot empirical privacy estimate (Andrew et al.), "
                              "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0),
     "audit-canary-kind": Key("isotropic", "canary directions: 'isotropic' (random, the paper's) or 'smooth' (coarse "
                                           "Haar directions, where noise that is weak along smooth directions shows)",
                              ("isotropic", "smooth")),
-    "seed": Key(42, "drives partitioning, sampling, noise and init", low=0),
+    "seed": Key(42, "drives partitioning, sampling, noise and init", low=0, high=2**63 - 1),
     "secure-rng": Key(True, "draw DP noise and client sampling from OS entropy (false: reproducible from 'seed', "
                             "and the printed epsilon is NOT a guarantee: anyone with the seed can remove the noise)"),
     "secure-aggregation": Key(False, "sum client updates with Flower's SecAgg+: the server sees only the sum "
@@ -136,7 +153,10 @@ SPEC: dict[str, Key] = {
 def _check_type(key: str, value: Any, spec: Key) -> Any:
     expected = type(spec.default)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}") from None
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
     return value
@@ -144,6 +164,14 @@ def _check_type(key: str, value: Any, spec: Key) -> Any:
 
 def _check_value(key: str, value: Any, spec: Key) -> None:
     bad = bool(spec.choices) and value not in spec.choices
+    if isinstance(value, str):
+        bad |= any(ord(c) < 32 or ord(c) == 127 for c in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
+        bad |= value >= spec.upper if spec.high_open else value > spec.upper
+        bad |= value != 0 and abs(value) < sys.float_info.min  # subnormal
+        bad |= spec.nonzero_low is not None and 0 < value < spec.nonzero_low
     if spec.low is not None:
         bad |= value <= spec.low if spec.low_open else value < spec.low
     if spec.high is not None:
@@ -152,6 +180,15 @@ def _check_value(key: str, value: Any, spec: Key) -> None:
         bad = True
     if bad:
         raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
+
+
+def _check_creatable(key: str, path: str) -> None:
+    """The folder exists, or its nearest existing ancestor is a writable folder (nothing is created here)."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"run-config key '{key}' = {path!r}: cannot be created ({folder!r} is not a writable folder)")
 
 
 def validate(run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,6 +215,10 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
         if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
             raise ConfigError(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
                               "(relative paths resolve against the SuperLink's folder, not yours)")
+    if cfg["data-dir"] and not os.path.isdir(os.path.expanduser(cfg["data-dir"])):
+        raise ConfigError(f"run-config key 'data-dir' = {cfg['data-dir']!r}: must be an existing folder")
+    if cfg["results-dir"]:
+        _check_creatable("results-dir", cfg["results-dir"])
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
         raise ConfigError(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
     if cfg["resume"] and not (cfg["results-dir"] or cfg["run-name"]):

@@ -19,6 +19,7 @@ from typing import Protocol
 
 
 ACCOUNTANTS = ("rdp", "prv")  # Opacus' accountants; Opacus is imported when an epsilon is first computed
+MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)
 PRV_MIN_SIGMA = 0.2  # below it PRV runs out of memory or returns inf (measured)
 
 Event = tuple[float, float, int]
@@ -47,8 +48,8 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
     """Memoised (PRV evaluations are slow and many ledgers share histories)."""
     if not events:
         return 0.0
-    if any(sigma <= 0 and q > 0 for sigma, q, _ in events):
-        return math.inf
+    if any(sigma < MIN_SIGMA and q > 0 for sigma, q, _ in events):
+        return math.inf  # (next to) no noise: Opacus' RDP would divide by zero
     events = [e for e in events if e[1] > 0]
     if not events:
         return 0.0
