@@ -3,13 +3,15 @@
     python -m fl_app.launch [--clients N] [--reference] [-c "key=value ..."]
 
 What it does, so that nothing is left behind:
-1. starts a local simulation SuperLink (the same command `flwr run` would start),
-   with runtime dependency installation and telemetry off, and remembers its PID;
+1. starts its own local simulation SuperLink on free ports with a private FLWR_HOME (never one
+   that is already running: `flwr run` is pointed at this one), with runtime dependency
+   installation and telemetry off, and remembers its PID;
 2. `flwr run . --stream` with N simulated clients, one CPU each, and
    results-dir = ./results/<name>;
 3. with --reference, a second run without clipping or noise (the non-private
    FedAvg reference) and one plot with both;
-4. ends the SuperLink it started, by PID.
+4. ends the SuperLink it started, by process group, also after Ctrl-C or a failed run, and exits
+   non-zero unless every run folder says `completed` (status.json).
 """
 
 from __future__ import annotations
@@ -25,33 +27,46 @@ import time
 from pathlib import Path
 
 import httpx
-from flwr.cli.constant import LOCAL_CONTROL_API_ADDRESS, LOCAL_SUPERLINK_HTTP_API_PORT
+
+from fl_app.local_deployment import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def superlink_healthy() -> bool:
+def superlink_healthy(port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{LOCAL_SUPERLINK_HTTP_API_PORT}/health", timeout=1).is_success
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success
     except httpx.HTTPError:
         return False
 
 
-def start_superlink(env: dict, log_file: Path) -> subprocess.Popen | None:
-    """Start a local simulation SuperLink; None if one is already running (then it is reused)."""
-    if superlink_healthy():
-        print("A local SuperLink is already running; reusing it (it was not started here).", flush=True)
-        return None
+def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
+    """(environment, HTTP port, control port) of a SuperLink of our own: free ports, a private FLWR_HOME.
+
+    `flwr run` finds its local SuperLink through FLWR_LOCAL_SUPERLINK_HTTP_API_PORT and
+    FLWR_LOCAL_CONTROL_API_PORT, so it talks to this one and never to one started elsewhere.
+    """
+    taken: set[int] = set()
+    http_port, control_port = free_port(taken), free_port(taken)
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**base, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
+    return env, http_port, control_port
+
+
+def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path) -> subprocess.Popen:
+    """Start our own local simulation SuperLink (its own process group) and wait until it is healthy."""
     cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-           "--control-api-address", LOCAL_CONTROL_API_ADDRESS, "--host", "127.0.0.1",
-           "--port", str(LOCAL_SUPERLINK_HTTP_API_PORT), "--log-file", str(log_file)]
+           "--control-api-address", f"127.0.0.1:{control_port}", "--host", "127.0.0.1",
+           "--port", str(http_port), "--database", str(Path(env["FLWR_HOME"]) / "state.db"),
+           "--log-file", str(log_file)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             sys.exit(f"flower-superlink exited with code {proc.returncode}; see {log_file}")
-        if superlink_healthy():
+        if superlink_healthy(http_port):
             return proc
         time.sleep(0.5)
     stop(proc)
@@ -68,6 +83,12 @@ def stop(proc: subprocess.Popen | None) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def run_status(run_dir: Path) -> str:
+    """What the run folder says: completed, failed, running (a ServerApp that died), or missing."""
+    status = run_dir / "status.json"
+    return json.loads(status.read_text()).get("status", "missing") if status.exists() else "missing"
 
 
 def flwr_run(env: dict, run_config: str, clients: int) -> int:
@@ -105,22 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
     args = parser.parse_args(argv)
 
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    base = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1"}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = [("dp", args.run_config)]
     if args.reference:
         runs.append(("reference", reference_run_config(args.run_config)))
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = start_superlink(env, log_dir / "superlink.log")
+    env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
+    proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
     run_dirs = []
     try:
         for name, overrides in runs:
             run_dir = Path(args.results, f"{stamp}-{name}").resolve()
             rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients)
-            if rc != 0 or not (run_dir / "summary.json").exists():
-                print(f"Run '{name}' failed (exit code {rc}); see the log above", file=sys.stderr)
+            status = run_status(run_dir)
+            if rc != 0 or status != "completed":
+                print(f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "
+                      "see the log above and its status.json", file=sys.stderr)
                 return rc or 1
             run_dirs.append(run_dir)
     finally:

@@ -1,0 +1,58 @@
+"""The launcher owns its SuperLink: free ports and a private FLWR_HOME, nothing left after Ctrl-C,
+a non-zero exit when the run did not complete."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fl_app.launch import format_run_config, own_superlink_env, reference_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_own_superlink_env_uses_free_ports_and_a_private_home(tmp_path):
+    env, http_port, control_port = own_superlink_env({}, tmp_path / "home")
+    assert http_port != control_port and 19000 <= http_port < 20000
+    assert env["FLWR_HOME"] == str(tmp_path / "home") and env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] == str(http_port)
+
+
+def test_reference_run_config_round_trips():
+    assert format_run_config({"a": "x", "b": True, "c": 0.5}) == "a='x' b=true c=0.5"
+    assert "noise-multiplier=0.0" in reference_run_config("algorithm='dp-fedsam'")
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path):
+    results = tmp_path / "results"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
+         "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text():
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read().decode()[-3000:]
+        time.sleep(0.5)
+    assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
+    os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    assert launcher.wait(timeout=120) != 0
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(results)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(results)) == []
