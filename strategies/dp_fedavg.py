@@ -115,11 +115,14 @@ class DPFedAvg(DPRoundLoop):
     def make_ledger(self, delta: float) -> ClientLevelLedger:
         """The client-level ledger; for `calibrate`, sigma for the configured number of rounds first."""
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
-            self.noise_multiplier = calibrate_noise_multiplier(
-                self.target_epsilon, delta, self.sample_rate, max(1, self.num_rounds), self.accountant)
+            fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
+            self.noise_multiplier = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
+                self.target_epsilon, delta, 1.0 if fixed else self.sample_rate, max(1, self.num_rounds),
+                self.accountant)
             log(INFO, "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
                 self.noise_multiplier, self.target_epsilon, self.num_rounds)
-        return ClientLevelLedger(delta, self.accountant, self.noise_placement, self.secure_aggregation)
+        return ClientLevelLedger(delta, self.accountant, self.noise_placement, self.secure_aggregation,
+                                 self.client_sampling)
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return ClientLevelLedger.from_state_dict(state)
@@ -250,8 +253,8 @@ class DPFedAvg(DPRoundLoop):
         """`stop` mode: would the next round push epsilon above the target?"""
         if self.ledger is None or self.target_epsilon <= 0 or self.target_epsilon_mode != "stop":
             return False
-        return self.ledger.model.epsilon_after(self.accounted_noise_multiplier(),
-                                               self.sample_rate) > self.target_epsilon
+        return self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(),
+                                                self.sample_rate) > self.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
         return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more"
@@ -268,9 +271,7 @@ class DPFedAvg(DPRoundLoop):
             "clipping_norm": self.clipping_norm,
             **self.describe_sampling(),
             "noise_placement": self.noise_placement,
-            "accounting_note": ("fixed-size sampling is accounted as Poisson sampling with the same q "
-                                "(an approximation)" if self.client_sampling == "fixed"
-                                else "Poisson client sampling, sampled Gaussian mechanism (exact)"),
+            "accounting_note": self.ledger.relation,
             "server_threat_model": self.ledger.server_threat_model,
             "secure_aggregation": self.secure_aggregation,
             "ledger": self.ledger.state_dict(),

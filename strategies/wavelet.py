@@ -105,8 +105,8 @@ class DPFedAvgWavelet(DPFedAvg):
             return
         self._warned = True
         rounds = max(1, self.num_rounds)
-        claimed = self.ledger.model.epsilon_after(self.sigma_h, self.sample_rate, rounds)
-        true = self.ledger.model.epsilon_after(self.accounted_noise_multiplier(), self.sample_rate, rounds)
+        claimed = self.ledger.epsilon_after_rounds(self.sigma_h, self.sample_rate, rounds)
+        true = self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, rounds)
         log(WARNING, "wavelet-calibration = 'paper': the paper accounts sigma_H = %.4g (epsilon %.4g after %d "
                      "rounds, delta %.3g), but the wavelet noise along the all-ones direction has std "
                      "sigma_H*C/sqrt(n) with n = %d: effective noise multiplier %.4g, TRUE epsilon %.4g. "

@@ -83,7 +83,9 @@ def test_distributed_against_server_is_per_update_release():
     secagg = ClientLevelLedger(1e-3, noise_placement="distributed", secure_aggregation=True)
     for _ in range(10):
         secagg.record_round(1.0, 0.2, m)
-    assert secagg.epsilon_against_server() == secagg.epsilon() == pytest.approx(ledger.epsilon())
+    # the server chose the sample, so against it the sum is charged without amplification (issue 10)
+    assert secagg.epsilon() == pytest.approx(ledger.epsilon())
+    assert secagg.epsilon_against_server() == pytest.approx(epsilon_of([(1.0, 1.0, 10)], 1e-3))
     central = ClientLevelLedger(1e-3, noise_placement="central")
     central.record_round(1.0, 0.2, m)
     assert math.isinf(central.epsilon_against_server())
@@ -94,3 +96,44 @@ def test_distributed_against_server_is_per_update_release():
 def test_prv_with_tiny_sigma_falls_back_to_a_finite_rdp_bound():
     eps = epsilon_of([(0.1, 1.0, 30)], 1e-3, "prv")
     assert math.isfinite(eps) and eps == pytest.approx(epsilon_of([(0.1, 1.0, 30)], 1e-3, "rdp"))
+
+
+def worst_pair_lower_bound(num_clients: int, m: int, sigma: float, rounds: int, delta: float) -> float:
+    """Issue 10's lower bound for fixed-size sampling under replace-one: the neighbouring pair that changes
+    one client's clipped update by 2C is the Poisson-subsampled Gaussian at sigma / 2 (dp-accounting PLD)."""
+    import dp_accounting
+
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(m / num_clients, dp_accounting.GaussianDpEvent(sigma / 2)),
+                rounds)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("num_clients,m,rounds", [(6, 3, 1), (50, 25, 30), (100, 10, 100)])
+def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clients, m, rounds):
+    import dp_accounting
+
+    ledger = ClientLevelLedger(1 / num_clients, client_sampling="fixed")
+    for _ in range(rounds):
+        ledger.record_round(1.0, m / num_clients, m)
+    lower = worst_pair_lower_bound(num_clients, m, 1.0, rounds, 1 / num_clients)
+    assert ledger.epsilon() >= lower
+    independent = dp_accounting.rdp.RdpAccountant()  # the Gaussian mechanism at sigma / 2, composed, q = 1
+    independent.compose(dp_accounting.GaussianDpEvent(0.5), rounds)
+    assert ledger.epsilon() == pytest.approx(independent.get_epsilon(1 / num_clients), rel=0.05)
+    # the price of claiming no amplification (README): 2.4x-3x the lower bound at q = 0.5, 15x at q = 0.1
+    assert "replace-one" in ledger.state_dict()["relation"]
+
+
+def test_secagg_server_figure_composes_without_amplification():
+    """The server chose the sample, so against it the sum of each round is the unamplified Gaussian mechanism:
+    at sigma = 1, q = 0.1, 100 rounds, delta 1e-5 about 91.8, not the amplified 7.9."""
+    import dp_accounting
+
+    ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True)
+    for _ in range(100):
+        ledger.record_round(1.0, 0.1, 10)
+    independent = dp_accounting.rdp.RdpAccountant()
+    independent.compose(dp_accounting.GaussianDpEvent(1.0), 100)
+    assert ledger.epsilon_against_server() == pytest.approx(independent.get_epsilon(1e-5), rel=0.05)
+    assert ledger.epsilon_against_server() > 80 and ledger.epsilon() < 10

@@ -86,7 +86,7 @@ def legacy_client_fn(context: Context):
 
 def dp() -> DPFedAvg:
     return DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                    client_sampling="fixed", delta=1e-3, seed=1)
+                    delta=1e-3, seed=1)
 
 
 def expected_epsilon():
@@ -134,7 +134,7 @@ def test_legacy_strategy_stops_on_the_privacy_budget():
     """The legacy path stops before the round that would exceed target_epsilon, like DPFedAvg.start."""
     target = epsilon_of([(SIGMA, 1.0, 2)], 1e-3) + 1e-6  # exactly two rounds fit
     budgeted = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                        client_sampling="fixed", delta=1e-3, seed=1, target_epsilon=target)
+                        delta=1e-3, seed=1, target_epsilon=target)
     strategy = LegacyDPFedAvg(budgeted, initial_parameters=ndarrays_to_parameters(initial_weights()))
     server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
                                                                          config=ServerConfig(num_rounds=ROUNDS)))

@@ -65,7 +65,7 @@ def run_secagg_round(num_nodes, update_fn, fail=None):
     uploads: dict = {}
     grid = InProcessGrid(secagg_stub_app(update_fn, uploads), num_nodes, {}, fail=fail)
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                  client_sampling="fixed", seed=3)
+                  seed=3)  # q = 1: every node, every round
     strategy = SpySecAggPlusDPFedAvg(dp)
     start = initial()
     result = strategy.start(grid, start, num_rounds=1)

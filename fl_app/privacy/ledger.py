@@ -172,12 +172,16 @@ class Ledger(Protocol):
 class ClientLevelLedger:
     """Client-level DP of a federated run, against the released model and against the server.
 
-    - released model: one sampled-Gaussian event (sigma, q) per round;
+    - released model, Poisson client sampling: one sampled-Gaussian event (sigma, q) per round;
+    - released model, fixed-size sampling (exactly m of M): under the replace-one relation one client's
+      change moves the clipped sum by up to 2C, so a round is charged as the Gaussian mechanism with
+      multiplier sigma / 2 and no sampling amplification (q = 1), an upper bound (tests check it
+      against the worst-pair lower bound);
     - server, `central` noise: the trusted server sees raw updates (no guarantee);
     - server, `distributed` noise without secure aggregation: every upload is its own
       Gaussian release with multiplier sigma/(2 sqrt(m)) and no sampling amplification;
-    - server, `distributed` with secure aggregation: the server sees only the noisy sum,
-      so the figure equals the released-model one; in a round where only k < m noise
+    - server, `distributed` with secure aggregation: the server sees only the noisy sum, but it
+      chose the sample, so no sampling amplification (q = 1); in a round where only k < m noise
       shares arrived, the sum it sees (before its own top-up) has multiplier sigma sqrt(k/m),
       and that is what the server figure charges for the round.
     """
@@ -186,6 +190,7 @@ class ClientLevelLedger:
     accountant: str = "rdp"
     noise_placement: str = "central"
     secure_aggregation: bool = False
+    client_sampling: str = "poisson"
     model: PrivacyLedger = field(init=False)
     server: PrivacyLedger = field(init=False)
 
@@ -201,18 +206,36 @@ class ClientLevelLedger:
             return "secure aggregation: the server sees only the noisy sum"
         return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(m)), q=1)"
 
+    @property
+    def relation(self) -> str:
+        if self.client_sampling == "fixed":
+            return ("replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C, no sampling "
+                    "amplification claimed (an upper bound)")
+        return "add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact)"
+
+    def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
+        """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size."""
+        if self.client_sampling == "fixed":
+            return noise_multiplier / 2.0, 1.0
+        return noise_multiplier, sample_rate
+
+    def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float, rounds: int = 1) -> float:
+        """eps(delta) against the released model if `rounds` more rounds were charged."""
+        return self.model.epsilon_after(*self.release_event(noise_multiplier, sample_rate), rounds)
+
     def record_round(self, noise_multiplier: float, sample_rate: float, expected_clients: float,
                      received: int | None = None) -> None:
         """Charge one round; `received` = noise shares that reached the sum (None: all m)."""
-        self.model.record(noise_multiplier, sample_rate)
+        sigma, rate = self.release_event(noise_multiplier, sample_rate)
+        self.model.record(sigma, rate)
         if self.noise_placement != "distributed":
             return
         if not self.secure_aggregation:
             self.server.record(per_update_noise_multiplier(noise_multiplier, expected_clients), 1.0)
         elif received is None or received >= expected_clients:
-            self.server.record(noise_multiplier, sample_rate)
+            self.server.record(sigma, 1.0)  # the server chose the sample: no amplification against it
         elif received > 0:
-            self.server.record(noise_multiplier * math.sqrt(received / expected_clients), sample_rate)
+            self.server.record(sigma * math.sqrt(received / expected_clients), 1.0)
 
     def epsilon(self) -> float:
         """eps(delta) against the released model."""
@@ -225,13 +248,13 @@ class ClientLevelLedger:
 
     def state_dict(self) -> dict:
         return {"delta": self.delta, "accountant": self.accountant, "noise_placement": self.noise_placement,
-                "secure_aggregation": self.secure_aggregation,
-                "model": self.model.state_dict(), "server": self.server.state_dict()}
+                "secure_aggregation": self.secure_aggregation, "client_sampling": self.client_sampling,
+                "relation": self.relation, "model": self.model.state_dict(), "server": self.server.state_dict()}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "ClientLevelLedger":
         ledger = cls(float(state["delta"]), state["accountant"], state["noise_placement"],
-                     bool(state["secure_aggregation"]))
+                     bool(state["secure_aggregation"]), state.get("client_sampling", "poisson"))
         ledger.model = PrivacyLedger.from_state_dict(state["model"])
         ledger.server = PrivacyLedger.from_state_dict(state["server"])
         return ledger
