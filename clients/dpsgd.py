@@ -35,7 +35,7 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 
 from fl_app.privacy import protocol as keys
-from fl_app.privacy.ledger import PrivacyLedger, epsilon_of
+from fl_app.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, epsilon_of
 from fl_app.privacy.dpsgd_noise import dpsgd_multipliers
 from fl_app.privacy.settings import check_dpsgd_clipping
 from fl_app.privacy.mechanisms import (
@@ -204,7 +204,7 @@ class DPSGDClient(TrainingClient):
 
     def __init__(self, model: nn.Module, trainset, testset, *, state: RecordDict, sample_rate: float,
                  noise_multiplier: float, clipping_norm: float, target_epsilon: float, delta: float,
-                 accountant: str = "rdp", grad_sample_mode: str = "ew", mu_max: float = 1.0,
+                 accountant: str = DEFAULT_ACCOUNTANT, grad_sample_mode: str = "ew", mu_max: float = 1.0,
                  mu_noise_multiplier: float = 10.0, noise: str = "gaussian", wavelet_calibration: str = "exact",
                  **kwargs) -> None:
         super().__init__(opacus_compatible(model), trainset, testset, **kwargs)

@@ -92,7 +92,7 @@ class Algorithm:
                     server_learning_rate=cfg["server-lr"], delta=cfg["delta"], accountant=cfg["accountant"],
                     target_epsilon=cfg["target-epsilon"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
                     min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
-                    **self.strategy_settings(cfg))
+                    publish_diagnostics=cfg["publish-diagnostics"], **self.strategy_settings(cfg))
 
     def build_strategy(self, cfg: dict, **hooks) -> DPRoundLoop:
         return self.strategy_class(**self.strategy_kwargs(cfg), **hooks)

@@ -1,10 +1,11 @@
 """TensorBoard for every run: one event file per run folder, so `tensorboard --logdir results/`
 shows all runs side by side.
 
-`TAGS` maps the round record's keys (metrics.jsonl) to TensorBoard tags, in one table.
-`dp/` and `client/` scalars are diagnostics computed from raw client data, outside the DP guarantee;
-a text note in every run says so. `python -m fl_app.results --tensorboard RUN...` writes the events
-of older run folders from their metrics.jsonl.
+`TAGS` maps the published round record's keys (metrics.jsonl: what the ledger covers) to TensorBoard
+tags, in one table. The non-private diagnostics (diagnostics.jsonl: counts, update norms, clipped
+fraction, losses, client evaluation) appear under `nonprivate/` only when the run publishes them
+(`publish-diagnostics = true`), with a text note that epsilon does not cover them.
+`python -m fl_app.results --tensorboard RUN...` writes the events of older run folders.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from pathlib import Path
 TAGS = {
     "accuracy": "eval/accuracy",
     "loss": "eval/loss",
-    "personalized_accuracy": "eval/personalized_accuracy",
-    "personalized_loss": "eval/personalized_loss",
     "epsilon": "privacy/epsilon",
     "epsilon_against_server": "privacy/epsilon_against_server",
     "epsilon_claimed": "privacy/epsilon_claimed_by_paper",
@@ -26,55 +25,55 @@ TAGS = {
     "tau": "ali_dpfl/tau",
     "tau_star": "ali_dpfl/tau_star",
     "mu": "ali_dpfl/mu",
-    "clipped_fraction": "dp/clipped_fraction",
-    "update_norm_mean": "dp/update_norm_mean",
-    "update_norm_std": "dp/update_norm_std",
-    "server_noise_std": "dp/server_noise_std",
-    "train_loss": "dp/train_loss",
-    "clients": "dp/clients",
-    "rejected": "dp/rejected",
-    "failures": "dp/failures",
-    "upload_bytes": "topk/upload_bytes",
-    "dense_bytes": "topk/dense_bytes",
-    "seconds": "time/round_seconds",
+    "upload_bytes_per_client": "topk/upload_bytes_per_client",
+    "dense_bytes_per_client": "topk/dense_bytes_per_client",
 }
-DIAGNOSTICS_NOTE = ("Scalars under dp/ and client/ (counts, update norms, clipped fraction, training loss, client "
-                    "evaluation) are computed from raw client data and released without noise: they are NOT covered "
-                    "by the DP guarantee. privacy/epsilon is the ledger's figure.")
+NONPRIVATE_PREFIX = "nonprivate/"
+DIAGNOSTICS_NOTE = ("Scalars under nonprivate/ (counts, update norms, clipped fraction, losses, client evaluation, "
+                    "bytes, timing) are computed from raw client replies and released without noise: they are NOT "
+                    "covered by the DP guarantee. privacy/epsilon is the ledger's figure.")
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """{tag: value} of a round record's finite numbers (client_* keys under client/, per-client epsilon
-    under privacy/epsilon_client/)."""
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            continue
-        if key in TAGS:
-            out[TAGS[key]] = float(value)
-        elif key.startswith("client_"):
-            out[f"client/{key[len('client_'):]}"] = float(value)
+    """{tag: value} of a published round record's finite numbers (per-client epsilon under
+    privacy/epsilon_client/)."""
+    out = {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and finite_number(v)}
     for client, eps in (record.get("epsilon_per_client") or {}).items():
-        if isinstance(eps, (int, float)) and math.isfinite(eps):
+        if finite_number(eps):
             out[f"privacy/epsilon_client/{client}"] = float(eps)
     return out
 
 
-class TensorBoardWriter:
-    """Writes a run's round records as TensorBoard scalars into `run_dir` (events.out.tfevents.*)."""
+def diagnostic_scalars(diagnostics: dict) -> dict[str, float]:
+    """{nonprivate/<key>: value} of a diagnostics record's finite numbers."""
+    return {NONPRIVATE_PREFIX + k: float(v) for k, v in diagnostics.items() if k != "round" and finite_number(v)}
 
-    def __init__(self, run_dir: Path | str, cfg: dict | None = None) -> None:
+
+def finite_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class TensorBoardWriter:
+    """Writes a run's round records as TensorBoard scalars into `run_dir` (events.out.tfevents.*);
+    the diagnostics too when `publish_diagnostics`."""
+
+    def __init__(self, run_dir: Path | str, cfg: dict | None = None, publish_diagnostics: bool = False) -> None:
         from torch.utils.tensorboard import SummaryWriter  # the tensorboard package writes the files
 
         self.writer = SummaryWriter(log_dir=str(run_dir))
-        self.writer.add_text("notes/diagnostics", DIAGNOSTICS_NOTE, 0)
+        self.publish_diagnostics = publish_diagnostics
+        if publish_diagnostics:
+            self.writer.add_text("notes/diagnostics", DIAGNOSTICS_NOTE, 0)
         if cfg is not None:
             self.writer.add_text("config", "    " + json.dumps(cfg, indent=2, sort_keys=True, default=str)
                                  .replace("\n", "\n    "), 0)
 
-    def on_round(self, record: dict) -> None:
-        for tag, value in scalars(record).items():
-            self.writer.add_scalar(tag, value, int(record["round"]))
+    def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
+        values = scalars(published)
+        if self.publish_diagnostics and diagnostics:
+            values.update(diagnostic_scalars(diagnostics))
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, int(published["round"]))
         self.writer.flush()
 
     def on_finish(self, summary: dict) -> None:
@@ -85,15 +84,18 @@ class TensorBoardWriter:
         self.writer.close()
 
 
-def write_tensorboard(run_dir: Path | str) -> Path:
-    """TensorBoard events for an existing run folder, from its metrics.jsonl, config.json and summary.json."""
-    from fl_app.results import read_metrics
+def write_tensorboard(run_dir: Path | str, publish_diagnostics: bool = False) -> Path:
+    """TensorBoard events for an existing run folder, from its metrics.jsonl (and diagnostics.jsonl),
+    config.json and summary.json."""
+    from fl_app.results import read_diagnostics, read_metrics
 
     run_dir = Path(run_dir)
     config = run_dir / "config.json"
-    writer = TensorBoardWriter(run_dir, json.loads(config.read_text()) if config.exists() else None)
+    writer = TensorBoardWriter(run_dir, json.loads(config.read_text()) if config.exists() else None,
+                               publish_diagnostics)
+    diagnostics = {r["round"]: r for r in read_diagnostics(run_dir)}
     for record in read_metrics(run_dir):
-        writer.on_round(record)
+        writer.on_round(record, diagnostics.get(record["round"]))
     summary = run_dir / "summary.json"
     writer.on_finish(json.loads(summary.read_text()) if summary.exists() else {})
     return run_dir

@@ -151,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         stop(proc)
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
-        accuracy = ", ".join(f"{k}={s[k]:.4f}" for k in ("final_accuracy", "personalized_accuracy")
-                             if s.get(k) is not None)
+        d = json.loads((run_dir / "diagnostics-summary.json").read_text())
+        accuracy = (f"final_accuracy={s['final_accuracy']:.4f}" if s.get("final_accuracy") is not None else
+                    f"personalized_accuracy={d['personalized_accuracy']:.4f} (not private)"
+                    if d.get("personalized_accuracy") is not None else "")
         print(f"{run_dir}: {s['strategy']} {accuracy} epsilon={s['epsilon']} delta={s['delta']:.3g} "
               f"rounds={s['rounds_completed']}")
     if len(run_dirs) > 1:

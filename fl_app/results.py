@@ -1,6 +1,10 @@
-"""The run directory: config.json, status.json, metrics.jsonl, checkpoint.npz, summary.json, plot.png.
+"""The run directory: config.json, status.json, metrics.jsonl, diagnostics.jsonl, checkpoint.npz,
+summary.json, diagnostics-summary.json, plot.png.
 
-Non-finite numbers (epsilon of a non-private run is inf) are written as null.
+metrics.jsonl and summary.json hold what the privacy ledger covers (fit to publish); diagnostics.jsonl
+and diagnostics-summary.json hold the raw statistics of client replies (counts, norms, losses, client
+evaluation, timing), which no noise covers. Non-finite numbers (epsilon of a non-private run is inf)
+are written as null.
 `python -m fl_app.results RUN_DIR [REFERENCE_RUN_DIR ...]` redraws a run's plot with
 other runs (e.g. the non-private reference) as extra lines; `--tensorboard RUN_DIR ...` writes
 TensorBoard events for older run folders.
@@ -50,19 +54,22 @@ RESUMABLE_KEYS = ("resume", "num-rounds")  # what may change between a run and i
 class RunDirectory:
     """Writes one run's files as the run goes; nothing already written is lost on a crash.
 
-    Files: config.json, status.json (running / completed / failed), metrics.jsonl (one line per
-    round), checkpoint.npz (after every round: the global arrays and the strategy's whole state,
-    the ledger included, replaced atomically), summary.json and plot.png at the end.
+    Files: config.json, status.json (running / completed / failed), metrics.jsonl and
+    diagnostics.jsonl (one line per round each), checkpoint.npz (after every round: the global arrays
+    and the strategy's whole state, the ledger included, replaced atomically), summary.json,
+    diagnostics-summary.json and plot.png at the end.
 
     A folder that holds a previous run is refused unless `resume`: then the checkpoint is read
-    (`checkpoint`), the config must match the previous one (but for RESUMABLE_KEYS), and
-    metrics.jsonl is rewritten from the checkpoint's history, so no round appears twice.
+    (`checkpoint`), the config must match the previous one (but for RESUMABLE_KEYS), and the
+    caller rewrites the round files from the checkpoint's history (`rewrite_rounds`), so no round
+    appears twice.
     """
 
     def __init__(self, path: Path | str, *, resume: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_file = self.path / "metrics.jsonl"
+        self.diagnostics_file = self.path / "diagnostics.jsonl"
         self.checkpoint_file = self.path / "checkpoint.npz"
         self.checkpoint = self.read_checkpoint()
         previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
@@ -71,8 +78,7 @@ class RunDirectory:
                 f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
                 f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue it, "
                 "or choose another results-dir or run-name")
-        history = self.checkpoint[0]["history"] if self.checkpoint is not None else []
-        self.metrics_file.write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in history))
+        self.rewrite_rounds([])
 
     def _write_json(self, name: str, obj) -> None:
         tmp = self.path / f".{name}.tmp"
@@ -96,9 +102,16 @@ class RunDirectory:
         """status.json: running (also what a killed run leaves), completed or failed."""
         self._write_json("status.json", {"status": status, "pid": os.getpid(), "time": time.time(), **details})
 
-    def append_round(self, record: dict) -> None:
-        with self.metrics_file.open("a") as f:
-            f.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
+    def rewrite_rounds(self, rounds: list[tuple[dict, dict]]) -> None:
+        """metrics.jsonl and diagnostics.jsonl from (published, diagnostics) pairs, e.g. a checkpoint's history."""
+        for path, records in ((self.metrics_file, [p for p, _ in rounds]), (self.diagnostics_file, [d for _, d in rounds])):
+            path.write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in records))
+
+    def append_round(self, published: dict, diagnostics: dict) -> None:
+        """One round: what the ledger covers to metrics.jsonl, the raw diagnostics to diagnostics.jsonl."""
+        for path, record in ((self.metrics_file, published), (self.diagnostics_file, diagnostics)):
+            with path.open("a") as f:
+                f.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
 
     def write_checkpoint(self, state: dict, arrays) -> None:
         """checkpoint.npz: the global arrays and the strategy's state as JSON, replaced atomically."""
@@ -115,8 +128,10 @@ class RunDirectory:
             arrays = [data[f"array_{i}"] for i in range(len(data.files) - 1)]
         return state, arrays
 
-    def write_summary(self, summary: dict) -> None:
+    def write_summary(self, summary: dict, diagnostics: dict) -> None:
+        """summary.json (what the ledger covers) and diagnostics-summary.json (not private)."""
         self._write_json("summary.json", summary)
+        self._write_json("diagnostics-summary.json", diagnostics)
 
 
 def run_label(summary: dict) -> str:
@@ -128,13 +143,27 @@ def run_label(summary: dict) -> str:
     return label if summary.get("epsilon_is_guarantee", True) else f"{label} (epsilon: no guarantee)"
 
 
-def read_metrics(run_dir: Path | str) -> list[dict]:
-    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+def read_metrics(run_dir: Path | str, name: str = "metrics.jsonl") -> list[dict]:
+    """The round records of a run folder (name = "diagnostics.jsonl" for the non-private ones)."""
+    path = Path(run_dir, name)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_runs(run_dirs: list[Path | str], out: Path | str) -> Path:
-    """Accuracy and epsilon per round, one line per run (first run = this run)."""
+def read_diagnostics(run_dir: Path | str) -> list[dict]:
+    return read_metrics(run_dir, "diagnostics.jsonl")
+
+
+def read_rounds(run_dir: Path | str) -> list[dict]:
+    """Each round's published record merged with its diagnostics (for reports and research; not private)."""
+    diagnostics = {r["round"]: r for r in read_diagnostics(run_dir)}
+    return [{**diagnostics.get(r["round"], {}), **r} for r in read_metrics(run_dir)]
+
+
+def plot_runs(run_dirs: list[Path | str], out: Path | str, diagnostics: bool = False) -> Path:
+    """Accuracy and epsilon per round, one line per run (first run = this run). `diagnostics`: also read
+    diagnostics.jsonl (the personalized accuracy of partial sharing is a client evaluation: not private)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,7 +171,7 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str) -> Path:
 
     fig, (ax_acc, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
     for run_dir in run_dirs:
-        rows = read_metrics(run_dir)
+        rows = read_rounds(run_dir) if diagnostics else read_metrics(run_dir)
         summary_file = Path(run_dir, "summary.json")
         label = Path(run_dir).name
         if summary_file.exists():
@@ -164,13 +193,17 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "--tensorboard":
+    args = sys.argv[1:]
+    with_diagnostics = "--diagnostics" in args
+    args = [a for a in args if a != "--diagnostics"]
+    if args and args[0] == "--tensorboard":
         from fl_app.dashboards import write_tensorboard
 
-        for run in sys.argv[2:]:
-            print("TensorBoard events written into", write_tensorboard(run))
+        for run in args[1:]:
+            print("TensorBoard events written into", write_tensorboard(run, with_diagnostics))
         sys.exit(0)
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m fl_app.results RUN_DIR [OTHER_RUN_DIR ...]\n"
-                 "       python -m fl_app.results --tensorboard RUN_DIR ...")
-    print(plot_runs(sys.argv[1:], Path(sys.argv[1], "plot.png")))
+    if not args:
+        sys.exit("usage: python -m fl_app.results [--diagnostics] RUN_DIR [OTHER_RUN_DIR ...]\n"
+                 "       python -m fl_app.results --tensorboard [--diagnostics] RUN_DIR ...\n"
+                 "--diagnostics: also show the non-private diagnostics (diagnostics.jsonl)")
+    print(plot_runs(args, Path(args[0], "plot.png"), with_diagnostics))

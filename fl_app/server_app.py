@@ -98,12 +98,12 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
-    dashboard = TensorBoardWriter(run_dir.path, cfg) if cfg["tensorboard"] else None
+    dashboard = TensorBoardWriter(run_dir.path, cfg, cfg["publish-diagnostics"]) if cfg["tensorboard"] else None
 
-    def on_round_end(record: dict) -> None:
-        run_dir.append_round(record)
+    def on_round_end(published: dict, diagnostics: dict) -> None:
+        run_dir.append_round(published, diagnostics)
         if dashboard:
-            dashboard.on_round(record)
+            dashboard.on_round(published, diagnostics)
 
     strategy = build_strategy(cfg, on_round_end=on_round_end, gradient_fn=gradient_fn,
                               on_checkpoint=run_dir.write_checkpoint)
@@ -113,6 +113,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         state, arrays = run_dir.checkpoint
         strategy.load_state_dict(state)
         initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
+        run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
         result = strategy.start(grid, initial, num_rounds=cfg["num-rounds"],
                                 evaluate_fn=None if partial else evaluate_fn)
@@ -131,25 +132,41 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         "resumed_after_round": resumed_from or None,
         "final_accuracy": final.get("accuracy"),  # global model, server test set (null under partial sharing)
         "final_loss": final.get("loss"),
-        "seconds": time.perf_counter() - t0,
         "results_dir": str(run_dir.path),
         **strategy.describe(),
     }
-    run_dir.write_summary(summary)
+    diagnostics = {"not_private": DIAGNOSTICS_NOTICE, "seconds": time.perf_counter() - t0,
+                   **strategy.describe_diagnostics()}
+    run_dir.write_summary(summary, diagnostics)
     if dashboard:
         dashboard.on_finish(summary)
     run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
-    plot_runs([run_dir.path], run_dir.path / "plot.png")
-    accuracy = summary.get("personalized_accuracy") if partial else summary["final_accuracy"]
-    log(INFO, "Finished: %saccuracy %.4f, epsilon %.4g (delta %.3g)%s after %d rounds; results in %s",
-        "personalized " if partial else "", accuracy if accuracy is not None else float("nan"),
-        summary["epsilon"], summary["delta"],
-        "" if summary["epsilon_is_guarantee"] else " NOT a guarantee: " + "; ".join(summary["epsilon_caveats"]),
-        summary["rounds_completed"], run_dir.path)
+    plot_runs([run_dir.path], run_dir.path / "plot.png", cfg["publish-diagnostics"])
+    log_finish(summary, diagnostics, cfg["publish-diagnostics"], run_dir.path)
+    return summary
+
+
+DIAGNOSTICS_NOTICE = ("computed from raw client replies without noise: NOT covered by the run's epsilon; do not "
+                      "publish (diagnostics.jsonl has them per round)")
+
+
+def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
+    """The run's last lines: accuracy and epsilon (what the ledger covers), the audit, where the diagnostics are."""
+    personalized = diagnostics.get("personalized_accuracy") if publish_diagnostics else None
+    accuracy = summary["final_accuracy"]
+    shown = (f"accuracy {accuracy:.4f}" if accuracy is not None else
+             f"personalized accuracy {personalized:.4f} (not private)" if personalized is not None else
+             "no global model to evaluate (personalized accuracy: diagnostics-summary.json)")
+    caveats = "" if summary["epsilon_is_guarantee"] else " NOT a guarantee: " + "; ".join(summary["epsilon_caveats"])
+    log(INFO, "Finished: %s, epsilon %.4g (delta %.3g)%s after %d rounds; results in %s", shown,
+        summary["epsilon"], summary["delta"], caveats, summary["rounds_completed"], run_dir)
     if summary.get("audit"):
         log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
             summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])
-    return summary
+    if diagnostics.get("rounds_with_failed_or_rejected_replies"):
+        log(WARNING, "Some client replies failed or were rejected: see %s/diagnostics.jsonl ('problems')", run_dir)
+    log(INFO, "Non-private diagnostics (counts, norms, losses, client evaluation; not covered by epsilon): "
+              "%s/diagnostics.jsonl", run_dir)
 
 
 @app.main()

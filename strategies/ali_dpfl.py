@@ -34,7 +34,7 @@ from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
-from fl_app.privacy.ledger import SampleLevelLedgers, epsilon_of
+from fl_app.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers, epsilon_of
 from fl_app.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
 from fl_app.privacy.settings import check_dpsgd, require
 
@@ -111,13 +111,15 @@ class ALIDPFL(DPRoundLoop):
     }
 
     def __init__(self, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
-                 sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0, accountant: str = "rdp",
+                 sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0,
+                 accountant: str = DEFAULT_ACCOUNTANT,
                  adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
                  mu_noise_multiplier: float = 10.0, mu_max: float = 1.0, gradient_fn: GradientFn | None = None,
                  partition_size: PartitionSizeFn | None = None,
                  dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
                  secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 publish_diagnostics: bool = False,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
                             sample_clipping_norm=sample_clipping_norm, target_epsilon=target_epsilon,
@@ -129,8 +131,8 @@ class ALIDPFL(DPRoundLoop):
         super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
-                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end,
-                         on_checkpoint=on_checkpoint)
+                         fraction_evaluate=fraction_evaluate, publish_diagnostics=publish_diagnostics,
+                         on_round_end=on_round_end, on_checkpoint=on_checkpoint)
         self.batch_sample_rate = batch_sample_rate
         self.sample_noise_multiplier = sample_noise_multiplier
         self.sample_clipping_norm = sample_clipping_norm
@@ -156,7 +158,7 @@ class ALIDPFL(DPRoundLoop):
 
     @classmethod
     def check_settings(cls, *, batch_sample_rate: float, sample_noise_multiplier: float, sample_clipping_norm: float,
-                       target_epsilon: float, accountant: str = "rdp", local_steps: int = 1, gamma: float = 5.0,
+                       target_epsilon: float, accountant: str = DEFAULT_ACCOUNTANT, local_steps: int = 1, gamma: float = 5.0,
                        mu_source: str = "server", mu_noise_multiplier: float = 10.0, mu_max: float = 1.0,
                        dpsgd_noise: str = "gaussian",
                        wavelet_calibration: str = "exact", grad_sample_mode: str = "ew", **_) -> None:
@@ -263,7 +265,8 @@ class ALIDPFL(DPRoundLoop):
             problem, weight = self.row_problem(metrics, tau, {m[keys.PARTITION_ID] for _, m in rows})
             if problem:
                 rejected += 1
-                log(WARNING, "Round %d: rejected reply: %s", server_round, problem)
+                self.note_problem(server_round, f"rejected the reply of partition {metrics.get(keys.PARTITION_ID)}: "
+                                                f"{problem}")
                 continue
             rows.append((vector, metrics))
             weights.append(weight)
@@ -405,7 +408,8 @@ class ALIDPFL(DPRoundLoop):
     def round_details(self) -> dict:
         """Each client's epsilon so far, for the round record (dashboards' rounds x clients heatmap)."""
         assert self.ledger is not None
-        return {"epsilon_per_client": {str(c): e for c, e in self.ledger.epsilon_per_client().items()}}
+        return {**super().round_details(),
+                "epsilon_per_client": {str(c): e for c, e in self.ledger.epsilon_per_client().items()}}
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:

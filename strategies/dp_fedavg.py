@@ -7,10 +7,14 @@ Clients upload the model update Delta_i = w_i - w_global. On the shared round lo
 2. rejects malformed or non-finite updates (logged, counted, never averaged in),
 3. clips and noises through its noise placement (`strategies.noise_placement`):
    `central`: clips each update to C and adds N(0, sigma^2 C^2 I) to the sum;
-   `distributed`: clients clipped and added N(0, sigma^2 C^2 / m I) each; the server
-   tops the noise up by N(0, sigma^2 C^2 (m - k)/m I) when only k < m updates arrived,
+   `distributed`: clients clipped and added N(0, sigma^2 C^2 / n_s I) each; the server
+   tops the noise up by N(0, sigma^2 C^2 (n_s - k)/n_s I) for the k <= n_s updates that arrived,
+   so the sum carries N(0, sigma^2 C^2 I) whatever k is (n_s: `noise_share_count`),
 4. divides by the fixed m (uniform average) and steps w <- w + eta_s * average,
 5. charges one sampled-Gaussian event (sigma, q) to the ledger and reports epsilon.
+
+Only what the ledger covers is published per round (`DPRoundLoop.split_record`); counts, norms,
+losses and the clipped fraction are non-private diagnostics.
 """
 
 from __future__ import annotations
@@ -25,8 +29,20 @@ from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
-from fl_app.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier
-from fl_app.privacy.mechanisms import flatten, gaussian_noise, l2_norm, make_rng, unflatten
+from fl_app.privacy.ledger import (
+    DEFAULT_ACCOUNTANT,
+    ClientLevelLedger,
+    calibrate_noise_multiplier,
+    default_client_delta,
+)
+from fl_app.privacy.mechanisms import (
+    TRUNCATION_PROBABILITY,
+    flatten,
+    gaussian_noise,
+    l2_norm,
+    make_rng,
+    unflatten,
+)
 from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregation, one_of, require
 
 from .noise_placement import noise_placement as make_noise_placement
@@ -53,8 +69,8 @@ class DPFedAvg(DPRoundLoop):
         K more directions are never inserted; the estimate is in `describe()["audit"]`.
     audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
 
-    Fixed-size client sampling is accounted as Poisson sampling with the same q (an
-    approximation stated in the summary).
+    Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 without amplification
+    (replace-one; `fl_app.privacy.ledger.ClientLevelLedger`).
     """
 
     clients_clip_under_central_noise = False
@@ -63,11 +79,11 @@ class DPFedAvg(DPRoundLoop):
 
     def __init__(self, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
                  noise_placement: str = "central", client_sampling: str = "poisson",
-                 server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = "rdp",
+                 server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = DEFAULT_ACCOUNTANT,
                  target_epsilon: float = 0.0, target_epsilon_mode: str = "stop",
                  secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
                  min_available_nodes: int = 2, fraction_evaluate: float = 0.0, audit_canaries: int = 0,
-                 audit_canary_kind: str = "isotropic",
+                 audit_canary_kind: str = "isotropic", publish_diagnostics: bool = False,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         require(audit_canaries >= 0, "audit_canaries", audit_canaries, "must be >= 0 (0: no audit)")
         one_of("audit_canary_kind", audit_canary_kind, CANARY_KINDS)
@@ -78,8 +94,8 @@ class DPFedAvg(DPRoundLoop):
         super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
-                         fraction_evaluate=fraction_evaluate, on_round_end=on_round_end,
-                         on_checkpoint=on_checkpoint)
+                         fraction_evaluate=fraction_evaluate, publish_diagnostics=publish_diagnostics,
+                         on_round_end=on_round_end, on_checkpoint=on_checkpoint)
         self.clipping_norm = clipping_norm
         self.noise_multiplier = noise_multiplier
         self.noise = make_noise_placement(noise_placement, self.clients_clip_under_central_noise)
@@ -95,7 +111,7 @@ class DPFedAvg(DPRoundLoop):
     def check_settings(cls, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
                        noise_placement: str = "central", client_sampling: str = "poisson",
                        target_epsilon: float = 0.0, target_epsilon_mode: str = "stop", delta: float = 0.0,
-                       accountant: str = "rdp", secure_aggregation: bool = False, **_) -> None:
+                       accountant: str = DEFAULT_ACCOUNTANT, secure_aggregation: bool = False, **_) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
         check_client_level_dp(sample_rate=sample_rate, clipping_norm=clipping_norm,
                               noise_multiplier=noise_multiplier, noise_placement=noise_placement,
@@ -110,15 +126,16 @@ class DPFedAvg(DPRoundLoop):
 
     # ------------------------------------------------------------------ set-up
     def default_delta(self, num_clients: int) -> float:
-        return 1.0 / num_clients
+        return default_client_delta(num_clients)
 
     def make_ledger(self, delta: float) -> ClientLevelLedger:
         """The client-level ledger; for `calibrate`, sigma for the configured number of rounds first."""
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
+            rounds = max(1, self.num_rounds)
+            reserve = 0.0 if fixed else rounds * TRUNCATION_PROBABILITY  # what sampling reserves out of delta
             self.noise_multiplier = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
-                self.target_epsilon, delta, 1.0 if fixed else self.sample_rate, max(1, self.num_rounds),
-                self.accountant)
+                self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant)
             log(INFO, "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
                 self.noise_multiplier, self.target_epsilon, self.num_rounds)
         return ClientLevelLedger(delta, self.accountant, self.noise_placement, self.secure_aggregation,
@@ -145,7 +162,7 @@ class DPFedAvg(DPRoundLoop):
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""
         return {keys.SERVER_ROUND: server_round,
-                **self.noise.client_config(self.noise_multiplier, self.clipping_norm, self.expected_clients)}
+                **self.noise.client_config(self.noise_multiplier, self.clipping_norm, self.noise_shares)}
 
     def begin_round(self, arrays: ArrayRecord) -> None:
         if self.audit_canaries and self.audit_start is None:
@@ -204,7 +221,7 @@ class DPFedAvg(DPRoundLoop):
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
-        bound = self.noise.upload_norm_bound(self.noise_multiplier, self.clipping_norm, self.expected_clients,
+        bound = self.noise.upload_norm_bound(self.noise_multiplier, self.clipping_norm, self.noise_shares,
                                              vector.size)
         norm = l2_norm(vector)
         return f"upload norm {norm:.6g} above the bound {bound:.6g} of an honest noisy update" if norm > bound else None
@@ -220,7 +237,8 @@ class DPFedAvg(DPRoundLoop):
 
     def noisy_average_step(self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray,
                            received: int | None = None) -> np.ndarray:
-        """w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the ledger.
+        """w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the ledger (with the
+        probability that this round's sample was truncated to n_s, reserved out of delta).
 
         `received`: how many client noise shares the updates carry (default len(updates); under
         SecAgg+ one summed vector carries the shares of every client that made it into the sum).
@@ -229,16 +247,16 @@ class DPFedAvg(DPRoundLoop):
         received = len(updates) if received is None else received
         aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
         aggregate /= np.float32(self.expected_clients)
-        self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.expected_clients,
-                                 received)
+        self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.noise_shares, received,
+                                 truncation_probability=self.round_truncation_probability)
         return global_vector + np.float32(self.server_learning_rate) * aggregate
 
     def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
                   received: int | None = None) -> np.ndarray:
         """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)
-        for the m - received noise shares that did not arrive."""
+        for the n_s - received noise shares that did not arrive."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        std = self.noise.server_noise_std(self.noise_multiplier, self.clipping_norm, self.expected_clients,
+        std = self.noise.server_noise_std(self.noise_multiplier, self.clipping_norm, self.noise_shares,
                                           len(updates) if received is None else received)
         self.last_server_noise_std = std
         return total + gaussian_noise(size, std, make_rng(self.seed, 2, server_round, secure=self.secure_rng))
@@ -253,8 +271,8 @@ class DPFedAvg(DPRoundLoop):
         """`stop` mode: would the next round push epsilon above the target?"""
         if self.ledger is None or self.target_epsilon <= 0 or self.target_epsilon_mode != "stop":
             return False
-        return self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(),
-                                                self.sample_rate) > self.target_epsilon
+        return self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, 1,
+                                                self.next_truncation_probability()) > self.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
         return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more"
@@ -263,18 +281,35 @@ class DPFedAvg(DPRoundLoop):
         """Seeded noise only matters when there is noise."""
         return super().guarantee_caveats() if self.noise_multiplier > 0 else []
 
+    def published_keys(self) -> frozenset:
+        """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""
+        return super().published_keys() - {"epsilon_against_server"} if self.secure_aggregation \
+            else super().published_keys()
+
     def describe(self) -> dict:
-        """Settings and privacy figures for summary.json."""
+        """Settings and privacy figures for summary.json (what the ledger covers)."""
         assert self.ledger is not None
+        ledger = self.ledger.state_dict()
+        if self.secure_aggregation:  # its per-round multipliers reveal how many shares arrived
+            ledger["server"] = "in diagnostics-summary.json (not private)"
+        privacy = self.privacy_metrics()
+        published = self.published_keys()
         return {
             "noise_multiplier": self.noise_multiplier,
             "clipping_norm": self.clipping_norm,
             **self.describe_sampling(),
+            "noise_shares": self.noise_shares,
             "noise_placement": self.noise_placement,
             "accounting_note": self.ledger.relation,
             "server_threat_model": self.ledger.server_threat_model,
             "secure_aggregation": self.secure_aggregation,
-            "ledger": self.ledger.state_dict(),
+            "ledger": ledger,
             **({"audit": self.audit()} if self.audit_canaries else {}),
-            **self.privacy_metrics(),
+            **{k: v for k, v in privacy.items() if k in published},
         }
+
+    def describe_diagnostics(self) -> dict:
+        if not self.secure_aggregation:
+            return super().describe_diagnostics()
+        return {**super().describe_diagnostics(), "ledger": self.ledger.state_dict(),
+                "epsilon_against_server": self.ledger.epsilon_against_server()}

@@ -10,9 +10,11 @@ drift apart. Its SecAgg+ form is `strategies.secagg.SecAggPlusDPFedAvg`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from logging import INFO, WARNING
 
 import numpy as np
@@ -40,6 +42,28 @@ def _numbers(metrics) -> dict:
         return {}
     return {str(k): v for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class WorkflowInfoFilter(logging.Filter):
+    """Drops the INFO lines of Flower's legacy workflows (`flwr/server/workflow/`): they print how many clients
+    were sampled, answered and failed each round, and the metrics history, none of which epsilon covers.
+    Their warnings and errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "/flwr/server/workflow/" not in record.pathname.replace("\\", "/")
+
+
+@contextmanager
+def quiet_workflow_logs(enabled: bool = True):
+    """While active (and `enabled`), Flower's legacy workflows log no counts (`WorkflowInfoFilter`). Wrap a
+    `DefaultWorkflow(...)(grid, context)` call with it in a drop-in deployment that publishes its log."""
+    flower_logger, quiet = logging.getLogger("flwr"), WorkflowInfoFilter()
+    if enabled:
+        flower_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        flower_logger.removeFilter(quiet)
 
 
 def legacy_content(array_key: str, res: FitRes) -> RecordDict:
@@ -130,6 +154,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
     def describe(self) -> dict:
         return {**self.dp.describe(), "secure_aggregation": self.secure_aggregation}
 
+    def describe_diagnostics(self) -> dict:
+        return self.dp.describe_diagnostics()
+
     def ensure_population(self, client_manager: ClientManager) -> None:
         """Before round 1: wait for `min_available_nodes` nodes, then fix M, m and delta.
 
@@ -157,9 +184,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self._global = parameters_to_ndarrays(parameters)
         self.dp.begin_round(ArrayRecord(self._global))  # what DPFedAvg.aggregate_train measures updates against
         proxies = {proxy.node_id: proxy for proxy in client_manager.all().values()}
-        sampled = self.dp.sample_clients(server_round, list(proxies))
-        log(INFO, "configure_fit: sampled %d of %d clients (m=%.1f)", len(sampled), len(proxies),
-            self.dp.expected_clients)
+        sampled = self.dp.sample_clients(server_round, list(proxies))  # how many: a diagnostic, not logged
         config = dict(self.on_fit_config_fn(server_round)) if self.on_fit_config_fn else {}
         config.update(self.dp.client_train_config(server_round))
         config[keys.SECURE_AGGREGATION] = self.secure_aggregation
@@ -249,7 +274,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.dp.summary()
         context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
                                 config=ServerConfig(num_rounds=num_rounds, round_timeout=timeout), strategy=self)
-        DefaultWorkflow(fit_workflow=self.fit_workflow(timeout))(grid, context)
+        with quiet_workflow_logs(not self.dp.publish_diagnostics):
+            DefaultWorkflow(fit_workflow=self.fit_workflow(timeout))(grid, context)
         if self.dp.ledger is None:  # no round ran
             self.ensure_population(context.client_manager)
         return self.result

@@ -3,8 +3,10 @@ that `DPFedAvg` is composed with, in the spirit of Flower's server-side and clie
 fixed-clipping DP wrappers.
 
 - `CentralNoise`: a trusted server clips every update to C and adds N(0, sigma^2 C^2 I) to the sum.
-- `DistributedNoise`: each client clips and adds its share N(0, sigma^2 C^2 / m I); the server
-  adds the top-up N(0, sigma^2 C^2 (m - k)/m I) for the m - k shares that did not arrive.
+- `DistributedNoise`: each client clips and adds its share N(0, sigma^2 C^2 / n_s I); the server
+  adds the top-up N(0, sigma^2 C^2 (n_s - k)/n_s I) for the n_s - k shares that did not arrive, so
+  the sum carries sigma^2 C^2 whatever the number k of participants (n_s: the round loop's
+  `noise_shares`, `fl_app.privacy.mechanisms.noise_share_count`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class CentralNoise:
     def __init__(self, clients_clip: bool = False) -> None:
         self.clients_clip = clients_clip
 
-    def client_config(self, noise_multiplier: float, clipping_norm: float, expected_clients: float) -> dict:
+    def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
         return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: self.clients_clip, keys.NOISE_STD: 0.0}
 
     def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
@@ -39,12 +41,12 @@ class CentralNoise:
             return clipped, float(metrics.get(keys.UPDATE_NORM, server_norm))
         return clipped, server_norm
 
-    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
                          received: int) -> float:
         """sigma * C, whoever arrived."""
         return noise_multiplier * clipping_norm
 
-    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
                           dim: int) -> float:
         """No bound on what arrives: the server clips every update to C itself."""
         return math.inf
@@ -55,27 +57,27 @@ class DistributedNoise:
 
     name = "distributed"
 
-    def client_config(self, noise_multiplier: float, clipping_norm: float, expected_clients: float) -> dict:
+    def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
         return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: True,
-                keys.NOISE_STD: distributed_noise_std(noise_multiplier, clipping_norm, expected_clients)}
+                keys.NOISE_STD: distributed_noise_std(noise_multiplier, clipping_norm, noise_shares)}
 
     def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
         """The client clipped and reported its norm before clipping."""
         return vector, float(metrics.get(keys.UPDATE_NORM, math.nan))
 
-    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
                          received: int) -> float:
-        """sigma * C * sqrt((m - k)/m) for the k shares received."""
-        return topup_noise_std(noise_multiplier, clipping_norm, expected_clients, received)
+        """sigma * C * sqrt((n_s - k)/n_s) for the k shares received."""
+        return topup_noise_std(noise_multiplier, clipping_norm, noise_shares, received)
 
-    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, expected_clients: float,
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
                           dim: int) -> float:
         """The norm an honest upload (clipped to C plus its share) exceeds with probability <= 1e-12
         (no bound without clipping: the non-private reference)."""
         if clipping_norm <= 0:
             return math.inf
         return upload_norm_bound(clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm,
-                                                                      expected_clients), dim)
+                                                                      noise_shares), dim)
 
 
 def noise_placement(name: str, clients_clip: bool = False) -> CentralNoise | DistributedNoise:

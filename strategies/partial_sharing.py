@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from logging import WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import make_rng
@@ -38,7 +36,8 @@ class PersonalizedDPFedAvg(DPFedAvg):
     max(1, round(f * M)) clients. Round records carry `personalized_accuracy` (mean over
     clients), `personalized_accuracy_std`, `personalized_loss`, `personalized_clients`.
     Those metrics come from the clients' held-out data and, like any federated evaluation,
-    are outside the DP guarantee (which covers the shared model updates).
+    are outside the DP guarantee (which covers the shared model updates): they are diagnostics
+    (diagnostics.jsonl, diagnostics-summary.json), published only with publish-diagnostics.
     """
 
     def evaluation_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
@@ -65,8 +64,8 @@ class PersonalizedDPFedAvg(DPFedAvg):
                 problem = "no accuracy (empty held-out split?)"
             if problem:
                 failures += 1
-                log(WARNING, "Round %d: no personalized evaluation from node %d: %s", server_round,
-                    msg.metadata.src_node_id, problem)
+                self.note_problem(server_round, f"no personalized evaluation from node {msg.metadata.src_node_id}: "
+                                                f"{problem}")
                 continue
             accuracies.append(metrics[keys.ACCURACY])
             losses.append(metrics.get(keys.LOSS, math.nan))
@@ -84,12 +83,15 @@ class PersonalizedDPFedAvg(DPFedAvg):
         return dict(metrics)
 
     def describe(self) -> dict:
-        """DPFedAvg's figures plus the last round's personalized evaluation."""
+        return {**super().describe(),
+                "evaluation": ("personalized_accuracy (diagnostics-summary.json, not private): unweighted mean over "
+                               "clients of each client's personal model accuracy on its own held-out split")}
+
+    def describe_diagnostics(self) -> dict:
+        """DPFedAvg's diagnostics plus the last round's personalized evaluation."""
         last = next((r for r in reversed(self.history) if "personalized_accuracy" in r), {})
         keys = ("personalized_accuracy", "personalized_accuracy_std", "personalized_loss", "personalized_clients")
-        return {**super().describe(), **{k: last.get(k) for k in keys},
-                "evaluation": ("personalized_accuracy: unweighted mean over clients of each client's personal "
-                               "model accuracy on its own held-out split")}
+        return {**super().describe_diagnostics(), **{k: last.get(k) for k in keys}}
 
 
 class PartialSharingDPFedAvg(PersonalizedDPFedAvg):
@@ -104,4 +106,4 @@ class PartialSharingDPFedAvg(PersonalizedDPFedAvg):
         return {**super().describe(), "shared": "body only (each client keeps its head)",
                 "shared_parameters": int(sum(a.size for a in shared)),
                 "accuracy_note": ("final_accuracy is null: only the body is shared, so there is no global "
-                                  "model to evaluate; see personalized_accuracy")}
+                                  "model to evaluate; see personalized_accuracy in diagnostics-summary.json")}

@@ -7,9 +7,13 @@
 2. sampling: Poisson (each node with probability q) or fixed-size (exactly m), seeded per round;
 3. the reply gate: every reply is decoded and checked (`accepted_updates`) before anything reads it;
 4. the budget stop: before each round, `budget_exhausted()` may end the run;
-5. the round record: one dict per round in `history`, one log line, the `on_checkpoint` hook
-   (the strategy's whole state and the global arrays, written before anything of the round is
-   published) and the `on_round_end` hook (the run directory, dashboards).
+5. the round record: one dict per round in `history`, the `on_checkpoint` hook (the strategy's
+   whole state and the global arrays, written before anything of the round is published), then
+   the record split in two (`split_record`): what the ledger covers (`PUBLISHED_KEYS`: evaluation
+   of the released model on server data, the privacy figures) goes to the log line and the
+   `on_round_end` hook (metrics.jsonl, dashboards); everything computed from raw client replies
+   (counts, norms, losses, client evaluation, bytes, timing) is a non-private diagnostic, handed
+   to the hook separately and published only with `publish_diagnostics`.
 
 `state_dict()` / `load_state_dict()` carry everything a resumed run needs (the ledger included),
 so that a run killed in round r continues from round r with no round charged twice or lost.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -32,13 +36,29 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
-from fl_app.privacy.mechanisms import flatten, make_rng, update_problem
+from fl_app.privacy.mechanisms import (
+    TRUNCATION_PROBABILITY,
+    flatten,
+    make_rng,
+    noise_share_count,
+    truncation_probability,
+    update_problem,
+)
 from fl_app.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .reply_gate import MetricRule, read_metrics
 
-RoundCallback = Callable[[dict], None]
+RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
+
+# The round-record keys the ledger covers: the released model's evaluation on server-held data, the
+# privacy figures, and what the server derives from public settings or DP outputs (ALI-DPFL's tau and mu).
+# Every other key is a raw statistic of client replies, not covered by epsilon (README, "What a run writes").
+PUBLISHED_KEYS = frozenset({
+    "round", "accuracy", "loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon",
+    "epsilon_claimed", "epsilon_min", "epsilon_per_client", "tau", "tau_star", "tau_next", "mu",
+    "steps_budget", "local_steps_total", "upload_bytes_per_client", "dense_bytes_per_client",
+})
 
 
 class DPRoundLoop(FedAvg):
@@ -50,13 +70,15 @@ class DPRoundLoop(FedAvg):
     client_sampling : "poisson" (each with probability q) or "fixed" (exactly m = round(q M)).
     server_learning_rate : eta_s in w <- w + eta_s * aggregate.
     delta : target delta; 0 means the strategy's default (`default_delta`).
-    accountant : the ledger's accountant ("rdp" or "prv").
+    accountant : the ledger's accountant ("pld", the default, "rdp" or "prv").
     seed, secure_rng : OS entropy for sampling and noise (default), or streams seeded from `seed`
         (reproducible, but then anyone who knows the seed can remove the noise: the printed epsilon
         is marked as no guarantee).
     min_available_nodes : wait for this many connected nodes before round 1.
     fraction_evaluate : fraction of clients evaluating each round (0: none).
-    on_round_end : called with each round's record (the run directory, dashboards).
+    publish_diagnostics : also print the non-private diagnostics (counts, norms, rejected replies) in the log;
+        by default they go to the `on_round_end` hook's second argument only (diagnostics.jsonl).
+    on_round_end : called with each round's (published record, diagnostics) (the run directory, dashboards).
     on_checkpoint : called with (state_dict(), global arrays) after each round, before on_round_end.
 
     Subclasses implement `make_ledger`, `client_train_config`, `aggregate_train`,
@@ -67,8 +89,8 @@ class DPRoundLoop(FedAvg):
     reply_metric_rules: dict[str, MetricRule] = {}
 
     def __init__(self, *, sample_rate: float, client_sampling: str = "poisson", server_learning_rate: float = 1.0,
-                 delta: float = 0.0, accountant: str = "rdp", seed: int = 0, secure_rng: bool = True,
-                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 delta: float = 0.0, accountant: str = "pld", seed: int = 0, secure_rng: bool = True,
+                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0, publish_diagnostics: bool = False,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         super().__init__(fraction_train=sample_rate, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=0, min_evaluate_nodes=0, min_available_nodes=min_available_nodes)
@@ -82,11 +104,15 @@ class DPRoundLoop(FedAvg):
         self.accountant = accountant
         self.seed = seed
         self.secure_rng = secure_rng
+        self.publish_diagnostics = publish_diagnostics
         self.on_round_end = on_round_end
         self.on_checkpoint = on_checkpoint
         self.completed_rounds = 0
         self.num_clients = 0  # M, set with the population
         self.expected_clients = 0.0  # m
+        self.noise_shares = 0  # n_s: the most clients a round keeps (noise_share_count)
+        self.round_truncation_probability = 0.0  # P(this round's sample was truncated to n_s)
+        self.round_problems: list[str] = []  # failed and rejected replies of the round in flight (diagnostics)
         self.ledger = None
         self.stop_reason = ""
         self.history: list[dict] = []
@@ -104,12 +130,13 @@ class DPRoundLoop(FedAvg):
         raise NotImplementedError
 
     def setup_population(self, num_clients: int) -> None:
-        """Fix M, m and delta, and build the ledger."""
+        """Fix M, m, n_s and delta, and build the ledger."""
         self.num_clients = num_clients
         if self.client_sampling == "fixed":
             self.expected_clients = float(max(1, round(self.sample_rate * num_clients)))
         else:
             self.expected_clients = self.sample_rate * num_clients
+        self.noise_shares = noise_share_count(num_clients, self.sample_rate, self.client_sampling)
         delta = self.requested_delta if self.requested_delta > 0 else self.default_delta(num_clients)
         self.ledger = self.make_ledger(delta)
 
@@ -128,30 +155,43 @@ class DPRoundLoop(FedAvg):
 
     # ------------------------------------------------------------------ train
     def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
-        """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round."""
+        """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson
+        sample larger than n_s keeps a uniform n_s of it (probability <= 1e-12 for the population the run
+        started with; the ledger reserves the round's probability out of delta)."""
+        if self.ledger is None:  # sampling needs the population (n_s, delta)
+            self.setup_population(len(node_ids))
         rng = make_rng(self.seed, 1, server_round, secure=self.secure_rng)
         nodes = sorted(node_ids)
         if self.client_sampling == "fixed":
+            self.round_truncation_probability = 0.0
             k = min(len(nodes), int(self.expected_clients))
             return sorted(rng.choice(nodes, size=k, replace=False).tolist())
-        return [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
+        self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
+        sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
+        if len(sampled) > self.noise_shares:
+            sampled = sorted(rng.choice(sampled, size=self.noise_shares, replace=False).tolist())
+        return sampled
+
+    def next_truncation_probability(self) -> float:
+        """What the budget check assumes the next round reserves out of delta."""
+        return max(TRUNCATION_PROBABILITY, self.round_truncation_probability) \
+            if self.client_sampling == "poisson" else 0.0
 
     def client_train_config(self, server_round: int) -> dict:
         """What the sampled clients need this round (protocol keys)."""
         raise NotImplementedError
 
     def begin_round(self, arrays: ArrayRecord) -> None:
-        """The global arrays that this round's updates are measured against."""
+        """The global arrays that this round's updates are measured against (a new round: no problems yet)."""
         self.current_arrays = arrays
+        self.round_problems = []
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.begin_round(arrays)
         nodes = list(grid.get_node_ids())
-        node_ids = self.sample_clients(server_round, nodes)
-        log(INFO, "configure_train: sampled %d of %d clients (m=%.1f)", len(node_ids), len(nodes),
-            self.expected_clients)
+        node_ids = self.sample_clients(server_round, nodes)  # how many: a diagnostic, not logged
         train_config = ConfigRecord({**dict(config), **self.client_train_config(server_round)})
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: train_config})
         return self._construct_messages(record, node_ids, MessageType.TRAIN)
@@ -169,8 +209,7 @@ class DPRoundLoop(FedAvg):
         for msg in replies:
             if msg.has_error():
                 failures += 1
-                log(WARNING, "Round %d: node %d failed: %s", server_round, msg.metadata.src_node_id,
-                    msg.error.reason)
+                self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
                 continue
             try:
                 arrays = self.decode_update(msg.content)
@@ -184,11 +223,16 @@ class DPRoundLoop(FedAvg):
                 problem = f"undecodable reply ({type(exc).__name__}: {exc})"
             if problem:
                 rejected += 1
-                log(WARNING, "Round %d: rejected the reply of node %d: %s", server_round,
-                    msg.metadata.src_node_id, problem)
+                self.note_problem(server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
                 continue
             accepted.append((vector, metrics))
         return accepted, failures, rejected
+
+    def note_problem(self, server_round: int, problem: str) -> None:
+        """A failed or rejected reply: into the round's diagnostics (`problems`), and into the log only with
+        publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
+        self.round_problems.append(problem)
+        log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
@@ -207,7 +251,17 @@ class DPRoundLoop(FedAvg):
 
     def round_details(self) -> dict:
         """Entries for the round record that are not metrics (MetricRecord holds numbers only)."""
-        return {}
+        return {"problems": list(self.round_problems)} if self.round_problems else {}
+
+    def published_keys(self) -> frozenset:
+        """The round-record keys the ledger covers for this strategy."""
+        return PUBLISHED_KEYS
+
+    def split_record(self, record: dict) -> tuple[dict, dict]:
+        """(what the ledger covers, the non-private diagnostics with the round number)."""
+        published = self.published_keys()
+        return ({k: v for k, v in record.items() if k in published},
+                {"round": record["round"], **{k: v for k, v in record.items() if k not in published}})
 
     def finish_round(self, record: dict, started: float, arrays: ArrayRecord) -> None:
         """The round's record is complete: seconds, history, the checkpoint, one log line, on_round_end."""
@@ -218,15 +272,20 @@ class DPRoundLoop(FedAvg):
         self.latest_arrays = arrays
         if self.on_checkpoint:
             self.on_checkpoint(self.state_dict(), arrays)
-        log(INFO, "Round %d: %s", record["round"], format_record(record))
+        published, diagnostics = self.split_record(record)
+        line = format_record(published)
+        if self.publish_diagnostics:
+            line += "  | not private: " + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
+        log(INFO, "Round %d/%d: %s", record["round"], self.num_rounds, line)
         if self.on_round_end:
-            self.on_round_end(record)
+            self.on_round_end(published, diagnostics)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """Everything a resumed run needs, JSON-serializable (the ledger's own state included)."""
         return {"completed_rounds": self.completed_rounds, "history": self.history, "stop_reason": self.stop_reason,
                 "num_clients": self.num_clients, "expected_clients": self.expected_clients,
+                "noise_shares": self.noise_shares,
                 "ledger": None if self.ledger is None else self.ledger.state_dict(), **self.extra_state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -235,6 +294,7 @@ class DPRoundLoop(FedAvg):
         self.history = list(state["history"])
         self.stop_reason = state["stop_reason"]
         self.num_clients, self.expected_clients = int(state["num_clients"]), float(state["expected_clients"])
+        self.noise_shares = int(state["noise_shares"])
         self.ledger = None if state["ledger"] is None else self.ledger_from_state(state["ledger"])
         self.load_extra_state(state)
 
@@ -275,8 +335,6 @@ class DPRoundLoop(FedAvg):
                 log(WARNING, "Stopping before round %d: %s", rnd, self.stop_reason)
                 break
             started = time.perf_counter()
-            log(INFO, "")
-            log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
             instructions = list(self.configure_train(rnd, arrays, train_config, grid))
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
@@ -301,6 +359,11 @@ class DPRoundLoop(FedAvg):
             return ["noise derivable from the seed (secure-rng = false): anyone who knows 'seed' can remove it"]
         return []
 
+    def describe_diagnostics(self) -> dict:
+        """End-of-run figures computed from raw client replies (diagnostics-summary.json, not private)."""
+        rounds = [r for r in self.history if "problems" in r]
+        return {"rounds_with_failed_or_rejected_replies": [r["round"] for r in rounds]} if rounds else {}
+
     def describe_sampling(self) -> dict:
         """The summary.json entries every DP strategy shares."""
         caveats = self.guarantee_caveats()
@@ -321,7 +384,13 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
     return {"failed_nodes": failed} if failed else {}
 
 
-def format_record(record: dict) -> str:
-    keys = ("accuracy", "loss", "personalized_accuracy", "epsilon", "delta", "clients", "rejected", "clipped_fraction")
+LOG_KEYS = ("accuracy", "loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon", "epsilon_claimed",
+            "epsilon_min", "tau", "tau_next")
+DIAGNOSTIC_LOG_KEYS = ("personalized_accuracy", "clients", "rejected", "failures", "clipped_fraction",
+                       "update_norm_mean", "train_loss")
+
+
+def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
+    """`key=value` for the keys present, numbers to 4 significant digits."""
     return "  ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
                      for k in keys if k in record)

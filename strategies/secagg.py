@@ -6,7 +6,7 @@ Flower's SecAgg+ (`DPSecAggPlusWorkflow`). `aggregate_fit` then never sees an in
 every result carries the same vector, the weighted mean sum_i(w_i x_i) / sum_i(w_i) of the k
 clients that finished the protocol. Clients report weight w_i = 1 (`clients.mods`), so the mean
 is uniform and sum = k * mean; that sum goes through the wrapped strategy's noisy average step,
-which tops the noise up for the m - k shares that did not arrive.
+which tops the noise up for the n_s - k shares that did not arrive.
 
 SecAgg+ quantizes each upload x to integers after clipping every coordinate to [-R, R].
 `secagg_clipping_range` picks R = C + z s (s = noise-share std, z from a union bound over
@@ -17,7 +17,6 @@ nonlinearly and void the accounting of the sum as one Gaussian release.
 
 from __future__ import annotations
 
-from logging import ERROR
 from statistics import NormalDist
 
 import numpy as np
@@ -28,7 +27,6 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid
-from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import flatten, unflatten, update_problem
@@ -118,7 +116,7 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
             if problem is None:
                 updates = [(flatten(mean).astype(np.float64) * k).astype(np.float32)]
         if problem:
-            log(ERROR, "Round %d: rejected the secure sum of %d updates: %s", server_round, k, problem)
+            self.dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
         canaries = self.dp.canary_updates(server_round, sum(a.size for a in self._global))
         new_global = self.dp.noisy_average_step(server_round, updates + canaries, flatten(self._global),
                                                 received=k if updates else 0)

@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode
+from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
 from fl_app.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg
@@ -47,6 +47,7 @@ class DPFedSAMTopK(DPFedAvg):
         self.sparsity, self.topk_mode = sparsity, topk_mode
         self.upload_bytes_total = 0
         self.dense_bytes_total = 0
+        self._honest_bytes: tuple[list, int] = ([], 0)  # (shapes, bytes of an honest upload for them)
 
     @classmethod
     def check_settings(cls, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **settings) -> None:
@@ -89,9 +90,26 @@ class DPFedSAMTopK(DPFedAvg):
         self.dense_bytes_total += dense
         arrays, metrics = super().aggregate_train(server_round, replies)
         assert metrics is not None
-        metrics["upload_bytes"] = upload
+        metrics["upload_bytes"] = upload  # totals over who arrived: diagnostics
         metrics["dense_bytes"] = dense
+        metrics["dense_bytes_per_client"] = payload_bytes(self.current_arrays)
+        if (honest := self.honest_upload_bytes()) is not None:
+            metrics["upload_bytes_per_client"] = honest  # from the settings: published
         return arrays, metrics
+
+    def honest_upload_bytes(self) -> int | None:
+        """Bytes of one honest client's sparse upload for the current model under `per-layer` top-k: they depend
+        only on the shapes and p (the counts k_j and the support encoding), so they are public. Under `global`
+        top-k each tensor's share of the k values depends on the client's data: None (a diagnostic)."""
+        assert self.current_arrays is not None
+        if self.topk_mode != "per-layer":
+            return None
+        shapes = [a.shape for a in self.current_arrays.to_numpy_ndarrays()]
+        if shapes != self._honest_bytes[0]:
+            example = [np.arange(1, int(np.prod(s)) + 1, dtype=np.float32).reshape(s) for s in shapes]
+            encoded = sparse_encode(example, topk_sparsify(example, self.sparsity, self.topk_mode))
+            self._honest_bytes = (shapes, payload_bytes(ArrayRecord(encoded)))
+        return self._honest_bytes[1]
 
     def extra_state(self) -> dict:
         return {**super().extra_state(), "upload_bytes_total": self.upload_bytes_total,
@@ -106,7 +124,16 @@ class DPFedSAMTopK(DPFedAvg):
         log(INFO, "\t└──> top-k: p=%.3g (%s), sparse uploads", self.sparsity, self.topk_mode)
 
     def describe(self) -> dict:
-        return {**super().describe(), "sparsity": self.sparsity, "topk_mode": self.topk_mode,
-                "upload_bytes_total": self.upload_bytes_total, "dense_bytes_total": self.dense_bytes_total,
+        per_client = {}
+        if self.current_arrays is not None and (honest := self.honest_upload_bytes()) is not None:
+            dense = payload_bytes(self.current_arrays)
+            per_client = {"upload_bytes_per_client": honest, "dense_bytes_per_client": dense,
+                          "upload_fraction_of_dense": honest / dense}
+        return {**super().describe(), "sparsity": self.sparsity, "topk_mode": self.topk_mode, **per_client}
+
+    def describe_diagnostics(self) -> dict:
+        """Byte totals over the uploads that arrived (they count participants)."""
+        return {**super().describe_diagnostics(), "upload_bytes_total": self.upload_bytes_total,
+                "dense_bytes_total": self.dense_bytes_total,
                 "upload_fraction_of_dense": (self.upload_bytes_total / self.dense_bytes_total
                                              if self.dense_bytes_total else None)}

@@ -28,7 +28,7 @@ from flwr.supercore import log
 from fl_app.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
 from fl_app.privacy.ledger import PrivacyLedger
 from fl_app.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
-from fl_app.privacy.settings import check_wavelet_accountant, one_of, require_noise_placement
+from fl_app.privacy.settings import one_of, require_noise_placement
 
 from .dp_fedavg import DPFedAvg
 
@@ -44,7 +44,7 @@ class DPFedAvgWavelet(DPFedAvg):
 
     def __init__(self, *, wavelet_calibration: str = "exact", **kwargs) -> None:
         kwargs.setdefault("noise_placement", "central")
-        self.check_wavelet(wavelet_calibration, kwargs["noise_placement"], kwargs.get("accountant", "rdp"))
+        self.check_wavelet(wavelet_calibration, kwargs["noise_placement"])
         super().__init__(**kwargs)
         self.wavelet_calibration = wavelet_calibration
         self.dimension = 0  # d, set from the model
@@ -55,15 +55,14 @@ class DPFedAvgWavelet(DPFedAvg):
     @classmethod
     def check_settings(cls, *, wavelet_calibration: str = "exact", **settings) -> None:
         settings.setdefault("noise_placement", "central")
-        cls.check_wavelet(wavelet_calibration, settings["noise_placement"], settings.get("accountant", "rdp"))
+        cls.check_wavelet(wavelet_calibration, settings["noise_placement"])
         super().check_settings(**settings)
 
     @staticmethod
-    def check_wavelet(wavelet_calibration: str, noise_placement: str, accountant: str) -> None:
+    def check_wavelet(wavelet_calibration: str, noise_placement: str) -> None:
         one_of("wavelet_calibration", wavelet_calibration, WAVELET_CALIBRATIONS)
         require_noise_placement("DP-FedAvg-WAV", noise_placement, "central",
                                 "adds its wavelet noise at the server (Algorithm 2)")
-        check_wavelet_accountant(wavelet_calibration, accountant)
 
     # ------------------------------------------------------------------ calibration
     def set_dimension(self, dimension: int) -> None:

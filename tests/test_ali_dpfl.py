@@ -108,8 +108,9 @@ def test_rc_is_the_last_step_within_the_target(target, sigma, q):
     r_c = max_local_steps(target, delta, sigma, q)
     assert r_c >= 1
     assert epsilon_of([(sigma, q, r_c)], delta) <= target < epsilon_of([(sigma, q, r_c + 1)], delta)
-    eps_pld, eps_rdp = dp_accounting_epsilons(sigma, q, r_c, delta)
-    assert eps_pld <= target and eps_rdp <= target * 1.05  # an independent accountant agrees
+    eps_pld, _ = dp_accounting_epsilons(sigma, q, r_c, delta)
+    assert eps_pld <= target * 1.001  # an independent accountant agrees (dp-accounting's finer PLD grid)
+    assert epsilon_of([(sigma, q, r_c)], delta, "prv") <= target * 1.03  # and an independent implementation
 
 
 def dpsgd_client(state, *, target=8.0, sigma=1.2, q=0.2, mu_noise=3.0, seed=0):

@@ -46,14 +46,16 @@ def audited_run(strategy, rounds: int = 20, dim_in: int = 500, dim_out: int = 40
 def test_honest_gaussian_run_audits_below_its_accounted_epsilon():
     audit, accounted = audited_run(DPFedAvg(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=1.0,
                                             noise_placement="central", delta=1e-5, audit_canaries=200))
-    assert 0 <= audit["epsilon_estimate"] <= accounted, (audit, accounted)
+    # the estimate has sampling error; its one-sided 99.9% lower bound must not exceed the accounted epsilon
+    assert 0 <= audit["epsilon_lower_bound"] <= audit["epsilon_estimate"] and audit["epsilon_lower_bound"] <= accounted
+    assert audit["epsilon_estimate"] < 1.5 * accounted, (audit, accounted)
     assert abs(audit["null_cosine_mean"]) < 4 * audit["null_cosine_std"] / math.sqrt(200)
 
 
 def test_a_run_without_noise_audits_far_above_any_claim():
     audit, accounted = audited_run(DPFedAvg(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=0.0,
                                             noise_placement="central", delta=1e-5, audit_canaries=200))
-    assert math.isinf(accounted) and audit["epsilon_estimate"] > 20
+    assert math.isinf(accounted) and audit["epsilon_lower_bound"] > 20
 
 
 def test_paper_calibrated_wavelet_audits_far_above_its_claim():
@@ -66,8 +68,9 @@ def test_paper_calibrated_wavelet_audits_far_above_its_claim():
                   audit_canary_kind="smooth")
     paper = DPFedAvgWavelet(wavelet_calibration="paper", **common)
     audit, _ = smooth(paper)
-    assert audit["epsilon_estimate"] > 3 * paper.describe()["claimed_epsilon"]
+    # with 99.9% confidence the paper-calibrated mechanism leaks more than twice what it claims
+    assert audit["epsilon_lower_bound"] > 2 * paper.describe()["claimed_epsilon"]
     for honest in (DPFedAvgWavelet(wavelet_calibration="exact", **common),
                    DPFedAvg(noise_placement="central", **common)):
         audit, accounted = smooth(honest)
-        assert audit["epsilon_estimate"] <= accounted
+        assert audit["epsilon_lower_bound"] <= accounted

@@ -1,7 +1,9 @@
 """DP2-FedSAM / CENTAUR / -FT baselines: body/head split, head privacy and persistence, clipping, noise."""
 
+import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,12 +124,13 @@ def test_exactly_the_sampled_clients_heads_change(tmp_path):
     grid = InProcessGrid(client_app, 8, cfg)
     snapshots, sampled, seen = [heads_of(grid)], [], [0]
 
-    def on_round_end(record):
+    def on_round_end(published, diagnostics):
         sampled.append({m.metadata.dst_node_id for m in grid.sent[seen[0]:]
                         if m.metadata.message_type == MessageType.TRAIN})
         seen[0] = len(grid.sent)
         snapshots.append(heads_of(grid))
-        assert record["personalized_clients"] == 8  # all clients evaluate, sampled or not
+        assert diagnostics["personalized_clients"] == 8  # all clients evaluate, sampled or not
+        assert "personalized_accuracy" not in published  # a client evaluation: not covered by epsilon
 
     strategy = build_strategy(cfg, on_round_end=on_round_end)
     strategy.start(grid, ArrayRecord(shared_weights(build_global_model(cfg), cfg)), num_rounds=3)
@@ -294,9 +297,15 @@ def test_fine_tune_baseline_reports_global_and_personalized_accuracy(tmp_path):
     cfg = small_cfg(tmp_path, **{"algorithm": "dp-fedavg-ft", "num-rounds": 2, "fine-tune-steps": 30,
                                  "noise-multiplier": 0.5, "local-steps": 5})
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
-    assert summary["personalized_clients"] == 6 and summary["final_accuracy"] is not None
+    diagnostics = diagnostics_summary(summary)
+    assert diagnostics["personalized_clients"] == 6 and summary["final_accuracy"] is not None
     # fine-tuning on a 2-label split moves predictions onto those labels (measured: 0.57 vs 0.11)
-    assert summary["personalized_accuracy"] > summary["final_accuracy"] + 0.2
+    assert diagnostics["personalized_accuracy"] > summary["final_accuracy"] + 0.2
+
+
+def diagnostics_summary(summary: dict) -> dict:
+    """The run's non-private end-of-run figures (the personalized evaluation is a client evaluation)."""
+    return json.loads(Path(summary["results_dir"], "diagnostics-summary.json").read_text())
 
 
 E2E = {"partitioner": "pathological", "classes-per-client": 2, "num-rounds": 8, "sample-rate": 0.5,
@@ -311,7 +320,8 @@ def test_dp2_fedsam_personalized_beats_dp_fedsam_global_at_same_epsilon(tmp_path
         cfg = validate({**E2E, "algorithm": algorithm, "results-dir": str(tmp_path / algorithm)})
         results[algorithm] = run_federated(InProcessGrid(client_app, 20, cfg), cfg)
     dp2, global_ = results["dp2-fedsam"], results["dp-fedsam"]
-    assert dp2["epsilon"] == pytest.approx(global_["epsilon"], rel=1e-12) and 0 < dp2["epsilon"] < 50
-    assert dp2["final_accuracy"] is None and dp2["personalized_clients"] == 20
-    assert dp2["personalized_accuracy"] > global_["final_accuracy"] + 0.3, (dp2, global_)
-    assert dp2["personalized_accuracy"] > 0.7
+    personal = diagnostics_summary(dp2)
+    assert dp2["epsilon"] == pytest.approx(global_["epsilon"], rel=1e-12) and 0 < dp2["epsilon"] < 80
+    assert dp2["final_accuracy"] is None and personal["personalized_clients"] == 20
+    assert personal["personalized_accuracy"] > global_["final_accuracy"] + 0.3, (personal, global_)
+    assert personal["personalized_accuracy"] > 0.7

@@ -153,10 +153,11 @@ def test_epsilon_every_round_matches_accountant():
     assert s.describe()["num_clients"] == 20 and s.describe()["delta"] == 1e-3
 
 
-def test_default_delta_is_one_over_population():
+@pytest.mark.parametrize("population,delta", [(8, 1e-5), (5000, 2e-6)])
+def test_default_delta_is_far_below_one_over_the_population(population, delta):
     s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0)
-    run_rounds(s, 8, 1)
-    assert s.ledger.delta == pytest.approx(1 / 8)
+    s.setup_population(population)
+    assert s.ledger.delta == pytest.approx(delta)  # min(1e-5, 0.01 / M)
 
 
 def test_target_epsilon_stop_never_exceeds():

@@ -159,8 +159,11 @@ def test_legacy_numpyclient_with_mod_under_secaggplus():
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[secaggplus_mod, dp_mod]), NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert len(strategy.history) == ROUNDS and strategy.history[-1]["accuracy"] > 0.6
-    described = strategy.describe()
-    assert described["epsilon"] == described["epsilon_against_server"] == pytest.approx(expected_epsilon())
+    described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
+    assert described["epsilon"] == pytest.approx(expected_epsilon())
+    # against the server: the unamplified sum of the shares that arrived (a diagnostic: it depends on how many)
+    assert "epsilon_against_server" not in described
+    assert diagnostics["epsilon_against_server"] >= described["epsilon"]
 
 
 # ---------------------------------------------------------------- the mod itself

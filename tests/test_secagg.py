@@ -26,6 +26,7 @@ from fl_app.privacy.mechanisms import flatten
 from tests.stub_clients import FixedUpdateClient
 
 C, SIGMA = 0.5, 1.3
+N_S, DELTA = 6, 1e-5  # 5 nodes sampled with q = 1: n_s = M + 1 noise shares (a neighbour has one client more)
 
 
 class SpySecAggPlusDPFedAvg(SecAggPlusDPFedAvg):
@@ -95,19 +96,23 @@ def test_strategy_receives_only_the_sum():
     # what the server received from clients: masked integers, never the arrays themselves
     for reply in grid.received:
         assert all(len(record) == 0 for record in reply.content.array_records.values())
-    # the quantizer range was not reached, and the model moved by sum / m (no top-up: all 5 arrived)
+    # the quantizer range was not reached, and the model moved by (sum + the top-up for the sixth share) / m
     assert max(np.max(np.abs(u)) for u in uploads.values()) < settings["clipping_range"]
     assert settings["clipping_range"] == pytest.approx(
-        secagg_clipping_range(C, SIGMA * C / math.sqrt(5), 100_100, 5))
-    assert np.max(np.abs(delta - np.sum(list(uploads.values()), axis=0) / 5)) <= 2 * step
-    assert strategy.dp.last_server_noise_std == 0.0
-    # each client's share: clipped signal (norm C) + N(0, sigma^2 C^2 / m)
+        secagg_clipping_range(C, SIGMA * C / math.sqrt(N_S), 100_100, 5))
+    topup = delta * 5 - np.sum(list(uploads.values()), axis=0)
+    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C / math.sqrt(N_S))
+    assert abs(topup.std() / (SIGMA * C / math.sqrt(N_S)) - 1) < 5 / math.sqrt(2 * topup.size)
+    # each client's share: clipped signal (norm C) + N(0, sigma^2 C^2 / n_s)
     noise = list(uploads.values())[0] - signal(0, 1, delta.size) * (C / 2.0)
-    assert abs(noise.std() / (SIGMA * C / math.sqrt(5)) - 1) < 5 / math.sqrt(2 * noise.size)
-    # the server saw only the noisy sum: its epsilon is the aggregate one
-    described = strategy.describe()
-    assert described["epsilon_against_server"] == described["epsilon"] == pytest.approx(
-        epsilon_of([(SIGMA, 1.0, 1)], 1 / 5))
+    assert abs(noise.std() / (SIGMA * C / math.sqrt(N_S)) - 1) < 5 / math.sqrt(2 * noise.size)
+    # the server saw only the noisy sum of 5 shares (multiplier sigma sqrt(5/6), no amplification): a
+    # diagnostic, since it depends on how many shares arrived
+    described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
+    assert described["epsilon"] == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
+    assert "epsilon_against_server" not in described and described["ledger"]["server"].startswith("in diagnostics")
+    assert diagnostics["epsilon_against_server"] == pytest.approx(epsilon_of([(SIGMA * math.sqrt(5 / 6), 1.0, 1)],
+                                                                             DELTA))
     assert described["secure_aggregation"] is True
 
 
@@ -124,14 +129,14 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     record = strategy.history[0]
     assert record["clients"] == 4 and record["failures"] == 1
     assert "node 101 crashed" in record["failed_nodes"][0]
-    # 4 noise shares in the sum, the server adds the fifth: the model still gets N(0, sigma^2 C^2) / m
-    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(1 / 5))
+    # 4 noise shares in the sum, the server adds the other 2 of n_s = 6: the model still gets N(0, sigma^2 C^2) / m
+    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(2 / N_S))
     expected = SIGMA * C / 5
     assert abs(delta.std() / expected - 1) < 5 / math.sqrt(2 * delta.size)
-    # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/5) against it
+    # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/6) against it
     ledger = strategy.ledger
-    assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], 1 / 5))
-    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / 5), 1.0, 1)], 1 / 5))
+    assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
+    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / N_S), 1.0, 1)], DELTA))
     assert ledger.epsilon_against_server() > ledger.epsilon()
 
 
@@ -144,7 +149,7 @@ def test_secagg_halts_when_too_few_finish(caplog):
     assert "no aggregate" in caplog.text
 
 
-def test_secagg_rejects_unequal_weights(caplog):
+def test_secagg_rejects_unequal_weights():
     """A sum of unequally weighted updates cannot be un-averaged: it is rejected (never raised), the round
     counts every update as rejected, and the model moves by the full server noise only (topped up for all m)."""
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed")
@@ -160,34 +165,42 @@ def test_secagg_rejects_unequal_weights(caplog):
             self.num_examples, self.parameters, self.metrics = n, ndarrays_to_parameters([np.zeros(3)]), {}
 
     parameters, metrics = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
-    assert "num_examples = 1" in caplog.text
+    assert "num_examples = 1" in dp.round_problems[0]
     assert metrics["rejected"] == 2 and metrics["clients"] == 0
     assert metrics["server_noise_std"] == pytest.approx(SIGMA * C)  # the top-up covers all m = 2 shares
     assert np.all(np.isfinite(parameters_to_ndarrays(parameters)[0]))
 
 
-def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list]:
-    from fl_app.results import read_metrics
+def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list, dict]:
+    """(summary, each round's published record merged with its diagnostics, the diagnostics summary)."""
+    import json
+    from pathlib import Path
+
+    from fl_app.results import read_rounds
 
     cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
                     "local-epochs": 1, "min-nodes": 4, "secure-aggregation": secure, "secure-rng": False,
-                    "results-dir": str(tmp_path / ("secure" if secure else "plain")), **overrides})
+                    "noise-multiplier": 0.5, "results-dir": str(tmp_path / ("secure" if secure else "plain")),
+                    **overrides})
     summary = run_federated(InProcessGrid(fl_client_app, 4, cfg), cfg)
-    return summary, read_metrics(summary["results_dir"])
+    diagnostics = json.loads(Path(summary["results_dir"], "diagnostics-summary.json").read_text())
+    return summary, read_rounds(summary["results_dir"]), diagnostics
 
 
 def test_app_with_secagg_matches_plain_run(tmp_path):
     torch.set_num_threads(1)
-    secure, secure_rounds = run_app(True, tmp_path)
-    plain, plain_rounds = run_app(False, tmp_path)
+    secure, secure_rounds, secure_diagnostics = run_app(True, tmp_path)
+    plain, plain_rounds, _ = run_app(False, tmp_path)
     # same seed, same sampled clients, same noise: only SecAgg+ quantization (step ~1e-6) differs
     assert secure["rounds_completed"] == plain["rounds_completed"] == 4
     assert secure["final_accuracy"] > 0.2 and abs(secure["final_accuracy"] - plain["final_accuracy"]) <= 0.02
     for s, p in zip(secure_rounds, plain_rounds):
         assert s["loss"] == pytest.approx(p["loss"], abs=1e-3)
-    # the aggregate figure is the same; against the server SecAgg+ gives it, without it is far weaker
+    # the aggregate figure is the same; against the server SecAgg+ gives the unamplified sum of 4 of n_s = 5
+    # shares (a diagnostic: it depends on how many arrived), without it each upload is a release of its own
     assert secure["epsilon"] == pytest.approx(plain["epsilon"])
-    assert secure["epsilon_against_server"] == pytest.approx(secure["epsilon"])
+    assert secure_diagnostics["epsilon_against_server"] == pytest.approx(
+        epsilon_of([(0.5 * math.sqrt(4 / 5), 1.0, 4)], secure["delta"]))
     assert plain["epsilon_against_server"] > 5 * plain["epsilon"]
     assert secure["secure_aggregation"] is True and secure["secagg"]["max_weight"] == 1.0
     # nothing data-dependent travels in the clear next to the secure sum
@@ -198,9 +211,10 @@ def test_topk_under_secagg_sums_the_dense_form(tmp_path):
     """DP-FedSAM-top_k: sparse uploads without SecAgg+, dense (zeros included) under it; same model."""
     torch.set_num_threads(1)
     topk = {"algorithm": "dp-fedsam-topk", "sparsity": 0.4, "num-rounds": 2}
-    secure, secure_rounds = run_app(True, tmp_path, **topk)
-    plain, plain_rounds = run_app(False, tmp_path, **topk)
+    secure, secure_rounds, secure_diagnostics = run_app(True, tmp_path, **topk)
+    plain, plain_rounds, _ = run_app(False, tmp_path, **topk)
     for s, p in zip(secure_rounds, plain_rounds):
         assert s["loss"] == pytest.approx(p["loss"], abs=1e-3) and s["clients"] == p["clients"] == 4
     assert plain_rounds[0]["upload_bytes"] < 0.5 * plain_rounds[0]["dense_bytes"]  # sparse without SecAgg+
-    assert secure["epsilon_against_server"] == pytest.approx(secure["epsilon"]) == pytest.approx(plain["epsilon"])
+    assert secure["epsilon"] == pytest.approx(plain["epsilon"])
+    assert secure_diagnostics["epsilon_against_server"] > secure["epsilon"]  # 4 of 5 shares, no amplification

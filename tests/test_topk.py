@@ -1,5 +1,6 @@
 """DP-FedSAM-top_k: exact selection, sparse upload, fixed denominator m, rejection, p = 1 equals DP-FedSAM."""
 
+import json
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from fl_app.task.torch_helpers import get_weights
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.results import read_metrics
+from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import build_global_model, build_strategy, run_federated
 from fl_app.privacy.mechanisms import (
     flatten, sparse_decode, sparse_encode, topk_count, topk_mask, topk_sparsify,
@@ -142,7 +143,15 @@ def test_server_divides_sparse_sum_by_m_and_counts_bytes(mode):
     assert metrics["dense_bytes"] == n * dense
     assert metrics["upload_bytes"] == sum(payload_bytes(r.content["arrays"]) for r in grid.received)
     assert metrics["upload_bytes"] < 0.6 * metrics["dense_bytes"]  # 1/8 + 4p bytes per parameter vs 4
-    assert s.describe()["upload_bytes_total"] == metrics["upload_bytes"]
+    assert s.describe_diagnostics()["upload_bytes_total"] == metrics["upload_bytes"]  # totals count clients
+    # what is published: the bytes of one honest upload, computed from the shapes and p alone (per-layer top-k;
+    # under global top-k how the k values spread over the tensors depends on the data: not published)
+    assert metrics["dense_bytes_per_client"] == dense
+    if mode == "per-layer":
+        assert all(payload_bytes(r.content["arrays"]) == metrics["upload_bytes_per_client"] for r in grid.received)
+        assert s.describe()["upload_bytes_per_client"] < 0.6 * dense
+    else:
+        assert "upload_bytes_per_client" not in metrics and "upload_bytes_per_client" not in s.describe()
 
 
 def _out_of_range(enc):
@@ -189,16 +198,15 @@ def _dense(enc):
     (_padding_bits, "beyond"), (_float_indices, "support must be"), (_nan_value, "NaN"),
     (_dense, "arrays, expected 4"),
 ])
-def test_bad_sparse_update_is_rejected_not_averaged(corrupt, reason, caplog):
+def test_bad_sparse_update_is_rejected_not_averaged(corrupt, reason):
     p, n = 0.3, 5
     app = sparse_stub(updates_of, p, corrupt=lambda pid, enc: corrupt(enc) if pid == 0 else enc)
     grid = InProcessGrid(app, n, {})
     s = DPFedSAMTopK(sparsity=p, sample_rate=1.0, clipping_norm=1e6, noise_multiplier=0.0,
                      noise_placement="distributed", client_sampling="fixed")
-    with caplog.at_level("WARNING", logger="flwr"):
-        delta, metrics = one_round(s, grid)
+    delta, metrics = one_round(s, grid)
     assert metrics["rejected"] == 1 and metrics["clients"] == n - 1
-    assert reason in caplog.text
+    assert reason in s.round_problems[0]  # the round's diagnostics name why
     expected = expected_topk_sum(range(1, n), 1050, p, "per-layer") / n  # node 0 left out, still / m
     np.testing.assert_allclose(delta, expected, rtol=1e-5, atol=1e-6)
 
@@ -240,7 +248,8 @@ def test_p1_is_exactly_dp_fedsam(tmp_path):
 def test_run_writes_upload_and_dense_bytes(tmp_path):
     cfg = tiny_config(tmp_path, "run", algorithm="dp-fedsam-topk", sparsity=0.4)
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
-    rows = read_metrics(summary["results_dir"])
+    rows = read_rounds(summary["results_dir"])  # the totals count clients: they are diagnostics
+    diagnostics = json.loads((tmp_path / "run" / "diagnostics-summary.json").read_text())
     assert len(rows) == 2
     params = summary["num_parameters"]  # mlp on 8x8 digits: 64*128 + 128 + 128*10 + 10
     for row in rows:
@@ -250,8 +259,10 @@ def test_run_writes_upload_and_dense_bytes(tmp_path):
         assert per_client == pytest.approx(params / 8 + 4 * sum(
             topk_count(s, 0.4) for s in (64 * 128, 128, 128 * 10, 10)), abs=8 * 128 + 8)
         assert row["dense_bytes"] / 3 == pytest.approx(4 * params, abs=4 * 128)
-    assert summary["upload_bytes_total"] == sum(r["upload_bytes"] for r in rows)
-    assert summary["dense_bytes_total"] == sum(r["dense_bytes"] for r in rows)
+        assert row["upload_bytes_per_client"] == row["upload_bytes"] / 3  # published: one honest upload
+    assert diagnostics["upload_bytes_total"] == sum(r["upload_bytes"] for r in rows)
+    assert diagnostics["dense_bytes_total"] == sum(r["dense_bytes"] for r in rows)
+    assert "upload_bytes_total" not in summary and "clients" not in read_metrics(summary["results_dir"])[0]
     # (1/8 + 4 * 0.4) / 4 bytes per parameter; the npy headers of 8 arrays weigh on 9,610 parameters
     assert summary["upload_fraction_of_dense"] == pytest.approx((1 / 8 + 1.6) / 4, rel=0.06)
     assert math.isfinite(summary["epsilon"]) and summary["sparsity"] == 0.4
@@ -264,7 +275,7 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
     from flwr.app import Error, MetricRecord, RecordDict
 
     strategy = DPFedSAMTopK(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=1.0, noise_placement=placement,
-                            sparsity=p)
+                            sparsity=p, client_sampling="fixed")  # n_s = m = 5: no top-up when all arrive
     strategy.setup_population(5)
     zeros, rng = [], np.random.default_rng(0)
     arrays = ArrayRecord([np.zeros(d, np.float32)])

@@ -11,7 +11,9 @@ inserted. After the last round, with Delta = w_final - w_initial:
 
 The Gaussian mechanism shifts a canary's cosine without changing its spread (in high dimension), so
 the estimate is the epsilon at the run's delta of mu-GDP with mu = (mu_1 - mu_0) / s_0
-(`gdp_epsilon`). (Fitting a separate spread to the observed cosines, which also vary with how often
+(`gdp_epsilon`). With K canaries the estimate has sampling error (standard error of mu about
+sqrt(s_1^2/K + s_0^2/K') / s_0): `epsilon_lower_bound` is the epsilon at mu minus 3.09 standard errors,
+a one-sided 99.9% bound: a run whose bound exceeds its accounted epsilon leaks more than it claims. (Fitting a separate spread to the observed cosines, which also vary with how often
 each canary was sampled, made the estimate overshoot the accounted epsilon at delta = 1e-5 in our
 checks: its tail is driven by the error of the fitted spread.) One run, no retraining: an estimate of what an adversary who sees only
 the final model can learn about one client, to put beside the accounted epsilon (an upper bound).
@@ -31,6 +33,8 @@ from .mechanisms import haar_padded_size
 
 
 CANARY_KINDS = ("isotropic", "smooth")
+LOWER_BOUND_CONFIDENCE = 0.999  # epsilon_lower_bound: the estimate at mu - z * standard error, one-sided
+LOWER_BOUND_Z = 3.0902
 SMOOTH_BLOCK = 16  # `smooth` canaries: Haar coefficients whose block is >= 16 entries (the coarsest n/16)
 
 
@@ -90,7 +94,11 @@ def audit_epsilon(final_delta: np.ndarray, seed: int, inserted: int, held_out: i
     mu_1, s_1 = float(observed.mean()), float(observed.std(ddof=1))
     mu_0, s_0 = float(null.mean()), float(max(null.std(ddof=1), 1e-12))
     shift = (mu_1 - mu_0) / s_0
+    standard_error = math.sqrt(s_1**2 / inserted + s_0**2 / held_out) / s_0  # of the shift, from the K + K' cosines
+    lower = max(0.0, shift - LOWER_BOUND_Z * standard_error)
     return {"epsilon_estimate": gdp_epsilon(shift, delta), "gdp_mu": shift, "delta": delta,
+            "gdp_mu_standard_error": standard_error, "epsilon_lower_bound": gdp_epsilon(lower, delta),
+            "lower_bound_confidence": LOWER_BOUND_CONFIDENCE,
             "canaries_inserted": inserted, "canaries_held_out": held_out, "canary_kind": kind,
             "observed_cosine_mean": mu_1, "observed_cosine_std": s_1,
             "null_cosine_mean": mu_0, "null_cosine_std": s_0, "dimension": dim,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .ledger import PrivacyLedger
+from .ledger import DEFAULT_ACCOUNTANT, PrivacyLedger
 from .mechanisms import coefficient_clipping_noise_multiplier, haar_padded_size
 
 DPSGD_NOISES = ("gaussian", "wavelet")
@@ -55,6 +55,6 @@ def dpsgd_multipliers(noise_multiplier: float, noise: str = "gaussian", calibrat
 
 
 def max_local_steps(target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float,
-                    accountant: str = "rdp") -> int:
+                    accountant: str = DEFAULT_ACCOUNTANT) -> int:
     """R_c (ALI-DPFL Algorithm 3): the largest number of DP-SGD steps with eps(delta) <= target."""
     return PrivacyLedger(delta, accountant).max_steps_within(target_epsilon, noise_multiplier, sample_rate)

@@ -1,8 +1,10 @@
 """The privacy ledger: the single source of every epsilon the product prints.
 
 A ledger is a list of (noise_multiplier, sample_rate, steps) events of the
-sampled Gaussian mechanism, composed by a maintained accountant (Opacus RDP by
-default, Opacus PRV selectable). The list is the whole state: save it, restore it.
+sampled Gaussian mechanism, composed by a maintained accountant: Google dp-accounting's
+privacy-loss-distribution (PLD) accountant by default (pessimistic discretisation, so its
+epsilon is an upper bound), Opacus' RDP or PRV selectable. The list is the whole state:
+save it, restore it.
 
 Two ledgers implement the one interface `Ledger` that strategies and reports use:
 `ClientLevelLedger` (one protected unit: a client; against the released model and against
@@ -18,9 +20,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-ACCOUNTANTS = ("rdp", "prv")  # Opacus' accountants; Opacus is imported when an epsilon is first computed
+ACCOUNTANTS = ("pld", "rdp", "prv")  # imported when an epsilon is first computed
+DEFAULT_ACCOUNTANT = "pld"
 MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)
-PRV_MIN_SIGMA = 0.2  # below it PRV runs out of memory or returns inf (measured)
+NUMERIC_MIN_SIGMA = 0.2  # below it PLD and PRV take minutes and gigabytes (measured: PLD 110 s, 7.8 GB at 0.02)
+PLD_DISCRETIZATION = 1e-3  # dp-accounting's value_discretization_interval: within 1e-3 of 1e-4's epsilon, 10x faster
+
+
+def default_client_delta(num_clients: int) -> float:
+    """delta = min(1e-5, 0.01 / M): the chance that the mechanism exposes any one of the M clients outright
+    (delta's failure event, per client) summed over all clients stays below 1% and below 1e-5 M.
+    1/M, the old default, is the boundary at which publishing one random client's data is allowed."""
+    return min(1e-5, 0.01 / max(1, num_clients))
 
 Event = tuple[float, float, int]
 
@@ -38,7 +49,7 @@ def _compress(events: list[Event]) -> list[Event]:
     return merged
 
 
-def epsilon_of(events: list[Event], delta: float, accountant: str = "rdp") -> float:
+def epsilon_of(events: list[Event], delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
     """eps(delta) of a composition of sampled-Gaussian events; inf if any has sigma = 0."""
     return _epsilon_of(tuple(_compress(events)), float(delta), accountant)
 
@@ -53,24 +64,57 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
     events = [e for e in events if e[1] > 0]
     if not events:
         return 0.0
-    if accountant == "prv" and min(sigma for sigma, _, _ in events) < PRV_MIN_SIGMA:
-        # PRV's discretisation grows without bound as sigma -> 0 (16 GB at sigma = 0.03, inf at 0.1):
-        # such events get RDP's bound, which is valid too (and close to PRV there).
-        logging.getLogger(__name__).warning(
-            "sigma < %s: PRV cannot bound this composition; using the RDP accountant", PRV_MIN_SIGMA)
+    if accountant != "rdp" and min(sigma for sigma, _, _ in events) < NUMERIC_MIN_SIGMA:
+        # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
+        # bound, which is valid too (and within a few percent of them at epsilons this large).
+        _warn_once(f"sigma < {NUMERIC_MIN_SIGMA}: {accountant.upper()} cannot bound this composition in "
+                   "reasonable time; the ledger uses the RDP accountant's (valid, looser) bound")
         accountant = "rdp"
-    from opacus.accountants import PRVAccountant, RDPAccountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
+    if accountant == "pld":
+        eps = _pld_epsilon(events, delta)
+    elif accountant == "rdp":  # what Opacus' RDPAccountant.get_privacy_spent computes, per-step RDP cached
+        from opacus.accountants import RDPAccountant
+        from opacus.accountants.analysis import rdp as rdp_analysis
 
-    if accountant == "rdp":  # what RDPAccountant.get_privacy_spent computes, per-step RDP cached
         rdp = sum(_rdp_per_step(sigma, q) * steps for sigma, q, steps in events)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+        eps = _quiet(rdp_analysis.get_privacy_spent, orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0]
     else:
-        acc = {"rdp": RDPAccountant, "prv": PRVAccountant}[accountant]()
+        from opacus.accountants import PRVAccountant
+
+        acc = PRVAccountant()
         acc.history = list(events)
-        eps = acc.get_epsilon(delta=delta)
+        eps = _quiet(acc.get_epsilon, delta=delta)
     # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
     return max(0.0, float(eps))
+
+
+def _pld_epsilon(events: list[Event], delta: float) -> float:
+    """dp-accounting's PLD accountant (pessimistic estimate) over the Poisson-subsampled Gaussian events."""
+    import dp_accounting
+    from dp_accounting import pld
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    accountant = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    for sigma, q, steps in events:
+        gaussian = dp_accounting.GaussianDpEvent(sigma)
+        event = gaussian if q >= 1 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
+        accountant.compose(event, steps)
+    return float(accountant.get_epsilon(delta))
+
+
+def _quiet(fn, *args, **kwargs):
+    """Call an accountant without its library warnings (e.g. Opacus' "optimal order is the smallest alpha"):
+    they name no action the user can take, and the epsilon returned is a valid bound either way."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -79,8 +123,8 @@ def _rdp_per_step(noise_multiplier: float, sample_rate: float):
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis import rdp as rdp_analysis
 
-    rdp = rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
-                                   orders=RDPAccountant.DEFAULT_ALPHAS)
+    rdp = _quiet(rdp_analysis.compute_rdp, q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                 orders=RDPAccountant.DEFAULT_ALPHAS)
     rdp.setflags(write=False)
     return rdp
 
@@ -90,7 +134,7 @@ class PrivacyLedger:
     """Composition of sampled-Gaussian events for one protected unit (a client or a sample)."""
 
     delta: float
-    accountant: str = "rdp"
+    accountant: str = DEFAULT_ACCOUNTANT
     history: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -138,21 +182,31 @@ class PrivacyLedger:
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                               accountant: str = "rdp") -> float:
-    """Smallest sigma (to 0.01 in eps) with eps(delta) <= target after `steps` events (Opacus search)."""
-    from opacus.accountants.utils import get_noise_multiplier
+                               accountant: str = DEFAULT_ACCOUNTANT, low: float = 1e-3, high: float = 1e3) -> float:
+    """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after `steps` (sigma, q) events:
+    bisection on the ledger's own epsilon_of, so the ledger charges exactly what was calibrated."""
+    def eps(sigma: float) -> float:
+        return epsilon_of([(sigma, sample_rate, steps)], delta, accountant)
 
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
-                                      sample_rate=sample_rate, steps=steps, accountant=accountant))
+    if eps(high) > target_epsilon:
+        raise ValueError(f"target_epsilon={target_epsilon!r} cannot be met with a noise multiplier <= {high:g} "
+                         f"(epsilon {eps(high):.4g} after {steps} steps at q={sample_rate:g}, delta={delta:g})")
+    lo, hi = low, high  # invariant: eps(hi) <= target (and eps(lo) > target unless lo is the answer)
+    if eps(lo) <= target_epsilon:
+        return lo
+    while hi / lo > 1.0001:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if eps(mid) <= target_epsilon else (mid, hi)
+    return hi
 
 
-def per_update_noise_multiplier(noise_multiplier: float, expected_clients: float) -> float:
+def per_update_noise_multiplier(noise_multiplier: float, noise_shares: int) -> float:
     """Noise multiplier of one distributed-noise upload as the server sees it.
 
-    Each upload carries N(0, sigma^2 C^2 / m) and two clipped updates differ by up to
-    2C, so the release has multiplier (sigma C / sqrt(m)) / (2C) = sigma / (2 sqrt(m)).
+    Each upload carries N(0, sigma^2 C^2 / n_s) and two clipped updates differ by up to
+    2C, so the release has multiplier (sigma C / sqrt(n_s)) / (2C) = sigma / (2 sqrt(n_s)).
     """
-    return noise_multiplier / (2.0 * math.sqrt(expected_clients))
+    return noise_multiplier / (2.0 * math.sqrt(noise_shares))
 
 
 class Ledger(Protocol):
@@ -177,20 +231,26 @@ class ClientLevelLedger:
       change moves the clipped sum by up to 2C, so a round is charged as the Gaussian mechanism with
       multiplier sigma / 2 and no sampling amplification (q = 1), an upper bound (tests check it
       against the worst-pair lower bound);
+    - released model, the sample truncated to n_s (`truncation_probability`, docs/algorithms.md §0): a
+      round whose Poisson sample would exceed n_s noise shares keeps n_s of them. The run equals the
+      sampled Gaussian mechanism except on the event that some round's other clients alone fill n_s,
+      whose probability (summed over rounds: `truncation_delta`) is added to delta: epsilon is the
+      accountant's at delta - truncation_delta;
     - server, `central` noise: the trusted server sees raw updates (no guarantee);
     - server, `distributed` noise without secure aggregation: every upload is its own
-      Gaussian release with multiplier sigma/(2 sqrt(m)) and no sampling amplification;
+      Gaussian release with multiplier sigma/(2 sqrt(n_s)) and no sampling amplification;
     - server, `distributed` with secure aggregation: the server sees only the noisy sum, but it
-      chose the sample, so no sampling amplification (q = 1); in a round where only k < m noise
-      shares arrived, the sum it sees (before its own top-up) has multiplier sigma sqrt(k/m),
-      and that is what the server figure charges for the round.
+      chose the sample, so no sampling amplification (q = 1); the sum of the k noise shares that
+      arrived has multiplier sigma sqrt(k / n_s) before the server's own top-up, and that is what
+      the server figure charges for the round (it depends on k, so it is a diagnostic, not published).
     """
 
     delta: float
-    accountant: str = "rdp"
+    accountant: str = DEFAULT_ACCOUNTANT
     noise_placement: str = "central"
     secure_aggregation: bool = False
     client_sampling: str = "poisson"
+    truncation_delta: float = 0.0
     model: PrivacyLedger = field(init=False)
     server: PrivacyLedger = field(init=False)
 
@@ -203,15 +263,16 @@ class ClientLevelLedger:
         if self.noise_placement == "central":
             return "trusted server: it sees raw clipped updates, no DP against it"
         if self.secure_aggregation:
-            return "secure aggregation: the server sees only the noisy sum"
-        return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(m)), q=1)"
+            return "secure aggregation: the server sees only the noisy sum (no sampling amplification against it)"
+        return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(n_s)), q=1)"
 
     @property
     def relation(self) -> str:
         if self.client_sampling == "fixed":
             return ("replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C, no sampling "
                     "amplification claimed (an upper bound)")
-        return "add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact)"
+        return ("add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact), delta reduced by the "
+                "probability of truncating a round's sample to n_s noise shares")
 
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
         """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size."""
@@ -219,27 +280,36 @@ class ClientLevelLedger:
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
-    def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float, rounds: int = 1) -> float:
-        """eps(delta) against the released model if `rounds` more rounds were charged."""
-        return self.model.epsilon_after(*self.release_event(noise_multiplier, sample_rate), rounds)
+    def _model_epsilon(self, events: list[Event], truncation_delta: float) -> float:
+        delta = self.delta - truncation_delta
+        return epsilon_of(events, delta, self.accountant) if delta > 0 else math.inf
 
-    def record_round(self, noise_multiplier: float, sample_rate: float, expected_clients: float,
-                     received: int | None = None) -> None:
-        """Charge one round; `received` = noise shares that reached the sum (None: all m)."""
+    def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float, rounds: int = 1,
+                             truncation_probability: float = 0.0) -> float:
+        """eps(delta) against the released model if `rounds` more rounds were charged."""
+        event = (*self.release_event(noise_multiplier, sample_rate), rounds)
+        return self._model_epsilon(self.model.history + [event],
+                                   self.truncation_delta + rounds * truncation_probability)
+
+    def record_round(self, noise_multiplier: float, sample_rate: float, noise_shares: float,
+                     received: int | None = None, truncation_probability: float = 0.0) -> None:
+        """Charge one round. `noise_shares` = n_s; `received` = noise shares that reached the sum (None: all);
+        `truncation_probability` = P(the round's sample is truncated to n_s), reserved out of delta."""
         sigma, rate = self.release_event(noise_multiplier, sample_rate)
         self.model.record(sigma, rate)
+        self.truncation_delta += float(truncation_probability)
         if self.noise_placement != "distributed":
             return
         if not self.secure_aggregation:
-            self.server.record(per_update_noise_multiplier(noise_multiplier, expected_clients), 1.0)
-        elif received is None or received >= expected_clients:
-            self.server.record(sigma, 1.0)  # the server chose the sample: no amplification against it
-        elif received > 0:
-            self.server.record(sigma * math.sqrt(received / expected_clients), 1.0)
+            self.server.record(per_update_noise_multiplier(noise_multiplier, noise_shares), 1.0)
+            return
+        shares = noise_shares if received is None else min(received, noise_shares)
+        if shares > 0:  # the server chose the sample: no amplification against it
+            self.server.record(sigma * math.sqrt(shares / noise_shares), 1.0)
 
     def epsilon(self) -> float:
         """eps(delta) against the released model."""
-        return self.model.epsilon()
+        return self._model_epsilon(self.model.history, self.truncation_delta)
 
     def epsilon_against_server(self) -> float:
         if self.noise_placement == "central":
@@ -249,12 +319,14 @@ class ClientLevelLedger:
     def state_dict(self) -> dict:
         return {"delta": self.delta, "accountant": self.accountant, "noise_placement": self.noise_placement,
                 "secure_aggregation": self.secure_aggregation, "client_sampling": self.client_sampling,
-                "relation": self.relation, "model": self.model.state_dict(), "server": self.server.state_dict()}
+                "truncation_delta": self.truncation_delta, "relation": self.relation,
+                "model": self.model.state_dict(), "server": self.server.state_dict()}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "ClientLevelLedger":
         ledger = cls(float(state["delta"]), state["accountant"], state["noise_placement"],
-                     bool(state["secure_aggregation"]), state.get("client_sampling", "poisson"))
+                     bool(state["secure_aggregation"]), state.get("client_sampling", "poisson"),
+                     float(state.get("truncation_delta", 0.0)))
         ledger.model = PrivacyLedger.from_state_dict(state["model"])
         ledger.server = PrivacyLedger.from_state_dict(state["server"])
         return ledger
@@ -271,7 +343,7 @@ class SampleLevelLedgers:
     """
 
     delta: float
-    accountant: str = "rdp"
+    accountant: str = DEFAULT_ACCOUNTANT
     clients: dict[int, PrivacyLedger] = field(default_factory=dict)
 
     def record(self, client: int, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:

@@ -80,17 +80,46 @@ def clip_and_noise(
     return clipped + gaussian_noise(clipped.size, noise_std, rng), norm
 
 
-def distributed_noise_std(noise_multiplier: float, clip_norm: float, expected_clients: float) -> float:
-    """Per-client noise std sigma*C/sqrt(m), so m shares sum to N(0, sigma^2 C^2)."""
-    return noise_multiplier * clip_norm / float(np.sqrt(expected_clients))
+TRUNCATION_PROBABILITY = 1e-12  # per round: how often a Poisson sample may exceed the noise shares n_s
 
 
-def topup_noise_std(
-    noise_multiplier: float, clip_norm: float, expected_clients: float, received: int
-) -> float:
-    """Server top-up std sigma*C*sqrt((m - k)/m) when only k < m noisy shares arrived."""
-    missing = max(0.0, expected_clients - received)
-    return noise_multiplier * clip_norm * float(np.sqrt(missing / expected_clients))
+def noise_share_count(population: int, sample_rate: float, client_sampling: str = "poisson",
+                      tail: float = TRUNCATION_PROBABILITY) -> int:
+    """n_s, how many noise shares make up sigma^2 C^2 under distributed noise (docs/algorithms.md §0).
+
+    Each client adds N(0, sigma^2 C^2 / n_s) and the server tops up the n_s - k shares that did not
+    arrive, so the released sum carries N(0, sigma^2 C^2) whatever the number k <= n_s of
+    participants: its variance does not reveal k. Fixed-size sampling: n_s = m. Poisson sampling:
+    the smallest n with P(Binomial(M, q) >= n) <= tail (at most M + 1, where it is 0: a neighbouring
+    federation has one client more); a round whose sample is larger keeps n_s of it, and the ledger
+    reserves that probability out of delta (`truncation_probability`).
+    """
+    if client_sampling == "fixed":
+        return max(1, round(sample_rate * population))
+    from scipy.stats import binom
+
+    tails = binom.sf(np.arange(population + 1), population, sample_rate)  # P(X >= n) for n = 1 .. M + 1
+    return int(np.argmax(tails <= tail)) + 1 if (tails <= tail).any() else population + 1
+
+
+def truncation_probability(population: int, sample_rate: float, noise_shares: int) -> float:
+    """P(Binomial(population, q) >= n_s): the chance that the other clients of a round already fill the
+    n_s shares, the only event on which the truncated mechanism differs from the sampled Gaussian one
+    (for a federation of `population` clients and its neighbours)."""
+    from scipy.stats import binom
+
+    return float(binom.sf(noise_shares - 1, population, sample_rate))
+
+
+def distributed_noise_std(noise_multiplier: float, clip_norm: float, noise_shares: float) -> float:
+    """Per-client noise std sigma*C/sqrt(n_s), so n_s shares sum to N(0, sigma^2 C^2)."""
+    return noise_multiplier * clip_norm / float(np.sqrt(noise_shares))
+
+
+def topup_noise_std(noise_multiplier: float, clip_norm: float, noise_shares: float, received: int) -> float:
+    """Server top-up std sigma*C*sqrt((n_s - k)/n_s) when k < n_s noisy shares arrived."""
+    missing = max(0.0, noise_shares - received)
+    return noise_multiplier * clip_norm * float(np.sqrt(missing / noise_shares))
 
 
 def update_problem(arrays: Sequence[np.ndarray], shapes: Shapes) -> str | None:

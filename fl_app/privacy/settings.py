@@ -11,7 +11,7 @@ from __future__ import annotations
 NOISE_PLACEMENTS = ("central", "distributed")
 CLIENT_SAMPLINGS = ("poisson", "fixed")
 TARGET_EPSILON_MODES = ("stop", "calibrate")
-ACCOUNTANT_NAMES = ("rdp", "prv")
+ACCOUNTANT_NAMES = ("pld", "rdp", "prv")  # fl_app.privacy.ledger.ACCOUNTANTS
 MU_SOURCES = ("server", "clients")
 
 
@@ -36,7 +36,7 @@ def one_of(argument: str, value, choices: tuple) -> None:
 
 def check_client_level_dp(*, sample_rate: float, clipping_norm: float, noise_multiplier: float,
                           noise_placement: str, client_sampling: str, target_epsilon: float = 0.0,
-                          target_epsilon_mode: str = "stop", delta: float = 0.0, accountant: str = "rdp") -> None:
+                          target_epsilon_mode: str = "stop", delta: float = 0.0, accountant: str = "pld") -> None:
     """The rules every client-level DP strategy shares (docs/algorithms.md §0)."""
     require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
     require(clipping_norm >= 0, "clipping_norm", clipping_norm, "must be >= 0 (0: no clipping)")
@@ -49,7 +49,7 @@ def check_client_level_dp(*, sample_rate: float, clipping_norm: float, noise_mul
     one_of("target_epsilon_mode", target_epsilon_mode, TARGET_EPSILON_MODES)
     one_of("accountant", accountant, ACCOUNTANT_NAMES)
     require(target_epsilon >= 0, "target_epsilon", target_epsilon, "must be >= 0 (0: no target)")
-    require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: 1/number of clients)")
+    require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: min(1e-5, 0.01 / number of clients))")
     require(not (target_epsilon > 0 and noise_multiplier == 0 and target_epsilon_mode == "stop"), "target_epsilon",
             target_epsilon, f"cannot be met with {name('noise_multiplier')} = 0 (epsilon is infinite); use "
             "target-epsilon-mode = 'calibrate' or a positive noise-multiplier")
@@ -72,13 +72,6 @@ def check_secure_aggregation(noise_placement: str, clipping_norm: float) -> None
             f"needs {name('clipping_norm')} > 0: SecAgg+ quantizes bounded updates")
 
 
-def check_wavelet_accountant(wavelet_calibration: str, accountant: str) -> None:
-    """PRV cannot account the tiny true multiplier of the wavelet mechanisms under `paper` calibration."""
-    require(not (wavelet_calibration == "paper" and accountant == "prv"), "accountant", accountant,
-            "'prv' cannot account wavelet_calibration = 'paper': the true noise multiplier is tiny and PRV's "
-            "memory grows without bound as sigma -> 0; use accountant = 'rdp'")
-
-
 def check_dpsgd(*, sample_noise_multiplier: float, sample_clipping_norm: float, batch_sample_rate: float,
                 target_epsilon: float, dpsgd_noise: str, wavelet_calibration: str, grad_sample_mode: str,
                 accountant: str, mu_source: str, mu_noise_multiplier: float) -> None:
@@ -95,8 +88,6 @@ def check_dpsgd(*, sample_noise_multiplier: float, sample_clipping_norm: float, 
     one_of("mu_source", mu_source, MU_SOURCES)
     one_of("accountant", accountant, ACCOUNTANT_NAMES)
     check_dpsgd_clipping(grad_sample_mode, dpsgd_noise)
-    if dpsgd_noise == "wavelet":
-        check_wavelet_accountant(wavelet_calibration, accountant)
 
 
 def check_dpsgd_clipping(grad_sample_mode: str, dpsgd_noise: str) -> None:
