@@ -91,17 +91,20 @@ def our_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, flo
             summary["final_accuracy"])
 
 
-def compare(clients: int, rounds: int, sample_rate: float) -> dict:
-    """Both runs of one setting: {"ours"|"flower": (seconds/round median, seconds/update median, epsilon, delta,
-    final accuracy)}."""
-    out = {}
-    for name, run in (("flower", flower_run), ("ours", our_run)):
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = validate({**JOB, "sample-rate": sample_rate, "num-rounds": rounds, "results-dir": tmp})
-            seconds, counts, epsilon, delta, accuracy = run(cfg, clients)
-        per_update = [s / c for s, c in zip(seconds, counts) if c]
-        out[name] = (statistics.median(seconds), statistics.median(per_update), epsilon, delta, accuracy)
-    return out
+def compare(clients: int, rounds: int, sample_rate: float, repeats: int = 2) -> dict:
+    """Both runs of one setting, alternated `repeats` times (the machine is shared): {"ours"|"flower":
+    (median seconds per round, median seconds per client update, epsilon, delta, final accuracy)}."""
+    seconds, updates, last = {"flower": [], "ours": []}, {"flower": [], "ours": []}, {}
+    for _ in range(repeats):
+        for name, run in (("flower", flower_run), ("ours", our_run)):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = validate({**JOB, "sample-rate": sample_rate, "num-rounds": rounds, "results-dir": tmp})
+                per_round, counts, epsilon, delta, accuracy = run(cfg, clients)
+            seconds[name] += per_round
+            updates[name] += [s / c for s, c in zip(per_round, counts) if c]
+            last[name] = (epsilon, delta, accuracy)
+    return {name: (statistics.median(seconds[name]), statistics.median(updates[name]), *last[name])
+            for name in seconds}
 
 
 def main() -> None:
