@@ -95,13 +95,14 @@ def compare(clients: int, rounds: int, sample_rate: float, repeats: int = 2) -> 
     """Both runs of one setting, alternated `repeats` times (the machine is shared): {"ours"|"flower":
     (median seconds per round, median seconds per client update, epsilon, delta, final accuracy)}."""
     seconds, updates, last = {"flower": [], "ours": []}, {"flower": [], "ours": []}, {}
-    for _ in range(repeats):
+    for repeat in range(repeats + 1):  # the first pair only pays one-time imports (torch._dynamo, Opacus)
         for name, run in (("flower", flower_run), ("ours", our_run)):
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = validate({**JOB, "sample-rate": sample_rate, "num-rounds": rounds, "results-dir": tmp})
                 per_round, counts, epsilon, delta, accuracy = run(cfg, clients)
-            seconds[name] += per_round
-            updates[name] += [s / c for s, c in zip(per_round, counts) if c]
+            if repeat:
+                seconds[name] += per_round
+                updates[name] += [s / c for s, c in zip(per_round, counts) if c]
             last[name] = (epsilon, delta, accuracy)
     return {name: (statistics.median(seconds[name]), statistics.median(updates[name]), *last[name])
             for name in seconds}

@@ -101,7 +101,7 @@ def main() -> None:
           f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
           f"(second {sim['second_fit']:.2f} s)")
     for q in (1.0, 0.5):
-        flower = flower_dp_baseline.compare(50, 3, q)
+        flower = flower_dp_baseline.compare(50, 2, q)
         rows.append((f"DP-FedAvg, 50 clients, q = {q:g}: our seconds per round / Flower's DP wrapper + fixedclipping_mod",
                      flower["ours"][0] / flower["flower"][0], 1.0))
         for name, (per_round, _, epsilon, delta, accuracy) in flower.items():
