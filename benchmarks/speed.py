@@ -1,11 +1,17 @@
 """Speed ratios, all measured in one run on this machine (the README's Performance table).
 
-    python -m benchmarks.speed [--rounds 3] [--clients 20] [--repeats 3]
+    python -m benchmarks.speed [--deployment [--cold]] [--rounds 3] [--clients 20] [--repeats 3]
 
 1. cold start: a fresh process from `import fl_app.client_app` to "data ready for partition i"
    (data and partitions cached), against a bare `python -c "import torch"`;
 2. an in-process round of the default job against a bare PyTorch loop doing the same SAM steps;
-3. step costs on the MNIST CNN: SAM / SGD at batch 32, Opacus DP-SGD (`ew`) / SGD at batch 16, 32, 64.
+3. step costs on the MNIST CNN: SAM / SGD at batch 32, Opacus DP-SGD (`ew`) / SGD at batch 16, 32, 64;
+4. `flwr run` (Ray, 50 clients): round 1 against a steady round, a steady round against the bare loop
+   (`benchmarks.simulation_round`);
+5. our DP-FedAvg against Flower's DP wrapper and `fixedclipping_mod`, in process (`benchmarks.flower_dp_baseline`);
+6. with --deployment: 3 real SuperNodes on loopback, a deployed round against the in-process one and SecAgg+
+   against a plain deployed round (`benchmarks.deployment_round`; --cold adds Flower's default isolation).
+About 7 minutes on 2 shared cores, 10 with --deployment --cold.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import warnings
 
 import torch
 
+from benchmarks import deployment_round, flower_dp_baseline, simulation_round
 from benchmarks.dpsgd_bench import sgd_steps, time_per_step
 from benchmarks.round_overhead import bare_loop_seconds, product_seconds_per_round, step_seconds
 from clients.dpsgd import dpsgd_steps
@@ -64,6 +71,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deployment", action="store_true", help="also the real-deployment ratios (3 SuperNodes)")
+    parser.add_argument("--cold", action="store_true", help="with --deployment: also Flower's default isolation")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -82,6 +91,34 @@ def main() -> None:
     rows += [(f"DP-SGD step (Opacus ew) / SGD step, batch {b}", dpsgd_ratio(b, args.repeats), 1.8) for b in (16, 32, 64)]
     print(f"cold start {ready:.2f} s, import torch {bare_torch:.2f} s; round {product:.3f} s, bare {bare:.3f} s "
           f"({args.clients} clients, sampled {counts})")
+    sim = simulation_round.measure(50, 6)
+    rows += [("`flwr run` (Ray, 50 clients): round 1 / median of rounds 2-6", sim["round1"] / sim["steady"], 2.0),
+             ("`flwr run`: steady round / bare PyTorch loop, same SAM steps (Ray: 2 clients at once)",
+              sim["steady"] / sim["bare"], 1.10)]
+    print(f"flwr run: round 1 {sim['round1']:.2f} s, steady {sim['steady']:.2f} s, bare {sim['bare']:.2f} s, "
+          f"whole job {sim['wall']:.1f} s; round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
+          f"Ray actor ready {sim['actor_ready']:.2f} s, import fl_app.client_app in the actor "
+          f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
+          f"(second {sim['second_fit']:.2f} s)")
+    for q in (1.0, 0.5):
+        flower = flower_dp_baseline.compare(50, 2, q)
+        rows.append((f"DP-FedAvg, 50 clients, q = {q:g}: our seconds per round / Flower's DP wrapper + fixedclipping_mod",
+                     flower["ours"][0] / flower["flower"][0], 1.0))
+        for name, (per_round, _, epsilon, delta, accuracy) in flower.items():
+            print(f"DP-FedAvg q={q:g} {name}: {per_round:.3f} s/round, epsilon {epsilon:.3f} (delta {delta:.3g}), "
+                  f"accuracy {accuracy:.3f}")
+    if args.deployment:
+        dep = deployment_round.measure(3, 3, args.cold)
+        rows += [("deployed round (3 SuperNodes, warm ClientApps) / in-process round, same clients and steps",
+                  dep["deployed"] / dep["inprocess"], 1.5),
+                 ("SecAgg+ deployed round / plain deployed round", dep["secagg"] / dep["deployed"], 2.0)]
+        if args.cold:
+            rows.append(("deployed round, Flower's default isolation (a flwr-clientapp process per message) / "
+                         "in-process round", dep["deployed_cold"] / dep["inprocess"], 1.5))
+        print(f"deployment: in-process round {dep['inprocess']:.2f} s, deployed {dep['deployed']:.2f} s "
+              f"(ClientApps running {dep['deployed_clientapps_busy']:.2f} s of it), SecAgg+ {dep['secagg']:.2f} s "
+              f"(ClientApps running {dep['secagg_clientapps_busy']:.2f} s)"
+              + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else ""))
     print("| ratio | measured | target |\n|---|---|---|")
     for name, value, target in rows:
         print(f"| {name} | {value:.2f}x | <= {target}x |")

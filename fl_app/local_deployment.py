@@ -169,6 +169,7 @@ class Deployment:
         self.ports: set[int] = set()
         self.procs: list[subprocess.Popen] = []
         self.nodes: dict[str, subprocess.Popen] = {}
+        self.executors: dict[str, subprocess.Popen] = {}
         self.certs = make_certificates(self.tmp / "certs") if tls else None
         self.port = 0
 
@@ -216,18 +217,27 @@ class Deployment:
 
     # -- SuperNodes
     def start_supernode(self, name: str, node_config: str | None = None, *, insecure: bool | None = None,
-                        private_key: Path | None = None, extra: list[str] | None = None) -> subprocess.Popen:
+                        private_key: Path | None = None, extra: list[str] | None = None,
+                        warm: bool = False) -> subprocess.Popen:
+        """A SuperNode; `warm`: `--isolation process` with `fl_app.clientapp_executor` running its ClientApps."""
         insecure = (not self.tls) if insecure is None else insecure
-        cmd = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
-               "--port", str(free_port(self.ports))]
+        runtime_port = free_port(self.ports)
+        cmd = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime_port)]
         cmd += ["--insecure"] if insecure else ["--root-certificates", str(self.certs["ca"])]
         if node_config is not None:
             cmd += ["--node-config", node_config]
         if private_key is not None:
             cmd += ["--auth-supernode-private-key", str(private_key)]
         cmd += extra or []
+        if warm:
+            cmd += ["--isolation", "process"]
         proc = self._spawn(name, cmd, self.env(name))
         self.nodes[name] = proc
+        if warm:
+            self.executors[name] = self._spawn(
+                f"{name}-executor", [sys.executable, "-m", "fl_app.clientapp_executor", "--runtime-api-address",
+                                     f"127.0.0.1:{runtime_port}", "--insecure", "--parent-pid", str(proc.pid)],
+                self.env(name))
         return proc
 
     def wait_connected(self, name: str, timeout: float = 60) -> None:
@@ -242,6 +252,8 @@ class Deployment:
 
     def stop_node(self, name: str) -> None:
         end_process_tree(self.nodes.pop(name))
+        if name in self.executors:
+            end_process_tree(self.executors.pop(name))
 
     def clientapp_running(self, name: str) -> bool:
         """Is the SuperNode `name` executing a ClientApp right now (a live flwr-clientapp below it)?"""

@@ -226,3 +226,29 @@ def test_trusted_entities_supernode_refuses_unsigned_apps(deployment, tmp_path):
     summary, (first,) = read_run(tmp_path / "run")
     assert summary["status"] == "completed" and first["clients"] == 2 and first["failures"] == 1
     assert "could not be verified" in d.log("strict") or "verification" in d.log("strict").lower()
+
+
+def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
+    """SuperNodes with `--isolation process` and `fl_app.clientapp_executor`: every message is answered by a
+    child forked from the executor (the node starts no SuperExec, so no `flwr-clientapp`), each exits cleanly,
+    and the runs, SecAgg+ included, have every client in every round and the ledger's epsilon."""
+    import re
+
+    d = deployment()
+    d.start_superlink()
+    for i in range(3):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3", warm=True)
+    for i in range(3):
+        d.wait_connected(f"n{i}")
+    for secure in (False, True):
+        folder = tmp_path / f"secure-{secure}"
+        finish(d, d.run_app({**APP, "num-rounds": 2, "min-nodes": 3, "secure-aggregation": secure,
+                             "results-dir": str(folder)}, log=f"cli-{secure}"), f"cli-{secure}")
+        summary, rounds = read_run(folder)
+        assert [r["clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
+        assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], 1 / 3))
+    for i in range(3):
+        log = d.log(f"n{i}-executor")
+        exits = re.findall(r"ClientApp task pid \d+ exit (-?\d+)", log)
+        assert exits == ["0"] * (2 + 2 * 4), log[-2000:]  # plain: 1 message per round; SecAgg+: 4
+        assert "Starting Flower SuperExec" not in d.log(f"n{i}")  # the node started no flwr-clientapp itself

@@ -1,0 +1,127 @@
+"""Our DP-FedAvg against what a Flower user would build instead, side by side in one process.
+
+    python -m benchmarks.flower_dp_baseline [--clients 50] [--rounds 4]
+
+Flower's version: `DifferentialPrivacyClientSideFixedClipping` around `flwr.serverapp.strategy.FedAvg`
+(server-side Gaussian noise with std sigma C / m on the average, Flower's `RdpAccountant`, which for
+fixed clipping accepts only `no-amplification` sampling), and `fixedclipping_mod` on the ClientApp's
+train function only. Ours: `algorithm = dp-fedavg` through the real ServerApp and ClientApp code with
+`noise-placement = central` (the same mechanism: clients train, the update is clipped to C, the server
+adds the noise). Both on `InProcessGrid`, the same clients, partitions, model, local SGD steps (our
+`TrainingClient` trains in both), C, sigma and server-side evaluation every round.
+
+Two settings: every client in every round (q = 1: identical work, the timing comparison; both
+accountants charge the same Gaussian mechanism), and q = 0.5 (Flower's FedAvg samples exactly qN
+clients, ours Poisson with rate q: the epsilon each prints, and seconds per client update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+
+from fl_app.client_app import app as our_client_app
+from fl_app.client_app import build_client
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.results import read_metrics
+from fl_app.server_app import build_global_model, run_federated
+from fl_app.task.data import load_dataset
+from fl_app.task.torch_helpers import evaluate_model, get_weights, set_weights
+
+JOB = {"algorithm": "dp-fedavg", "noise-placement": "central", "clipping-norm": 0.5, "noise-multiplier": 1.0,
+       "tensorboard": False}
+
+flower_client_app = ClientApp()
+
+
+@flower_client_app.train(mods=[fixedclipping_mod])
+def flower_train(msg: Message, context: Context) -> Message:
+    """Local SGD with our TrainingClient; reply with the new weights (fixedclipping_mod clips the update)."""
+    torch.set_num_threads(1)
+    client = build_client(context)
+    set_weights(client.model, msg.content["arrays"].to_numpy_ndarrays())
+    loss, _ = client.train(dict(msg.content["config"]))
+    return Message(RecordDict({"arrays": ArrayRecord(get_weights(client.model)),
+                               "metrics": MetricRecord({"num-examples": 1, "train-loss": loss})}), reply_to=msg)
+
+
+def flower_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, float]:
+    """(seconds per round, clients per round, epsilon, delta) of Flower's DP-FedAvg."""
+    sampled = max(1, int(clients * cfg["sample-rate"]))
+    accountant = RdpAccountant(PrivacyConfig(
+        target_delta=1 / clients, population_size=clients, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION))
+    strategy = DifferentialPrivacyClientSideFixedClipping(
+        FedAvg(fraction_train=cfg["sample-rate"], fraction_evaluate=0.0, min_train_nodes=sampled,
+               min_available_nodes=clients),
+        noise_multiplier=cfg["noise-multiplier"], clipping_norm=cfg["clipping-norm"], num_sampled_clients=sampled,
+        accountant=accountant)
+    model = build_global_model(cfg)
+    _, testset = load_dataset(cfg["dataset"], cfg["data-dir"])
+    marks, accuracies = [], []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:  # the same server evaluation as ours
+        set_weights(model, arrays.to_numpy_ndarrays())
+        loss, accuracy = evaluate_model(model, testset)
+        marks.append(time.perf_counter())
+        accuracies.append(accuracy)
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    strategy.start(InProcessGrid(flower_client_app, clients, cfg), ArrayRecord(get_weights(model)),
+                   num_rounds=cfg["num-rounds"], evaluate_fn=evaluate_fn)
+    spent = strategy.privacy_spent()
+    seconds = [b - a for a, b in zip(marks, marks[1:])]
+    return seconds, [sampled] * len(seconds), spent.epsilon, spent.delta, accuracies[-1]
+
+
+def our_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, float, float]:
+    summary = run_federated(InProcessGrid(our_client_app, clients, cfg), cfg)
+    rows = read_metrics(summary["results_dir"])
+    return ([r["seconds"] for r in rows], [r["clients"] for r in rows], summary["epsilon"], summary["delta"],
+            summary["final_accuracy"])
+
+
+def compare(clients: int, rounds: int, sample_rate: float, repeats: int = 2) -> dict:
+    """Both runs of one setting, alternated `repeats` times (the machine is shared): {"ours"|"flower":
+    (median seconds per round, median seconds per client update, epsilon, delta, final accuracy)}."""
+    seconds, updates, last = {"flower": [], "ours": []}, {"flower": [], "ours": []}, {}
+    for repeat in range(repeats + 1):  # the first pair only pays one-time imports (torch._dynamo, Opacus)
+        for name, run in (("flower", flower_run), ("ours", our_run)):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = validate({**JOB, "sample-rate": sample_rate, "num-rounds": rounds, "results-dir": tmp})
+                per_round, counts, epsilon, delta, accuracy = run(cfg, clients)
+            if repeat:
+                seconds[name] += per_round
+                updates[name] += [s / c for s, c in zip(per_round, counts) if c]
+            last[name] = (epsilon, delta, accuracy)
+    return {name: (statistics.median(seconds[name]), statistics.median(updates[name]), *last[name])
+            for name in seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for q in (1.0, 0.5):
+        r = compare(args.clients, args.rounds, q)
+        for name, (per_round, per_update, epsilon, delta, accuracy) in r.items():
+            print(f"q={q} {name:6}  s/round {per_round:.3f}  s/update {per_update:.3f}  "
+                  f"epsilon {epsilon:.3f} (delta {delta:.3g})  accuracy {accuracy:.3f}")
+        print(f"q={q} ours/Flower seconds per round {r['ours'][0] / r['flower'][0]:.2f}x, "
+              f"per update {r['ours'][1] / r['flower'][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

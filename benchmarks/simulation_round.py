@@ -1,0 +1,115 @@
+"""Under `flwr run` (Ray): round 1 against a steady round, a steady round against the bare loop, and
+where round 1's extra time goes.
+
+    python -m benchmarks.simulation_round [--clients 50] [--rounds 6]
+
+1. `python -m fl_app.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink, Ray, N simulated
+   clients with one CPU each (two Ray actors on two cores); seconds per round from the run folder.
+2. The bare PyTorch loop (`benchmarks.round_overhead.bare_loop_seconds`) doing the same local SAM steps
+   for the steady rounds' client counts, on one thread.
+3. Round 1's parts, each measured apart in fresh processes: `ray.init`, a Ray actor started and ready,
+   `import fl_app.client_app` inside that actor, and a process's first local training against its second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PARTS = r"""
+import json, time
+t0 = time.perf_counter()
+import ray
+ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+t1 = time.perf_counter()
+
+@ray.remote(num_cpus=1)
+class Actor:
+    def ready(self):
+        return True
+    def load_app(self):
+        import fl_app.client_app
+        return True
+
+actor = Actor.remote()
+ray.get(actor.ready.remote())
+t2 = time.perf_counter()
+ray.get(actor.load_app.remote())
+t3 = time.perf_counter()
+ray.shutdown()
+print(json.dumps({"ray_init": t1 - t0, "actor_ready": t2 - t1, "app_import_in_actor": t3 - t2}))
+"""
+
+FIRST_FIT = r"""
+import json, time, torch
+torch.set_num_threads(1)
+from flwr.app import Context, RecordDict
+from fl_app.client_app import build_client
+from fl_app.config import validate
+from fl_app.task.torch_helpers import get_weights
+ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50}, state=RecordDict(),
+              run_config=validate({}))
+times = []
+for _ in range(2):
+    t = time.perf_counter()
+    client = build_client(ctx)
+    client.fit(get_weights(client.model), {"server-round": 1})
+    times.append(time.perf_counter() - t)
+print(json.dumps({"first_fit": times[0], "second_fit": times[1]}))
+"""
+
+
+def launch_rounds(clients: int, rounds: int) -> tuple[list[float], list[int], float]:
+    """(seconds per round, clients per round, wall seconds) of one `python -m fl_app.launch` run."""
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="sim-bench-") as tmp:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", str(clients), "--results", tmp,
+                        "-c", f"num-rounds={rounds} tensorboard=false"], check=True, capture_output=True)
+        wall = time.perf_counter() - t0
+        (run,) = Path(tmp).glob("*-dp")
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    return [r["seconds"] for r in rows], [r["clients"] for r in rows], wall
+
+
+def fresh_json(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(clients: int, rounds: int) -> dict:
+    from benchmarks.round_overhead import bare_loop_seconds
+    from fl_app.config import validate
+
+    seconds, counts, wall = launch_rounds(clients, rounds)
+    steady = statistics.median(seconds[1:])
+    cfg = validate({"num-rounds": rounds})
+    bare = bare_loop_seconds(cfg, clients, counts[1:])
+    return {"round1": seconds[0], "steady": steady, "bare": bare, "wall": wall, "counts": counts,
+            **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    r = measure(args.clients, args.rounds)
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+    print(f"round 1 / steady round: {r['round1'] / r['steady']:.2f}x; steady round / bare loop: "
+          f"{r['steady'] / r['bare']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The warm ClientApp executor (fl_app.clientapp_executor) and the ServerApp's prompt reply polling."""
+
+import json
+import os
+import random
+import sys
+
+import numpy as np
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from fl_app import clientapp_executor
+from fl_app.server_app import PromptGrid
+
+
+def _child_draws(path: str) -> int:
+    import torch
+
+    with open(path, "w") as f:
+        json.dump({"numpy": np.random.random(), "python": random.random(),
+                   "torch": torch.initial_seed(), "app": "fl_app.client_app" in sys.modules}, f)
+    return 0
+
+
+def test_forked_tasks_get_fresh_random_state_and_no_app_code(tmp_path):
+    """Two tasks forked from one executor draw different numbers from numpy's, Python's and torch's global
+    generators (as two fresh processes would), and the app's own modules are not imported before a task
+    loads them from its FAB."""
+    import torch
+
+    np.random.seed(0)  # the parent's state; children must not share it
+    torch.manual_seed(0)
+    paths = [tmp_path / f"{i}.json" for i in range(2)]
+    for path in paths:
+        pid = clientapp_executor.fork_task(
+            lambda p: (clientapp_executor.fresh_random_state(), _child_draws(p))[1], str(path))
+        assert os.waitpid(pid, 0)[1] == 0
+    first, second = (json.loads(p.read_text()) for p in paths)
+    assert first["numpy"] != second["numpy"] and first["python"] != second["python"]
+    assert first["torch"] != second["torch"] and 0 not in (first["torch"], second["torch"])
+    assert not first["app"] and not second["app"]
+
+
+def test_executor_preloads_libraries_only():
+    """Only libraries are preloaded: nothing of this repository (the FAB's copy is what a task runs)."""
+    assert not [m for m in clientapp_executor.PRELOAD if m.split(".")[0] in ("fl_app", "clients", "strategies")]
+
+
+class FakeGrid(Grid):
+    """Replies arrive over several pulls; counts the pulls."""
+
+    def __init__(self, replies_per_pull):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+        self.replies_per_pull, self.pulls = list(replies_per_pull), 0
+
+    def set_run(self, run):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, *a, **k):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return [1, 2, 3]
+
+    def push_messages(self, messages):
+        self.sent = list(messages)
+        return [str(i) for i in range(len(self.sent))]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        ids = self.replies_per_pull.pop(0) if self.replies_per_pull else []
+        replies = []
+        for i in ids:
+            replies.append(Message(RecordDict(), reply_to=self.sent[int(i)]))
+        return replies
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("PromptGrid must not wait in the wrapped grid's send_and_receive")
+
+
+def _messages(n):
+    msgs = []
+    for i in range(n):
+        m = Message(RecordDict(), dst_node_id=i + 1, message_type="train")
+        m.metadata.__dict__["_message_id"] = str(i)
+        msgs.append(m)
+    return msgs
+
+
+def test_prompt_grid_collects_every_reply_over_several_pulls():
+    grid = FakeGrid([["0"], [], ["2", "1"]])
+    replies = PromptGrid(grid, interval=0.001).send_and_receive(_messages(3))
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["0", "1", "2"]
+    assert grid.pulls == 3  # stops as soon as every reply is in
+
+
+def test_prompt_grid_returns_what_arrived_when_the_timeout_passes():
+    grid = FakeGrid([["1"]])
+    replies = PromptGrid(grid, interval=0.01).send_and_receive(_messages(3), timeout=0.1)
+    assert [r.metadata.reply_to_message_id for r in replies] == ["1"]
+    assert grid.pulls >= 2
+
+
+def test_prompt_grid_zero_timeout_pulls_nothing():
+    grid = FakeGrid([["0"]])
+    assert PromptGrid(grid).send_and_receive(_messages(1), timeout=0.0) == [] and grid.pulls == 0
