@@ -39,7 +39,8 @@ def build_client(context: Context) -> NumPyClient:
     pid, n = partition_of(context)
     trainset, testset = load_partition(cfg["dataset"], pid, n, cfg["partitioner"],
                                        alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
-                                       seed=cfg["seed"], data_dir=cfg["data-dir"])
+                                       seed=cfg["seed"], data_dir=cfg["data-dir"],
+                                       validation_fraction=cfg["validation-fraction"])
     model = build_model(cfg["model"], trainset.x.shape[1:], trainset.num_classes, seed=cfg["seed"])
     return algorithm(cfg["algorithm"]).build_client(ClientSetup(cfg, context, pid, trainset, testset, model))
 

@@ -16,7 +16,7 @@ from fl_app.algorithms import algorithm
 from fl_app.config import validate
 from fl_app.dashboards import TensorBoardWriter
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
-from fl_app.task.data import dataset_info, load_dataset, load_partition
+from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
 from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
 from strategies.round_loop import DPRoundLoop
@@ -50,7 +50,8 @@ def partition_size_fn(cfg: dict):
     def size(partition_id: int, num_partitions: int) -> int:
         trainset, _ = load_partition(cfg["dataset"], partition_id, num_partitions, cfg["partitioner"],
                                      alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
-                                     seed=cfg["seed"], data_dir=cfg["data-dir"])
+                                     seed=cfg["seed"], data_dir=cfg["data-dir"],
+                                     validation_fraction=cfg["validation-fraction"])
         return len(trainset)
 
     return size
@@ -87,11 +88,16 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
                      "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee")
     model = build_global_model(cfg)
     _, server_testset = load_dataset(cfg["dataset"], cfg["data-dir"])
+    validation = load_validation(cfg["dataset"], cfg["data-dir"], cfg["validation-fraction"])
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """The global model on the server's test set (and its validation set, held out of the training data)."""
         set_weights(model, arrays.to_numpy_ndarrays())
         loss, accuracy = evaluate_model(model, server_testset)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        metrics = {"accuracy": accuracy, "loss": loss}
+        if validation is not None:
+            metrics["val_loss"], metrics["val_accuracy"] = evaluate_model(model, validation)
+        return MetricRecord(metrics)
 
     def gradient_fn(arrays: list) -> np.ndarray:  # ali-dpfl's mu on server data (no client data, no privacy cost)
         set_weights(model, arrays)
@@ -117,7 +123,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
         result = strategy.start(grid, initial, num_rounds=cfg["num-rounds"],
-                                evaluate_fn=None if partial else evaluate_fn)
+                                evaluate_fn=None if partial else evaluate_fn, eval_every=cfg["eval-every"])
     except BaseException as exc:
         run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
         raise

@@ -259,13 +259,16 @@ class LegacyDPFedAvg(LegacyFedAvg):
 
     # ------------------------------------------------------------------ run (fl_app)
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              eval_every: int = 1) -> Result:
         """Run `num_rounds` with Flower's DefaultWorkflow (SecAgg+ when secure_aggregation), like DPFedAvg.start."""
         self.dp.set_num_rounds(num_rounds)
         self.initial_parameters = ndarrays_to_parameters(initial_arrays.to_numpy_ndarrays())
         self.result.arrays = initial_arrays  # until a round changes them
         if evaluate_fn is not None:
             def legacy_evaluate(rnd: int, ndarrays: list, config: dict):
+                if rnd % eval_every and rnd != num_rounds and not self.dp.budget_exhausted():
+                    return None  # not due (DPRoundLoop.start's rule)
                 metrics = evaluate_fn(rnd, ArrayRecord(ndarrays))
                 return None if metrics is None else (float(metrics.get("loss", math.nan)), dict(metrics))
             self.evaluate_fn = legacy_evaluate

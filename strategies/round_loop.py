@@ -55,7 +55,7 @@ CheckpointCallback = Callable[[dict, ArrayRecord], None]
 # privacy figures, and what the server derives from public settings or DP outputs (ALI-DPFL's tau and mu).
 # Every other key is a raw statistic of client replies, not covered by epsilon (README, "What a run writes").
 PUBLISHED_KEYS = frozenset({
-    "round", "accuracy", "loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon",
+    "round", "accuracy", "loss", "val_accuracy", "val_loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon",
     "epsilon_claimed", "epsilon_min", "epsilon_per_client", "tau", "tau_star", "tau_next", "mu",
     "steps_budget", "local_steps_total", "upload_bytes_per_client", "dense_bytes_per_client",
 })
@@ -314,8 +314,10 @@ class DPRoundLoop(FedAvg):
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's round loop, plus: stop on the privacy budget, one record per round."""
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              eval_every: int = 1) -> Result:
+        """Flower's round loop, plus: stop on the privacy budget, one record per round. `evaluate_fn` runs
+        every `eval_every` rounds and after the last round (the configured last, or the last the budget allows)."""
         self.set_num_rounds(num_rounds)
         log(INFO, "Starting %s strategy:", type(self).__name__)
         self.summary()
@@ -347,7 +349,8 @@ class DPRoundLoop(FedAvg):
                 if client_eval is not None:
                     result.evaluate_metrics_clientapp[rnd] = client_eval
                     record.update(self.client_evaluation_record(client_eval))
-            if evaluate_fn and (res := evaluate_fn(rnd, arrays)) is not None:
+            due = rnd % eval_every == 0 or rnd == num_rounds or self.budget_exhausted()
+            if evaluate_fn and due and (res := evaluate_fn(rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
             self.finish_round(record, started, arrays)

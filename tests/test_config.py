@@ -114,6 +114,8 @@ BAD = [
      "grad-sample-mode", "hooks, functorch or ew"),
     ({"accountant": "moments"}, "accountant", "pld, rdp, prv"),
     ({"publish-diagnostics": "yes"}, "publish-diagnostics", "true or false"),
+    ({"validation-fraction": 0.6}, "validation-fraction", "[0, 0.5]"),
+    ({"eval-every": 0}, "eval-every", "[1, "),
     ({"adaptive": "yes"}, "adaptive", "true or false"),
     ({"gamma": -1.0}, "gamma", "[0, 1e+06]"),
     ({"mu-source": "data"}, "mu-source", "server, clients"),

