@@ -143,12 +143,10 @@ class DPFedAvgWavelet(DPFedAvg):
         metrics["claimed_epsilon"] = self.claimed.epsilon()
         return arrays, metrics
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, **kwargs) -> Result:
+        """DPRoundLoop.start, once d (and n, the ledger's true multiplier) is known from the initial arrays."""
         self.set_dimension(sum(a.size for a in initial_arrays.to_numpy_ndarrays()))
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                             evaluate_fn)
+        return super().start(grid, initial_arrays, num_rounds, **kwargs)
 
     def summary(self) -> None:
         super().summary()

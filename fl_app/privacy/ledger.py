@@ -51,7 +51,11 @@ def _compress(events: list[Event]) -> list[Event]:
 
 def epsilon_of(events: list[Event], delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
     """eps(delta) of a composition of sampled-Gaussian events; inf if any has sigma = 0."""
-    return _epsilon_of(tuple(_compress(events)), float(delta), accountant)
+    events = _compress(events)
+    if accountant != "rdp" and any(0 < sigma < NUMERIC_MIN_SIGMA and q > 0 for sigma, q, _ in events):
+        _warn_once(f"sigma < {NUMERIC_MIN_SIGMA}: {accountant.upper()} cannot bound this composition in "
+                   "reasonable time; the ledger uses the RDP accountant's (valid, looser) bound")
+    return _epsilon_of(tuple(events), float(delta), accountant)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -67,8 +71,6 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
     if accountant != "rdp" and min(sigma for sigma, _, _ in events) < NUMERIC_MIN_SIGMA:
         # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
         # bound, which is valid too (and within a few percent of them at epsilons this large).
-        _warn_once(f"sigma < {NUMERIC_MIN_SIGMA}: {accountant.upper()} cannot bound this composition in "
-                   "reasonable time; the ledger uses the RDP accountant's (valid, looser) bound")
         accountant = "rdp"
     if accountant == "pld":
         eps = _pld_epsilon(events, delta)
@@ -185,8 +187,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
                                accountant: str = DEFAULT_ACCOUNTANT, low: float = 1e-3, high: float = 1e3) -> float:
     """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after `steps` (sigma, q) events:
     bisection on the ledger's own epsilon_of, so the ledger charges exactly what was calibrated."""
-    def eps(sigma: float) -> float:
-        return epsilon_of([(sigma, sample_rate, steps)], delta, accountant)
+    def eps(sigma: float) -> float:  # quietly: the search probes multipliers no run will use
+        return _epsilon_of(((sigma, sample_rate, steps),), float(delta), accountant)
 
     if eps(high) > target_epsilon:
         raise ValueError(f"target_epsilon={target_epsilon!r} cannot be met with a noise multiplier <= {high:g} "
