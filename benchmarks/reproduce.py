@@ -50,6 +50,17 @@ class Level:
 
 
 @dataclass(frozen=True)
+class Diagnosis:
+    """The one experiment that tests the most likely cause of a claim not reproduced: `arms` are
+    label -> (the claim's arm it starts from, with that arm's tuned values; run-config overrides), run at the
+    claim's level `level` with every seed."""
+
+    hypothesis: str
+    arms: dict[str, tuple[str, dict]]
+    level: int = 0
+
+
+@dataclass(frozen=True)
 class Claim:
     """One paper's claim: its setting here, the arms compared, the levels, the tuning grid, the comparisons."""
 
@@ -66,6 +77,7 @@ class Claim:
     arm_metric: dict[str, str] = field(default_factory=dict)  # arms reported by another metric
     quick: dict = field(default_factory=dict)  # overrides of --quick
     quick_clients: int = 10
+    diagnosis: Diagnosis | None = None
 
 
 def calibrated(epsilon: float, delta: float) -> dict:
@@ -93,6 +105,13 @@ CLAIMS: dict[str, Claim] = {
         compare=(("DP-FedSAM", "DP-FedAvg"),),
         grid={"DP-FedAvg": SGD_GRID, "DP-FedSAM": SAM_GRID},
         quick={**QUICK, "partitioner": "dirichlet", "sample-rate": 0.5},
+        diagnosis=Diagnosis(
+            hypothesis=("scale of local training: the paper trains 30 local epochs, where SGD's local drift inflates "
+                        "the update norm that SAM keeps small; with 1 epoch the two coincide. Same level, 3 local "
+                        "epochs, SAM at the tuned rho and at the paper's rho = 0.5."),
+            arms={"DP-FedAvg, 3 epochs": ("DP-FedAvg", {"local-epochs": 3}),
+                  "DP-FedSAM, 3 epochs": ("DP-FedSAM", {"local-epochs": 3}),
+                  "DP-FedSAM rho 0.5, 3 epochs": ("DP-FedSAM", {"local-epochs": 3, "sam-rho": 0.5})}),
     ),
     "topk": Claim(
         title="DP-FedSAM-top_k (p = 0.4) >= DP-FedSAM at equal epsilon, at a fraction of the upload",
@@ -132,6 +151,13 @@ CLAIMS: dict[str, Claim] = {
         metric="personalized_accuracy",
         arm_metric={"DP-FedSAM": "final_accuracy"},  # a global model: its test accuracy, as the paper reports
         quick={**QUICK, "partitioner": "pathological", "sample-rate": 0.5},
+        diagnosis=Diagnosis(
+            hypothesis=("tuning: rho = 0.1 is the paper's CIFAR-10 value, not tuned here; a smaller perturbation may "
+                        "let SAM help the shared body instead of slowing it. DP2-FedSAM at rho 0.02 and 0.05 "
+                        "against CENTAUR."),
+            arms={"CENTAUR": ("CENTAUR", {}),
+                  "DP2-FedSAM rho 0.05": ("DP2-FedSAM", {"sam-rho": 0.05}),
+                  "DP2-FedSAM rho 0.02": ("DP2-FedSAM", {"sam-rho": 0.02})}),
     ),
     "ali-dpfl": Claim(
         title="ALI-DPFL (adaptive tau) >= the best fixed tau at the same per-client epsilon, Dir(0.05) and IID",
@@ -164,6 +190,13 @@ CLAIMS: dict[str, Claim] = {
             "fixed tau=3 IID", "fixed tau=10 IID")},
         quick={**QUICK, "batch-sample-rate": 0.02, "num-rounds": 4, "eval-every": 4},
         quick_clients=4,
+        diagnosis=Diagnosis(
+            hypothesis=("eq. (9) overshoots: with Gamma = 10 the heterogeneity term 2 Gamma T mu makes tau* jump to "
+                        "15-67 in some seeds, and R_c is spent in 4-13 rounds. Gamma = 1 (the paper's value for "
+                        "Dir(1)) on the same Dir(0.05) data."),
+            arms={"ALI-DPFL Dir(0.05), Gamma 10": ("ALI-DPFL Dir(0.05)", {}),
+                  "ALI-DPFL Dir(0.05), Gamma 1": ("ALI-DPFL Dir(0.05)", {"gamma": 1.0}),
+                  "fixed tau=1 Dir(0.05)": ("fixed tau=1 Dir(0.05)", {})}),
     ),
     "wavelet": Claim(
         title="DP-FedAvg-WAV > DP-FedAvg: at the paper's calibration and at an honest epsilon",
@@ -182,6 +215,12 @@ CLAIMS: dict[str, Claim] = {
                 Level("noise scale 3.0", {"noise-multiplier": 3.0})),
         compare=(("DP-FedAvg-WAV paper", "DP-FedAvg"), ("DP-FedAvg-WAV exact", "DP-FedAvg")),
         quick={**QUICK, "sample-rate": 0.5},
+        diagnosis=Diagnosis(
+            hypothesis=("scale: with m = 10 clients per round no honest mechanism learns at noise scale 1 (DP-FedAvg "
+                        "diverges too), so the honest comparison says little. q = 0.5 (m = 50) gives DP-FedAvg five "
+                        "times less noise on the average; does an honest DP-FedAvg-WAV then match it?"),
+            arms={"DP-FedAvg, q 0.5": ("DP-FedAvg", {"sample-rate": 0.5}),
+                  "DP-FedAvg-WAV exact, q 0.5": ("DP-FedAvg-WAV exact", {"sample-rate": 0.5})}),
     ),
 }
 
@@ -256,6 +295,15 @@ def jobs_for(name: str, claim: Claim, phase: str, seeds: int, quick: bool, data_
                 params = dict(zip(grid, point))
                 jobs.append(job(name, arm, claim.levels[0], 0, "tune", params, base, last, claim, clients, out))
         return jobs
+    if phase == "diagnosis":
+        if claim.diagnosis is None:
+            return []
+        level = claim.levels[claim.diagnosis.level]
+        for seed, (label, (arm, overrides)) in itertools.product(range(seeds), claim.diagnosis.arms.items()):
+            params = {**chosen.get(claim.tune_like.get(arm, arm), {}), **overrides}
+            jobs.append({**job(name, arm, level, seed, "diagnosis", params, base, last, claim, clients, out),
+                         "label": label})
+        return jobs
     for level, seed, arm in itertools.product(claim.levels, range(seeds), claim.arms):
         params = chosen.get(claim.tune_like.get(arm, arm), {})
         jobs.append(job(name, arm, level, seed, "final", params, base, last, claim, clients, out))
@@ -311,12 +359,15 @@ def study(name: str, seeds: int, quick: bool, workers: int, data_dir: str, out: 
     tuned = run_jobs(jobs_for(name, claim, "tune", seeds, quick, data_dir, out, {}), workers)
     chosen = select(tuned)
     final = run_jobs(jobs_for(name, claim, "final", seeds, quick, data_dir, out, chosen), workers)
+    diagnosis_jobs = jobs_for(name, claim, "diagnosis", seeds, quick, data_dir, out, chosen)
+    diagnosis = [{**result, "arm": job["label"]} for job, result in
+                 zip(diagnosis_jobs, run_jobs(diagnosis_jobs, workers))]
     report = {"claim": name, "title": claim.title, "paper": claim.paper, "metric": claim.metric,
               "clients": claim.quick_clients if quick else claim.clients, "seeds": seeds, "quick": quick,
               "grid": {arm: {k: list(v) for k, v in g.items()} for arm, g in claim.grid.items()},
-              "chosen": chosen, "tuning": tuned, "runs": final,
+              "chosen": chosen, "tuning": tuned, "runs": final, "diagnosis": diagnosis,
               "wall_seconds": time.perf_counter() - started,
-              "core_seconds": sum(r["seconds"] or 0 for r in tuned + final)}
+              "core_seconds": sum(r["seconds"] or 0 for r in tuned + final + diagnosis)}
     (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
     (out / f"{name}.md").write_text(markdown(report, claim))
     plot(report, claim, out / f"{name}.png")
@@ -367,7 +418,16 @@ def markdown(report: dict, claim: Claim) -> str:
         for better, worse in claim.compare:
             a, b = arm_values(report, claim, better, level.name), arm_values(report, claim, worse, level.name)
             lines.append(f"- {level.name}: {better} - {worse} = {difference(a, b)}")
-    failed = [r for r in report["tuning"] + report["runs"] if r.get("error")]
+    if claim.diagnosis is not None and report["diagnosis"]:
+        level = claim.levels[claim.diagnosis.level].name
+        lines += ["", f"Diagnosis ({level}): {claim.diagnosis.hypothesis}", "",
+                  "| run | metric | mean update norm | clipped fraction | epsilon |", "|---|---|---|---|---|"]
+        for label in claim.diagnosis.arms:
+            rows = [r for r in report["diagnosis"] if r["arm"] == label and not r.get("error")]
+            lines.append(f"| {label} | {cell([r['metric'] for r in rows])} | "
+                         f"{cell([r.get('update_norm_mean') for r in rows])} | "
+                         f"{cell([r.get('clipped_fraction') for r in rows])} | {cell([r.get('epsilon') for r in rows])} |")
+    failed = [r for r in report["tuning"] + report["runs"] + report["diagnosis"] if r.get("error")]
     if failed:
         lines += ["", "Failed runs (left out): " + "; ".join(f"{r['arm']} {r['level']} seed {r['seed']}: {r['error']}"
                                                            for r in failed)]

@@ -79,7 +79,8 @@ SPEC: dict[str, Key] = {
     "classes-per-client": Key(2, "labels per client for the pathological partitioner", low=1),
     "model": Key("cnn-mnist", "model architecture", MODELS),
     "num-rounds": Key(30, "federated rounds", low=1),
-    "eval-every": Key(1, "the server evaluates the global model every N rounds (and after the last one)", low=1),
+    "eval-every": Key(1, "evaluation (the server's, and the clients' where the algorithm has it) every N rounds "
+                         "and after the last", low=1),
     "sample-rate": Key(0.5, "q: probability that a client is sampled in a round", low=0, high=1, low_open=True),
     "client-sampling": Key("poisson", "client sampling scheme", CLIENT_SAMPLINGS),
     "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),

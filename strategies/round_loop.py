@@ -316,8 +316,9 @@ class DPRoundLoop(FedAvg):
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
               eval_every: int = 1) -> Result:
-        """Flower's round loop, plus: stop on the privacy budget, one record per round. `evaluate_fn` runs
-        every `eval_every` rounds and after the last round (the configured last, or the last the budget allows)."""
+        """Flower's round loop, plus: stop on the privacy budget, one record per round. `evaluate_fn` and the
+        clients' evaluation run every `eval_every` rounds and after the last round (the configured last, or the
+        last the budget allows)."""
         self.set_num_rounds(num_rounds)
         log(INFO, "Starting %s strategy:", type(self).__name__)
         self.summary()
@@ -343,13 +344,13 @@ class DPRoundLoop(FedAvg):
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
             record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
-            eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid)
+            due = rnd % eval_every == 0 or rnd == num_rounds or self.budget_exhausted()
+            eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid) if due else []
             if eval_msgs:
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
                 if client_eval is not None:
                     result.evaluate_metrics_clientapp[rnd] = client_eval
                     record.update(self.client_evaluation_record(client_eval))
-            due = rnd % eval_every == 0 or rnd == num_rounds or self.budget_exhausted()
             if evaluate_fn and due and (res := evaluate_fn(rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
