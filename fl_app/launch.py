@@ -31,6 +31,12 @@ import httpx
 from fl_app.local_deployment import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
+    "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+    # Ray's behaviour from its next versions on (actors that ask for no GPU keep CUDA_VISIBLE_DEVICES), which also
+    # ends the FutureWarning that ray.init otherwise prints in the middle of round 1
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
 
 
 def superlink_healthy(port: int) -> bool:
@@ -126,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
     args = parser.parse_args(argv)
 
-    base = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    base = {**os.environ, **QUIET_ENV}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = [("dp", args.run_config)]
     if args.reference:

@@ -19,7 +19,7 @@ from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition
 from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from strategies.round_loop import DPRoundLoop
+from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
 
 app = ServerApp()
@@ -151,23 +151,26 @@ DIAGNOSTICS_NOTICE = ("computed from raw client replies without noise: NOT cover
                       "publish (diagnostics.jsonl has them per round)")
 
 
+SUMMARY_LOG_KEYS = ("rounds_completed", "final_accuracy", "final_loss", "epsilon", "delta", "epsilon_against_server",
+                    "claimed_epsilon")
+
+
 def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
-    """The run's last lines: accuracy and epsilon (what the ledger covers), the audit, where the diagnostics are."""
-    personalized = diagnostics.get("personalized_accuracy") if publish_diagnostics else None
-    accuracy = summary["final_accuracy"]
-    shown = (f"accuracy {accuracy:.4f}" if accuracy is not None else
-             f"personalized accuracy {personalized:.4f} (not private)" if personalized is not None else
-             "no global model to evaluate (personalized accuracy: diagnostics-summary.json)")
-    caveats = "" if summary["epsilon_is_guarantee"] else " NOT a guarantee: " + "; ".join(summary["epsilon_caveats"])
-    log(INFO, "Finished: %s, epsilon %.4g (delta %.3g)%s after %d rounds; results in %s", shown,
-        summary["epsilon"], summary["delta"], caveats, summary["rounds_completed"], run_dir)
+    """The run's last lines: `Finished:` with summary.json's figures (what the ledger covers) as `key=value`
+    (strategies.round_loop.parse_log_line reads it), the audit, where the files and the diagnostics are."""
+    line = format_record(summary, SUMMARY_LOG_KEYS)
+    if publish_diagnostics and diagnostics.get("personalized_accuracy") is not None:
+        line += DIAGNOSTICS_MARK + format_record(diagnostics, ("personalized_accuracy",))
+    log(INFO, "Finished: %s", line)
+    if not summary["epsilon_is_guarantee"]:
+        log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))
     if summary.get("audit"):
         log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
             summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])
     if diagnostics.get("rounds_with_failed_or_rejected_replies"):
         log(WARNING, "Some client replies failed or were rejected: see %s/diagnostics.jsonl ('problems')", run_dir)
-    log(INFO, "Non-private diagnostics (counts, norms, losses, client evaluation; not covered by epsilon): "
-              "%s/diagnostics.jsonl", run_dir)
+    log(INFO, "Results in %s; non-private diagnostics (counts, norms, losses, client evaluation; not covered by "
+              "epsilon): diagnostics.jsonl", run_dir)
 
 
 class PromptGrid(Grid):
