@@ -14,7 +14,7 @@ from flwr.supercore import log
 
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
-from fl_app.dashboards import TensorBoardWriter
+from fl_app.dashboards import open_dashboards
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition
 from fl_app.task.models import build_model, count_parameters, split_state_keys
@@ -71,8 +71,9 @@ def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
     return [state[k].detach().cpu().numpy().copy() for k in body_keys]
 
 
-def run_federated(grid: Grid, cfg: dict) -> dict:
+def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> dict:
     """Train with the validated config `cfg` on `grid`; write the run directory; return the summary.
+    `flower_run_id` (the ServerApp's Context.run_id) groups the run's W&B runs.
 
     With `resume`, continue the run in the results folder from its last checkpoint: the global
     arrays, the history and the ledger as they were after the last completed round.
@@ -99,11 +100,11 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
-    dashboard = TensorBoardWriter(run_dir.path, cfg, cfg["publish-diagnostics"]) if cfg["tensorboard"] else None
+    dashboards = open_dashboards(run_dir.path, cfg, flower_run_id)
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)
-        if dashboard:
+        for dashboard in dashboards:
             dashboard.on_round(published, diagnostics)
 
     strategy = build_strategy(cfg, on_round_end=on_round_end, gradient_fn=gradient_fn,
@@ -139,7 +140,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
     diagnostics = {"not_private": DIAGNOSTICS_NOTICE, "seconds": time.perf_counter() - t0,
                    **strategy.describe_diagnostics()}
     run_dir.write_summary(summary, diagnostics)
-    if dashboard:
+    for dashboard in dashboards:
         dashboard.on_finish(summary)
     run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
     plot_runs([run_dir.path], run_dir.path / "plot.png", cfg["publish-diagnostics"])
@@ -218,4 +219,4 @@ class PromptGrid(Grid):
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_federated(PromptGrid(grid), validate(context.run_config))
+    run_federated(PromptGrid(grid), validate(context.run_config), context.run_id)

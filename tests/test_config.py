@@ -114,6 +114,8 @@ BAD = [
      "grad-sample-mode", "hooks, functorch or ew"),
     ({"accountant": "moments"}, "accountant", "pld, rdp, prv"),
     ({"publish-diagnostics": "yes"}, "publish-diagnostics", "true or false"),
+    ({"wandb": "yes"}, "wandb", "true or false"),
+    ({"wandb-mode": "cloud"}, "wandb-mode", "offline, online"),
     ({"adaptive": "yes"}, "adaptive", "true or false"),
     ({"gamma": -1.0}, "gamma", "[0, 1e+06]"),
     ({"mu-source": "data"}, "mu-source", "server, clients"),
@@ -143,7 +145,7 @@ def test_bad_config_names_key_value_and_allowed(overrides, key, allowed):
 
 def test_every_key_has_an_error_test_or_is_free_text():
     tested = {k for o, _, _ in BAD for k in o}
-    free_text = {"results-dir", "data-dir", "run-name"}
+    free_text = {"results-dir", "data-dir", "run-name", "wandb-project"}
     untested = set(SPEC) - tested - free_text
     # keys whose only constraint is a lower bound of the same kind as a tested one
     assert untested <= {"classes-per-client", "min-nodes", "server-lr", "local-epochs", "local-steps",
