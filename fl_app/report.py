@@ -27,7 +27,7 @@ from fl_app.results import read_diagnostics, read_metrics, run_label
 NOT_PRIVATE = "not private: not covered by epsilon"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
           "#bcbd22")
-WIDTH, HEIGHT, MARGIN = 460, 270, (34, 16, 44, 62)  # margins: top, right, bottom, left
+WIDTH, HEIGHT, MARGIN = 440, 260, (34, 16, 44, 62)  # margins: top, right, bottom, left
 
 
 # ---------------------------------------------------------------------------- runs
@@ -296,12 +296,12 @@ h4{margin:8px 0 2px;color:#a33} small{color:#666;font-weight:normal}
 .charts{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start} figure{margin:0}
 svg text{font:11px system-ui,sans-serif;fill:#333} svg .title{font-weight:600;font-size:12px}
 svg .grid{stroke:#e5e5e5} svg .reference{stroke-width:1.6;stroke-dasharray:6 4}
-.legend{font-size:12px;max-width:460px} .legend span{margin-right:10px;white-space:nowrap}
+.legend{font-size:12px;max-width:440px} .legend span{margin-right:10px;white-space:nowrap}
 .legend i{display:inline-block;width:16px;border-top:2px solid;margin-right:4px;vertical-align:middle}
 .legend i.dash{border-top-style:dashed} .swatch{display:inline-block;width:10px;height:10px;margin-right:6px}
 table{border-collapse:collapse;font-size:12px} td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
 td:first-child,th:first-child{text-align:left} .config td{text-align:left;font-family:monospace}
-.note{font-size:12px;color:#555;max-width:460px;margin:2px 0} .warning{color:#a33}
+.note{font-size:12px;color:#555;max-width:440px;margin:2px 0} .warning{color:#a33}
 .diagnostics{border:2px dashed #c66;padding:4px 10px;margin:8px 0;background:#fff8f8}
 .run{border-top:1px solid #ccc;margin-top:10px}
 """

@@ -9,7 +9,9 @@ The server imports Opacus for its RDP accountant (the default job's epsilon agai
 ALI-DPFL's model; ALI-DPFL's ClientApp for DP-SGD.
 
 Every module of this project calls `import_opacus()` before its first `from opacus ... import`: Opacus is
-then imported once, here, and the root logger keeps the handlers it had.
+then imported once, here, while the root logger holds a NullHandler, so its `basicConfig()` configures nothing
+(it never does when the root has a handler). Removing the handler after the import instead would leave a
+window in which other threads' lines (Flower's simulation logs while the ServerApp imports) print twice.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import logging
 
 
 def import_opacus():
-    """`import opacus`, leaving the root logger's handlers as they were; returns the module."""
+    """`import opacus` without Opacus' `logging.basicConfig()` taking effect; returns the module."""
     root = logging.getLogger()
-    kept = list(root.handlers)
+    placeholder = logging.NullHandler()
+    root.addHandler(placeholder)
     try:
         import opacus
     finally:
-        for handler in [h for h in root.handlers if h not in kept]:
-            root.removeHandler(handler)
+        root.removeHandler(placeholder)
     return opacus
