@@ -127,6 +127,9 @@ class WandbWriter:
         for key, value in summary.items():
             if finite_number(value):
                 self.run.summary[key] = value
+        audit = summary.get("audit") or {}
+        if finite_number(audit.get("epsilon_estimate")):
+            self.run.summary["privacy/audit_epsilon_estimate"] = audit["epsilon_estimate"]
         self.run.finish()
 
 

@@ -81,6 +81,7 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     t0 = time.perf_counter()
     run_dir = RunDirectory(resolve_run_dir(cfg), resume=cfg["resume"])
     run_dir.write_config(cfg)
+    dashboards = open_dashboards(run_dir.path, cfg, flower_run_id)  # e.g. wandb missing: fails before "running"
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
     if not cfg["secure-rng"]:
@@ -100,7 +101,6 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
-    dashboards = open_dashboards(run_dir.path, cfg, flower_run_id)
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)

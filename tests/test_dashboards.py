@@ -157,7 +157,7 @@ def test_wandb_without_the_package_fails_before_training(tmp_path, monkeypatch):
     cfg = validate({**SMALL, "wandb": True, "results-dir": str(tmp_path / "run")})
     with pytest.raises(RuntimeError, match="pip install 'dpfl\\[wandb\\]'"):
         run_federated(InProcessGrid(client_app, 4, cfg), cfg)
-    assert read_metrics(tmp_path / "run") == []
+    assert read_metrics(tmp_path / "run") == [] and not (tmp_path / "run" / "status.json").exists()
 
 
 def test_a_client_app_never_imports_wandb():
