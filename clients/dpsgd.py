@@ -27,12 +27,16 @@ import warnings
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
-from opacus.grad_sample.utils import prepare_module
-from opacus.optimizers import DPOptimizer, get_optimizer_class
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
-from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
+
+from fl_app.task.opacus_import import import_opacus
+
+import_opacus()  # first: Opacus' own import would give the root logger a handler (fl_app/task/opacus_import.py)
+from opacus.grad_sample.utils import prepare_module  # noqa: E402
+from opacus.optimizers import DPOptimizer, get_optimizer_class  # noqa: E402
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed  # noqa: E402
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping  # noqa: E402
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, epsilon_of

@@ -151,6 +151,10 @@ SPEC: dict[str, Key] = {
     "secagg-reconstruction-threshold": Key(0.5, "SecAgg+ shares needed to unmask, as a fraction of the shares",
                                            low=0, high=1, low_open=True),
     "tensorboard": Key(True, "write TensorBoard events into the run folder (tensorboard --logdir <results>)"),
+    "wandb": Key(False, "also log the dashboards' scalars to Weights & Biases (needs the wandb extra)"),
+    "wandb-mode": Key("offline", "W&B mode: offline (files in the run folder, no account or network) or online",
+                      ("offline", "online")),
+    "wandb-project": Key("dpfl", "W&B project name"),
     "publish-diagnostics": Key(False, "also show the non-private diagnostics (counts, update norms, clipped fraction, "
                                       "losses, client evaluation) in the log and dashboards; they are always in the "
                                       "run folder's diagnostics.jsonl, which epsilon does not cover"),

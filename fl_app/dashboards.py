@@ -6,6 +6,10 @@ tags, in one table. The non-private diagnostics (diagnostics.jsonl: counts, upda
 fraction, losses, client evaluation) appear under `nonprivate/` only when the run publishes them
 (`publish-diagnostics = true`), with a text note that epsilon does not cover them.
 `python -m fl_app.results --tensorboard RUN...` writes the events of older run folders.
+
+Weights & Biases (`wandb = true`, the `wandb` extra) logs the same scalars under the same names (`WandbWriter`),
+offline by default: into <run folder>/wandb/, with no account and no network (`wandb sync` uploads it later).
+Only the ServerApp writes dashboards; wandb is imported when a W&B run starts, never by a ClientApp.
 """
 
 from __future__ import annotations
@@ -53,6 +57,15 @@ def finite_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def round_scalars(published: dict, diagnostics: dict | None, publish_diagnostics: bool) -> dict[str, float]:
+    """What a dashboard shows for one round: the published record's scalars, and the diagnostics under
+    nonprivate/ only when the run publishes them."""
+    values = scalars(published)
+    if publish_diagnostics and diagnostics:
+        values.update(diagnostic_scalars(diagnostics))
+    return values
+
+
 class TensorBoardWriter:
     """Writes a run's round records as TensorBoard scalars into `run_dir` (events.out.tfevents.*);
     the diagnostics too when `publish_diagnostics`."""
@@ -69,10 +82,7 @@ class TensorBoardWriter:
                                  .replace("\n", "\n    "), 0)
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
-        values = scalars(published)
-        if self.publish_diagnostics and diagnostics:
-            values.update(diagnostic_scalars(diagnostics))
-        for tag, value in values.items():
+        for tag, value in round_scalars(published, diagnostics, self.publish_diagnostics).items():
             self.writer.add_scalar(tag, value, int(published["round"]))
         self.writer.flush()
 
@@ -82,6 +92,56 @@ class TensorBoardWriter:
             self.writer.add_scalar("privacy/audit_epsilon_estimate", float(audit["epsilon_estimate"]),
                                    int(summary["rounds_completed"]))
         self.writer.close()
+
+
+class WandbWriter:
+    """A run's round records as a Weights & Biases run: the scalars of `round_scalars` (the TAGS names) at
+    step = round, the resolved config, and summary.json's numbers as the W&B summary.
+
+    mode "offline" (the default) writes <run_dir>/wandb/offline-run-*/run-*.wandb and needs no account or
+    network; "online" streams to the W&B server (`wandb login` first). Runs are grouped by `group` (the
+    ServerApp passes the Flower run id), else by the run folder's name. Console capture, system metrics, host
+    and git metadata are off: the W&B run holds what the run folder publishes and nothing about the machine.
+    """
+
+    def __init__(self, run_dir: Path | str, cfg: dict, publish_diagnostics: bool = False,
+                 group: str | None = None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError("run-config key 'wandb' = true needs the wandb package: "
+                               "pip install 'dpfl[wandb]' (or wandb = false)") from None
+        run_dir = Path(run_dir)
+        self.publish_diagnostics = publish_diagnostics
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+                                  x_disable_machine_info=True, x_save_requirements=False, disable_git=True,
+                                  save_code=False, disable_job_creation=True)
+        self.run = wandb.init(mode=cfg["wandb-mode"], dir=str(run_dir), project=cfg["wandb-project"],
+                              group=group or run_dir.name, name=run_dir.name, config=cfg, settings=settings,
+                              notes=DIAGNOSTICS_NOTE if publish_diagnostics else None)
+
+    def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
+        self.run.log(round_scalars(published, diagnostics, self.publish_diagnostics), step=int(published["round"]))
+
+    def on_finish(self, summary: dict) -> None:
+        for key, value in summary.items():
+            if finite_number(value):
+                self.run.summary[key] = value
+        audit = summary.get("audit") or {}
+        if finite_number(audit.get("epsilon_estimate")):
+            self.run.summary["privacy/audit_epsilon_estimate"] = audit["epsilon_estimate"]
+        self.run.finish()
+
+
+def open_dashboards(run_dir: Path | str, cfg: dict, flower_run_id: int | None = None) -> list:
+    """The dashboards a run config asks for (TensorBoard, W&B), each with on_round and on_finish."""
+    dashboards: list = []
+    if cfg["tensorboard"]:
+        dashboards.append(TensorBoardWriter(run_dir, cfg, cfg["publish-diagnostics"]))
+    if cfg["wandb"]:
+        group = f"flwr-run-{flower_run_id}" if flower_run_id else None
+        dashboards.append(WandbWriter(run_dir, cfg, cfg["publish-diagnostics"], group))
+    return dashboards
 
 
 def write_tensorboard(run_dir: Path | str, publish_diagnostics: bool = False) -> Path:

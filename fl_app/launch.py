@@ -1,6 +1,6 @@
 """Run the app with `flwr run` in local simulation, and clean up after it.
 
-    python -m fl_app.launch [--clients N] [--reference] [-c "key=value ..."]
+    python -m fl_app.launch [--clients N] [--reference] [-c "key=value ..."] [--sweep "key=v1,v2,..."]
 
 What it does, so that nothing is left behind:
 1. starts its own local simulation SuperLink on free ports with a private FLWR_HOME (never one
@@ -9,7 +9,8 @@ What it does, so that nothing is left behind:
 2. `flwr run . --stream` with N simulated clients, one CPU each, and
    results-dir = ./results/<name>;
 3. with --reference, a second run without clipping or noise (the non-private
-   FedAvg reference) and one plot with both;
+   FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
+   (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
 4. ends the SuperLink it started, by process group, also after Ctrl-C or a failed run, and exits
    non-zero unless every run folder says `completed` (status.json).
 """
@@ -31,6 +32,12 @@ import httpx
 from fl_app.local_deployment import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
+    "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+    # Ray's behaviour from its next versions on (actors that ask for no GPU keep CUDA_VISIBLE_DEVICES), which also
+    # ends the FutureWarning that ray.init otherwise prints in the middle of round 1
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
 
 
 def superlink_healthy(port: int) -> bool:
@@ -118,18 +125,27 @@ def reference_run_config(run_config: str) -> str:
     return format_run_config(reference_overrides(overrides, {k: spec.default for k, spec in SPEC.items()}))
 
 
+def sweep_runs(run_config: str, sweep: str) -> list[tuple[str, str]]:
+    """(name, run config) per value of `sweep` = "key=v1,v2,...", each value added to `run_config`."""
+    key, sep, values = sweep.partition("=")
+    if not sep or not key.strip() or not values.strip():
+        raise SystemExit(f"--sweep {sweep!r}: expected key=v1,v2,... (e.g. noise-multiplier=0.5,1,2)")
+    return [(f"{key.strip()}-{v.strip()}", f"{run_config} {key.strip()}={v.strip()}".strip())
+            for v in values.split(",") if v.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=50, help="simulated clients (SuperNodes)")
     parser.add_argument("-c", "--run-config", default="", help="run-config overrides, 'key=value ...'")
     parser.add_argument("--reference", action="store_true", help="also run the non-private reference")
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
+    parser.add_argument("--sweep", default="", help="one run per value: 'key=v1,v2,...' (e.g. noise-multiplier=0.5,1,2)")
     args = parser.parse_args(argv)
 
-    base = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    base = {**os.environ, **QUIET_ENV}
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    runs = [("dp", args.run_config)]
+    runs = sweep_runs(args.run_config, args.sweep) if args.sweep else [("dp", args.run_config)]
     if args.reference:
         runs.append(("reference", reference_run_config(args.run_config)))
     log_dir = Path(args.results)
@@ -161,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         from fl_app.results import plot_runs
 
         print("comparison plot:", plot_runs(run_dirs, run_dirs[0] / "plot-vs-reference.png"))
+        print("report: python -m fl_app.report", " ".join(shlex.quote(str(d)) for d in run_dirs),
+              "-o", shlex.quote(str(Path(args.results, f"{stamp}-report.html"))))
     return 0
 
 

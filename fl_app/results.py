@@ -184,8 +184,9 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str, diagnostics: bool = F
             ax_eps.plot(rounds, eps, marker=".", label=label)
     ax_acc.set(xlabel="round", ylabel="accuracy (server test set, or personalized)", title="Accuracy")
     ax_eps.set(xlabel="round", ylabel="epsilon", title="Privacy spent (non-private runs: infinite)")
-    ax_acc.legend(fontsize=8)
-    ax_eps.legend(fontsize=8)
+    for ax in (ax_acc, ax_eps):
+        if ax.get_legend_handles_labels()[0]:  # a non-private run draws no epsilon line
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

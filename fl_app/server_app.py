@@ -14,12 +14,12 @@ from flwr.supercore import log
 
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
-from fl_app.dashboards import TensorBoardWriter
+from fl_app.dashboards import open_dashboards
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
 from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from strategies.round_loop import DPRoundLoop
+from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
 
 app = ServerApp()
@@ -72,8 +72,9 @@ def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
     return [state[k].detach().cpu().numpy().copy() for k in body_keys]
 
 
-def run_federated(grid: Grid, cfg: dict) -> dict:
+def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> dict:
     """Train with the validated config `cfg` on `grid`; write the run directory; return the summary.
+    `flower_run_id` (the ServerApp's Context.run_id) groups the run's W&B runs.
 
     With `resume`, continue the run in the results folder from its last checkpoint: the global
     arrays, the history and the ledger as they were after the last completed round.
@@ -81,6 +82,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
     t0 = time.perf_counter()
     run_dir = RunDirectory(resolve_run_dir(cfg), resume=cfg["resume"])
     run_dir.write_config(cfg)
+    dashboards = open_dashboards(run_dir.path, cfg, flower_run_id)  # e.g. wandb missing: fails before "running"
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
     if not cfg["secure-rng"]:
@@ -105,11 +107,10 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
-    dashboard = TensorBoardWriter(run_dir.path, cfg, cfg["publish-diagnostics"]) if cfg["tensorboard"] else None
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)
-        if dashboard:
+        for dashboard in dashboards:
             dashboard.on_round(published, diagnostics)
 
     strategy = build_strategy(cfg, on_round_end=on_round_end, gradient_fn=gradient_fn,
@@ -145,7 +146,7 @@ def run_federated(grid: Grid, cfg: dict) -> dict:
     diagnostics = {"not_private": DIAGNOSTICS_NOTICE, "seconds": time.perf_counter() - t0,
                    **strategy.describe_diagnostics()}
     run_dir.write_summary(summary, diagnostics)
-    if dashboard:
+    for dashboard in dashboards:
         dashboard.on_finish(summary)
     run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
     plot_runs([run_dir.path], run_dir.path / "plot.png", cfg["publish-diagnostics"])
@@ -157,23 +158,26 @@ DIAGNOSTICS_NOTICE = ("computed from raw client replies without noise: NOT cover
                       "publish (diagnostics.jsonl has them per round)")
 
 
+SUMMARY_LOG_KEYS = ("rounds_completed", "final_accuracy", "final_loss", "epsilon", "delta", "epsilon_against_server",
+                    "claimed_epsilon")
+
+
 def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
-    """The run's last lines: accuracy and epsilon (what the ledger covers), the audit, where the diagnostics are."""
-    personalized = diagnostics.get("personalized_accuracy") if publish_diagnostics else None
-    accuracy = summary["final_accuracy"]
-    shown = (f"accuracy {accuracy:.4f}" if accuracy is not None else
-             f"personalized accuracy {personalized:.4f} (not private)" if personalized is not None else
-             "no global model to evaluate (personalized accuracy: diagnostics-summary.json)")
-    caveats = "" if summary["epsilon_is_guarantee"] else " NOT a guarantee: " + "; ".join(summary["epsilon_caveats"])
-    log(INFO, "Finished: %s, epsilon %.4g (delta %.3g)%s after %d rounds; results in %s", shown,
-        summary["epsilon"], summary["delta"], caveats, summary["rounds_completed"], run_dir)
+    """The run's last lines: `Finished:` with summary.json's figures (what the ledger covers) as `key=value`
+    (strategies.round_loop.parse_log_line reads it), the audit, where the files and the diagnostics are."""
+    line = format_record(summary, SUMMARY_LOG_KEYS)
+    if publish_diagnostics and diagnostics.get("personalized_accuracy") is not None:
+        line += DIAGNOSTICS_MARK + format_record(diagnostics, ("personalized_accuracy",))
+    log(INFO, "Finished: %s", line)
+    if not summary["epsilon_is_guarantee"]:
+        log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))
     if summary.get("audit"):
         log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
             summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])
     if diagnostics.get("rounds_with_failed_or_rejected_replies"):
         log(WARNING, "Some client replies failed or were rejected: see %s/diagnostics.jsonl ('problems')", run_dir)
-    log(INFO, "Non-private diagnostics (counts, norms, losses, client evaluation; not covered by epsilon): "
-              "%s/diagnostics.jsonl", run_dir)
+    log(INFO, "Results in %s; non-private diagnostics (counts, norms, losses, client evaluation; not covered by "
+              "epsilon): diagnostics.jsonl", run_dir)
 
 
 class PromptGrid(Grid):
@@ -221,4 +225,4 @@ class PromptGrid(Grid):
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_federated(PromptGrid(grid), validate(context.run_config))
+    run_federated(PromptGrid(grid), validate(context.run_config), context.run_id)

@@ -26,6 +26,7 @@ from Flower's legacy workflow.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable
 from logging import DEBUG, INFO, WARNING
@@ -275,7 +276,7 @@ class DPRoundLoop(FedAvg):
         published, diagnostics = self.split_record(record)
         line = format_record(published)
         if self.publish_diagnostics:
-            line += "  | not private: " + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
+            line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
         log(INFO, "Round %d/%d: %s", record["round"], self.num_rounds, line)
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
@@ -394,7 +395,29 @@ DIAGNOSTIC_LOG_KEYS = ("personalized_accuracy", "clients", "rejected", "failures
                        "update_norm_mean", "train_loss")
 
 
+DIAGNOSTICS_MARK = "  | not private: "  # what follows it on a log line is not covered by epsilon
+LOG_LINE = re.compile(r"(?:Round (\d+)/\d+|Finished): (.*)$")
+
+
 def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
-    """`key=value` for the keys present, numbers to 4 significant digits."""
+    """`key=value` for the keys present (None left out), numbers to 4 significant digits, two spaces apart."""
     return "  ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
-                     for k in keys if k in record)
+                     for k in keys if record.get(k) is not None)
+
+
+def parse_log_line(line: str) -> tuple[dict, dict] | None:
+    """(published values, diagnostics) of a `Round r/R: ...` line (with `round`) or of the run's `Finished: ...`
+    line as `flwr log` prints them (a prefix such as Flower's `INFO :` is allowed); None for any other line.
+    Keys are those of metrics.jsonl (Finished: summary.json), after DIAGNOSTICS_MARK diagnostics.jsonl's;
+    numbers come back to the line's 4 significant digits."""
+    match = LOG_LINE.search(line.rstrip())
+    if match is None:
+        return None
+
+    def values(text: str) -> dict:
+        pairs = (item.split("=", 1) for item in text.split())
+        return {k: int(v) if v.lstrip("-").isdigit() else float(v) for k, v in pairs}
+
+    published, _, diagnostics = match.group(2).partition(DIAGNOSTICS_MARK.strip())
+    round_number = {"round": int(match.group(1))} if match.group(1) else {}
+    return {**round_number, **values(published)}, values(diagnostics)

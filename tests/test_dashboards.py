@@ -77,3 +77,94 @@ def test_older_run_folders_are_converted(tmp_path):
 
 def test_non_finite_values_are_not_logged():
     assert scalars({"round": 1, "epsilon": math.inf, "accuracy": 0.5, "failed_nodes": ["x"]}) == {"eval/accuracy": 0.5}
+
+
+# ---------------------------------------------------------------------------- Weights & Biases (offline)
+def wandb_history(run_dir) -> dict[int, dict]:
+    """{step: {key: value}} logged into the run's offline W&B file, read back from the file itself.
+
+    wandb 0.31 has no Python reader of its `.wandb` files any more (its Go core writes them), so this reads the
+    format: a 7-byte header (":W&B", magic, version), then LevelDB log records in 32 KiB blocks (7-byte header:
+    CRC, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4), each record one of wandb's own protobuf `Record`s.
+    """
+    import json as json_lib
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    data, block = files[0].read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, pending, history = 7, b"", {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json_lib.loads(item.value_json)
+                         for item in record.history.item}  # a key with "/" is stored as its parts
+                history[int(record.history.step.num)] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return history
+
+
+def wandb_or_skip():
+    return pytest.importorskip("wandb", reason="wandb is not installed: pip install -e '.[wandb]' (or '.[test]')")
+
+
+def check_wandb_against_files(run_dir, publish_diagnostics: bool) -> dict[int, dict]:
+    history = wandb_history(run_dir)
+    published = read_metrics(run_dir)
+    diagnostics = {r["round"]: r for r in read_diagnostics(run_dir)}
+    assert sorted(history) == [r["round"] for r in published]
+    for record in published:
+        expected = scalars(record)
+        if publish_diagnostics:
+            expected.update({NONPRIVATE_PREFIX + k: v for k, v in diagnostics[record["round"]].items()
+                             if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        assert history[record["round"]] == pytest.approx(expected, rel=1e-12)
+    return history
+
+
+def test_wandb_offline_run_logs_what_metrics_jsonl_holds_and_nothing_else(tmp_path):
+    wandb_or_skip()
+    cfg = validate({**SMALL, "wandb": True, "tensorboard": False, "results-dir": str(tmp_path / "run")})
+    run_federated(InProcessGrid(client_app, 4, cfg), cfg)
+    history = check_wandb_against_files(tmp_path / "run", publish_diagnostics=False)
+    assert {"eval/accuracy", "privacy/epsilon"} <= set(history[3])
+    assert not [k for step in history.values() for k in step if k.startswith(NONPRIVATE_PREFIX)]
+
+
+def test_wandb_shows_diagnostics_only_when_the_run_publishes_them(tmp_path):
+    wandb_or_skip()
+    cfg = validate({**SMALL, "wandb": True, "publish-diagnostics": True, "results-dir": str(tmp_path / "run")})
+    run_federated(InProcessGrid(client_app, 4, cfg), cfg)
+    history = check_wandb_against_files(tmp_path / "run", publish_diagnostics=True)
+    assert history[1]["nonprivate/clients"] == 4
+
+
+def test_wandb_without_the_package_fails_before_training(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    cfg = validate({**SMALL, "wandb": True, "results-dir": str(tmp_path / "run")})
+    with pytest.raises(RuntimeError, match="pip install 'dpfl\\[wandb\\]'"):
+        run_federated(InProcessGrid(client_app, 4, cfg), cfg)
+    assert read_metrics(tmp_path / "run") == [] and not (tmp_path / "run" / "status.json").exists()
+
+
+def test_a_client_app_never_imports_wandb():
+    import subprocess
+    import sys
+
+    code = ("import sys, fl_app.client_app, fl_app.server_app, clients.dpsgd; "
+            "print('wandb' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split()[-1] == "False"

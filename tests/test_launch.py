@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.launch import format_run_config, own_superlink_env, reference_run_config
+from fl_app.launch import format_run_config, own_superlink_env, reference_run_config, sweep_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,15 @@ def test_own_superlink_env_uses_free_ports_and_a_private_home(tmp_path):
 def test_reference_run_config_round_trips():
     assert format_run_config({"a": "x", "b": True, "c": 0.5}) == "a='x' b=true c=0.5"
     assert "noise-multiplier=0.0" in reference_run_config("algorithm='dp-fedsam'")
+
+
+def test_sweep_makes_one_run_per_value():
+    assert sweep_runs("num-rounds=10", "noise-multiplier=0.5, 1,2") == [
+        ("noise-multiplier-0.5", "num-rounds=10 noise-multiplier=0.5"),
+        ("noise-multiplier-1", "num-rounds=10 noise-multiplier=1"),
+        ("noise-multiplier-2", "num-rounds=10 noise-multiplier=2")]
+    with pytest.raises(SystemExit, match="key=v1,v2"):
+        sweep_runs("", "noise-multiplier")
 
 
 @pytest.mark.slow

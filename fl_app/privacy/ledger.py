@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fl_app.task.opacus_import import import_opacus
+
 
 ACCOUNTANTS = ("pld", "rdp", "prv")  # imported when an epsilon is first computed
 DEFAULT_ACCOUNTANT = "pld"
@@ -75,12 +77,14 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
     if accountant == "pld":
         eps = _pld_epsilon(events, delta)
     elif accountant == "rdp":  # what Opacus' RDPAccountant.get_privacy_spent computes, per-step RDP cached
+        import_opacus()
         from opacus.accountants import RDPAccountant
         from opacus.accountants.analysis import rdp as rdp_analysis
 
         rdp = sum(_rdp_per_step(sigma, q) * steps for sigma, q, steps in events)
         eps = _quiet(rdp_analysis.get_privacy_spent, orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0]
     else:
+        import_opacus()
         from opacus.accountants import PRVAccountant
 
         acc = PRVAccountant()
@@ -122,6 +126,7 @@ def _warn_once(message: str) -> None:
 @functools.lru_cache(maxsize=1024)
 def _rdp_per_step(noise_multiplier: float, sample_rate: float):
     """RDP of one sampled-Gaussian step at Opacus' default orders (RDP composes additively)."""
+    import_opacus()
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis import rdp as rdp_analysis
 

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fl_app.task.opacus_import import import_opacus
+
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:
     """The model's state as numpy arrays, in state_dict order."""
@@ -48,6 +50,7 @@ def opacus_compatible(model: nn.Module) -> nn.Module:
 
     The server applies the same function to the global model so both sides share one layout.
     """
+    import_opacus()
     from opacus.validators import ModuleValidator
 
     if ModuleValidator.is_valid(model):

@@ -1,0 +1,346 @@
+"""One self-contained HTML report of run folders: inline SVG drawn here, no script, nothing fetched.
+
+    python -m fl_app.report RUN_DIR... [-o report.html] [--diagnostics]
+
+What it shows comes from metrics.jsonl and summary.json, what the privacy ledger covers:
+- across runs: the privacy-utility frontier (final accuracy against final epsilon, one line per algorithm,
+  each non-private reference as a horizontal line), and accuracy and epsilon per round of every run;
+- per run: its figures, for ALI-DPFL a rounds x clients heatmap of the epsilon each client has spent and tau
+  per round, for top-k the bytes of one upload, for the wavelet mechanisms the true epsilon beside the one
+  the paper claims, and the resolved config (config.json).
+The non-private diagnostics (diagnostics.jsonl: clipped fraction, update norms) appear only for a run that
+published them (`publish-diagnostics = true`) or with --diagnostics, in sections marked as not covered by
+epsilon. `python -m fl_app.launch --sweep noise-multiplier=0.5,1,2 --reference` makes the runs of one frontier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fl_app.results import read_diagnostics, read_metrics, run_label
+
+NOT_PRIVATE = "not private: not covered by epsilon"
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
+          "#bcbd22")
+WIDTH, HEIGHT, MARGIN = 440, 260, (34, 16, 44, 62)  # margins: top, right, bottom, left
+
+
+# ---------------------------------------------------------------------------- runs
+@dataclass
+class Run:
+    path: Path
+    label: str
+    algorithm: str
+    config: dict
+    summary: dict
+    metrics: list[dict]
+    diagnostics: list[dict] = field(default_factory=list)  # empty unless shown
+    color: str = COLORS[0]
+
+    @property
+    def private(self) -> bool:
+        """A DP run (a finite epsilon); the non-private reference's epsilon is null (infinite)."""
+        return self.summary.get("epsilon") is not None
+
+    def series(self, key: str, rows: list[dict] | None = None) -> list[tuple[float, float]]:
+        return [(r["round"], r[key]) for r in (self.metrics if rows is None else rows) if number(r.get(key))]
+
+
+def number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def load_run(path: Path | str, diagnostics: bool = False, color: str = COLORS[0]) -> Run:
+    """A run folder's published files; its diagnostics too when it published them or `diagnostics`."""
+    path = Path(path)
+    summary = json.loads((path / "summary.json").read_text())
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    shown = diagnostics or bool(config.get("publish-diagnostics"))
+    return Run(path, run_label(summary), str(summary.get("strategy")), config, summary, read_metrics(path),
+               read_diagnostics(path) if shown else [], color)
+
+
+# ---------------------------------------------------------------------------- SVG charts
+def fmt(value, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return "∞" if math.isinf(value) else f"{value:.{digits}g}"
+    return str(value)
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    if hi <= lo:
+        lo, hi = lo - (abs(lo) or 1) * 0.5, hi + (abs(hi) or 1) * 0.5
+    raw = (hi - lo) / count
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 2.5, 5, 10) if raw <= m * step)
+    return [i * step for i in range(math.floor(lo / step), math.ceil(hi / step) + 1)]
+
+
+@dataclass
+class Series:
+    label: str
+    points: list[tuple[float, float]]
+    color: str
+    dashed: bool = False
+    markers: bool = False
+    marker_class: str = "point"
+    marker_titles: list[str] = field(default_factory=list)
+
+
+def chart(title: str, series: list[Series], x_label: str, y_label: str, *, log_x: bool = False,
+          hlines: list[Series] = (), css: str = "", note: str = "") -> str:
+    """A line chart: `series` as lines (and markers), `hlines` as horizontal dashed lines (their first y)."""
+    xs = [x for s in series for x, _ in s.points]
+    ys = [y for s in list(series) + list(hlines) for _, y in s.points]
+    if not xs and not hlines:
+        return ""
+    xs = xs or [0.0, 1.0]
+    if log_x:
+        xs = [math.log10(x) for x in xs if x > 0] or [0.0]
+        lo, hi = math.floor(min(xs)), math.ceil(max(xs))
+        lo, hi = (lo - 1, lo + 1) if hi == lo else (lo, hi)
+        steps = (1, 2, 5) if hi - lo <= 2 else (1,)  # 1-2-5 ticks over one or two decades
+        x_ticks = [math.log10(m) + k for k in range(lo, hi) for m in steps] + [float(hi)]
+    else:
+        x_ticks = nice_ticks(min(xs), max(xs))
+    y_ticks = nice_ticks(min(ys), max(ys))
+    top, right, bottom, left = MARGIN
+    x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
+
+    def px(x: float) -> float:
+        x = math.log10(x) if log_x else x
+        return left + (x - x0) / ((x1 - x0) or 1) * (WIDTH - left - right)
+
+    def py(y: float) -> float:
+        return HEIGHT - bottom - (y - y0) / ((y1 - y0) or 1) * (HEIGHT - top - bottom)
+
+    out = [f'<svg class="chart {css}" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
+           f'role="img"><title>{html.escape(title)}</title>',
+           f'<text x="{left}" y="16" class="title">{html.escape(title)}</text>']
+    for t in x_ticks:
+        x = left + (t - x0) / ((x1 - x0) or 1) * (WIDTH - left - right)
+        label = fmt(10 ** t) if log_x else fmt(t)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{HEIGHT - bottom}" class="grid"/>'
+                   f'<text x="{x:.1f}" y="{HEIGHT - bottom + 14}" class="tick" text-anchor="middle">{label}</text>')
+    for t in y_ticks:
+        out.append(f'<line x1="{left}" y1="{py(t):.1f}" x2="{WIDTH - right}" y2="{py(t):.1f}" class="grid"/>'
+                   f'<text x="{left - 5}" y="{py(t) + 4:.1f}" class="tick" text-anchor="end">{fmt(t)}</text>')
+    out.append(f'<text x="{(left + WIDTH - right) / 2}" y="{HEIGHT - 8}" class="axis" text-anchor="middle">'
+               f'{html.escape(x_label)}</text><text transform="translate(13 {(top + HEIGHT - bottom) / 2}) '
+               f'rotate(-90)" class="axis" text-anchor="middle">{html.escape(y_label)}</text>')
+    for s in hlines:
+        y = py(s.points[0][1])
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{WIDTH - right}" y2="{y:.1f}" class="reference" '
+                   f'stroke="{s.color}"><title>{html.escape(s.label)}: {fmt(s.points[0][1])}</title></line>')
+    for s in series:
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in sorted(s.points))
+        dash = ' stroke-dasharray="5 3"' if s.dashed else ""
+        out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="1.8"{dash}/>')
+        if s.markers:
+            for i, (x, y) in enumerate(s.points):
+                tip = s.marker_titles[i] if i < len(s.marker_titles) else f"{fmt(x)}, {fmt(y)}"
+                out.append(f'<circle class="{s.marker_class}" cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" '
+                           f'fill="{s.color}"><title>{html.escape(tip)}</title></circle>')
+    legend = [s for s in list(series) + list(hlines) if s.label]
+    out.append("</svg>")
+    items = "".join(f'<span><i style="border-color:{s.color}" class="{"dash" if s.dashed or s in hlines else ""}">'
+                    f'</i>{html.escape(s.label)}</span>' for s in legend)
+    note_html = f'<p class="note">{html.escape(note)}</p>' if note else ""
+    return f'<figure>{"".join(out)}<figcaption class="legend">{items}</figcaption>{note_html}</figure>'
+
+
+def heatmap(title: str, rounds: list[int], clients: list[str], values: dict[tuple[int, str], float]) -> str:
+    """Rounds (rows) x clients (columns), darker = more epsilon spent; a cell for every pair."""
+    cell_w = max(6, min(24, 380 // max(1, len(clients))))
+    cell_h = max(6, min(18, 300 // max(1, len(rounds))))
+    left, top = 40, 30
+    width, height = left + cell_w * len(clients) + 10, top + cell_h * len(rounds) + 40
+    high = max((v for v in values.values() if number(v)), default=1.0) or 1.0
+    out = [f'<svg class="heatmap" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
+           f'<title>{html.escape(title)}</title><text x="0" y="16" class="title">{html.escape(title)}</text>']
+    for i, rnd in enumerate(rounds):
+        y = top + i * cell_h
+        if len(rounds) <= 20 or i % max(1, len(rounds) // 10) == 0:
+            out.append(f'<text x="{left - 4}" y="{y + cell_h - 2}" class="tick" text-anchor="end">{rnd}</text>')
+        for j, client in enumerate(clients):
+            value = values.get((rnd, client))
+            shade = f"rgba(128,0,38,{0.08 + 0.92 * value / high:.3f})" if number(value) else "#eee"
+            out.append(f'<rect class="cell" x="{left + j * cell_w}" y="{y}" width="{cell_w - 1}" height="{cell_h - 1}" '
+                       f'fill="{shade}" data-round="{rnd}" data-client="{html.escape(client)}">'
+                       f'<title>round {rnd}, client {html.escape(client)}: epsilon {fmt(value)}</title></rect>')
+    bottom = top + cell_h * len(rounds)
+    out.append(f'<text x="{left}" y="{bottom + 14}" class="tick">clients ({len(clients)}) →  '
+               f'rows: rounds; darkest = epsilon {fmt(high)}</text></svg>')
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------- sections
+def frontier(runs: list[Run]) -> str:
+    """Final accuracy against final epsilon: a point per DP run, a line per algorithm, references flat."""
+    by_algorithm: dict[str, list[Run]] = {}
+    for run in runs:
+        if run.private and number(run.summary.get("final_accuracy")):
+            by_algorithm.setdefault(run.algorithm, []).append(run)
+    series = []
+    for i, (name, members) in enumerate(by_algorithm.items()):
+        members.sort(key=lambda r: r.summary["epsilon"])
+        series.append(Series(name, [(r.summary["epsilon"], r.summary["final_accuracy"]) for r in members],
+                             COLORS[i % len(COLORS)], markers=True, marker_class="frontier-point",
+                             marker_titles=[f"{r.label} ({r.path.name}): epsilon {fmt(r.summary['epsilon'])}, "
+                                            f"accuracy {fmt(r.summary['final_accuracy'])}" for r in members]))
+    references = [Series(r.label, [(0.0, r.summary["final_accuracy"])], "#555", dashed=True)
+                  for r in runs if not r.private and number(r.summary.get("final_accuracy"))]
+    if not series and not references:
+        return ""
+    return chart("Privacy-utility frontier", series, "final epsilon (log scale)", "final accuracy", log_x=True,
+                 hlines=references, css="frontier",
+                 note="One point per DP run (final round), a line per algorithm; dashed: non-private references. "
+                      "Epsilons of different DP units (client-level, ALI-DPFL's sample-level) do not compare.")
+
+
+def per_round(runs: list[Run], key: str, title: str, y_label: str) -> str:
+    series = [Series(r.label, r.series(key), r.color) for r in runs if r.series(key)]
+    return chart(title, series, "round", y_label, css=key) if series else ""
+
+
+def ali_dpfl_charts(run: Run) -> str:
+    rows = [r for r in run.metrics if isinstance(r.get("epsilon_per_client"), dict)]
+    if not rows:
+        return ""
+    clients = sorted({c for r in rows for c in r["epsilon_per_client"]}, key=lambda c: (len(c), c))
+    values = {(r["round"], c): v for r in rows for c, v in r["epsilon_per_client"].items()}
+    out = heatmap("Epsilon spent per client (sample-level)", [r["round"] for r in rows], clients, values)
+    tau = [Series("tau (local DP-SGD steps)", run.series("tau"), run.color, markers=True)]
+    return out + chart("tau per round", tau, "round", "tau", css="tau")
+
+
+def topk_chart(run: Run) -> str:
+    upload = run.series("upload_bytes_per_client")
+    if not upload:
+        return ""
+    series = [Series("upload of one honest client", upload, run.color),
+              Series("dense upload", run.series("dense_bytes_per_client"), "#555", dashed=True)]
+    return chart("Top-k: bytes per client upload", [s for s in series if s.points], "round", "bytes", css="topk")
+
+
+def claimed_epsilon_chart(run: Run) -> str:
+    claimed = run.series("claimed_epsilon") or run.series("epsilon_claimed")
+    if not claimed:
+        return ""
+    series = [Series("true epsilon (ledger)", run.series("epsilon"), run.color),
+              Series("epsilon the paper claims", claimed, "#555", dashed=True)]
+    return chart("Wavelet noise: true vs claimed epsilon", series, "round", "epsilon", css="claimed",
+                 note="The paper's calibration overstates the noise; only the ledger's epsilon is a bound.")
+
+
+def diagnostics_charts(run: Run) -> str:
+    if not run.diagnostics:
+        return ""
+    clipped = Series("clipped fraction", run.series("clipped_fraction", run.diagnostics), run.color)
+    mean = run.series("update_norm_mean", run.diagnostics)
+    std = dict(run.series("update_norm_std", run.diagnostics))
+    norms = [Series("update norm mean", mean, run.color)]
+    if std:
+        norms += [Series("mean ± std", [(x, y + std.get(x, 0.0)) for x, y in mean], run.color, dashed=True),
+                  Series("", [(x, y - std.get(x, 0.0)) for x, y in mean], run.color, dashed=True)]
+    charts = (chart("Clipped fraction", [clipped], "round", "fraction", css="diagnostic") if clipped.points else "")
+    charts += chart("Update norms before clipping", norms, "round", "L2 norm", css="diagnostic") if mean else ""
+    if not charts:
+        return ""
+    return (f'<section class="diagnostics"><h4>Diagnostics — {NOT_PRIVATE}</h4><p class="note">Computed from raw '
+            f'client replies without noise (diagnostics.jsonl); they describe the participants and epsilon does '
+            f'not cover them.</p><div class="charts">{charts}</div></section>')
+
+
+SUMMARY_COLUMNS = (("final accuracy", "final_accuracy"), ("epsilon", "epsilon"), ("delta", "delta"),
+                   ("epsilon against server", "epsilon_against_server"), ("claimed epsilon", "claimed_epsilon"),
+                   ("rounds", "rounds_completed"), ("noise multiplier", "noise_multiplier"),
+                   ("sample rate", "client_sampling_rate"), ("clients", "num_clients"), ("accountant", "accountant"))
+
+
+def summary_table(runs: list[Run]) -> str:
+    columns = [(name, key) for name, key in SUMMARY_COLUMNS if any(r.summary.get(key) is not None for r in runs)]
+    head = "".join(f"<th>{html.escape(name)}</th>" for name, _ in columns)
+    rows = "".join(
+        f'<tr><td><i class="swatch" style="background:{r.color}"></i>{html.escape(r.label)}'
+        f'<br><small>{html.escape(r.path.name)}</small></td>'
+        + "".join(f"<td>{html.escape(fmt(r.summary.get(key)))}</td>" for _, key in columns) + "</tr>" for r in runs)
+    return f'<table class="summary"><tr><th>run</th>{head}</tr>{rows}</table>'
+
+
+def run_section(run: Run) -> str:
+    charts = ali_dpfl_charts(run) + topk_chart(run) + claimed_epsilon_chart(run)
+    caveats = "" if run.summary.get("epsilon_is_guarantee", True) else (
+        '<p class="warning">epsilon is NOT a guarantee: ' + html.escape("; ".join(run.summary.get("epsilon_caveats", [])))
+        + "</p>")
+    config = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(json.dumps(v))}</td></tr>"
+                     for k, v in sorted(run.config.items()))
+    return (f'<section class="run"><h3><i class="swatch" style="background:{run.color}"></i>{html.escape(run.label)}'
+            f' <small>{html.escape(str(run.path))}</small></h3>{caveats}<div class="charts">{charts}</div>'
+            f'{diagnostics_charts(run)}<details><summary>resolved config ({len(run.config)} keys)</summary>'
+            f'<table class="config">{config}</table></details></section>')
+
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:20px;color:#222;max-width:1500px}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:17px;margin:22px 0 6px} h3{font-size:15px;margin:16px 0 4px}
+h4{margin:8px 0 2px;color:#a33} small{color:#666;font-weight:normal}
+.charts{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start} figure{margin:0}
+svg text{font:11px system-ui,sans-serif;fill:#333} svg .title{font-weight:600;font-size:12px}
+svg .grid{stroke:#e5e5e5} svg .reference{stroke-width:1.6;stroke-dasharray:6 4}
+.legend{font-size:12px;max-width:440px} .legend span{margin-right:10px;white-space:nowrap}
+.legend i{display:inline-block;width:16px;border-top:2px solid;margin-right:4px;vertical-align:middle}
+.legend i.dash{border-top-style:dashed} .swatch{display:inline-block;width:10px;height:10px;margin-right:6px}
+table{border-collapse:collapse;font-size:12px} td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
+td:first-child,th:first-child{text-align:left} .config td{text-align:left;font-family:monospace}
+.note{font-size:12px;color:#555;max-width:440px;margin:2px 0} .warning{color:#a33}
+.diagnostics{border:2px dashed #c66;padding:4px 10px;margin:8px 0;background:#fff8f8}
+.run{border-top:1px solid #ccc;margin-top:10px}
+"""
+
+
+def render(runs: list[Run]) -> str:
+    """The whole report: one HTML page, styles and SVG inline."""
+    across = frontier(runs) + per_round(runs, "accuracy", "Accuracy per round (server test set)", "accuracy") \
+        + per_round(runs, "epsilon", "Epsilon per round", "epsilon")
+    shown = [r for r in runs if r.diagnostics]
+    diagnostics_note = (f'<p class="warning">Sections marked "{NOT_PRIVATE}" show diagnostics of '
+                        f'{len(shown)} run(s); do not publish them.</p>' if shown else "")
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>dpfl report</title>"
+            f"<style>{STYLE}</style></head><body><h1>dpfl report: {len(runs)} run(s)</h1>"
+            '<p class="note">Everything here is what the privacy ledger covers (metrics.jsonl, summary.json) unless a '
+            f'section says "{NOT_PRIVATE}". Accuracy: the released model on the server-held test set.</p>'
+            f"{diagnostics_note}{summary_table(runs)}<h2>Across runs</h2><div class=\"charts\">{across}</div>"
+            "<h2>Runs</h2>" + "".join(run_section(r) for r in runs) + "</body></html>")
+
+
+def write_report(run_dirs: list[Path | str], out: Path | str, diagnostics: bool = False) -> Path:
+    runs = [load_run(d, diagnostics, COLORS[i % len(COLORS)]) for i, d in enumerate(run_dirs)]
+    Path(out).write_text(render(runs), encoding="utf-8")
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run folders (with summary.json)")
+    parser.add_argument("-o", "--output", default="report.html", help="the HTML file to write")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help=f"also show every run's non-private diagnostics ({NOT_PRIVATE})")
+    args = parser.parse_args(argv)
+    missing = [r for r in args.runs if not Path(r, "summary.json").exists()]
+    if missing:
+        parser.error("no summary.json (not a finished run folder): " + ", ".join(missing))
+    print("report written to", write_report(args.runs, args.output, args.diagnostics))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
