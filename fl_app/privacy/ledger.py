@@ -52,12 +52,27 @@ def _compress(events: list[Event]) -> list[Event]:
 
 
 def epsilon_of(events: list[Event], delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
-    """eps(delta) of a composition of sampled-Gaussian events; inf if any has sigma = 0."""
-    events = _compress(events)
+    """eps(delta) of a composition of sampled-Gaussian events; inf if any has sigma = 0. Composition is
+    commutative, so the events are summed per (sigma, q) first: the same releases in any order print the
+    same number (PLD's discretisation would otherwise differ in the sixth digit)."""
+    return _epsilon_of(canonical(events), float(delta), accountant)
+
+
+def canonical(events: list[Event]) -> tuple[Event, ...]:
+    """The events with the steps of equal (sigma, q) summed, sorted."""
+    steps: dict[tuple[float, float], int] = {}
+    for sigma, q, n in events:
+        if n > 0:
+            steps[(float(sigma), float(q))] = steps.get((float(sigma), float(q)), 0) + int(n)
+    return tuple((sigma, q, n) for (sigma, q), n in sorted(steps.items()))
+
+
+def accountant_used(events: list[Event], accountant: str) -> str:
+    """Which accountant bounds these events: the configured one, or RDP where a multiplier is below what PLD and
+    PRV can discretise (NUMERIC_MIN_SIGMA)."""
     if accountant != "rdp" and any(0 < sigma < NUMERIC_MIN_SIGMA and q > 0 for sigma, q, _ in events):
-        _warn_once(f"sigma < {NUMERIC_MIN_SIGMA}: {accountant.upper()} cannot bound this composition in "
-                   "reasonable time; the ledger uses the RDP accountant's (valid, looser) bound")
-    return _epsilon_of(tuple(events), float(delta), accountant)
+        return f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} would need minutes and gigabytes)"
+    return accountant
 
 
 @functools.lru_cache(maxsize=4096)
@@ -118,9 +133,7 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logging.getLogger(__name__).warning(message)
+
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,7 +193,8 @@ class PrivacyLedger:
         return lo
 
     def state_dict(self) -> dict:
-        return {"delta": self.delta, "accountant": self.accountant, "history": [list(e) for e in self.history]}
+        return {"delta": self.delta, "accountant": self.accountant, "history": [list(e) for e in self.history],
+                "bound_by": accountant_used(self.history, self.accountant)}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "PrivacyLedger":
