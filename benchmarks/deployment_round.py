@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 from fl_app.local_deployment import Deployment
+from fl_app.results import read_diagnostics
 
 JOB = {"sample-rate": 1.0, "noise-multiplier": 0.0, "tensorboard": False}  # sigma 0: 3 clients would diverge
 
 
 def round_seconds(folder: Path) -> list[float]:
-    return [json.loads(line)["seconds"] for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+    return [r["seconds"] for r in read_diagnostics(folder)]  # round times are diagnostics
 
 
 TASK = re.compile(r"ClientApp task pid \d+ exit -?\d+ started ([\d.]+) ended ([\d.]+)")

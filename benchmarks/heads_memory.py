@@ -26,6 +26,7 @@ from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.task.data import load_partition
 from fl_app.inprocess import InProcessGrid
+from fl_app.results import read_summary
 from fl_app.server_app import run_federated
 
 
@@ -74,7 +75,7 @@ def main() -> None:
     print(f"RSS before the run: {before:.0f} MiB  after: {after:.0f} MiB  (+{after - before:.0f} MiB)  "
           f"peak: {peak_rss_mib():.0f} MiB  (target: < 4096 MiB)")
     print(f"round + evaluation of all clients: {seconds:.1f} s; personalized accuracy "
-          f"{summary['personalized_accuracy']:.3f}")
+          f"{read_summary(summary['results_dir'])['personalized_accuracy']:.3f} (not private)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
+from fl_app.results import read_summary
 from fl_app.server_app import run_federated
 
 ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedavg-ft", "dp-fedsam-ft", "centaur", "dp2-fedsam")
@@ -44,7 +45,7 @@ def main() -> None:
                         "noise-multiplier": args.noise_multiplier, "clipping-norm": args.clipping_norm,
                         "local-epochs": 1, "head-epochs": 1, "results-dir": str(out / algorithm)})
         t0 = time.perf_counter()
-        s = run_federated(InProcessGrid(client_app, args.clients, cfg), cfg)
+        s = read_summary(run_federated(InProcessGrid(client_app, args.clients, cfg), cfg)["results_dir"])
         rows.append((algorithm, s["final_accuracy"], s.get("personalized_accuracy"), s["epsilon"], s["delta"],
                      time.perf_counter() - t0))
     print(f"\n{args.clients} clients, 2 labels each, q={args.sample_rate}, sigma={args.noise_multiplier}, "

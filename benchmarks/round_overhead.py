@@ -26,14 +26,14 @@ from fl_app.config import validate
 from fl_app.task.data import load_partition
 from fl_app.inprocess import InProcessGrid
 from fl_app.task.models import build_model
-from fl_app.results import read_metrics
+from fl_app.results import read_rounds
 from fl_app.server_app import run_federated
 
 
 def product_seconds_per_round(cfg: dict, clients: int) -> tuple[float, list[int]]:
     """Median seconds per round (from metrics.jsonl) and the clients sampled in each round."""
     summary = run_federated(InProcessGrid(client_app, clients, cfg), cfg)
-    rows = read_metrics(summary["results_dir"])
+    rows = read_rounds(summary["results_dir"])  # seconds and clients are diagnostics
     return statistics.median(r["seconds"] for r in rows), [r["clients"] for r in rows]
 
 

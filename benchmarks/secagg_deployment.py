@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from fl_app.local_deployment import Deployment
+from fl_app.results import read_rounds, read_summary
 
 RUN = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1}
 
@@ -42,8 +43,7 @@ def main() -> None:
                                  "secure-aggregation": secure, "results-dir": str(folder)}, log=f"cli-{secure}")
                 if cli.wait(timeout=3600) != 0 or not (folder / "summary.json").exists():
                     raise SystemExit(f"run failed:\n{d.log(f'cli-{secure}')[-3000:]}")
-                summary = json.loads((folder / "summary.json").read_text())
-                rounds = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+                summary, rounds = read_summary(folder), read_rounds(folder)  # with the diagnostics
                 results[secure] = (summary, rounds, time.perf_counter() - t0)
         finally:
             d.close()

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fl_app.results import read_rounds
+
 PARTS = r"""
 import json, time
 t0 = time.perf_counter()
@@ -75,7 +77,7 @@ def launch_rounds(clients: int, rounds: int) -> tuple[list[float], list[int], fl
                         "-c", f"num-rounds={rounds} tensorboard=false"], check=True, capture_output=True)
         wall = time.perf_counter() - t0
         (run,) = Path(tmp).glob("*-dp")
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+        rows = read_rounds(run)  # seconds and clients are diagnostics
     return [r["seconds"] for r in rows], [r["clients"] for r in rows], wall
 
 

@@ -35,6 +35,7 @@ def main() -> None:
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
     from fl_app.inprocess import InProcessGrid
+    from fl_app.results import read_summary
     from fl_app.server_app import run_federated
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -46,7 +47,7 @@ def main() -> None:
             for seed in args.seeds:
                 cfg = validate({"num-rounds": args.rounds, "seed": seed,
                                 "results-dir": str(Path(tmp, f"{name.replace(' ', '-')}-{seed}")), **overrides})
-                s = run_federated(InProcessGrid(client_app, args.clients, cfg), cfg)
+                s = read_summary(run_federated(InProcessGrid(client_app, args.clients, cfg), cfg)["results_dir"])
                 # dense runs upload float32 arrays: what the top-k runs call dense
                 dense = s.get("dense_bytes_total")
                 up = s.get("upload_bytes_total", dense)

@@ -155,6 +155,13 @@ def read_diagnostics(run_dir: Path | str) -> list[dict]:
     return read_metrics(run_dir, "diagnostics.jsonl")
 
 
+def read_summary(run_dir: Path | str) -> dict:
+    """summary.json merged with diagnostics-summary.json (for reports and research; not private)."""
+    extra = Path(run_dir, "diagnostics-summary.json")
+    return {**(json.loads(extra.read_text()) if extra.exists() else {}),
+            **json.loads(Path(run_dir, "summary.json").read_text())}
+
+
 def read_rounds(run_dir: Path | str) -> list[dict]:
     """Each round's published record merged with its diagnostics (for reports and research; not private)."""
     diagnostics = {r["round"]: r for r in read_diagnostics(run_dir)}

@@ -16,7 +16,7 @@ sigma_eff = sigma_H / sqrt(n), and that is what the ledger charges.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from logging import INFO, WARNING
 
 import numpy as np
