@@ -88,6 +88,12 @@ MNIST = {"dataset": "mnist", "model": "cnn-mnist", "batch-size": 32, "validation
 QUICK = {"dataset": "mnist-embedded", "num-rounds": 3, "eval-every": 3}
 SAM_GRID = {"lr": (0.1, 0.03), "clipping-norm": (0.2, 0.5), "sam-rho": (0.05, 0.5)}
 SGD_GRID = {"lr": (0.1, 0.03), "clipping-norm": (0.2, 0.5)}
+# claims 1 and 2 (the DP-FedSAM paper): one setting, so the dense DP-FedSAM runs serve both
+FEDSAM_SETTING = {**MNIST, "partitioner": "dirichlet", "dirichlet-alpha": 0.6, "sample-rate": 0.1, "num-rounds": 50,
+                  "local-epochs": 1, "eval-every": 10, "noise-placement": "central"}
+FEDSAM_LEVELS = (Level("paper epsilon 7.3, delta 1/M", calibrated(7.3, 1 / 300)),
+                 Level("epsilon 3, delta 1e-5", calibrated(3.0, 1e-5)))
+FEDSAM_QUICK = {**QUICK, "partitioner": "dirichlet", "sample-rate": 0.5}
 
 CLAIMS: dict[str, Claim] = {
     "dp-fedsam": Claim(
@@ -97,14 +103,12 @@ CLAIMS: dict[str, Claim] = {
                "DP-FedSAM 84.32 +- 0.19 (test); Fig. 4: smaller average local update norm with SAM. At 200 rounds "
                "its (sigma, q, delta) is epsilon 7.30 by our ledger."),
         clients=300,
-        base={**MNIST, "partitioner": "dirichlet", "dirichlet-alpha": 0.6, "sample-rate": 0.1, "num-rounds": 50,
-              "local-epochs": 1, "eval-every": 10, "noise-placement": "central"},
+        base=FEDSAM_SETTING,
         arms={"DP-FedAvg": {"algorithm": "dp-fedavg"}, "DP-FedSAM": {"algorithm": "dp-fedsam"}},
-        levels=(Level("paper epsilon 7.3, delta 1/M", calibrated(7.3, 1 / 300)),
-                Level("epsilon 3, delta 1e-5", calibrated(3.0, 1e-5))),
+        levels=FEDSAM_LEVELS,
         compare=(("DP-FedSAM", "DP-FedAvg"),),
         grid={"DP-FedAvg": SGD_GRID, "DP-FedSAM": SAM_GRID},
-        quick={**QUICK, "partitioner": "dirichlet", "sample-rate": 0.5},
+        quick=FEDSAM_QUICK,
         diagnosis=Diagnosis(
             hypothesis=("scale of local training: the paper trains 30 local epochs, where SGD's local drift inflates "
                         "the update norm that SAM keeps small; with 1 epoch the two coincide. Same level, 3 local "
@@ -121,17 +125,15 @@ CLAIMS: dict[str, Claim] = {
                "server's dense noise, the order whose epsilon holds (docs/topk-wavelet.md), and 'top-k paper order' "
                "is the paper's (its epsilon is no guarantee)."),
         clients=300,
-        base={**MNIST, "partitioner": "dirichlet", "dirichlet-alpha": 0.6, "sample-rate": 0.1, "num-rounds": 50,
-              "local-epochs": 1, "eval-every": 10, "noise-placement": "central"},
+        base=FEDSAM_SETTING,
         arms={"DP-FedSAM": {"algorithm": "dp-fedsam"},
               "top-k central": {"algorithm": "dp-fedsam-topk", "sparsity": 0.4},
               "top-k paper order": {"algorithm": "dp-fedsam-topk", "sparsity": 0.4, "noise-placement": "distributed"}},
-        levels=(Level("paper epsilon 7.3, delta 1/M", calibrated(7.3, 1 / 300)),
-                Level("epsilon 3, delta 1e-5", calibrated(3.0, 1e-5))),
+        levels=FEDSAM_LEVELS,
         compare=(("top-k central", "DP-FedSAM"), ("top-k paper order", "DP-FedSAM")),
         grid={"DP-FedSAM": SAM_GRID},
         tune_like={"top-k central": "DP-FedSAM", "top-k paper order": "DP-FedSAM"},
-        quick={**QUICK, "partitioner": "dirichlet", "sample-rate": 0.5},
+        quick=FEDSAM_QUICK,
     ),
     "dp2-fedsam": Claim(
         title="DP2-FedSAM > DP-FedSAM-FT > DP-FedSAM on pathological non-IID data; DP2-FedSAM vs CENTAUR isolates SAM",
