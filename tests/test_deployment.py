@@ -246,7 +246,8 @@ def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
                              "results-dir": str(folder)}, log=f"cli-{secure}"), f"cli-{secure}")
         summary, rounds = read_run(folder)
         assert [r["clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
-        assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], 1 / 3))
+        assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], summary["delta"]))
+        assert summary["delta"] == 1e-5
     for i in range(3):
         log = d.log(f"n{i}-executor")
         exits = re.findall(r"ClientApp task pid \d+ exit (-?\d+)", log)

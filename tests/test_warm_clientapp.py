@@ -1,11 +1,9 @@
 """The warm ClientApp executor (fl_app.clientapp_executor) and the ServerApp's prompt reply polling."""
 
 import json
-import os
-import random
+import subprocess
 import sys
 
-import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -14,29 +12,35 @@ from fl_app import clientapp_executor
 from fl_app.server_app import PromptGrid
 
 
-def _child_draws(path: str) -> int:
-    import torch
+FORK_TWO_TASKS = r"""
+import json, random, sys
+import numpy as np
+import torch
+from fl_app import clientapp_executor
 
+def draws(path):
     with open(path, "w") as f:
-        json.dump({"numpy": np.random.random(), "python": random.random(),
-                   "torch": torch.initial_seed(), "app": "fl_app.client_app" in sys.modules}, f)
+        json.dump({"numpy": np.random.random(), "python": random.random(), "torch": torch.initial_seed(),
+                   "app": "fl_app.client_app" in sys.modules}, f)
     return 0
+
+np.random.seed(0)  # the parent's state; children must not share it
+torch.manual_seed(0)
+for path in sys.argv[1:]:
+    pid = clientapp_executor.fork_task(lambda p: (clientapp_executor.fresh_random_state(), draws(p))[1], path)
+    assert os.waitpid(pid, 0)[1] == 0
+"""
 
 
 def test_forked_tasks_get_fresh_random_state_and_no_app_code(tmp_path):
-    """Two tasks forked from one executor draw different numbers from numpy's, Python's and torch's global
-    generators (as two fresh processes would), and the app's own modules are not imported before a task
-    loads them from its FAB."""
-    import torch
-
-    np.random.seed(0)  # the parent's state; children must not share it
-    torch.manual_seed(0)
-    paths = [tmp_path / f"{i}.json" for i in range(2)]
-    for path in paths:
-        pid = clientapp_executor.fork_task(
-            lambda p: (clientapp_executor.fresh_random_state(), _child_draws(p))[1], str(path))
-        assert os.waitpid(pid, 0)[1] == 0
-    first, second = (json.loads(p.read_text()) for p in paths)
+    """Two tasks forked from one executor (in a fresh process, as a node runs it) draw different numbers from
+    numpy's, Python's and torch's global generators (as two fresh processes would), and the app's own modules
+    are not imported before a task loads them from its FAB."""
+    paths = [str(tmp_path / f"{i}.json") for i in range(2)]
+    done = subprocess.run([sys.executable, "-c", "import os\n" + FORK_TWO_TASKS, *paths], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (json.loads(open(p).read()) for p in paths)
     assert first["numpy"] != second["numpy"] and first["python"] != second["python"]
     assert first["torch"] != second["torch"] and 0 not in (first["torch"], second["torch"])
     assert not first["app"] and not second["app"]
