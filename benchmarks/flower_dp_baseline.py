@@ -39,7 +39,7 @@ from fl_app.task.data import load_dataset
 from fl_app.task.torch_helpers import evaluate_model, get_weights, set_weights
 
 JOB = {"algorithm": "dp-fedavg", "noise-placement": "central", "clipping-norm": 0.5, "noise-multiplier": 1.0,
-       "tensorboard": False}
+       "delta": 1e-5, "tensorboard": False}  # both accountants at the same delta
 
 flower_client_app = ClientApp()
 
@@ -59,7 +59,7 @@ def flower_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, 
     """(seconds per round, clients per round, epsilon, delta) of Flower's DP-FedAvg."""
     sampled = max(1, int(clients * cfg["sample-rate"]))
     accountant = RdpAccountant(PrivacyConfig(
-        target_delta=1 / clients, population_size=clients, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        target_delta=cfg["delta"], population_size=clients, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
         sampling_method=SamplingMethod.NO_AMPLIFICATION))
     strategy = DifferentialPrivacyClientSideFixedClipping(
         FedAvg(fraction_train=cfg["sample-rate"], fraction_evaluate=0.0, min_train_nodes=sampled,
