@@ -36,9 +36,11 @@ TASK = re.compile(r"ClientApp task pid \d+ exit -?\d+ started ([\d.]+) ended ([\
 
 
 def clientapp_busy(tasks: list[tuple[float, float]], nodes: int, stages: int) -> list[float]:
-    """Per round, the seconds in which a ClientApp ran: for each of its `stages` message exchanges, the
-    nodes' first fork to their last exit (tasks in start order, one per node per exchange)."""
-    spans = [max(end for _, end in g) - g[0][0] for g in (tasks[i:i + nodes] for i in range(0, len(tasks), nodes))]
+    """Per round, the seconds ClientApps cost: for each of its `stages` message exchanges, the longest task of
+    the nodes' tasks (fork to exit; tasks in start order, one per node per exchange), summed. The rest of a
+    round is waiting: the nodes pick a message up when their polling wakes (Flower's SuperNode sleeps 3 s
+    when it finds none), not when it is sent."""
+    spans = [max(end - start for start, end in g) for g in (tasks[i:i + nodes] for i in range(0, len(tasks), nodes))]
     return [sum(spans[i:i + stages]) for i in range(0, len(spans) - stages + 1, stages)]
 
 

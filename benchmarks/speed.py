@@ -116,8 +116,8 @@ def main() -> None:
             rows.append(("deployed round, Flower's default isolation (a flwr-clientapp process per message) / "
                          "in-process round", dep["deployed_cold"] / dep["inprocess"], 1.5))
         print(f"deployment: in-process round {dep['inprocess']:.2f} s, deployed {dep['deployed']:.2f} s "
-              f"(ClientApps running {dep['deployed_clientapps_busy']:.2f} s of it), SecAgg+ {dep['secagg']:.2f} s "
-              f"(ClientApps running {dep['secagg_clientapps_busy']:.2f} s)"
+              f"(its ClientApp tasks {dep['deployed_clientapps_busy']:.2f} s), SecAgg+ {dep['secagg']:.2f} s "
+              f"(its 4 exchanges' ClientApp tasks {dep['secagg_clientapps_busy']:.2f} s)"
               + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else ""))
     print("| ratio | measured | target |\n|---|---|---|")
     for name, value, target in rows:
