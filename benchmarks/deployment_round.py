@@ -8,7 +8,9 @@ round (sample-rate 1), the same local steps everywhere:
 - deployed: a real flower-superlink and N flower-supernodes on loopback (`fl_app.local_deployment`),
   `flwr run`, with warm ClientApps (`--isolation process` + `fl_app.clientapp_executor`) and, with
   `--cold`, also Flower's default (`--isolation subprocess`: a fresh `flwr-clientapp` per message);
-- SecAgg+: the same deployed job with `secure-aggregation = true`.
+- SecAgg+: the same deployed job with `secure-aggregation = true`;
+- both deployed jobs again on `python -m fl_app.supernode --idle-poll 0.2` nodes (Flower's SuperNode with its
+  3 s idle sleep capped).
 Seconds per round are the medians of the run folders' `seconds` (round start to the round's record).
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from fl_app.local_deployment import Deployment
 from fl_app.results import read_diagnostics
 
+IDLE_POLL = 0.2  # fl_app.supernode --idle-poll
 JOB = {"sample-rate": 1.0, "noise-multiplier": 0.0, "tensorboard": False}  # sigma 0: 3 clients would diverge
 
 
@@ -44,8 +47,8 @@ def clientapp_busy(tasks: list[tuple[float, float]], nodes: int, stages: int) ->
     return [sum(spans[i:i + stages]) for i in range(0, len(spans) - stages + 1, stages)]
 
 
-def deployed_round_seconds(nodes: int, rounds: int, runs: dict[str, dict], *,
-                           warm: bool) -> dict[str, tuple[list[float], list[float]]]:
+def deployed_round_seconds(nodes: int, rounds: int, runs: dict[str, dict], *, warm: bool,
+                           idle_poll: float | None = None) -> dict[str, tuple[list[float], list[float]]]:
     """{name: (seconds of each round, ClientApp busy seconds of each round)} for each run config in `runs`,
     one after the other on one deployment (busy: warm nodes only, from the executors' logs)."""
     out, seen = {}, 0
@@ -54,7 +57,7 @@ def deployed_round_seconds(nodes: int, rounds: int, runs: dict[str, dict], *,
         try:
             d.start_superlink()
             for i in range(nodes):
-                d.start_supernode(f"n{i}", f"partition-id={i} num-partitions={nodes}", warm=warm)
+                d.start_supernode(f"n{i}", f"partition-id={i} num-partitions={nodes}", warm=warm, idle_poll=idle_poll)
             for i in range(nodes):
                 d.wait_connected(f"n{i}")
             for name, overrides in runs.items():
@@ -90,13 +93,17 @@ def inprocess_round_seconds(nodes: int, rounds: int) -> list[float]:
 
 
 def measure(nodes: int, rounds: int, cold: bool) -> dict[str, float]:
-    """Median seconds per round: in-process, deployed (warm; cold if asked), deployed with SecAgg+."""
+    """Median seconds per round: in-process, deployed (warm; cold if asked), deployed with SecAgg+, and both
+    again on `fl_app.supernode` nodes (Flower's idle sleeps capped at IDLE_POLL)."""
     t0 = time.perf_counter()
     result = {"inprocess": statistics.median(inprocess_round_seconds(nodes, rounds))}
     warm = deployed_round_seconds(nodes, rounds, {"plain": {}, "secagg": {"secure-aggregation": True}}, warm=True)
     result.update(deployed=statistics.median(warm["plain"][0]), secagg=statistics.median(warm["secagg"][0]),
                   deployed_clientapps_busy=statistics.median(warm["plain"][1]),
                   secagg_clientapps_busy=statistics.median(warm["secagg"][1]))
+    fast = deployed_round_seconds(nodes, rounds, {"plain": {}, "secagg": {"secure-aggregation": True}}, warm=True,
+                                  idle_poll=IDLE_POLL)
+    result.update(deployed_fast=statistics.median(fast["plain"][0]), secagg_fast=statistics.median(fast["secagg"][0]))
     if cold:
         plain, _ = deployed_round_seconds(nodes, rounds, {"plain": {}}, warm=False)["plain"]
         result["deployed_cold"] = statistics.median(plain)
@@ -114,6 +121,8 @@ def main() -> None:
     print(json.dumps({k: round(v, 2) for k, v in r.items()}))
     print(f"deployed / in-process: {r['deployed'] / r['inprocess']:.2f}x; "
           f"SecAgg+ / plain deployed: {r['secagg'] / r['deployed']:.2f}x")
+    print(f"with fl_app.supernode --idle-poll {IDLE_POLL}: deployed / in-process {r['deployed_fast'] / r['inprocess']:.2f}x; "
+          f"SecAgg+ / plain deployed: {r['secagg_fast'] / r['deployed_fast']:.2f}x")
     if "deployed_cold" in r:
         print(f"cold deployed / in-process: {r['deployed_cold'] / r['inprocess']:.2f}x")
 

@@ -112,13 +112,18 @@ def main() -> None:
         rows += [("deployed round (3 SuperNodes, warm ClientApps) / in-process round, same clients and steps",
                   dep["deployed"] / dep["inprocess"], 1.5),
                  ("SecAgg+ deployed round / plain deployed round", dep["secagg"] / dep["deployed"], 2.0)]
+        rows += [(f"deployed round on fl_app.supernode (idle poll {deployment_round.IDLE_POLL} s) / in-process round",
+                  dep["deployed_fast"] / dep["inprocess"], 1.5),
+                 ("SecAgg+ / plain deployed round, both on fl_app.supernode", dep["secagg_fast"] / dep["deployed_fast"],
+                  2.0)]
         if args.cold:
             rows.append(("deployed round, Flower's default isolation (a flwr-clientapp process per message) / "
                          "in-process round", dep["deployed_cold"] / dep["inprocess"], 1.5))
         print(f"deployment: in-process round {dep['inprocess']:.2f} s, deployed {dep['deployed']:.2f} s "
               f"(its ClientApp tasks {dep['deployed_clientapps_busy']:.2f} s), SecAgg+ {dep['secagg']:.2f} s "
               f"(its 4 exchanges' ClientApp tasks {dep['secagg_clientapps_busy']:.2f} s)"
-              + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else ""))
+              + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else "")
+              + f"; on fl_app.supernode: deployed {dep['deployed_fast']:.2f} s, SecAgg+ {dep['secagg_fast']:.2f} s")
     print("| ratio | measured | target |\n|---|---|---|")
     for name, value, target in rows:
         print(f"| {name} | {value:.2f}x | <= {target}x |")

@@ -218,11 +218,14 @@ class Deployment:
     # -- SuperNodes
     def start_supernode(self, name: str, node_config: str | None = None, *, insecure: bool | None = None,
                         private_key: Path | None = None, extra: list[str] | None = None,
-                        warm: bool = False) -> subprocess.Popen:
-        """A SuperNode; `warm`: `--isolation process` with `fl_app.clientapp_executor` running its ClientApps."""
+                        warm: bool = False, idle_poll: float | None = None) -> subprocess.Popen:
+        """A SuperNode; `warm`: `--isolation process` with `fl_app.clientapp_executor` running its ClientApps;
+        `idle_poll`: `fl_app.supernode` with Flower's idle sleeps capped at that many seconds."""
         insecure = (not self.tls) if insecure is None else insecure
         runtime_port = free_port(self.ports)
-        cmd = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime_port)]
+        node = ([str(BIN / "flower-supernode")] if idle_poll is None else
+                [sys.executable, "-m", "fl_app.supernode", "--idle-poll", str(idle_poll)])
+        cmd = node + ["--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime_port)]
         cmd += ["--insecure"] if insecure else ["--root-certificates", str(self.certs["ca"])]
         if node_config is not None:
             cmd += ["--node-config", node_config]

@@ -236,10 +236,11 @@ def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
 
     d = deployment()
     d.start_superlink()
-    for i in range(3):
-        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3", warm=True)
+    for i in range(3):  # two nodes on fl_app.supernode (Flower's idle sleeps capped), one on flower-supernode
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3", warm=True, idle_poll=0.2 if i < 2 else None)
     for i in range(3):
         d.wait_connected(f"n{i}")
+    assert "idle sleeps capped at 0.2 s" in d.log("n0") and "idle sleeps capped" not in d.log("n2")
     for secure in (False, True):
         folder = tmp_path / f"secure-{secure}"
         finish(d, d.run_app({**APP, "num-rounds": 2, "min-nodes": 3, "secure-aggregation": secure,

@@ -1,0 +1,46 @@
+"""fl_app.supernode: Flower's own SuperNode with its idle sleeps capped, and nothing else changed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fl_app import supernode
+
+
+def test_capped_sleep_caps_and_passes_everything_else_through(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    capped = supernode.CappedSleep(0.2)
+    capped.sleep(3)
+    capped.sleep(0.5)
+    capped.sleep(0.05)
+    assert slept == [0.2, 0.2, 0.05]
+    assert capped.time is time.time and capped.monotonic is time.monotonic
+
+
+def test_the_installed_flower_loop_is_recognised_and_patched(monkeypatch):
+    from flwr.supernode import start_client_internal as loop
+
+    monkeypatch.setattr(loop, "time", time)  # undone after the test
+    assert supernode.shorten_idle_sleeps(0.1) is loop
+    assert isinstance(loop.time, supernode.CappedSleep) and loop.time.cap == 0.1
+
+
+def test_an_unknown_flower_loop_is_refused_not_silently_left_alone(monkeypatch):
+    import flwr
+    from flwr.supernode import start_client_internal as loop
+
+    monkeypatch.setattr(loop, "time", time)
+    monkeypatch.setattr(supernode.inspect, "getsource", lambda _module: "while True: pass")
+    with pytest.raises(RuntimeError, match=f"flwr {flwr.__version__}.*run flower-supernode"):
+        supernode.shorten_idle_sleeps(0.2)
+    assert loop.time is time
+
+
+@pytest.mark.parametrize("value", ["0", "5"])
+def test_idle_poll_out_of_range_is_refused_before_the_node_starts(value, capsys):
+    with pytest.raises(SystemExit):
+        supernode.main(["--idle-poll", value, "--insecure"])
+    assert f"--idle-poll = {float(value)}: must be between 0.01 and 3 seconds" in capsys.readouterr().err
