@@ -113,3 +113,17 @@ def test_prompt_grid_returns_what_arrived_when_the_timeout_passes():
 def test_prompt_grid_zero_timeout_pulls_nothing():
     grid = FakeGrid([["0"]])
     assert PromptGrid(grid).send_and_receive(_messages(1), timeout=0.0) == [] and grid.pulls == 0
+
+
+def test_the_message_pull_backoff_is_shortened_for_forked_tasks(monkeypatch):
+    """A task forked at once asks the SuperNode for its message before the node has it; Flower retries after
+    1 s. The executor sets the default its children's `run_clientapp` uses (Flower passes none)."""
+    from flwr.supercore.inflatable import inflatable_utils
+
+    from fl_app.clientapp_executor import shorten_pull_backoff
+
+    defaults = inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__
+    monkeypatch.setitem(defaults, "initial_backoff", defaults["initial_backoff"])  # restored after the test
+    assert defaults["initial_backoff"] == 1
+    assert shorten_pull_backoff(0.05) is True
+    assert defaults["initial_backoff"] == 0.05
