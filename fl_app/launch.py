@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from fl_app.local_deployment import free_port
+from fl_app.local_deployment import end_process_tree, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -81,15 +80,12 @@ def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path
 
 
 def stop(proc: subprocess.Popen | None) -> None:
-    """End the SuperLink we started (its process group: it spawns the simulation) by PID."""
-    if proc is None or proc.poll() is not None:
+    """End the SuperLink we started and everything it spawned (the simulation and Ray run in its process
+    group), by PID and group: SIGTERM, up to 20 s for the whole group to exit, then SIGKILL. Waiting for the
+    SuperLink alone left a `flwr-simulation` that outlived its SIGTERM running after Ctrl-C."""
+    if proc is None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    end_process_tree(proc, grace=20)
 
 
 def run_status(run_dir: Path) -> str:

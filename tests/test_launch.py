@@ -16,15 +16,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def processes_mentioning(text: str) -> list[int]:
+    """Living processes with `text` in their command line or environment: the SuperLink names the results
+    folder in its arguments; what it spawns (flwr-simulation, Ray) inherits the FLWR_HOME inside it."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if text.encode() in (entry / "cmdline").read_bytes():
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z" and any(text.encode() in (entry / name).read_bytes() for name in ("cmdline", "environ")):
                     pids.append(int(entry.name))
             except OSError:
                 continue
     return pids
+
+
+def simulation_running(text: str) -> bool:
+    for pid in processes_mentioning(text):
+        try:
+            if b"flwr-simulation" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def test_own_superlink_env_uses_free_ports_and_a_private_home(tmp_path):
@@ -59,6 +72,7 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path):
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read().decode()[-3000:]
         time.sleep(0.5)
     assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
+    assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
     os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
     assert launcher.wait(timeout=120) != 0
     deadline = time.monotonic() + 30
