@@ -295,11 +295,14 @@ def test_context_store_round_trip():
 @pytest.mark.slow
 def test_fine_tune_baseline_reports_global_and_personalized_accuracy(tmp_path):
     cfg = small_cfg(tmp_path, **{"algorithm": "dp-fedavg-ft", "num-rounds": 2, "fine-tune-steps": 30,
-                                 "noise-multiplier": 0.5, "local-steps": 5})
+                                 "noise-multiplier": 0.1, "local-steps": 5})
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
     diagnostics = diagnostics_summary(summary)
     assert diagnostics["personalized_clients"] == 6 and summary["final_accuracy"] is not None
-    # fine-tuning on a 2-label split moves predictions onto those labels (measured: 0.57 vs 0.11)
+    # fine-tuning on a 2-label split moves predictions onto those labels: 12 runs (noise from OS entropy)
+    # measured 0.72-0.94 against a global 0.06-0.14. At sigma 0.5 the noisy global model left fine-tuning at
+    # 0.15 and 0.20 in 2 of 16 runs, and at 0.27 once in CI (6 clients: the noise on the average is large),
+    # so the test uses sigma 0.1.
     assert diagnostics["personalized_accuracy"] > summary["final_accuracy"] + 0.2
 
 
