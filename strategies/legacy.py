@@ -267,8 +267,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.result.arrays = initial_arrays  # until a round changes them
         if evaluate_fn is not None:
             def legacy_evaluate(rnd: int, ndarrays: list, config: dict):
-                if rnd % eval_every and rnd != num_rounds and not self.dp.budget_exhausted():
-                    return None  # not due (DPRoundLoop.start's rule)
+                if not self.dp.evaluation_due(rnd, eval_every, num_rounds):
+                    return None
                 metrics = evaluate_fn(rnd, ArrayRecord(ndarrays))
                 return None if metrics is None else (float(metrics.get("loss", math.nan)), dict(metrics))
             self.evaluate_fn = legacy_evaluate

@@ -250,6 +250,11 @@ class DPRoundLoop(FedAvg):
     def budget_stop_reason(self, server_round: int) -> str:
         raise NotImplementedError
 
+    def evaluation_due(self, server_round: int, eval_every: int, num_rounds: int) -> bool:
+        """Evaluate every `eval_every` rounds and after the last one (the configured last, or the last the
+        budget allows)."""
+        return server_round % eval_every == 0 or server_round == num_rounds or self.budget_exhausted()
+
     def round_details(self) -> dict:
         """Entries for the round record that are not metrics (MetricRecord holds numbers only)."""
         return {"problems": list(self.round_problems)} if self.round_problems else {}
@@ -345,7 +350,7 @@ class DPRoundLoop(FedAvg):
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
             record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
-            due = rnd % eval_every == 0 or rnd == num_rounds or self.budget_exhausted()
+            due = self.evaluation_due(rnd, eval_every, num_rounds)
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid) if due else []
             if eval_msgs:
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))

@@ -282,3 +282,17 @@ def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_targe
     legacy_server_app(strategy, 10)(grid, context)
     assert len(strategy.history) == 10
     assert 2.9 <= strategy.history[-1]["epsilon"] <= 3.0
+
+
+def test_legacy_start_evaluates_every_n_rounds_and_after_the_last():
+    """eval_every on the legacy path follows DPRoundLoop.evaluation_due: rounds 0 (Flower's initial), 2, 4, 5."""
+    strategy = LegacyDPFedAvg(dp(), initial_parameters=ndarrays_to_parameters(initial_weights()))
+    evaluated = []
+
+    def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
+        evaluated.append(rnd)
+        return MetricRecord({"accuracy": accuracy(arrays.to_numpy_ndarrays()), "loss": 0.0})
+
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
+    strategy.start(grid, ArrayRecord(initial_weights()), num_rounds=5, evaluate_fn=evaluate_fn, eval_every=2)
+    assert evaluated == [0, 2, 4, 5]

@@ -63,7 +63,8 @@ def canonical(events: list[Event]) -> tuple[Event, ...]:
     steps: dict[tuple[float, float], int] = {}
     for sigma, q, n in events:
         if n > 0:
-            steps[(float(sigma), float(q))] = steps.get((float(sigma), float(q)), 0) + int(n)
+            key = (float(sigma), float(q))
+            steps[key] = steps.get(key, 0) + int(n)
     return tuple((sigma, q, n) for (sigma, q), n in sorted(steps.items()))
 
 
@@ -127,9 +128,10 @@ def _pld_epsilon(events: list[Event], delta: float) -> float:
     return float(total.get_epsilon_for_delta(delta))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _sampled_gaussian_pld(sigma: float, q: float):
-    """One step of the Poisson-subsampled Gaussian (add/remove-one) as a dp-accounting PLD."""
+    """One step of the Poisson-subsampled Gaussian (add/remove-one) as a dp-accounting PLD. Up to about 1 MB
+    each (sigma 0.2), so few are kept: a run uses a handful of (sigma, q); a calibration's probes pass through."""
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
     return pld_lib.from_gaussian_mechanism(standard_deviation=sigma, sampling_prob=q,
@@ -144,9 +146,6 @@ def _quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(*args, **kwargs)
-
-
-
 
 
 @functools.lru_cache(maxsize=1024)
@@ -219,8 +218,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
                                accountant: str = DEFAULT_ACCOUNTANT, low: float = 1e-3, high: float = 1e3) -> float:
     """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after `steps` (sigma, q) events:
     bisection on the ledger's own epsilon_of, so the ledger charges exactly what was calibrated."""
-    def eps(sigma: float) -> float:  # quietly: the search probes multipliers no run will use
-        return _epsilon_of(((sigma, sample_rate, steps),), float(delta), accountant)
+    def eps(sigma: float) -> float:
+        return epsilon_of([(sigma, sample_rate, steps)], delta, accountant)
 
     if eps(high) > target_epsilon:
         raise ValueError(f"target_epsilon={target_epsilon!r} cannot be met with a noise multiplier <= {high:g} "
