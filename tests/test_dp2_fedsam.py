@@ -120,7 +120,9 @@ def test_reply_carrying_the_head_is_rejected(tmp_path):
 
 
 def test_exactly_the_sampled_clients_heads_change(tmp_path):
-    cfg = small_cfg(tmp_path, **{"num-rounds": 3, "sample-rate": 0.4})
+    # fixed-size sampling (3 of 8 a round): Poisson at q = 0.4 with sampling from OS entropy drew an empty
+    # round in about 5% of runs (0.6^8 per round), which this test does not exercise
+    cfg = small_cfg(tmp_path, **{"num-rounds": 3, "sample-rate": 0.4, "client-sampling": "fixed"})
     grid = InProcessGrid(client_app, 8, cfg)
     snapshots, sampled, seen = [heads_of(grid)], [], [0]
 
@@ -142,7 +144,7 @@ def test_exactly_the_sampled_clients_heads_change(tmp_path):
         b = b or {k: initial[k] for k in head_keys}
         return all(np.array_equal(a[k], b[k]) for k in head_keys)
 
-    assert len(sampled) == 3 and all(sampled) and any(len(s) < 8 for s in sampled)
+    assert len(sampled) == 3 and all(len(s) == 3 for s in sampled)
     for rnd in range(1, 4):
         before, after = snapshots[rnd - 1], snapshots[rnd]
         changed = {node for node in grid.contexts if not same(before[node], after[node])}
