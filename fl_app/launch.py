@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from fl_app.local_deployment import end_process_tree, free_port
+from fl_app.local_deployment import end_process_tree, end_processes_with_home, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -75,17 +75,18 @@ def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path
         if superlink_healthy(http_port):
             return proc
         time.sleep(0.5)
-    stop(proc)
+    stop(proc, env["FLWR_HOME"])
     sys.exit(f"flower-superlink did not become healthy within 60 s; see {log_file}")
 
 
-def stop(proc: subprocess.Popen | None) -> None:
+def stop(proc: subprocess.Popen | None, home: str) -> None:
     """End the SuperLink we started and everything it spawned (the simulation and Ray run in its process
     group), by PID and group: SIGTERM, up to 20 s for the whole group to exit, then SIGKILL. Waiting for the
     SuperLink alone left a `flwr-simulation` that outlived its SIGTERM running after Ctrl-C."""
     if proc is None:
         return
     end_process_tree(proc, grace=20)
+    end_processes_with_home(home)  # anything of this launch (its private FLWR_HOME) that left the group
 
 
 def run_status(run_dir: Path) -> str:
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 return rc or 1
             run_dirs.append(run_dir)
     finally:
-        stop(proc)
+        stop(proc, env["FLWR_HOME"])
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
         d = json.loads((run_dir / "diagnostics-summary.json").read_text())

@@ -76,6 +76,30 @@ def end_process_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
 
 
+def end_processes_with_home(home: str, grace: float = 10.0) -> None:
+    """SIGTERM, wait, then SIGKILL every living process whose environment sets FLWR_HOME=`home` (a private
+    folder per launch): what outlived its process tree and group, e.g. Ray processes in a session of their own."""
+    marker = f"FLWR_HOME={home}".encode() + b"\0"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if marker in (entry / "environ").read_bytes() and _alive(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        pids = [p for p in pids if _alive(p)]
+
+
 def _signal(pids: list[int], group: int, sig: int) -> None:
     for pid in pids:
         try:
