@@ -13,14 +13,19 @@ What it does, so that nothing is left behind:
    (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
 4. ends the SuperLink it started, by process group, also after Ctrl-C or a failed run, and exits
    non-zero unless every run folder says `completed` (status.json).
+
+The tools come from this Python's own environment (`.venv/bin/python -m fl_app.launch` works without an
+activated venv); `kill -USR1 <launcher pid>` prints where the launcher is, should it ever seem stuck.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from fl_app.local_deployment import end_process_tree, end_processes_with_home, free_port
+from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -50,19 +55,21 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     """(environment, HTTP port, control port) of a SuperLink of our own: free ports, a private FLWR_HOME.
 
     `flwr run` finds its local SuperLink through FLWR_LOCAL_SUPERLINK_HTTP_API_PORT and
-    FLWR_LOCAL_CONTROL_API_PORT, so it talks to this one and never to one started elsewhere.
+    FLWR_LOCAL_CONTROL_API_PORT, so it talks to this one and never to one started elsewhere. This Python's
+    own bin folder goes first on PATH, so `.venv/bin/python -m fl_app.launch` finds this environment's
+    `flower-superlink`, `flwr` and `flwr-simulation` without an activated venv.
     """
     taken: set[int] = set()
     http_port, control_port = free_port(taken), free_port(taken)
     home.mkdir(parents=True, exist_ok=True)
     env = {**base, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-           "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
+           "FLWR_LOCAL_CONTROL_API_PORT": str(control_port), "PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}"}
     return env, http_port, control_port
 
 
 def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path) -> subprocess.Popen:
     """Start our own local simulation SuperLink (its own process group) and wait until it is healthy."""
-    cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+    cmd = [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
            "--control-api-address", f"127.0.0.1:{control_port}", "--host", "127.0.0.1",
            "--port", str(http_port), "--database", str(Path(env["FLWR_HOME"]) / "state.db"),
            "--log-file", str(log_file)]
@@ -96,7 +103,7 @@ def run_status(run_dir: Path) -> str:
 
 
 def flwr_run(env: dict, run_config: str, clients: int) -> int:
-    cmd = ["flwr", "run", str(ROOT), "--stream", "--run-config", run_config,
+    cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
            "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     return subprocess.call(cmd, env=env)
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
     parser.add_argument("--sweep", default="", help="one run per value: 'key=v1,v2,...' (e.g. noise-multiplier=0.5,1,2)")
     args = parser.parse_args(argv)
+    if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     base = {**os.environ, **QUIET_ENV}
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -30,6 +30,19 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def describe(pids: list[int]) -> list[str]:
+    """'pid state command line' of each process, for a failure message."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{pid} {state} {command[:200]}")
+        except OSError:
+            continue
+    return out
+
+
 def simulation_running(text: str) -> bool:
     for pid in processes_mentioning(text):
         try:
@@ -62,20 +75,32 @@ def test_sweep_makes_one_run_per_value():
 
 @pytest.mark.slow
 def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path):
-    results = tmp_path / "results"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
-         "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text():
-        assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read().decode()[-3000:]
-        time.sleep(0.5)
-    assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
-    assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
-    os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
-    assert launcher.wait(timeout=120) != 0
-    deadline = time.monotonic() + 30
-    while processes_mentioning(str(results)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert processes_mentioning(str(results)) == []
+    results, log_path = tmp_path / "results", tmp_path / "launch.log"
+    with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: a full pipe would block the launcher
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
+             "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text():
+            assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
+        assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
+        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        try:
+            code = launcher.wait(timeout=120)  # the launcher's own limit: 20 s + 10 s of grace, then SIGKILL
+        except subprocess.TimeoutExpired:
+            os.kill(launcher.pid, signal.SIGUSR1)  # the launcher's faulthandler: where it is stuck, into the log
+            time.sleep(2)
+            pytest.fail(f"launcher alive 120 s after Ctrl-C; still running: {describe(processes_mentioning(str(results)))}"
+                        f"\n{log_path.read_text()[-6000:]}")
+        assert code != 0, log_path.read_text()[-3000:]
+        deadline = time.monotonic() + 30
+        while processes_mentioning(str(results)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert processes_mentioning(str(results)) == [], describe(processes_mentioning(str(results)))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
