@@ -13,13 +13,45 @@ import numpy as np
 import torch
 from flwr.client import NumPyClient
 from torch import nn
+from torch.optim.sgd import sgd as functional_sgd
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
 from fl_app.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
 
 
-def sgd_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+class LocalSGD:
+    """torch.optim.SGD's update (momentum mu, weight decay lambda, no dampening or Nesterov), bit for bit:
+    g <- grad + lambda w; b <- mu b + g (b = g at the first step); w <- w - eta b, through torch's own
+    functional `torch.optim.sgd.sgd`. Not a `torch.optim.Optimizer`: constructing the first one in a process
+    imports torch._dynamo (about 1.1 s here), which every fresh process running a ClientApp would pay (each
+    Ray actor, each `flwr-clientapp` of Flower's default isolation) for a compiler local training never uses.
+    Parameters whose grad is None are skipped, as torch.optim.SGD skips them."""
+
+    def __init__(self, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        self.params = list(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        buffers = [self.momentum_buffers[i] for i in live]
+        functional_sgd([self.params[i] for i in live], [self.params[i].grad for i in live], buffers,
+                       foreach=False, weight_decay=self.weight_decay, momentum=self.momentum, lr=self.lr,
+                       dampening=0.0, nesterov=False, maximize=False)
+        for i, buffer in zip(live, buffers):  # created at the first step when momentum > 0
+            self.momentum_buffers[i] = buffer
+
+
+Optimizer = LocalSGD | torch.optim.Optimizer  # local training steps take either (DP-SGD: Opacus' optimizer)
+
+
+def sgd_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, optimizer: Optimizer) -> float:
     """One optimizer step on grad F(w) of the minibatch; returns F(w)."""
     optimizer.zero_grad()
     loss = loss_fn(model(x), y)
@@ -53,10 +85,10 @@ class TrainingClient(NumPyClient):
         """lr * lr_decay^(t-1) in server round t."""
         return lr * self.lr_decay ** max(0, int(config.get(keys.SERVER_ROUND, 1)) - 1)
 
-    def make_optimizer(self, config: dict) -> torch.optim.Optimizer:
+    def make_optimizer(self, config: dict) -> Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=self.round_lr(float(config.get(keys.LEARNING_RATE, self.lr)), config),
-                               momentum=self.momentum, weight_decay=self.weight_decay)
+        return LocalSGD(params, lr=self.round_lr(float(config.get(keys.LEARNING_RATE, self.lr)), config),
+                        momentum=self.momentum, weight_decay=self.weight_decay)
 
     def num_steps(self, config: dict) -> int:
         steps = int(config.get(keys.LOCAL_STEPS, self.local_steps))
@@ -75,7 +107,7 @@ class TrainingClient(NumPyClient):
             idx, order = torch.from_numpy(order[:self.batch_size]), order[self.batch_size:]
             yield x[idx], y[idx]
 
-    def local_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: Optimizer) -> float:
         """One local step (SGD here, SAM in SAMClient); returns the minibatch loss."""
         return sgd_step(self.model, self.loss_fn, x, y, optimizer)
 

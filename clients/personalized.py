@@ -33,7 +33,7 @@ from fl_app.privacy.mechanisms import flatten, make_rng, unflatten
 from fl_app.task.atomic import atomic_write
 from fl_app.task.torch_helpers import evaluate_model, set_weights
 
-from .base import TrainingClient, sgd_step
+from .base import LocalSGD, TrainingClient, sgd_step
 from .sam import sam_step
 
 Head = dict[str, np.ndarray]
@@ -168,8 +168,8 @@ class PartialSharingClient(TrainingClient):
         steps = self.num_head_steps()
         with trainable_only(self.model, self.head_keys):
             params = [p for p in self.model.parameters() if p.requires_grad]
-            optimizer = torch.optim.SGD(params, lr=self.round_lr(self.head_lr, config), momentum=self.momentum,
-                                        weight_decay=self.weight_decay)
+            optimizer = LocalSGD(params, lr=self.round_lr(self.head_lr, config), momentum=self.momentum,
+                                 weight_decay=self.weight_decay)
             self.model.train()
             rng = make_rng(self.seed, 5, rnd, self.partition_id)
             losses = [sgd_step(self.model, self.loss_fn, x, y, optimizer) for x, y in self.batches(steps, rng)]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import TrainingClient
+from .base import Optimizer, TrainingClient
 
 
 def sam_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
-             optimizer: torch.optim.Optimizer, rho: float) -> float:
+             optimizer: Optimizer, rho: float) -> float:
     """One SAM step on the parameters that require grad.
 
     g = grad F(w); e = rho g / (||g||_2 + 1e-12); g~ = grad F(w + e); restore w;

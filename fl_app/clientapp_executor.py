@@ -26,19 +26,18 @@ PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
 
 
 def warm_up_torch() -> None:
-    """Pay torch's lazy first-use costs (autograd engine, oneDNN kernels: about 1 s on the first
-    training step of a process) once, on a throw-away network of its own, single-threaded (no OpenMP
-    pool exists when the executor forks)."""
+    """Pay torch's lazy first-use costs (autograd engine, oneDNN kernels) once, on a throw-away network of
+    its own, single-threaded (no OpenMP pool exists when the executor forks). No torch.optim optimizer:
+    the app's local training does not construct one (clients.base.LocalSGD), so torch._dynamo, which the
+    first one imports, stays out of the executor and its children."""
     import torch
 
     torch.set_num_threads(1)
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                               torch.nn.Flatten(), torch.nn.Linear(100, 3))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5, weight_decay=1e-4)
     for _ in range(2):
-        opt.zero_grad()
+        net.zero_grad()
         torch.nn.functional.cross_entropy(net(torch.randn(2, 1, 12, 12)), torch.tensor([0, 1])).backward()
-        opt.step()
 
 
 def shorten_pull_backoff(seconds: float) -> bool:

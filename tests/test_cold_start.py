@@ -76,3 +76,57 @@ def test_cached_partitions_equal_freshly_computed_ones(tmp_path, monkeypatch):
     for a, b, c in zip(cached, cached_again, fresh):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+FIRST_TRAINING = """
+import sys, json, torch
+from flwr.app import Context, RecordDict
+from fl_app.client_app import build_client
+from fl_app.config import validate
+from fl_app.server_app import shared_weights
+from fl_app.task.torch_helpers import get_weights
+out = {}
+for algorithm in ("dp-fedsam", "dp2-fedsam"):
+    cfg = validate({"algorithm": algorithm, "local-steps": 2})
+    client = build_client(Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50},
+                                  state=RecordDict(), run_config=cfg))
+    before = [w.copy() for w in get_weights(client.model)]
+    client.fit(shared_weights(client.model, cfg), {"server-round": 1})
+    out[algorithm] = any((a != b).any() for a, b in zip(get_weights(client.model), before))
+print(json.dumps({"trained": out, "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+
+def test_local_training_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):
+    """A torch.optim.Optimizer's first construction imports torch._dynamo (about 1 s in every new process);
+    local training uses clients.base.LocalSGD instead."""
+    out = subprocess.run([sys.executable, "-c", FIRST_TRAINING], env={**os.environ, "DPFL_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, check=True, cwd=data.Path(data.__file__).parents[2])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"trained": {"dp-fedsam": True, "dp2-fedsam": True}, "dynamo": False}
+
+
+def test_local_sgd_equals_torch_sgd_bit_for_bit():
+    import torch
+
+    from clients.base import LocalSGD
+
+    torch.manual_seed(0)
+    for momentum, weight_decay in ((0.0, 0.0), (0.5, 5e-4), (0.9, 1e-2)):
+        nets = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)) for _ in range(2)]
+        nets[1].load_state_dict(nets[0].state_dict())
+        unused = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]  # grad stays None: skipped by both
+        ours = LocalSGD([*nets[0].parameters(), unused[0]], lr=0.1, momentum=momentum, weight_decay=weight_decay)
+        theirs = torch.optim.SGD([*nets[1].parameters(), unused[1]], lr=0.1, momentum=momentum,
+                                 weight_decay=weight_decay)
+        for step in range(5):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            for net, opt in zip(nets, (ours, theirs)):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+            for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+                assert torch.equal(a, b), (momentum, weight_decay, step)
+        assert torch.equal(unused[0], torch.ones(2)) and torch.equal(unused[1], torch.ones(2))
+        ours.zero_grad()
+        assert all(p.grad is None for p in nets[0].parameters())  # set to None, as torch.optim does
