@@ -49,7 +49,9 @@ def test_honest_gaussian_run_audits_below_its_accounted_epsilon():
     # the estimate has sampling error; its one-sided 99.9% lower bound must not exceed the accounted epsilon
     assert 0 <= audit["epsilon_lower_bound"] <= audit["epsilon_estimate"] and audit["epsilon_lower_bound"] <= accounted
     assert audit["epsilon_estimate"] < 1.5 * accounted, (audit, accounted)
-    assert abs(audit["null_cosine_mean"]) < 4 * audit["null_cosine_std"] / math.sqrt(200)
+    # the 200 null cosines are i.i.d. given the final model (those canaries were never inserted), so their mean over
+    # its standard error is Student t with 199 degrees of freedom: P(|t| >= 5) = 1.3e-6 (at 4 it was 8.9e-5)
+    assert abs(audit["null_cosine_mean"]) < 5 * audit["null_cosine_std"] / math.sqrt(200)
 
 
 def test_a_run_without_noise_audits_far_above_any_claim():
@@ -70,7 +72,11 @@ def test_paper_calibrated_wavelet_audits_far_above_its_claim():
     audit, _ = smooth(paper)
     # with 99.9% confidence the paper-calibrated mechanism leaks more than twice what it claims
     assert audit["epsilon_lower_bound"] > 2 * paper.describe()["claimed_epsilon"]
+    # The Gaussian run is seeded (seed 2: its lower bound, GDP mu 1.56, is the median of 150 runs with noise from OS
+    # entropy, 1.56 +- 0.27, against 2.78 for the accounted epsilon). Unseeded, about 1e-4 to 4e-4 of runs put the
+    # bound above the accounted epsilon: with 50 canaries the bound's standard error (0.21) leaves out the error of
+    # the null spread s_0 (10%), the shift really varies by 0.30, and its upper tail is heavy (s_0 divides).
     for honest in (DPFedAvgWavelet(wavelet_calibration="exact", **common),
-                   DPFedAvg(noise_placement="central", **common)):
+                   DPFedAvg(noise_placement="central", secure_rng=False, seed=2, **common)):
         audit, accounted = smooth(honest)
         assert audit["epsilon_lower_bound"] <= accounted

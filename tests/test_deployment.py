@@ -122,7 +122,10 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
     # our app and the foreign app run at the same time on this federation
     results, foreign = tmp_path / "run", tmp_path / "foreign"
     ours = d.run_app({**APP, "num-rounds": 1, "min-nodes": 4, "results-dir": str(results)})
-    theirs = d.run_app({"num-rounds": 2, "min-nodes": 4, "results-dir": str(foreign)},
+    # sigma 0.4 (the foreign app's default is 0.7): at 0.7 the 210-parameter model after 2 rounds of 3 clients
+    # reached 0.53 +- 0.10 and was at or below 0.3 in 1.2% of 3,000 in-process runs (noise from OS entropy); at 0.4,
+    # 0.84 +- 0.06 (lowest 0.55 of 2,000)
+    theirs = d.run_app({"num-rounds": 2, "min-nodes": 4, "noise-multiplier": 0.4, "results-dir": str(foreign)},
                        app=ROOT / "tests" / "foreign_app", log="foreign-cli")
     finish(d, ours)
     finish(d, theirs, "foreign-cli")
@@ -147,7 +150,7 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
         assert "the client's model does not match the global model: array 0 has shape (20, 9), expected (20, 10)" \
             in record["failed_nodes"][0]
     assert result["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
-    assert result["epsilon"] == pytest.approx(epsilon_of([(0.7, 1.0, 2)], 1e-5))
+    assert result["epsilon"] == pytest.approx(epsilon_of([(0.4, 1.0, 2)], 1e-5))
 
 
 def serverapp_pids(d: Deployment) -> list[int]:

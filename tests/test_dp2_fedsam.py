@@ -69,7 +69,9 @@ def test_head_prefix_selects_head_and_rejects_whole_model():
 
 
 def test_messages_carry_only_the_body(tmp_path):
-    cfg = small_cfg(tmp_path, **{"num-rounds": 2, "sample-rate": 0.5})
+    # fixed-size sampling (3 of 6 a round): Poisson at q = 0.5 from OS entropy sampled nobody in both rounds
+    # with probability 0.5^12 = 2.4e-4, and then no train message was checked
+    cfg = small_cfg(tmp_path, **{"num-rounds": 2, "sample-rate": 0.5, "client-sampling": "fixed"})
     grid = InProcessGrid(client_app, 6, cfg)
     run_federated(grid, cfg)
     model = build_global_model(cfg)
@@ -80,7 +82,7 @@ def test_messages_carry_only_the_body(tmp_path):
     assert stored_heads, "some client trained"
     train_replies = [m for m in grid.received if m.metadata.message_type == MessageType.TRAIN]
     eval_replies = [m for m in grid.received if m.metadata.message_type == MessageType.EVALUATE]
-    assert train_replies and len(eval_replies) == 2 * 6  # every client evaluates every round
+    assert len(train_replies) == 2 * 3 and len(eval_replies) == 2 * 6  # every client evaluates every round
     for msg in grid.sent:  # server -> client: the body only
         arrays = msg.content["arrays"].to_numpy_ndarrays()
         assert [a.shape for a in arrays] == body_shapes
@@ -96,7 +98,10 @@ def test_messages_carry_only_the_body(tmp_path):
 
 
 def test_reply_carrying_the_head_is_rejected(tmp_path):
-    cfg = small_cfg(tmp_path, **{"noise-multiplier": 0.0, "clipping-norm": 0.0})
+    # every node is asked (fixed, q = 1): with Poisson q = 0.5 the leaky node 100 went unsampled in half the runs,
+    # which then checked nothing about the rejection
+    cfg = small_cfg(tmp_path, **{"noise-multiplier": 0.0, "clipping-norm": 0.0, "sample-rate": 1.0,
+                                 "client-sampling": "fixed"})
 
     def leaky_app(msg, ctx):  # node 100 appends its head to the upload
         reply = client_app(msg, ctx)
@@ -112,8 +117,8 @@ def test_reply_carrying_the_head_is_rejected(tmp_path):
     replies = grid.send_and_receive(strategy.configure_train(1, initial, ConfigRecord(), grid))
     _, metrics = strategy.aggregate_train(1, replies)
     sampled = {m.metadata.dst_node_id for m in grid.sent}
-    assert metrics["rejected"] == (1 if 100 in sampled else 0)
-    assert metrics["clients"] == len(sampled) - metrics["rejected"]
+    assert sampled == {100, 101, 102}
+    assert metrics["rejected"] == 1 and metrics["clients"] == 2
 
 
 # ------------------------------------------------------------------ persistence
@@ -152,13 +157,17 @@ def test_exactly_the_sampled_clients_heads_change(tmp_path):
 
 
 def test_heads_persist_in_node_state_dir(tmp_path):
-    cfg = small_cfg(tmp_path, **{"num-rounds": 2, "sample-rate": 0.5})
+    # fixed-size sampling (2 of 4 a round): Poisson at q = 0.5 from OS entropy sampled nobody in both rounds
+    # with probability 0.5^8 = 1/256, and the test failed
+    cfg = small_cfg(tmp_path, **{"num-rounds": 2, "sample-rate": 0.5, "client-sampling": "fixed"})
     grid = InProcessGrid(client_app, 4, cfg)
     for node, ctx in grid.contexts.items():
         ctx.node_config["state-dir"] = str(tmp_path / f"node{node}")
     run_federated(grid, cfg)
-    trained = {m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == MessageType.TRAIN}
-    assert trained
+    train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    assert sorted(int(m.content["config"]["server-round"]) for m in train) == [1, 1, 2, 2]
+    trained = {m.metadata.dst_node_id for m in train}
+    assert 2 <= len(trained) <= 4
     for node, ctx in grid.contexts.items():
         files = list((tmp_path / f"node{node}").glob("*.npz"))
         assert len(files) == (1 if node in trained else 0)
@@ -319,10 +328,15 @@ E2E = {"partitioner": "pathological", "classes-per-client": 2, "num-rounds": 8, 
 
 @pytest.mark.slow
 def test_dp2_fedsam_personalized_beats_dp_fedsam_global_at_same_epsilon(tmp_path):
-    """20 clients with 2 labels each; numbers in docs/dp2-fedsam.md."""
+    """20 clients with 2 labels each; numbers in docs/dp2-fedsam.md.
+
+    Seeded (secure-rng = false, seed 42: personalized 0.842, global 0.126). With noise and sampling from OS entropy,
+    56 runs gave personalized 0.800 +- 0.044 (0.700-0.911) and global 0.131 +- 0.028: the 0.7 bound is 2.3 standard
+    deviations below that mean, about 1% of runs failed it (one of the 56 reached 0.69996).
+    """
     results = {}
     for algorithm in ("dp2-fedsam", "dp-fedsam"):
-        cfg = validate({**E2E, "algorithm": algorithm, "results-dir": str(tmp_path / algorithm)})
+        cfg = validate({**E2E, "algorithm": algorithm, "secure-rng": False, "results-dir": str(tmp_path / algorithm)})
         results[algorithm] = run_federated(InProcessGrid(client_app, 20, cfg), cfg)
     dp2, global_ = results["dp2-fedsam"], results["dp-fedsam"]
     personal = diagnostics_summary(dp2)

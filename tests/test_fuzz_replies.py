@@ -130,7 +130,13 @@ MESSAGE_PATHS = {
     "partial sharing": (lambda: PartialSharingDPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
                                                        noise_placement="distributed"), None, C * (1 + 1e-5)),
 }
-COUNTS: dict[str, int] = {}
+
+
+def record(path: str, hostile: int, at_least: int = ROUNDS) -> None:
+    """Each path's share of the hostile replies, checked path by path (so that a test run alone checks its
+    own): at least one a round, or `at_least` where some rounds are honest; over 1,000 in all."""
+    print(f"{path}: {hostile} hostile replies")
+    assert hostile >= at_least, (path, hostile, at_least)
 
 
 @pytest.mark.parametrize("path", sorted(MESSAGE_PATHS))
@@ -153,7 +159,7 @@ def test_message_api_strategies_survive_hostile_replies(path):
         assert l2_norm(new - old) <= ETA * accepted * bound / strategy.expected_clients + 1e-6, (rnd, kinds)
         assert metrics["clients"] + metrics["rejected"] + metrics["failures"] == len(replies)
         arrays = new_arrays
-    COUNTS[path] = hostile
+    record(path, hostile)
     print(f"{path}: {ROUNDS} rounds, {hostile} hostile replies, 0 exceptions, model finite")
 
 
@@ -176,7 +182,7 @@ def test_ali_dpfl_survives_hostile_replies():
         assert strategy.total_steps <= rnd  # never more steps charged than tau = 1 per round asked
         assert metrics["clients"] >= 3, (rnd, kinds)
         arrays = new_arrays
-    COUNTS["ali-dpfl"] = hostile
+    record("ali-dpfl", hostile)
     print(f"ali-dpfl: {ROUNDS} rounds, {hostile} hostile replies, 0 exceptions, model finite")
 
 
@@ -218,7 +224,7 @@ def test_legacy_adapter_survives_hostile_results():
         assert all(np.all(np.isfinite(a)) for a in new)
         assert l2_norm(flatten(new) - flatten(weights)) <= ETA * metrics["clients"] * C / M + 1e-6
         weights = new
-    COUNTS["legacy"] = hostile
+    record("legacy", hostile)
     print(f"legacy: {ROUNDS} rounds, {hostile} hostile results, 0 exceptions, model finite")
 
 
@@ -241,7 +247,7 @@ def test_secagg_sum_survives_hostile_results():
         assert all(np.all(np.isfinite(a)) for a in new), what
         assert l2_norm(flatten(new) - flatten(weights)) <= ETA * 3 * C * (1 + 1e-5) / M + 1e-6 or what == "honest"
         weights = new
-    COUNTS["secagg"] = hostile
+    record("secagg", hostile, ROUNDS // 2)  # some rounds honest: 93 of 130 with this seed
 
 
 def test_client_evaluation_survives_hostile_metrics():
@@ -260,12 +266,7 @@ def test_client_evaluation_survives_hostile_metrics():
                                                 {"accuracy": bad}))]
         legacy.aggregate_evaluate(rnd, results, [])
         hostile += 2
-    COUNTS["evaluation"] = hostile
-
-
-def test_fuzz_covers_at_least_a_thousand_hostile_replies():
-    assert sum(COUNTS.values()) >= 1000, COUNTS
-    print("hostile replies by path:", COUNTS, "total", sum(COUNTS.values()))
+    record("evaluation", hostile)
 
 
 class FakeProxy:
