@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from flwr.app import Context, Message
 from flwr.client import Client, NumPyClient
 from flwr.client.mod import secaggplus_mod
@@ -15,6 +14,7 @@ from fl_app.config import validate
 from fl_app.privacy import protocol as keys
 from fl_app.task.data import load_partition
 from fl_app.task.models import build_model
+from fl_app.task.threads import one_thread_per_client
 
 app = ClientApp()
 
@@ -60,7 +60,7 @@ def secure_aggregation(context: Context) -> bool:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    torch.set_num_threads(1)  # one simulated client per CPU
+    one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
     return train_reply(build_client(context), msg)
@@ -68,7 +68,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    torch.set_num_threads(1)
+    one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
     return evaluate_reply(build_client(context), msg)

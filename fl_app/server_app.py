@@ -19,6 +19,7 @@ from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
 from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
+from fl_app.task.threads import limit_blas_threads
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
 
@@ -80,6 +81,7 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     arrays, the history and the ledger as they were after the last completed round.
     """
     t0 = time.perf_counter()
+    limit_blas_threads()
     run_dir = RunDirectory(resolve_run_dir(cfg), resume=cfg["resume"])
     run_dir.write_config(cfg)
     dashboards = open_dashboards(run_dir.path, cfg, flower_run_id)  # e.g. wandb missing: fails before "running"

@@ -130,3 +130,33 @@ def test_local_sgd_equals_torch_sgd_bit_for_bit():
         assert torch.equal(unused[0], torch.ones(2)) and torch.equal(unused[1], torch.ones(2))
         ours.zero_grad()
         assert all(p.grad is None for p in nets[0].parameters())  # set to None, as torch.optim does
+
+
+BLAS_THREADS = """
+import json
+import numpy
+from threadpoolctl import threadpool_info
+before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+from fl_app.client_app import app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.server_app import run_federated
+cfg = validate({"dataset": "digits", "model": "mlp", "num-rounds": 1, "sample-rate": 1.0, "local-steps": 1,
+                "tensorboard": False, "results-dir": RESULTS})
+run_federated(InProcessGrid(app, 2, cfg), cfg)
+after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def test_a_run_puts_numpy_blas_on_one_thread(tmp_path):
+    """OpenBLAS' worker threads busy-wait after each call and, on a loaded machine, take the core training needs
+    (fl_app.task.threads): the ServerApp and every ClientApp call limit it to one thread."""
+    code = BLAS_THREADS.replace("RESULTS", repr(str(tmp_path / "run")))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_NUM_THREADS": "2",
+                                                            "DPFL_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, check=True, cwd=data.Path(data.__file__).parents[2])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] == [2], result  # numpy's own
+    assert result["after"] and set(result["after"]) == {1}, result  # numpy's and scipy's (loaded by the ledger)
