@@ -237,6 +237,9 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")
     if cfg["resume"] and not (cfg["results-dir"] or cfg["run-name"]):
         raise ConfigError("run-config key 'resume' = True needs 'results-dir' or 'run-name' to find the run to continue")
+    if cfg["audit-canaries"] == 1:
+        raise ConfigError("run-config key 'audit-canaries' = 1: must be 0 (no audit) or >= 2 (the null cosines' "
+                          "spread needs at least two never-inserted canaries; the estimate wants dozens)")
     if cfg["resume"] and cfg["audit-canaries"]:
         raise ConfigError("run-config key 'resume' = True is not supported with 'audit-canaries' > 0 yet (the audit "
                           "measures the model delta from round 1)")

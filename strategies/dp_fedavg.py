@@ -85,7 +85,8 @@ class DPFedAvg(DPRoundLoop):
                  min_available_nodes: int = 2, fraction_evaluate: float = 0.0, audit_canaries: int = 0,
                  audit_canary_kind: str = "isotropic", publish_diagnostics: bool = False,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
-        require(audit_canaries >= 0, "audit_canaries", audit_canaries, "must be >= 0 (0: no audit)")
+        require(audit_canaries == 0 or audit_canaries >= 2, "audit_canaries", audit_canaries,
+                "must be 0 (no audit) or >= 2 (the null cosines' spread needs two)")
         one_of("audit_canary_kind", audit_canary_kind, CANARY_KINDS)
         self.check_settings(sample_rate=sample_rate, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier,
                             noise_placement=noise_placement, client_sampling=client_sampling,

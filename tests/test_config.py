@@ -79,6 +79,7 @@ BAD = [
     ({"head-prefix": "features"}, "head-prefix", "dp2-fedsam or centaur"),
     ({"head-prefix": "fc", "algorithm": "dp2-fedsam"}, "head-prefix", "features, classifier"),
     ({"audit-canaries": -1}, "audit-canaries", "[0, 1e+07]"),
+    ({"audit-canaries": 1}, "audit-canaries", "0 (no audit) or >= 2"),
     ({"audit-canary-kind": "random"}, "audit-canary-kind", "isotropic, smooth"),
     ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "audit-canaries": 100}, "audit-canaries", "does not use"),
     ({"tensorboard": 1}, "tensorboard", "true or false"),
