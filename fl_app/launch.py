@@ -86,14 +86,21 @@ def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path
     sys.exit(f"flower-superlink did not become healthy within 60 s; see {log_file}")
 
 
+STOP_LIMIT = 90  # seconds: stop() takes at most 20 + 5 + 10 s plus its scans of /proc
+
+
 def stop(proc: subprocess.Popen | None, home: str) -> None:
     """End the SuperLink we started and everything it spawned (the simulation and Ray run in its process
     group), by PID and group: SIGTERM, up to 20 s for the whole group to exit, then SIGKILL. Waiting for the
     SuperLink alone left a `flwr-simulation` that outlived its SIGTERM running after Ctrl-C."""
     if proc is None:
         return
-    end_process_tree(proc, grace=20)
-    end_processes_with_home(home)  # anything of this launch (its private FLWR_HOME) that left the group
+    faulthandler.dump_traceback_later(STOP_LIMIT, exit=True)  # never hang here: print where, and exit
+    try:
+        end_process_tree(proc, grace=20)
+        end_processes_with_home(home)  # anything of this launch (its private FLWR_HOME) that left the group
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_status(run_dir: Path) -> str:

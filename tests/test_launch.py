@@ -104,3 +104,16 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path):
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_stop_never_hangs_it_prints_where_and_exits():
+    """Should ending the SuperLink's processes ever block, the launcher still exits (faulthandler's watchdog)
+    and its log says where it was."""
+    code = ("import time, fl_app.launch as launch\n"
+            "launch.STOP_LIMIT = 1\n"
+            "launch.end_process_tree = lambda proc, grace: time.sleep(60)\n"
+            "launch.stop(object(), '/nonexistent-home')\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert out.returncode != 0 and time.monotonic() - t0 < 30
+    assert "Timeout" in out.stderr and "<lambda>" in out.stderr, out.stderr[-2000:]
