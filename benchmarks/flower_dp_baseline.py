@@ -95,7 +95,7 @@ def compare(clients: int, rounds: int, sample_rate: float, repeats: int = 2) -> 
     """Both runs of one setting, alternated `repeats` times (the machine is shared): {"ours"|"flower":
     (median seconds per round, median seconds per client update, epsilon, delta, final accuracy)}."""
     seconds, updates, last = {"flower": [], "ours": []}, {"flower": [], "ours": []}, {}
-    for repeat in range(repeats + 1):  # the first pair only pays one-time imports (torch._dynamo, Opacus)
+    for repeat in range(repeats + 1):  # the first pair only pays one-time costs (lazy imports, torch kernels)
         for name, run in (("flower", flower_run), ("ours", our_run)):
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = validate({**JOB, "sample-rate": sample_rate, "num-rounds": rounds, "results-dir": tmp})
