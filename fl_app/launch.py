@@ -145,6 +145,12 @@ def sweep_runs(run_config: str, sweep: str) -> list[tuple[str, str]]:
             for v in values.split(",") if v.strip()]
 
 
+def exit_on_signal(signum: int, _frame) -> None:
+    """SIGTERM / SIGHUP end the launcher through its `finally` (which stops the SuperLink and all it started),
+    not at once as Python's default would, leaving the simulation and Ray running."""
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=50, help="simulated clients (SuperNodes)")
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop or a closed terminal: clean up as on Ctrl-C
+        signal.signal(sig, exit_on_signal)
 
     base = {**os.environ, **QUIET_ENV}
     stamp = time.strftime("%Y%m%d-%H%M%S")

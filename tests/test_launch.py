@@ -73,14 +73,23 @@ def test_sweep_makes_one_run_per_value():
         sweep_runs("", "noise-multiplier")
 
 
+def default_sigint() -> None:
+    """In the launcher's process before exec: SIGINT as a terminal's shell leaves it. A shell without job
+    control starts background commands with SIGINT ignored, and Python keeps an inherited SIG_IGN: a test
+    run from such a shell (CI started in the background) could not Ctrl-C anything."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
-def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
+    """Ctrl-C (SIGINT to the terminal's process group) and SIGTERM to the launcher alone (a scheduler)."""
     results, log_path = tmp_path / "results", tmp_path / "launch.log"
     with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: a full pipe would block the launcher
         launcher = subprocess.Popen(
             [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
              "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 300
         while not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text():
@@ -88,13 +97,16 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path):
             time.sleep(0.5)
         assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
         assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
-        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        if how == "ctrl-c":
+            os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        else:
+            os.kill(launcher.pid, signal.SIGTERM)
         try:
             code = launcher.wait(timeout=120)  # the launcher's own limit: 20 s + 10 s of grace, then SIGKILL
         except subprocess.TimeoutExpired:
             os.kill(launcher.pid, signal.SIGUSR1)  # the launcher's faulthandler: where it is stuck, into the log
             time.sleep(2)
-            pytest.fail(f"launcher alive 120 s after Ctrl-C; still running: {describe(processes_mentioning(str(results)))}"
+            pytest.fail(f"launcher alive 120 s after {how}; still running: {describe(processes_mentioning(str(results)))}"
                         f"\n{log_path.read_text()[-6000:]}")
         assert code != 0, log_path.read_text()[-3000:]
         deadline = time.monotonic() + 30
