@@ -197,3 +197,19 @@ def test_secagg_server_figure_composes_without_amplification():
     partial = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True)
     partial.record_round(1.0, 0.1, 16, received=4)
     assert partial.server.history == [(0.5, 1.0, 1)]
+
+
+def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
+    """dp-accounting's epsilon-for-delta can overflow near eps ~ 700 and return inf for one round between
+    finite ones (seen in a run's log: epsilon_against_server 706, inf, inf, 727): the ledger prints RDP's
+    bound instead, valid and finite."""
+    from fl_app.privacy import ledger
+
+    events = [(0.3, 1.0, 40)]
+    expected = ledger.epsilon_of(events, 1e-5, "rdp")
+    monkeypatch.setattr(ledger, "_pld_epsilon", lambda events, delta: math.inf)
+    ledger._epsilon_of.cache_clear()
+    try:
+        assert ledger.epsilon_of(events, 1e-5) == expected and math.isfinite(expected)
+    finally:
+        ledger._epsilon_of.cache_clear()

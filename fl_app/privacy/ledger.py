@@ -92,6 +92,8 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
         accountant = "rdp"
     if accountant == "pld":
         eps = _pld_epsilon(events, delta)
+        if not math.isfinite(eps):  # dp-accounting's conversion can overflow near eps ~ 700 (seen in a log line as
+            return _epsilon_of(tuple(events), delta, "rdp")  # inf between 706 and 727): RDP's bound, valid, finite
     elif accountant == "rdp":  # what Opacus' RDPAccountant.get_privacy_spent computes, per-step RDP cached
         import_opacus()
         from opacus.accountants import RDPAccountant
