@@ -113,9 +113,14 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
         while processes_mentioning(str(results)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert processes_mentioning(str(results)) == [], describe(processes_mentioning(str(results)))
-    finally:
+    finally:  # after a failure: leave nothing of this test running (its SuperLink has a session of its own)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in processes_mentioning(str(results)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_stop_never_hangs_it_prints_where_and_exits():
