@@ -95,12 +95,16 @@ def stop(proc: subprocess.Popen | None, home: str) -> None:
     SuperLink alone left a `flwr-simulation` that outlived its SIGTERM running after Ctrl-C."""
     if proc is None:
         return
-    faulthandler.dump_traceback_later(STOP_LIMIT, exit=True)  # never hang here: print where, and exit
+    # A second Ctrl-C or SIGTERM waits until the cleanup is done instead of cutting it short; the watchdog
+    # bounds how long that can be (never hang here: print where, and exit)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    faulthandler.dump_traceback_later(STOP_LIMIT, exit=True)
     try:
         end_process_tree(proc, grace=20)
         end_processes_with_home(home)  # anything of this launch (its private FLWR_HOME) that left the group
     finally:
         faulthandler.cancel_dump_traceback_later()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def run_status(run_dir: Path) -> str:

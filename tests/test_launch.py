@@ -134,3 +134,16 @@ def test_stop_never_hangs_it_prints_where_and_exits():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert out.returncode != 0 and time.monotonic() - t0 < 30
     assert "Timeout" in out.stderr and "<lambda>" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_second_signal_waits_for_the_cleanup_to_finish():
+    """SIGTERM (or a second Ctrl-C) arriving while stop() ends the processes is held until it is done, then
+    ends the launcher as usual (exit 128 + 15)."""
+    code = ("import os, signal, time, fl_app.launch as launch\n"
+            "signal.signal(signal.SIGTERM, launch.exit_on_signal)\n"
+            "launch.end_process_tree = lambda proc, grace: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3))\n"
+            "launch.end_processes_with_home = lambda home: print('home cleaned', flush=True)\n"
+            "launch.stop(object(), '/nonexistent-home')\n"
+            "print('not reached', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 128 + signal.SIGTERM and out.stdout.splitlines() == ["home cleaned"], out
