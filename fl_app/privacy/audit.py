@@ -9,14 +9,15 @@ inserted. After the last round, with Delta = w_final - w_initial:
     observed cosines  cos(Delta, u_i), i inserted       mean mu_1
     null cosines      cos(Delta, u_j), j never inserted  mean mu_0, standard deviation s_0 (~ 0, 1/sqrt(d))
 
-The Gaussian mechanism shifts a canary's cosine without changing its spread (in high dimension), so
-the estimate is the epsilon at the run's delta of mu-GDP with mu = (mu_1 - mu_0) / s_0
-(`gdp_epsilon`). With K canaries the estimate has sampling error (standard error of mu, by the delta method,
-sqrt((s_1^2/K + s_0^2/K') / s_0^2 + mu^2 / (2 (K' - 1))): the means' error and that of s_0): `epsilon_lower_bound` is the epsilon at mu minus 3.09 standard errors,
-a one-sided 99.9% bound: a run whose bound exceeds its accounted epsilon leaks more than it claims. (Fitting a separate spread to the observed cosines, which also vary with how often
-each canary was sampled, made the estimate overshoot the accounted epsilon at delta = 1e-5 in our
-checks: its tail is driven by the error of the fitted spread.) One run, no retraining: an estimate of what an adversary who sees only
-the final model can learn about one client, to put beside the accounted epsilon (an upper bound).
+The Gaussian mechanism shifts a canary's cosine without changing its spread (in high dimension), so the
+estimate is the epsilon at the run's delta of mu-GDP with mu = (mu_1 - mu_0) / s_0 (`gdp_epsilon`). With K
+canaries the estimate has sampling error (standard error of mu, by the delta method, sqrt((s_1^2/K + s_0^2/K')
+/ s_0^2 + mu^2 / (2 (K' - 1))): the means' error and that of s_0): `epsilon_lower_bound` is the epsilon at mu
+minus 3.09 standard errors, a one-sided 99.9% bound: a run whose bound exceeds its accounted epsilon leaks
+more than it claims. (Fitting a separate spread to the observed cosines, which also vary with how often each
+canary was sampled, made the estimate overshoot the accounted epsilon at delta = 1e-5 in our checks: its tail
+is driven by the error of the fitted spread.) One run, no retraining: an estimate of what an adversary who
+sees only the final model can learn about one client, to put beside the accounted epsilon (an upper bound).
 A mechanism that leaks more than it claims (no noise, or the paper-calibrated wavelet noise) audits
 far above its claim; an honest Gaussian run audits below its accounted epsilon.
 """
