@@ -92,6 +92,27 @@ def test_per_sample_gradient_is_clipped_to_c(mode):
         assert step == pytest.approx(min(c, grad_norm), rel=1e-4)
 
 
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+def test_a_batch_step_clips_each_samples_own_gradient(mode):
+    """q = 1, no noise, C between the per-sample norms: the step is lr * sum_s clip_C(g_s) / n, with g_s
+    from a backward pass on sample s alone (clipping sees each sample's own gradient, not a scaled one)."""
+    x, y = tensors(tiny_data(8))
+    grads = []
+    for s in range(len(y)):
+        reference = tiny_model()
+        torch.nn.functional.cross_entropy(reference(x[s:s + 1]), y[s:s + 1]).backward()
+        grads.append(flatten([p.grad.numpy() for p in reference.parameters()]))
+    norms = np.linalg.norm(grads, axis=1)
+    c = float(np.median(norms))
+    assert (norms < c * 0.99).any() and (norms > c * 1.01).any()
+    clipped_sum = sum(g * min(1.0, c / n) for g, n in zip(grads, norms))
+    model = tiny_model()
+    w0 = flatten(get_weights(model))
+    dpsgd_steps(model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=c, lr=0.5,
+                grad_sample_mode=mode)
+    np.testing.assert_allclose(flatten(get_weights(model)), w0 - 0.5 * clipped_sum / len(y), atol=1e-6)
+
+
 def test_config_and_client_list_the_same_grad_sample_modes():
     assert set(CONFIG_GRAD_SAMPLE_MODES) == set(GRAD_SAMPLE_MODES)
 
