@@ -22,6 +22,8 @@ import signal
 import sys
 import time
 
+from fl_app.pull_backoff import PULL_BACKOFF, shorten_pull_backoff
+
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
 
 
@@ -40,22 +42,6 @@ def warm_up_torch() -> None:
         torch.nn.functional.cross_entropy(net(torch.randn(2, 1, 12, 12)), torch.tensor([0, 1])).backward()
 
 
-def shorten_pull_backoff(seconds: float) -> bool:
-    """Retry a task's message pull after `seconds` instead of Flower's 1 s (doubling each time). The SuperNode
-    hands out a task before it has pulled the message's objects from the SuperLink, so a child forked at
-    once asks too early, gets ObjectUnavailableError and, with Flower's default, idles 1 s (measured: 1.2 s
-    of a 2.5 s training task). The objects come from the SuperNode on the same machine, so an early retry
-    costs nothing. Sets the default of Flower's `pull_and_inflate_object_from_tree`, which `run_clientapp`
-    calls without one; False (nothing changed) where that Flower has no such default."""
-    from flwr.supercore.inflatable import inflatable_utils
-
-    defaults = inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__ or {}
-    if "initial_backoff" not in defaults:
-        return False
-    defaults["initial_backoff"] = seconds
-    return True
-
-
 def fresh_random_state() -> None:
     """In a forked child: what a fresh process would have. Python's `random` reseeds itself at fork;
     numpy's and torch's global generators do not, so both are reseeded from OS entropy (a fresh torch
@@ -67,11 +53,22 @@ def fresh_random_state() -> None:
         sys.modules["torch"].seed()
 
 
+def forget_own_modules() -> None:
+    """In a forked child, before the task loads its app: drop this package's modules (`fl_app`, imported to
+    run this executor) from `sys.modules`. Flower's `load_app` imports the app from the run's FAB folder
+    but keeps a package already imported, so without this a task would run the executor's installed
+    `fl_app` beside the FAB's `clients` and `strategies`."""
+    package = __name__.partition(".")[0]
+    for name in [m for m in sys.modules if m.partition(".")[0] == package]:
+        del sys.modules[name]
+
+
 def run_task(runtime_api_address: str, token: str, insecure: bool, certificates: bytes | None) -> int:
     """In the child: one ClientApp task through Flower's own code path; returns the exit code."""
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 
     fresh_random_state()
+    forget_own_modules()
     try:
         run_clientapp(runtime_api_address=runtime_api_address, token=token, insecure=insecure,
                       certificates=certificates, parent_pid=os.getppid(), runtime_dependency_install=False)
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, help="exit when this process (the SuperNode) is gone")
     parser.add_argument("--poll-interval", type=float, default=0.05, help="seconds between task requests")
     parser.add_argument("--preload", default=",".join(PRELOAD), help="modules imported once (libraries only)")
-    parser.add_argument("--pull-backoff", type=float, default=0.05,
+    parser.add_argument("--pull-backoff", type=float, default=PULL_BACKOFF,
                         help="seconds before a task retries pulling a message not yet on the node (Flower: 1)")
     args = parser.parse_args(argv)
     if args.insecure == bool(args.root_certificates):

@@ -46,6 +46,38 @@ def test_forked_tasks_get_fresh_random_state_and_no_app_code(tmp_path):
     assert not first["app"] and not second["app"]
 
 
+LOAD_FROM_FAB = r"""
+import json, os, sys
+from fl_app import clientapp_executor
+
+def load(fab, out):
+    clientapp_executor.forget_own_modules()  # what run_task does first
+    from flwr.supercore.object_ref import load_app
+    load_app("fl_app.client_app:app", ValueError, fab)
+    with open(out, "w") as f:
+        json.dump({"client_app": sys.modules["fl_app.client_app"].__file__, "fl_app": sys.modules["fl_app"].__file__}, f)
+    return 0
+
+pid = clientapp_executor.fork_task(load, sys.argv[1], sys.argv[2])
+assert os.waitpid(pid, 0)[1] == 0
+"""
+
+
+def test_a_forked_task_imports_fl_app_from_the_runs_fab_not_the_executors(tmp_path):
+    """The executor runs from an installed fl_app; a task must load the run's own fl_app (as a fresh
+    flwr-clientapp process would), even though the executor's package is already imported when it forks."""
+    fab = tmp_path / "fab"
+    (fab / "fl_app").mkdir(parents=True)
+    (fab / "fl_app" / "__init__.py").write_text("")
+    (fab / "fl_app" / "client_app.py").write_text("from flwr.clientapp import ClientApp\napp = ClientApp()\n")
+    out = tmp_path / "loaded.json"
+    done = subprocess.run([sys.executable, "-c", LOAD_FROM_FAB, str(fab), str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(out.read_text())
+    assert loaded == {"client_app": str(fab / "fl_app" / "client_app.py"), "fl_app": str(fab / "fl_app" / "__init__.py")}
+
+
 def test_executor_preloads_libraries_only():
     """Only libraries are preloaded: nothing of this repository (the FAB's copy is what a task runs)."""
     assert not [m for m in clientapp_executor.PRELOAD if m.split(".")[0] in ("fl_app", "clients", "strategies")]
@@ -115,15 +147,21 @@ def test_prompt_grid_zero_timeout_pulls_nothing():
     assert PromptGrid(grid).send_and_receive(_messages(1), timeout=0.0) == [] and grid.pulls == 0
 
 
-def test_the_message_pull_backoff_is_shortened_for_forked_tasks(monkeypatch):
-    """A task forked at once asks the SuperNode for its message before the node has it; Flower retries after
-    1 s. The executor sets the default its children's `run_clientapp` uses (Flower passes none)."""
+def test_the_object_pull_backoff_is_shortened_for_tasks_nodes_and_the_serverapp(monkeypatch):
+    """A receiver that asks for a message's objects before the sender has pushed them gets
+    ObjectUnavailableError, and Flower retries after 1 s: a forked task asking its SuperNode
+    (`pull_and_inflate_object_from_tree`), a SuperNode or the ServerApp asking the SuperLink (`pull_objects`).
+    Every caller passes no backoff, so setting the defaults reaches them all; the rest of Flower's retry
+    policy stays."""
     from flwr.supercore.inflatable import inflatable_utils
 
-    from fl_app.clientapp_executor import shorten_pull_backoff
+    from fl_app.pull_backoff import shorten_pull_backoff
 
-    defaults = inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__
-    monkeypatch.setitem(defaults, "initial_backoff", defaults["initial_backoff"])  # restored after the test
-    assert defaults["initial_backoff"] == 1
+    pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    for pull in pulls:  # restored after the test
+        monkeypatch.setitem(pull.__kwdefaults__, "initial_backoff", pull.__kwdefaults__["initial_backoff"])
+    before = [dict(pull.__kwdefaults__) for pull in pulls]
+    assert [b["initial_backoff"] for b in before] == [1, 1]
     assert shorten_pull_backoff(0.05) is True
-    assert defaults["initial_backoff"] == 0.05
+    for pull, old in zip(pulls, before):
+        assert pull.__kwdefaults__ == {**old, "initial_backoff": 0.05}
