@@ -15,6 +15,7 @@ from flwr.supercore import log
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
+from fl_app.pull_backoff import shorten_pull_backoff
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
 from fl_app.task.models import build_model, count_parameters, split_state_keys
@@ -227,4 +228,6 @@ class PromptGrid(Grid):
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_federated(PromptGrid(grid), validate(context.run_config), context.run_id)
+    cfg = validate(context.run_config)
+    shorten_pull_backoff()  # replies' objects: retry after 0.05 s, not 1 s (fl_app.pull_backoff)
+    run_federated(PromptGrid(grid), cfg, context.run_id)

@@ -6,7 +6,9 @@ Flower 1.41's SuperNode loop (`flwr/supernode/start_client_internal.py`) sleeps 
 SuperLink for a message and finds none, and checks every 0.5 s whether its ClientApp has replied; neither
 has an option. After each reply a node finds nothing yet and sleeps, so every message exchange costs about
 3.5 s however short its task (SecAgg+ has four exchanges a round). This wrapper runs Flower's own
-`flower-supernode` entry point, unchanged but for those sleeps, which it caps at `--idle-poll` seconds.
+`flower-supernode` entry point, unchanged but for those sleeps, which it caps at `--idle-poll` seconds, and
+the first retry for a message's objects the ServerApp is still pushing (Flower: 1 s; `--pull-backoff`,
+`fl_app.pull_backoff`).
 
 The price is load on the SuperLink: each idle node asks 1 / idle-poll times a second instead of once every
 3 s. For a few nodes (a lab, loopback, a benchmark) that is nothing; for hundreds of nodes keep Flower's
@@ -20,6 +22,8 @@ import argparse
 import inspect
 import sys
 import time
+
+from fl_app.pull_backoff import PULL_BACKOFF, shorten_pull_backoff
 
 FLOWER_IDLE_SLEEPS = ("time.sleep(3)", "time.sleep(0.5)")  # what this wrapper shortens, as Flower 1.41 writes it
 
@@ -56,16 +60,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle-poll", type=float, default=0.2,
                         help="longest sleep of the SuperNode loop, in seconds (Flower: 3 s idle, 0.5 s for a reply)")
+    parser.add_argument("--pull-backoff", type=float, default=PULL_BACKOFF,
+                        help="seconds before the first retry for a message's objects not yet on the SuperLink "
+                             "(Flower: 1)")
     args, flower_args = parser.parse_known_args(argv)
     if not 0.01 <= args.idle_poll <= 3:
         parser.error(f"--idle-poll = {args.idle_poll}: must be between 0.01 and 3 seconds")
+    if not 0.01 <= args.pull_backoff <= 1:
+        parser.error(f"--pull-backoff = {args.pull_backoff}: must be between 0.01 and 1 second")
     try:
         shorten_idle_sleeps(args.idle_poll)
     except RuntimeError as error:
         raise SystemExit(str(error)) from None
     from flwr.supernode.cli import flower_supernode
 
-    print(f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s", flush=True)
+    backoff = (f"object pulls retried after {args.pull_backoff} s" if shorten_pull_backoff(args.pull_backoff)
+               else "Flower's object pull backoff (this flwr has no default to set)")
+    print(f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
+          flush=True)
     sys.argv = ["flower-supernode", *flower_args]
     flower_supernode()
 
