@@ -5,8 +5,9 @@ where round 1's extra time goes.
 
 1. `python -m fl_app.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink, Ray, N simulated
    clients with one CPU each (two Ray actors on two cores); seconds per round from the run folder.
-2. The bare PyTorch loop (`benchmarks.round_overhead.bare_loop_seconds`) doing the same local SAM steps
-   for the steady rounds' client counts, on one thread.
+2. The bare PyTorch loop doing the same local SAM steps for the steady rounds' client counts, on one thread
+   (`benchmarks.round_overhead.expected_bare_loop_seconds`: which partitions trained is not known under
+   `flwr run`, so a round's bare time is its client count x a partition's mean bare time).
 3. Round 1's parts, each measured apart in fresh processes: `ray.init`, a Ray actor started and ready,
    `import fl_app.client_app` inside that actor, and a process's first local training against its second.
 """
@@ -88,13 +89,13 @@ def fresh_json(code: str) -> dict:
 
 
 def measure(clients: int, rounds: int) -> dict:
-    from benchmarks.round_overhead import bare_loop_seconds
+    from benchmarks.round_overhead import expected_bare_loop_seconds
     from fl_app.config import validate
 
     seconds, counts, wall = launch_rounds(clients, rounds)
     steady = statistics.median(seconds[1:])
     cfg = validate({"num-rounds": rounds})
-    bare = bare_loop_seconds(cfg, clients, counts[1:])
+    bare = expected_bare_loop_seconds(cfg, clients, counts[1:])
     return {"round1": seconds[0], "steady": steady, "bare": bare, "wall": wall, "counts": counts,
             **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
 

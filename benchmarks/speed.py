@@ -1,10 +1,11 @@
 """Speed ratios, all measured in one run on this machine (the README's Performance table).
 
-    python -m benchmarks.speed [--deployment [--cold]] [--rounds 3] [--clients 20] [--repeats 3]
+    python -m benchmarks.speed [--deployment [--cold]] [--rounds 6] [--clients 20] [--repeats 3]
 
 1. cold start: a fresh process from `import fl_app.client_app` to "data ready for partition i"
    (data and partitions cached), against a bare `python -c "import torch"`;
-2. an in-process round of the default job against a bare PyTorch loop doing the same SAM steps;
+2. an in-process round of the default job against a bare PyTorch loop doing the same SAM steps for the same
+   partitions (the median over rounds 2.. of the per-round ratio);
 3. step costs on the MNIST CNN: SAM / SGD at batch 32, Opacus DP-SGD (`ew`) / SGD at batch 16, 32, 64;
 4. `flwr run` (Ray, 50 clients): round 1 against a steady round, a steady round against the bare loop
    (`benchmarks.simulation_round`);
@@ -30,7 +31,7 @@ import torch
 
 from benchmarks import deployment_round, flower_dp_baseline, simulation_round
 from benchmarks.dpsgd_bench import sgd_steps, time_per_step
-from benchmarks.round_overhead import bare_loop_seconds, product_seconds_per_round, step_seconds
+from benchmarks.round_overhead import bare_rounds, product_rounds, steady_ratio, step_seconds
 from clients.dpsgd import dpsgd_steps
 from fl_app.config import validate
 from fl_app.task.models import build_model
@@ -68,7 +69,7 @@ def dpsgd_ratio(batch: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--deployment", action="store_true", help="also the real-deployment ratios (3 SuperNodes)")
@@ -82,15 +83,17 @@ def main() -> None:
     ready, bare_torch = process_seconds(READY, args.repeats), process_seconds("import torch", args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = validate({"num-rounds": args.rounds, "results-dir": tmp})
-        product, counts = product_seconds_per_round(cfg, args.clients)
-    bare = bare_loop_seconds(cfg, args.clients, counts)
+        product, rounds = product_rounds(cfg, args.clients)
+    bare = bare_rounds(cfg, args.clients, rounds)
     sgd, sam = step_seconds(False), step_seconds(True)
     rows = [("cold start: ClientApp import to partition ready / import torch", ready / bare_torch, 1.3),
-            ("in-process round of the default job / bare PyTorch loop, same SAM steps", product / bare, 1.10),
+            ("in-process round of the default job / bare PyTorch loop, same partitions and SAM steps (rounds 2..)",
+             steady_ratio(product, bare), 1.10),
             ("SAM step / SGD step (MNIST CNN, batch 32)", sam / sgd, 2.05)]
     rows += [(f"DP-SGD step (Opacus ew) / SGD step, batch {b}", dpsgd_ratio(b, args.repeats), 1.8) for b in (16, 32, 64)]
-    print(f"cold start {ready:.2f} s, import torch {bare_torch:.2f} s; round {product:.3f} s, bare {bare:.3f} s "
-          f"({args.clients} clients, sampled {counts})")
+    print(f"cold start {ready:.2f} s, import torch {bare_torch:.2f} s; in-process rounds "
+          f"{' '.join(f'{t:.2f}' for t in product)} s, bare {' '.join(f'{t:.2f}' for t in bare)} s "
+          f"({args.clients} clients, sampled {[len(r) for r in rounds]})")
     sim = simulation_round.measure(50, 6)
     rows += [("`flwr run` (Ray, 50 clients): round 1 / median of rounds 2-6", sim["round1"] / sim["steady"], 2.0),
              ("`flwr run`: steady round / bare PyTorch loop, same SAM steps (Ray: 2 clients at once)",
