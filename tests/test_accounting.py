@@ -208,8 +208,13 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
     events = [(0.3, 1.0, 40)]
     expected = ledger.epsilon_of(events, 1e-5, "rdp")
     monkeypatch.setattr(ledger, "_pld_epsilon", lambda events, delta: math.inf)
-    ledger._epsilon_of.cache_clear()
+    ledger._bound.cache_clear()
     try:
         assert ledger.epsilon_of(events, 1e-5) == expected and math.isfinite(expected)
+        assert ledger.accountant_used(events, 1e-5, "pld") == "rdp (pld's epsilon-for-delta conversion overflowed)"
+        state = ledger.PrivacyLedger(delta=1e-5, accountant="pld", history=events).state_dict()
+        assert state["bound_by"].startswith("rdp (")  # the ledger's own state says which bound it printed
     finally:
-        ledger._epsilon_of.cache_clear()
+        monkeypatch.undo()
+        ledger._bound.cache_clear()
+    assert ledger.accountant_used(events, 1e-5, "pld") == "pld"  # PLD's own number where it is finite

@@ -55,7 +55,12 @@ def epsilon_of(events: list[Event], delta: float, accountant: str = DEFAULT_ACCO
     """eps(delta) of a composition of sampled-Gaussian events; inf if any has sigma = 0. Composition is
     commutative, so the events are summed per (sigma, q) first: the same releases in any order print the
     same number (PLD's discretisation would otherwise differ in the sixth digit)."""
-    return _epsilon_of(canonical(events), float(delta), accountant)
+    return _bound(canonical(events), float(delta), accountant)[0]
+
+
+def accountant_used(events: list[Event], delta: float, accountant: str) -> str:
+    """Which accountant's bound `epsilon_of` gives for these events: the configured one, or RDP (and why)."""
+    return _bound(canonical(events), float(delta), accountant)[1]
 
 
 def canonical(events: list[Event]) -> tuple[Event, ...]:
@@ -68,32 +73,27 @@ def canonical(events: list[Event]) -> tuple[Event, ...]:
     return tuple((sigma, q, n) for (sigma, q), n in sorted(steps.items()))
 
 
-def accountant_used(events: list[Event], accountant: str) -> str:
-    """Which accountant bounds these events: the configured one, or RDP where a multiplier is below what PLD and
-    PRV can discretise (NUMERIC_MIN_SIGMA)."""
-    if accountant != "rdp" and any(0 < sigma < NUMERIC_MIN_SIGMA and q > 0 for sigma, q, _ in events):
-        return f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} would need minutes and gigabytes)"
-    return accountant
-
-
 @functools.lru_cache(maxsize=4096)
-def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> float:
-    """Memoised (PRV evaluations are slow and many ledgers share histories)."""
+def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[float, str]:
+    """(eps(delta), the accountant that gave it). Memoised (PRV evaluations are slow and many ledgers share
+    histories). RDP stands in for PLD or PRV where they cannot give a finite number; its bound is valid too."""
     if not events:
-        return 0.0
+        return 0.0, accountant
     if any(sigma < MIN_SIGMA and q > 0 for sigma, q, _ in events):
-        return math.inf  # (next to) no noise: Opacus' RDP would divide by zero
-    events = [e for e in events if e[1] > 0]
+        return math.inf, accountant  # (next to) no noise: Opacus' RDP would divide by zero
+    events = tuple(e for e in events if e[1] > 0)
     if not events:
-        return 0.0
+        return 0.0, accountant
     if accountant != "rdp" and min(sigma for sigma, _, _ in events) < NUMERIC_MIN_SIGMA:
         # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
-        # bound, which is valid too (and within a few percent of them at epsilons this large).
-        accountant = "rdp"
+        # bound (within a few percent of theirs at epsilons this large).
+        return _bound(events, delta, "rdp")[0], (f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} "
+                                                 "would need minutes and gigabytes)")
     if accountant == "pld":
         eps = _pld_epsilon(events, delta)
         if not math.isfinite(eps):  # dp-accounting's conversion can overflow near eps ~ 700 (seen in a log line as
-            return _epsilon_of(tuple(events), delta, "rdp")  # inf between 706 and 727): RDP's bound, valid, finite
+            # inf between 706 and 727): RDP's bound, valid, finite
+            return _bound(events, delta, "rdp")[0], "rdp (pld's epsilon-for-delta conversion overflowed)"
     elif accountant == "rdp":  # what Opacus' RDPAccountant.get_privacy_spent computes, per-step RDP cached
         import_opacus()
         from opacus.accountants import RDPAccountant
@@ -109,7 +109,7 @@ def _epsilon_of(events: tuple[Event, ...], delta: float, accountant: str) -> flo
         acc.history = list(events)
         eps = _quiet(acc.get_epsilon, delta=delta)
     # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
-    return max(0.0, float(eps))
+    return max(0.0, float(eps)), accountant
 
 
 def _pld_epsilon(events: list[Event], delta: float) -> float:
@@ -208,7 +208,7 @@ class PrivacyLedger:
 
     def state_dict(self) -> dict:
         return {"delta": self.delta, "accountant": self.accountant, "history": [list(e) for e in self.history],
-                "bound_by": accountant_used(self.history, self.accountant)}
+                "bound_by": accountant_used(self.history, self.delta, self.accountant)}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "PrivacyLedger":
