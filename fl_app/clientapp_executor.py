@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from fl_app.pull_backoff import PULL_BACKOFF, shorten_pull_backoff
+from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
 
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, help="exit when this process (the SuperNode) is gone")
     parser.add_argument("--poll-interval", type=float, default=0.05, help="seconds between task requests")
     parser.add_argument("--preload", default=",".join(PRELOAD), help="modules imported once (libraries only)")
-    parser.add_argument("--pull-backoff", type=float, default=PULL_BACKOFF,
+    parser.add_argument("--pull-backoff", type=pull_backoff_option, default=PULL_BACKOFF,
                         help="seconds before a task retries pulling a message not yet on the node (Flower: 1)")
     args = parser.parse_args(argv)
     if args.insecure == bool(args.root_certificates):

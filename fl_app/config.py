@@ -84,6 +84,8 @@ SPEC: dict[str, Key] = {
     "sample-rate": Key(0.5, "q: probability that a client is sampled in a round", low=0, high=1, low_open=True),
     "client-sampling": Key("poisson", "client sampling scheme", CLIENT_SAMPLINGS),
     "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),
+    "round-timeout": Key(3600.0, "seconds a message exchange waits for client replies; a reply not in by then, "
+                                 "objects included, counts as a failed client", low=0, low_open=True),
     "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),
     "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0, nonzero_low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
     "noise-placement": Key("distributed", "who adds the Gaussian noise", NOISE_PLACEMENTS),

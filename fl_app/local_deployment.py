@@ -242,13 +242,15 @@ class Deployment:
     # -- SuperNodes
     def start_supernode(self, name: str, node_config: str | None = None, *, insecure: bool | None = None,
                         private_key: Path | None = None, extra: list[str] | None = None,
-                        warm: bool = False, idle_poll: float | None = None) -> subprocess.Popen:
+                        warm: bool = False, idle_poll: float | None = None,
+                        node_module: str = "fl_app.supernode") -> subprocess.Popen:
         """A SuperNode; `warm`: `--isolation process` with `fl_app.clientapp_executor` running its ClientApps;
-        `idle_poll`: `fl_app.supernode` with Flower's idle sleeps capped at that many seconds."""
+        `idle_poll`: `node_module` (`fl_app.supernode` or a module running it) with Flower's idle sleeps capped
+        at that many seconds."""
         insecure = (not self.tls) if insecure is None else insecure
         runtime_port = free_port(self.ports)
         node = ([str(BIN / "flower-supernode")] if idle_poll is None else
-                [sys.executable, "-m", "fl_app.supernode", "--idle-poll", str(idle_poll)])
+                [sys.executable, "-m", node_module, "--idle-poll", str(idle_poll)])
         cmd = node + ["--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime_port)]
         cmd += ["--insecure"] if insecure else ["--root-certificates", str(self.certs["ca"])]
         if node_config is not None:

@@ -15,11 +15,38 @@ With fast polling on both sides (`fl_app.supernode --idle-poll`, `PromptGrid`) t
 wait left in a deployed round: 0.9-1.1 s at one to three of a SecAgg+ round's four exchanges. A shorter
 first retry keeps Flower's doubling, cap and limits; it costs a few more small requests while an object
 is in flight.
+
+The other end of the same loop: a reply whose message arrives but whose objects never do (a node that
+crashed mid-push, or a hostile one that withholds them) keeps Flower's `pull_objects` retrying for up to
+`PULL_MAX_TIME` = 7200 s, and the SuperLink drops the reply only when its push session has been idle for
+180 s, a wait a node can renew by pushing one object at a time. A round's timeout is checked only between
+pulls, so it did not bound that wait. `object_pulls_end_by` gives the pulls the time left in the round.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 PULL_BACKOFF = 0.05  # seconds before the first retry (Flower: 1)
+PULL_BACKOFF_RANGE = (0.01, 1.0)  # what the command-line options accept
+
+
+def pull_backoff_option(text: str) -> float:
+    """argparse `type` of the `--pull-backoff` options: seconds, within PULL_BACKOFF_RANGE."""
+    import argparse
+
+    low, high = PULL_BACKOFF_RANGE
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not low <= seconds <= high:
+        raise argparse.ArgumentTypeError(f"--pull-backoff = {text!r}: must be a number of seconds from {low} to {high}")
+    return seconds
 
 
 def shorten_pull_backoff(seconds: float = PULL_BACKOFF) -> bool:
@@ -34,3 +61,48 @@ def shorten_pull_backoff(seconds: float = PULL_BACKOFF) -> bool:
     for pull in pulls:
         pull.__kwdefaults__["initial_backoff"] = seconds
     return True
+
+
+
+_reply_pull_deadline: float | None = None  # set by object_pulls_end_by
+
+
+def bound_reply_object_pulls() -> bool:
+    """Make the `pull_objects` of Flower's deployed Grid (`flwr.superlink.grid.http_grid`) give up at the
+    deadline `object_pulls_end_by` sets: `max_time` = min(Flower's, deadline - now) at each call, so k
+    withheld replies in one pull cost the time left once, not k times. Installed once per process; False,
+    with nothing changed, where that Grid has no `pull_objects` taking `max_time`."""
+    try:
+        from flwr.superlink.grid import http_grid
+    except ImportError:
+        return False
+    pull_objects = getattr(http_grid, "pull_objects", None)
+    if getattr(pull_objects, "bounded_by_round", False):
+        return True
+    if "max_time" not in (getattr(pull_objects, "__kwdefaults__", None) or {}):
+        return False
+
+    @functools.wraps(pull_objects)
+    def pull_objects_until_deadline(*args, **kwargs):
+        if _reply_pull_deadline is not None:
+            left = max(0.0, _reply_pull_deadline - time.monotonic())
+            limit = kwargs.get("max_time", pull_objects.__kwdefaults__["max_time"])
+            kwargs["max_time"] = left if limit is None else min(left, limit)
+        return pull_objects(*args, **kwargs)
+
+    pull_objects_until_deadline.bounded_by_round = True
+    http_grid.pull_objects = pull_objects_until_deadline
+    return True
+
+
+@contextmanager
+def object_pulls_end_by(deadline: float | None) -> Iterator[None]:
+    """Inside the block, the deployed Grid's object pulls (`bound_reply_object_pulls`) give up at `deadline`
+    (`time.monotonic()` seconds; None: Flower's own limit), and the Grid turns such a reply into an error
+    reply."""
+    global _reply_pull_deadline
+    outer, _reply_pull_deadline = _reply_pull_deadline, deadline
+    try:
+        yield
+    finally:
+        _reply_pull_deadline = outer

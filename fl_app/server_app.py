@@ -15,7 +15,7 @@ from flwr.supercore import log
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
-from fl_app.pull_backoff import shorten_pull_backoff
+from fl_app.pull_backoff import bound_reply_object_pulls, object_pulls_end_by, shorten_pull_backoff
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
 from fl_app.task.models import build_model, count_parameters, split_state_keys
@@ -126,7 +126,7 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
         initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
-        result = strategy.start(grid, initial, num_rounds=cfg["num-rounds"],
+        result = strategy.start(grid, initial, num_rounds=cfg["num-rounds"], timeout=cfg["round-timeout"],
                                 evaluate_fn=None if partial else evaluate_fn, eval_every=cfg["eval-every"])
     except BaseException as exc:
         run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
@@ -213,16 +213,27 @@ class PromptGrid(Grid):
         return self.grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
-        """Flower's send_and_receive (push, then pull until every reply is in or `timeout`), polling faster."""
+        """Flower's send_and_receive (push, then pull until every reply is in or `timeout`), polling faster.
+        Pulls of a reply's objects end at the timeout too (`object_pulls_end_by`), and one last pull at the
+        timeout takes the replies already complete: replies that came while a withheld one held a pull."""
         pending = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
+
+        def pull() -> None:
+            with object_pulls_end_by(deadline):
+                got = list(self.pull_messages(pending))
+            replies.extend(got)
+            pending.difference_update(m.metadata.reply_to_message_id for m in got)
+
+        pulls = 0
         while pending and (deadline is None or time.monotonic() < deadline):
-            got = list(self.pull_messages(pending))
-            replies += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
+            pull()
+            pulls += 1
             if pending:
                 time.sleep(self.interval)
+        if pending and pulls:
+            pull()  # a last look at the deadline: complete replies only (no time left for objects)
         return replies
 
 
@@ -230,4 +241,5 @@ class PromptGrid(Grid):
 def main(grid: Grid, context: Context) -> None:
     cfg = validate(context.run_config)
     shorten_pull_backoff()  # replies' objects: retry after 0.05 s, not 1 s (fl_app.pull_backoff)
+    bound_reply_object_pulls()  # ... and give up at the round's timeout
     run_federated(PromptGrid(grid), cfg, context.run_id)

@@ -23,7 +23,7 @@ import inspect
 import sys
 import time
 
-from fl_app.pull_backoff import PULL_BACKOFF, shorten_pull_backoff
+from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
 
 FLOWER_IDLE_SLEEPS = ("time.sleep(3)", "time.sleep(0.5)")  # what this wrapper shortens, as Flower 1.41 writes it
 
@@ -60,14 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle-poll", type=float, default=0.2,
                         help="longest sleep of the SuperNode loop, in seconds (Flower: 3 s idle, 0.5 s for a reply)")
-    parser.add_argument("--pull-backoff", type=float, default=PULL_BACKOFF,
+    parser.add_argument("--pull-backoff", type=pull_backoff_option, default=PULL_BACKOFF,
                         help="seconds before the first retry for a message's objects not yet on the SuperLink "
                              "(Flower: 1)")
     args, flower_args = parser.parse_known_args(argv)
     if not 0.01 <= args.idle_poll <= 3:
         parser.error(f"--idle-poll = {args.idle_poll}: must be between 0.01 and 3 seconds")
-    if not 0.01 <= args.pull_backoff <= 1:
-        parser.error(f"--pull-backoff = {args.pull_backoff}: must be between 0.01 and 1 second")
     try:
         shorten_idle_sleeps(args.idle_poll)
     except RuntimeError as error:

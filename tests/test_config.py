@@ -83,6 +83,8 @@ BAD = [
     ({"audit-canary-kind": "random"}, "audit-canary-kind", "isotropic, smooth"),
     ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "audit-canaries": 100}, "audit-canaries", "does not use"),
     ({"tensorboard": 1}, "tensorboard", "true or false"),
+    ({"round-timeout": 0.0}, "round-timeout", "(0, 1e+06]"),
+    ({"round-timeout": "1h"}, "round-timeout", "number"),
     # values that passed before and then broke the run (issue 11): refused up front
     ({"noise-multiplier": float("inf")}, "noise-multiplier", "[0.001, 1000]"),
     ({"noise-multiplier": 1e-300}, "noise-multiplier", "[0.001, 1000]"),

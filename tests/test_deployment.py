@@ -11,6 +11,7 @@ import time
 import pytest
 
 from fl_app.privacy.ledger import epsilon_of
+from fl_app.privacy.mechanisms import noise_share_count, topup_noise_std
 from fl_app.results import read_rounds
 from fl_app.local_deployment import ROOT, Deployment, make_node_keys
 
@@ -93,6 +94,37 @@ def test_supernodes_with_bad_input_and_a_crash(deployment, tmp_path):
     assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], 1e-5)) and summary["delta"] == 1e-5
     assert summary["epsilon_against_server"] > summary["epsilon"]
     assert "Node Unavailable" not in "\n".join(second["failed_nodes"])
+
+
+def test_a_node_that_withholds_its_reply_objects_costs_one_round_timeout(deployment, tmp_path):
+    """A node that sends its reply but never the reply's objects (tests/withholding_supernode.py). Flower's
+    ServerApp would retry those objects until the SuperLink's push session expired (180 s, renewable) or
+    for up to 7200 s, inside one pull; here each exchange gives up at `round-timeout`, counts the node as
+    failed, and the other two nodes' updates and the noise top-up make the round. The ledger charges the
+    rounds as if nothing happened."""
+    d = deployment()
+    d.start_superlink()
+    for i in range(2):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3", idle_poll=0.2)
+    d.start_supernode("withholding", "partition-id=2 num-partitions=3", idle_poll=0.2,
+                      node_module="tests.withholding_supernode")
+    for name in ("n0", "n1", "withholding"):
+        d.wait_connected(name)
+    results, timeout = tmp_path / "run", 15.0
+    cli = d.run_app({**APP, "num-rounds": 2, "min-nodes": 3, "round-timeout": timeout,
+                     "results-dir": str(results)})
+    finish(d, cli)
+
+    summary, rounds = read_run(results)
+    assert summary["rounds_completed"] == 2
+    shares = noise_share_count(3, 1.0)
+    for rnd in rounds:
+        assert rnd["clients"] == 2 and rnd["failures"] == 1, rnd
+        assert "objects are unavailable" in "\n".join(rnd["failed_nodes"]), rnd["failed_nodes"]
+        assert timeout - 1 < rnd["seconds"] < timeout + 20, rnd["seconds"]  # not the SuperLink's 180 s
+        assert rnd["server_noise_std"] == pytest.approx(topup_noise_std(1.0, 0.5, shares, 2))
+    assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], 1e-5))
+    assert "Sent successfully" in d.log("withholding")  # the reply's message did reach the SuperLink
 
 
 def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):

@@ -44,3 +44,14 @@ def test_idle_poll_out_of_range_is_refused_before_the_node_starts(value, capsys)
     with pytest.raises(SystemExit):
         supernode.main(["--idle-poll", value, "--insecure"])
     assert f"--idle-poll = {float(value)}: must be between 0.01 and 3 seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "5", "soon"])
+@pytest.mark.parametrize("cli", ["fl_app.supernode", "fl_app.clientapp_executor"])
+def test_pull_backoff_out_of_range_is_refused_by_both_clis(cli, value, capsys):
+    from fl_app import clientapp_executor
+
+    main = supernode.main if cli == "fl_app.supernode" else clientapp_executor.main
+    with pytest.raises(SystemExit):
+        main(["--pull-backoff", value, "--runtime-api-address", "127.0.0.1:1", "--insecure"])
+    assert f"--pull-backoff = '{value}': must be a number of seconds from 0.01 to 1.0" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import time
 import sys
 
 from flwr.app import Message, RecordDict
@@ -165,3 +166,67 @@ def test_the_object_pull_backoff_is_shortened_for_tasks_nodes_and_the_serverapp(
     assert shorten_pull_backoff(0.05) is True
     for pull, old in zip(pulls, before):
         assert pull.__kwdefaults__ == {**old, "initial_backoff": 0.05}
+
+
+class WithheldObjectsGrid(FakeGrid):
+    """A deployed grid where some replies arrive but their objects never do. `pull_messages` pulls each
+    listed reply's objects with the `pull_objects` of Flower's deployed Grid module and, like that Grid,
+    turns an ObjectPullError into an error reply. Honest replies are listed from `honest_after` seconds on,
+    complete."""
+
+    backstop = 30.0  # a withheld object's own give-up, so an unbounded pull fails the test instead of hanging
+
+    def __init__(self, withheld: set[str], honest_after: float) -> None:
+        super().__init__([])
+        self.withheld, self.honest_after, self.created = withheld, honest_after, time.monotonic()
+
+    def pull_messages(self, message_ids):
+        from flwr.app import Error
+        from flwr.superlink.grid import http_grid
+        from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectUnavailableError
+
+        self.pulls += 1
+        started = time.monotonic()
+        honest_listed = started - self.created >= self.honest_after  # what the SuperLink lists at this pull
+
+        def never_there(object_id):
+            if time.monotonic() - started > self.backstop:
+                raise ObjectPullError(object_id, "backstop")
+            raise ObjectUnavailableError(object_id)
+
+        replies = []
+        for i in sorted(message_ids):
+            if i not in self.withheld:
+                if honest_listed:
+                    replies.append(Message(RecordDict(), reply_to=self.sent[int(i)]))
+                continue
+            try:
+                http_grid.pull_objects([f"object-{i}"], never_there, initial_backoff=0.01)
+            except ObjectPullError as err:
+                replies.append(Message(Error(code=0, reason=str(err)), reply_to=self.sent[int(i)]))
+        return replies
+
+
+def test_replies_whose_objects_never_come_fail_at_the_round_timeout(monkeypatch):
+    """Flower pulls a reply's objects for up to 7200 s and the round's timeout is only looked at between
+    pulls: one node that withholds its objects would hold the round, and two in one pull twice as long.
+    Bounded, two withheld replies cost the timeout once, and an honest reply that came while they held
+    the pull is taken by the last look at the deadline."""
+    from flwr.superlink.grid import http_grid
+
+    from fl_app.pull_backoff import bound_reply_object_pulls
+
+    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # restored after the test
+    flower_limit = http_grid.pull_objects.__kwdefaults__["max_time"]
+    assert bound_reply_object_pulls() and bound_reply_object_pulls()  # installed once
+    assert http_grid.pull_objects.__wrapped__.__kwdefaults__["max_time"] == flower_limit == 7200
+
+    grid = WithheldObjectsGrid(withheld={"0", "1"}, honest_after=0.3)
+    started = time.monotonic()
+    replies = PromptGrid(grid, interval=0.01).send_and_receive(_messages(3), timeout=1.0)
+    elapsed = time.monotonic() - started
+    assert 0.9 < elapsed < 1.8, elapsed  # the round's 1 s once: not 2 s, the 30 s backstop or 7200 s
+    by_id = {r.metadata.reply_to_message_id: r for r in replies}
+    assert sorted(by_id) == ["0", "1", "2"]
+    assert [by_id[i].has_error() for i in "012"] == [True, True, False]
+    assert all("backstop" not in by_id[i].error.reason for i in "01")
