@@ -3,8 +3,9 @@ where round 1's extra time goes.
 
     python -m benchmarks.simulation_round [--clients 50] [--rounds 6]
 
-1. `python -m fl_app.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink, Ray, N simulated
-   clients with one CPU each (two Ray actors on two cores); seconds per round from the run folder.
+1. `python -m fl_app.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink and Ray head, N
+   simulated clients with one CPU each (two Ray actors on two cores); seconds per round from the run folder.
+   Also with `--no-ray-head`, where the simulation starts Ray itself (as under a plain `flwr run`).
 2. The bare PyTorch loop doing the same local SAM steps for the steady rounds' client counts, on one thread
    (`benchmarks.round_overhead.expected_bare_loop_seconds`: which partitions trained is not known under
    `flwr run`, so a round's bare time is its client count x a partition's mean bare time).
@@ -68,13 +69,15 @@ print(json.dumps({"first_fit": times[0], "second_fit": times[1]}))
 """
 
 
-def launch_rounds(clients: int, rounds: int) -> tuple[list[float], list[int], float]:
-    """(seconds per round, clients per round, wall seconds) of one `python -m fl_app.launch` run."""
+def launch_rounds(clients: int, rounds: int, ray_head: bool = True) -> tuple[list[float], list[int], float]:
+    """(seconds per round, clients per round, wall seconds) of one `python -m fl_app.launch` run; `ray_head`
+    False: `--no-ray-head` (the simulation starts Ray itself, as under a plain `flwr run`)."""
     import time
 
     with tempfile.TemporaryDirectory(prefix="sim-bench-") as tmp:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", str(clients), "--results", tmp,
+                        *([] if ray_head else ["--no-ray-head"]),
                         "-c", f"num-rounds={rounds} tensorboard=false"], check=True, capture_output=True)
         wall = time.perf_counter() - t0
         (run,) = Path(tmp).glob("*-dp")
@@ -92,12 +95,14 @@ def measure(clients: int, rounds: int) -> dict:
     from benchmarks.round_overhead import expected_bare_loop_seconds
     from fl_app.config import validate
 
+    own_seconds, _, own_wall = launch_rounds(clients, rounds, ray_head=False)
     seconds, counts, wall = launch_rounds(clients, rounds)
     steady = statistics.median(seconds[1:])
     cfg = validate({"num-rounds": rounds})
     bare = expected_bare_loop_seconds(cfg, clients, counts[1:])
     return {"round1": seconds[0], "steady": steady, "bare": bare, "wall": wall, "counts": counts,
-            **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
+            "round1_own_ray": own_seconds[0], "steady_own_ray": statistics.median(own_seconds[1:]),
+            "wall_own_ray": own_wall, **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
 
 
 def main() -> None:
@@ -110,8 +115,8 @@ def main() -> None:
     torch.set_num_threads(1)
     r = measure(args.clients, args.rounds)
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
-    print(f"round 1 / steady round: {r['round1'] / r['steady']:.2f}x; steady round / bare loop: "
-          f"{r['steady'] / r['bare']:.2f}x")
+    print(f"round 1 / steady round: {r['round1'] / r['steady']:.2f}x ({r['round1_own_ray'] / r['steady_own_ray']:.2f}x "
+          f"with --no-ray-head); steady round / bare loop: {r['steady'] / r['bare']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -95,11 +95,16 @@ def main() -> None:
           f"{' '.join(f'{t:.2f}' for t in product)} s, bare {' '.join(f'{t:.2f}' for t in bare)} s "
           f"({args.clients} clients, sampled {[len(r) for r in rounds]})")
     sim = simulation_round.measure(50, 6)
-    rows += [("`flwr run` (Ray, 50 clients): round 1 / median of rounds 2-6", sim["round1"] / sim["steady"], 2.0),
+    rows += [("`flwr run` (Ray, 50 clients, the launcher's Ray head): round 1 / median of rounds 2-6",
+              sim["round1"] / sim["steady"], 2.0),
+             ("`flwr run` (50 clients, `--no-ray-head`: Ray started by the run): round 1 / median of rounds 2-6",
+              sim["round1_own_ray"] / sim["steady_own_ray"], 2.0),
              ("`flwr run`: steady round / bare PyTorch loop, same SAM steps (Ray: 2 clients at once)",
               sim["steady"] / sim["bare"], 1.10)]
     print(f"flwr run: round 1 {sim['round1']:.2f} s, steady {sim['steady']:.2f} s, bare {sim['bare']:.2f} s, "
-          f"whole job {sim['wall']:.1f} s; round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
+          f"whole job {sim['wall']:.1f} s; with --no-ray-head round 1 {sim['round1_own_ray']:.2f} s, steady "
+          f"{sim['steady_own_ray']:.2f} s, whole job {sim['wall_own_ray']:.1f} s; "
+          f"round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
           f"Ray actor ready {sim['actor_ready']:.2f} s, import fl_app.client_app in the actor "
           f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
           f"(second {sim['second_fit']:.2f} s)")

@@ -5,13 +5,15 @@
 What it does, so that nothing is left behind:
 1. starts its own local simulation SuperLink on free ports with a private FLWR_HOME (never one
    that is already running: `flwr run` is pointed at this one), with runtime dependency
-   installation and telemetry off, and remembers its PID;
+   installation and telemetry off, and remembers its PID; next to it, a Ray head of its own that every
+   run's simulation connects to (RAY_ADDRESS), so no run pays Ray's start-up in its round 1
+   (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does);
 2. `flwr run . --stream` with N simulated clients, one CPU each, and
    results-dir = ./results/<name>;
 3. with --reference, a second run without clipping or noise (the non-private
    FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
    (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
-4. ends the SuperLink it started, by process group, also after Ctrl-C or a failed run, and exits
+4. ends the SuperLink and the Ray head it started, by PID and process group, also after Ctrl-C or a failed run, and exits
    non-zero unless every run folder says `completed` (status.json).
 
 The tools come from this Python's own environment (`.venv/bin/python -m fl_app.launch` works without an
@@ -25,9 +27,11 @@ import faulthandler
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +69,50 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     env = {**base, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
            "FLWR_LOCAL_CONTROL_API_PORT": str(control_port), "PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}"}
     return env, http_port, control_port
+
+
+RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
+
+
+def start_ray_head(env: dict, log_file: Path) -> tuple[subprocess.Popen, str, Path]:
+    """(process, address, temp folder) of a Ray head of this launch's own, shared by its runs: each run's
+    simulation connects to it (RAY_ADDRESS) instead of starting Ray (2.4-3.5 s of `ray.init` per run, in
+    round 1). `ray start --head --block` in its own process group, on free ports, with a private temp folder
+    (short: Ray's socket paths must fit in 107 characters); `wait_ray_head` waits for it, `stop_ray_head`
+    ends it by PID and group."""
+    taken: set[int] = set()
+    temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))
+    port = free_port(taken)
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--include-dashboard=false",
+           "--disable-usage-stats", "--temp-dir", str(temp),
+           "--dashboard-agent-listen-port", str(free_port(taken)), "--metrics-export-port", str(free_port(taken)),
+           "--ray-client-server-port", str(free_port(taken)),
+           "--min-worker-port", "0", "--max-worker-port", "0"]  # workers: ports the OS picks (Ray: 10002-19999)
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return proc, f"127.0.0.1:{port}", temp
+
+
+def wait_ray_head(proc: subprocess.Popen, log_file: Path, timeout: float = 60) -> bool:
+    """Is the head up (within `timeout` s)? False, and a message, where it exited or is still starting."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if RAY_READY in log_file.read_text(errors="replace"):
+            return True
+        time.sleep(0.2)
+    print(f"The shared Ray head did not start ({'exit code ' + str(proc.returncode) if proc.poll() is not None else 'timeout'}; "
+          f"see {log_file}): each run starts Ray itself", file=sys.stderr)
+    return False
+
+
+def stop_ray_head(head: tuple[subprocess.Popen, str, Path] | None) -> None:
+    """End the head's processes at once (Ray's own graceful stop takes 3.5 s and keeps nothing we need; its
+    object store leaves no files), then its temp folder."""
+    if head is not None:
+        end_process_tree(head[0], grace=0)
+        shutil.rmtree(head[2], ignore_errors=True)
 
 
 def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path) -> subprocess.Popen:
@@ -162,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help="also run the non-private reference")
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
     parser.add_argument("--sweep", default="", help="one run per value: 'key=v1,v2,...' (e.g. noise-multiplier=0.5,1,2)")
+    parser.add_argument("--no-ray-head", dest="ray_head", action="store_false",
+                        help="let each run start Ray itself (default: one Ray head for all runs of this launch, "
+                             "unless RAY_ADDRESS already names a cluster)")
     args = parser.parse_args(argv)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -176,9 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
-    proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
+    head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and not env.get("RAY_ADDRESS") else None
+    if head is not None:
+        env["RAY_ADDRESS"] = head[1]  # the SuperLink's simulations connect to it
+    proc = None
     run_dirs = []
     try:
+        proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")  # while the head starts
+        if head is not None and not wait_ray_head(head[0], log_dir / "ray-head.log"):
+            stop(proc, env["FLWR_HOME"])
+            del env["RAY_ADDRESS"]
+            proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
         for name, overrides in runs:
             run_dir = Path(args.results, f"{stamp}-{name}").resolve()
             rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients)
@@ -189,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 return rc or 1
             run_dirs.append(run_dir)
     finally:
+        stop_ray_head(head)  # first, as a group (its agents, signalled one by one by stop(), linger 20 s)
         stop(proc, env["FLWR_HOME"])
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.launch import format_run_config, own_superlink_env, reference_run_config, sweep_runs
+from fl_app.launch import (format_run_config, own_superlink_env, reference_run_config, start_ray_head, stop_ray_head,
+                            sweep_runs, wait_ray_head)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,14 +44,20 @@ def describe(pids: list[int]) -> list[str]:
     return out
 
 
-def simulation_running(text: str) -> bool:
+def processes_named(name: str, text: str) -> list[int]:
+    """Of `processes_mentioning(text)`, those whose command line has `name`."""
+    named = []
     for pid in processes_mentioning(text):
         try:
-            if b"flwr-simulation" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return True
+            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                named.append(pid)
         except OSError:
             continue
-    return False
+    return named
+
+
+def simulation_running(text: str) -> bool:
+    return bool(processes_named("flwr-simulation", text))
 
 
 def test_own_superlink_env_uses_free_ports_and_a_private_home(tmp_path):
@@ -71,6 +78,38 @@ def test_sweep_makes_one_run_per_value():
         ("noise-multiplier-2", "num-rounds=10 noise-multiplier=2")]
     with pytest.raises(SystemExit, match="key=v1,v2"):
         sweep_runs("", "noise-multiplier")
+
+
+def test_the_shared_ray_head_takes_a_job_and_leaves_nothing(tmp_path):
+    """The launcher's Ray head: up, a driver joins it (as each run's simulation does through RAY_ADDRESS) and
+    runs a task on it; stopped, none of its processes and not its temp folder is left."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_HOME": str(tmp_path / "home")}
+    head = start_ray_head(env, tmp_path / "ray-head.log")
+    try:
+        assert wait_ray_head(head[0], tmp_path / "ray-head.log"), (tmp_path / "ray-head.log").read_text()
+        job = ("import ray, sys\nray.init(address=sys.argv[1], log_to_driver=False)\n"
+               "print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources()['CPU'])")
+        out = subprocess.run([sys.executable, "-c", job, head[1]], capture_output=True, text=True, timeout=120,
+                             env={**env, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+        from ray._private.utils import get_num_cpus  # what Flower's own ray.init() would give its actors
+
+        assert out.returncode == 0 and out.stdout.split() == ["42", f"{float(get_num_cpus())}"], out.stderr[-2000:]
+        assert len(processes_named("gcs_server", str(tmp_path))) == 1
+    finally:
+        stop_ray_head(head)
+    time.sleep(0.5)
+    assert processes_mentioning(str(tmp_path)) == [], describe(processes_mentioning(str(tmp_path)))
+    assert not head[2].exists()
+
+
+def test_a_ray_head_that_exits_is_reported_not_waited_for(tmp_path, capsys):
+    """(The launcher then restarts its SuperLink without RAY_ADDRESS: each run starts Ray itself.)"""
+    (tmp_path / "ray-head.log").write_text("ValueError: Ray component worker_ports is trying to use a port\n")
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    started = time.monotonic()
+    assert wait_ray_head(failed, tmp_path / "ray-head.log", timeout=60) is False
+    assert time.monotonic() - started < 10
+    assert "did not start (exit code 1" in capsys.readouterr().err
 
 
 def default_sigint() -> None:
@@ -97,6 +136,8 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
             time.sleep(0.5)
         assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
         assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
+        # one Ray: the launcher's head, which the simulation joined (its own ray.init would start a second)
+        assert len(processes_named("gcs_server", str(results))) == 1, describe(processes_mentioning(str(results)))
         if how == "ctrl-c":
             os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
         else:
