@@ -63,15 +63,18 @@ def shorten_pull_backoff(seconds: float = PULL_BACKOFF) -> bool:
     return True
 
 
-
 _reply_pull_deadline: float | None = None  # set by object_pulls_end_by
+DEADLINE_BACKOFF_CAP = 1.0  # s between retries of a bounded pull (Flower: 1 s doubling to 10 s)
+BOUNDED_PULL_KEYS = ("max_time", "initial_backoff", "backoff_cap")
 
 
 def bound_reply_object_pulls() -> bool:
     """Make the `pull_objects` of Flower's deployed Grid (`flwr.superlink.grid.http_grid`) give up at the
     deadline `object_pulls_end_by` sets: `max_time` = min(Flower's, deadline - now) at each call, so k
-    withheld replies in one pull cost the time left once, not k times. Installed once per process; False,
-    with nothing changed, where that Grid has no `pull_objects` taking `max_time`."""
+    withheld replies in one pull cost the time left once, not k times, and retries at most
+    DEADLINE_BACKOFF_CAP apart, so a pull ends within 1.2 s of the deadline (the cap plus Flower's 20% jitter;
+    Flower's own 10 s cap would let it overrun by 12 s). Installed once per process; False, with nothing
+    changed, where that Grid has no `pull_objects` taking these arguments."""
     try:
         from flwr.superlink.grid import http_grid
     except ImportError:
@@ -79,15 +82,18 @@ def bound_reply_object_pulls() -> bool:
     pull_objects = getattr(http_grid, "pull_objects", None)
     if getattr(pull_objects, "bounded_by_round", False):
         return True
-    if "max_time" not in (getattr(pull_objects, "__kwdefaults__", None) or {}):
+    defaults = getattr(pull_objects, "__kwdefaults__", None) or {}
+    if not all(key in defaults for key in BOUNDED_PULL_KEYS):
         return False
 
     @functools.wraps(pull_objects)
     def pull_objects_until_deadline(*args, **kwargs):
         if _reply_pull_deadline is not None:
             left = max(0.0, _reply_pull_deadline - time.monotonic())
-            limit = kwargs.get("max_time", pull_objects.__kwdefaults__["max_time"])
+            limit = kwargs.get("max_time", defaults["max_time"])
             kwargs["max_time"] = left if limit is None else min(left, limit)
+            for key in ("initial_backoff", "backoff_cap"):
+                kwargs[key] = min(kwargs.get(key, defaults[key]), DEADLINE_BACKOFF_CAP)
         return pull_objects(*args, **kwargs)
 
     pull_objects_until_deadline.bounded_by_round = True

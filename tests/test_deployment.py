@@ -121,7 +121,7 @@ def test_a_node_that_withholds_its_reply_objects_costs_one_round_timeout(deploym
     for rnd in rounds:
         assert rnd["clients"] == 2 and rnd["failures"] == 1, rnd
         assert "objects are unavailable" in "\n".join(rnd["failed_nodes"]), rnd["failed_nodes"]
-        assert timeout - 1 < rnd["seconds"] < timeout + 20, rnd["seconds"]  # not the SuperLink's 180 s
+        assert timeout - 1 < rnd["seconds"] < timeout + 5, rnd["seconds"]  # not 180 s; a pull ends <= 1.2 s late
         assert rnd["server_noise_std"] == pytest.approx(topup_noise_std(1.0, 0.5, shares, 2))
     assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], 1e-5))
     assert "Sent successfully" in d.log("withholding")  # the reply's message did reach the SuperLink

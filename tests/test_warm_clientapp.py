@@ -176,9 +176,10 @@ class WithheldObjectsGrid(FakeGrid):
 
     backstop = 30.0  # a withheld object's own give-up, so an unbounded pull fails the test instead of hanging
 
-    def __init__(self, withheld: set[str], honest_after: float) -> None:
+    def __init__(self, withheld: set[str], honest_after: float, initial_backoff: float = 0.01) -> None:
         super().__init__([])
         self.withheld, self.honest_after, self.created = withheld, honest_after, time.monotonic()
+        self.initial_backoff = initial_backoff
 
     def pull_messages(self, message_ids):
         from flwr.app import Error
@@ -201,7 +202,7 @@ class WithheldObjectsGrid(FakeGrid):
                     replies.append(Message(RecordDict(), reply_to=self.sent[int(i)]))
                 continue
             try:
-                http_grid.pull_objects([f"object-{i}"], never_there, initial_backoff=0.01)
+                http_grid.pull_objects([f"object-{i}"], never_there, initial_backoff=self.initial_backoff)
             except ObjectPullError as err:
                 replies.append(Message(Error(code=0, reason=str(err)), reply_to=self.sent[int(i)]))
         return replies
@@ -230,3 +231,23 @@ def test_replies_whose_objects_never_come_fail_at_the_round_timeout(monkeypatch)
     assert sorted(by_id) == ["0", "1", "2"]
     assert [by_id[i].has_error() for i in "012"] == [True, True, False]
     assert all("backstop" not in by_id[i].error.reason for i in "01")
+
+
+def test_a_bounded_pull_ends_within_a_retry_cap_of_the_round_timeout(monkeypatch):
+    """Flower's retries of an absent object wait 1 s doubling to 10 s (+-20%), so a pull that gives up at the
+    deadline could end 12 s after it. Bounded, retries are at most DEADLINE_BACKOFF_CAP apart: with a first
+    wait of 2 s and a 2.5 s timeout Flower's next retry would come 4.8-7.2 s in, the bounded one by 3.7 s."""
+    from flwr.superlink.grid import http_grid
+
+    from fl_app.pull_backoff import DEADLINE_BACKOFF_CAP, bound_reply_object_pulls
+
+    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # restored after the test
+    assert bound_reply_object_pulls()
+    grid = WithheldObjectsGrid(withheld={"0"}, honest_after=0.0, initial_backoff=2.0)
+    started = time.monotonic()
+    replies = PromptGrid(grid, interval=0.01).send_and_receive(_messages(2), timeout=2.5)
+    elapsed = time.monotonic() - started
+    assert DEADLINE_BACKOFF_CAP == 1.0
+    assert 2.4 < elapsed < 2.5 + 1.2 * DEADLINE_BACKOFF_CAP + 0.5, elapsed
+    by_id = {r.metadata.reply_to_message_id: r for r in replies}
+    assert [by_id[i].has_error() for i in "01"] == [True, False]
