@@ -26,6 +26,7 @@ import argparse
 import faulthandler
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -74,15 +76,27 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
 
 
-def start_ray_head(env: dict, log_file: Path) -> tuple[subprocess.Popen, str, Path]:
-    """(process, address, temp folder) of a Ray head of this launch's own, shared by its runs: each run's
-    simulation connects to it (RAY_ADDRESS) instead of starting Ray (2.4-3.5 s of `ray.init` per run, in
-    round 1). `ray start --head --block` in its own process group, on free ports, with a private temp folder
-    (short: Ray's socket paths must fit in 107 characters); `wait_ray_head` waits for it, `stop_ray_head`
-    ends it by PID and group."""
+class RayHead(NamedTuple):
+    """A Ray head of the launch's own: its process, a private temp folder, and what a driver needs to join it
+    (`join_env`: RAY_ADDRESS and the head's token)."""
+
+    proc: subprocess.Popen
+    temp: Path
+    join_env: dict[str, str]
+
+
+def start_ray_head(env: dict, log_file: Path) -> RayHead:
+    """A Ray head of this launch's own, shared by its runs: each run's simulation joins it (`join_env` in the
+    SuperLink's environment) instead of starting Ray (2.4-3.5 s of `ray.init` per run, in round 1).
+    `ray start --head --block` in its own process group, on free ports, with a private temp folder
+    (short: Ray's socket paths must fit in 107 characters). Ray's GCS and raylet listen on every interface
+    and run what any connected driver sends, so the head takes only drivers that show its random token
+    (Ray's token authentication, RAY_AUTH_MODE=token; without it anyone who can reach the port runs code
+    as this user). `wait_ray_head` waits for it, `stop_ray_head` ends it by PID and group."""
     taken: set[int] = set()
     temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))
     port = free_port(taken)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--include-dashboard=false",
            "--disable-usage-stats", "--temp-dir", str(temp),
@@ -90,9 +104,9 @@ def start_ray_head(env: dict, log_file: Path) -> tuple[subprocess.Popen, str, Pa
            "--ray-client-server-port", str(free_port(taken)),
            "--min-worker-port", "0", "--max-worker-port", "0"]  # workers: ports the OS picks (Ray: 10002-19999)
     with open(log_file, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    return proc, f"127.0.0.1:{port}", temp
+        proc = subprocess.Popen(cmd, env={**env, **auth}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return RayHead(proc, temp, {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth})
 
 
 def wait_ray_head(proc: subprocess.Popen, log_file: Path, timeout: float = 60) -> bool:
@@ -107,12 +121,12 @@ def wait_ray_head(proc: subprocess.Popen, log_file: Path, timeout: float = 60) -
     return False
 
 
-def stop_ray_head(head: tuple[subprocess.Popen, str, Path] | None) -> None:
+def stop_ray_head(head: RayHead | None) -> None:
     """End the head's processes at once (Ray's own graceful stop takes 3.5 s and keeps nothing we need; its
     object store leaves no files), then its temp folder."""
     if head is not None:
-        end_process_tree(head[0], grace=0)
-        shutil.rmtree(head[2], ignore_errors=True)
+        end_process_tree(head.proc, grace=0)
+        shutil.rmtree(head.temp, ignore_errors=True)
 
 
 def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path) -> subprocess.Popen:
@@ -229,14 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
     head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and not env.get("RAY_ADDRESS") else None
     if head is not None:
-        env["RAY_ADDRESS"] = head[1]  # the SuperLink's simulations connect to it
+        env.update(head.join_env)  # the SuperLink's simulations join it
     proc = None
     run_dirs = []
     try:
         proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")  # while the head starts
-        if head is not None and not wait_ray_head(head[0], log_dir / "ray-head.log"):
+        if head is not None and not wait_ray_head(head.proc, log_dir / "ray-head.log"):
             stop(proc, env["FLWR_HOME"])
-            del env["RAY_ADDRESS"]
+            for key in head.join_env:
+                del env[key]
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
         for name, overrides in runs:
             run_dir = Path(args.results, f"{stamp}-{name}").resolve()

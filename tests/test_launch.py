@@ -80,26 +80,39 @@ def test_sweep_makes_one_run_per_value():
         sweep_runs("", "noise-multiplier")
 
 
-def test_the_shared_ray_head_takes_a_job_and_leaves_nothing(tmp_path):
-    """The launcher's Ray head: up, a driver joins it (as each run's simulation does through RAY_ADDRESS) and
-    runs a task on it; stopped, none of its processes and not its temp folder is left."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_HOME": str(tmp_path / "home")}
+def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_path):
+    """The launcher's Ray head: up, a driver that joins it as each run's simulation does (RAY_ADDRESS and the
+    head's token) runs a task on it, and a driver without the token is refused; stopped,
+    none of its processes and not its temp folder is left."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_HOME": str(tmp_path / "home"),
+           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
     head = start_ray_head(env, tmp_path / "ray-head.log")
+    job = ("import ray\nray.init(log_to_driver=False)\n"
+           "print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources()['CPU'])")
+
+    def run_job(join_env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=120,
+                              env={**env, **join_env})
+
     try:
-        assert wait_ray_head(head[0], tmp_path / "ray-head.log"), (tmp_path / "ray-head.log").read_text()
-        job = ("import ray, sys\nray.init(address=sys.argv[1], log_to_driver=False)\n"
-               "print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources()['CPU'])")
-        out = subprocess.run([sys.executable, "-c", job, head[1]], capture_output=True, text=True, timeout=120,
-                             env={**env, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"})
+        assert wait_ray_head(head.proc, tmp_path / "ray-head.log"), (tmp_path / "ray-head.log").read_text()
+        assert set(head.join_env) == {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+        assert len(head.join_env["RAY_AUTH_TOKEN"]) == 64
+        out = run_job(head.join_env)
         from ray._private.utils import get_num_cpus  # what Flower's own ray.init() would give its actors
 
         assert out.returncode == 0 and out.stdout.split() == ["42", f"{float(get_num_cpus())}"], out.stderr[-2000:]
+        out = run_job({"RAY_ADDRESS": head.join_env["RAY_ADDRESS"]})  # a stranger who found the port (20 s)
+        assert out.returncode != 0 and "42" not in out.stdout, (out.stdout, out.stderr[-2000:])
+        assert "Failed to connect to Ray cluster" in out.stderr, out.stderr[-2000:]
         assert len(processes_named("gcs_server", str(tmp_path))) == 1
     finally:
         stop_ray_head(head)
     time.sleep(0.5)
     assert processes_mentioning(str(tmp_path)) == [], describe(processes_mentioning(str(tmp_path)))
-    assert not head[2].exists()
+    assert not head.temp.exists()
 
 
 def test_a_ray_head_that_exits_is_reported_not_waited_for(tmp_path, capsys):
