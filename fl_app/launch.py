@@ -7,7 +7,8 @@ What it does, so that nothing is left behind:
    that is already running: `flwr run` is pointed at this one), with runtime dependency
    installation and telemetry off, and remembers its PID; next to it, a Ray head of its own that every
    run's simulation connects to (RAY_ADDRESS), so no run pays Ray's start-up in its round 1
-   (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does);
+   (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does); either Ray takes only drivers
+   with the launch's random token (`ray_token_auth`);
 2. `flwr run . --stream` with N simulated clients, one CPU each, and
    results-dir = ./results/<name>;
 3. with --reference, a second run without clipping or noise (the non-private
@@ -76,6 +77,14 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
 
 
+def ray_token_auth() -> dict[str, str]:
+    """Ray's token authentication with a fresh random token, for the environment of a Ray cluster's start
+    (the launcher's head, or a run's own `ray.init`) and of the drivers that may join it: that cluster
+    takes no driver without the token. (Ray's GCS and raylet listen on every interface and run whatever
+    a connected driver sends.)"""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
 class RayHead(NamedTuple):
     """A Ray head of the launch's own: its process, a private temp folder, and what a driver needs to join it
     (`join_env`: RAY_ADDRESS and the head's token)."""
@@ -89,14 +98,13 @@ def start_ray_head(env: dict, log_file: Path) -> RayHead:
     """A Ray head of this launch's own, shared by its runs: each run's simulation joins it (`join_env` in the
     SuperLink's environment) instead of starting Ray (2.4-3.5 s of `ray.init` per run, in round 1).
     `ray start --head --block` in its own process group, on free ports, with a private temp folder
-    (short: Ray's socket paths must fit in 107 characters). Ray's GCS and raylet listen on every interface
-    and run what any connected driver sends, so the head takes only drivers that show its random token
-    (Ray's token authentication, RAY_AUTH_MODE=token; without it anyone who can reach the port runs code
-    as this user). `wait_ray_head` waits for it, `stop_ray_head` ends it by PID and group."""
+    (short: Ray's socket paths must fit in 107 characters), taking only drivers that show its token
+    (`ray_token_auth`; without it anyone who can reach its port runs code as this user). `wait_ray_head`
+    waits for it, `stop_ray_head` ends it by PID and group."""
     taken: set[int] = set()
     temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))
     port = free_port(taken)
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    auth = ray_token_auth()
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--include-dashboard=false",
            "--disable-usage-stats", "--temp-dir", str(temp),
@@ -241,17 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
-    head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and not env.get("RAY_ADDRESS") else None
+    own_ray = not env.get("RAY_ADDRESS")  # a cluster the user named keeps its own settings
+    head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and own_ray else None
     if head is not None:
         env.update(head.join_env)  # the SuperLink's simulations join it
+    elif own_ray:
+        env.update(ray_token_auth())  # each run's own Ray takes only its own drivers
     proc = None
     run_dirs = []
     try:
         proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")  # while the head starts
         if head is not None and not wait_ray_head(head.proc, log_dir / "ray-head.log"):
             stop(proc, env["FLWR_HOME"])
-            for key in head.join_env:
-                del env[key]
+            del env["RAY_ADDRESS"]  # each run's own Ray, with the head's token
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
         for name, overrides in runs:
             run_dir = Path(args.results, f"{stamp}-{name}").resolve()
