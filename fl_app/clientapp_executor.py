@@ -25,6 +25,7 @@ import time
 from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
 
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
+APP_PACKAGES = ("fl_app", "clients", "strategies")  # this repository's: a task takes them from its FAB
 
 
 def warm_up_torch() -> None:
@@ -54,12 +55,12 @@ def fresh_random_state() -> None:
 
 
 def forget_own_modules() -> None:
-    """In a forked child, before the task loads its app: drop this package's modules (`fl_app`, imported to
-    run this executor) from `sys.modules`. Flower's `load_app` imports the app from the run's FAB folder
+    """In a forked child, before the task loads its app: drop the modules of APP_PACKAGES (`fl_app`, imported
+    to run this executor) from `sys.modules`. Flower's `load_app` imports the app from the run's FAB folder
     but keeps a package already imported, so without this a task would run the executor's installed
-    `fl_app` beside the FAB's `clients` and `strategies`."""
-    package = __name__.partition(".")[0]
-    for name in [m for m in sys.modules if m.partition(".")[0] == package]:
+    `fl_app` beside the FAB's `clients` and `strategies`. (Named, not taken from `__name__`, which is
+    `__main__` under `python -m`: that once left the executor's `fl_app` in every task.)"""
+    for name in [m for m in sys.modules if m.partition(".")[0] in APP_PACKAGES]:
         del sys.modules[name]
 
 
@@ -74,6 +75,10 @@ def run_task(runtime_api_address: str, token: str, insecure: bool, certificates:
                       certificates=certificates, parent_pid=os.getppid(), runtime_dependency_install=False)
     except SystemExit as done:  # flwr_exit ends the task with sys.exit
         return done.code if isinstance(done.code, int) else 1
+    finally:  # which copy of the app the task ran (the run's FAB, never the executor's own)
+        app = sys.modules.get("fl_app")
+        print(f"ClientApp task pid {os.getpid()} ran fl_app from "
+              f"{os.path.dirname(os.path.dirname(app.__file__)) if app else '(not loaded)'}", flush=True)
     return 0
 
 

@@ -7,6 +7,7 @@ FLWR_HOME per process, every process ended by PID when the test ends (also on fa
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 
@@ -288,4 +289,7 @@ def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
         log = d.log(f"n{i}-executor")
         exits = re.findall(r"ClientApp task pid \d+ exit (-?\d+)", log)
         assert exits == ["0"] * (2 + 2 * 4), log[-2000:]  # plain: 1 message per round; SecAgg+: 4
+        origins = re.findall(r"ClientApp task pid \d+ ran fl_app from (\S+)", log)
+        assert len(origins) == len(exits) and all(  # the run's FAB, installed on this node; not the executor's
+            Path(o).is_relative_to(d.tmp / "homes" / f"n{i}" / "apps") for o in origins), origins
         assert "Starting Flower SuperExec" not in d.log(f"n{i}")  # the node started no flwr-clientapp itself
