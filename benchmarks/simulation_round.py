@@ -9,8 +9,8 @@ where round 1's extra time goes.
 2. The bare PyTorch loop doing the same local SAM steps for the steady rounds' client counts, on one thread
    (`benchmarks.round_overhead.expected_bare_loop_seconds`: which partitions trained is not known under
    `flwr run`, so a round's bare time is its client count x a partition's mean bare time).
-3. Round 1's parts, each measured apart in fresh processes: `ray.init`, a Ray actor started and ready
-   (with Flower's `runtime_env`, so in a worker process started for it, as in every run),
+3. Round 1's parts, each measured apart in fresh processes: `ray.init` (not `import ray`), a Ray actor started and ready
+   (Ray started by Flower's own `RayBackend`, so the actor is in a worker process started for it, as in every run),
    `import fl_app.client_app` inside that actor, and a process's first local training against its second.
    The actor and the import alone are what a run's first reply waits for after Flower builds its pool.
 """
@@ -29,12 +29,12 @@ from pathlib import Path
 from fl_app.results import read_rounds
 
 PARTS = r"""
-import json, os, sys, time
-t0 = time.perf_counter()
+import json, time
 import ray
-# Flower's runtime_env (RayBackend.init_ray): workers of the run's own, started for its actors
-ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False,
-         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+t0 = time.perf_counter()
+# Ray as a run starts it (Flower's RayBackend.init_ray, with its runtime_env): workers of the run's own
+RayBackend({"init_args": {"num_cpus": 2, "log_to_driver": False}, "client_resources": {"num_cpus": 1}})
 t1 = time.perf_counter()
 
 @ray.remote(num_cpus=1)
