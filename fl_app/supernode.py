@@ -6,9 +6,9 @@ Flower 1.41's SuperNode loop (`flwr/supernode/start_client_internal.py`) sleeps 
 SuperLink for a message and finds none, and checks every 0.5 s whether its ClientApp has replied; neither
 has an option. After each reply a node finds nothing yet and sleeps, so every message exchange costs about
 3.5 s however short its task (SecAgg+ has four exchanges a round). This wrapper runs Flower's own
-`flower-supernode` entry point, unchanged but for those sleeps, which it caps at `--idle-poll` seconds, and
-the first retry for a message's objects the ServerApp is still pushing (Flower: 1 s; `--pull-backoff`,
-`fl_app.pull_backoff`).
+`flower-supernode` entry point, unchanged but for those sleeps: the idle one capped at `--idle-poll`
+seconds, the 0.5 s checks of the node's own memory at 0.02 s (they ask no one); and the first retry for a
+message's objects the ServerApp is still pushing (Flower: 1 s; `--pull-backoff`, `fl_app.pull_backoff`).
 
 The price is load on the SuperLink: each idle node asks 1 / idle-poll times a second instead of once every
 3 s. For a few nodes (a lab, loopback, a benchmark) that is nothing; for hundreds of nodes keep Flower's
@@ -26,17 +26,22 @@ import time
 from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
 
 FLOWER_IDLE_SLEEPS = ("time.sleep(3)", "time.sleep(0.5)")  # what this wrapper shortens, as Flower 1.41 writes it
+FLOWER_IDLE_SLEEP = 3  # s: after asking the SuperLink for a message and finding none
+LOCAL_WAIT_CAP = 0.02  # s: the 0.5 s waits, which only look at the node's own memory (reply in? objects in?)
 
 
 class CappedSleep:
-    """Stands in for the `time` module inside Flower's SuperNode loop: `sleep(s)` sleeps min(s, cap); every
-    other attribute is the real `time` module's."""
+    """Stands in for the `time` module inside Flower's SuperNode loop: its idle sleep (3 s, before the next
+    request to the SuperLink) sleeps at most `cap`; its other waits (0.5 s: has the ClientApp replied, are the
+    reply's objects in the node's store? in-memory checks, no request) at most min(cap, LOCAL_WAIT_CAP).
+    Every other attribute is the real `time` module's."""
 
     def __init__(self, cap: float) -> None:
         self.cap = cap
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, self.cap))
+        limit = self.cap if seconds >= FLOWER_IDLE_SLEEP else min(self.cap, LOCAL_WAIT_CAP)
+        time.sleep(min(seconds, limit))
 
     def __getattr__(self, name: str):
         return getattr(time, name)
@@ -59,7 +64,8 @@ def shorten_idle_sleeps(cap: float):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle-poll", type=float, default=0.2,
-                        help="longest sleep of the SuperNode loop, in seconds (Flower: 3 s idle, 0.5 s for a reply)")
+                        help="seconds between a SuperNode's requests for a message when idle (Flower: 3); its "
+                             f"in-memory waits for a reply (Flower: 0.5 s) are capped at {LOCAL_WAIT_CAP} s")
     parser.add_argument("--pull-backoff", type=pull_backoff_option, default=PULL_BACKOFF,
                         help="seconds before the first retry for a message's objects not yet on the SuperLink "
                              "(Flower: 1)")

@@ -13,10 +13,12 @@ def test_capped_sleep_caps_and_passes_everything_else_through(monkeypatch):
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
     capped = supernode.CappedSleep(0.2)
-    capped.sleep(3)
-    capped.sleep(0.5)
-    capped.sleep(0.05)
-    assert slept == [0.2, 0.2, 0.05]
+    for seconds in (3, 0.5, 0.05, 0.01):  # Flower's idle sleep asks the SuperLink next; the 0.5 s waits ask no one
+        capped.sleep(seconds)
+    assert slept == [0.2, supernode.LOCAL_WAIT_CAP, supernode.LOCAL_WAIT_CAP, 0.01] and supernode.LOCAL_WAIT_CAP == 0.02
+    slept.clear()
+    supernode.CappedSleep(0.01).sleep(0.5)  # never longer than the idle poll
+    assert slept == [0.01]
     assert capped.time is time.time and capped.monotonic is time.monotonic
 
 
