@@ -4,12 +4,15 @@
 - no module under clients/ imports a server strategy, and no strategy imports a client;
 - no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one);
 - no file of the project points outside the repository;
-- the import graph drawn in docs/architecture.md is the code's current one.
+- the import graph drawn in docs/architecture.md is the code's current one;
+- the FAB that `flwr run` builds holds every project module and no docs, benchmarks or tests.
 """
 
 import ast
 import re
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,15 @@ def test_benchmarks_run_as_modules_without_path_hacks():
 def test_architecture_doc_draws_the_current_graph():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m fl_app.import_graph --write"
+
+
+def test_the_fab_holds_every_project_module_and_nothing_else_of_ours(tmp_path):
+    """`fab-include` in pyproject.toml: what every node installs and every ClientApp task unpacks."""
+    subprocess.run([str(Path(sys.executable).parent / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path,
+                   check=True, capture_output=True)
+    (fab,) = tmp_path.glob("*.fab")
+    names = set(zipfile.ZipFile(fab).namelist())
+    modules = {str(path.relative_to(ROOT)) for path in project_modules().values()}
+    assert modules - names == set()
+    assert {"pyproject.toml", "LICENSE"} <= names
+    assert [n for n in names if n.split("/")[0] in ("docs", "benchmarks", "tests") or n == "README.md"] == []
