@@ -22,10 +22,10 @@ import signal
 import sys
 import time
 
+from fl_app import PROJECT_PACKAGES  # this repository's: a task takes them from its FAB
 from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
 
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
-APP_PACKAGES = ("fl_app", "clients", "strategies")  # this repository's: a task takes them from its FAB
 
 
 def warm_up_torch() -> None:
@@ -55,12 +55,12 @@ def fresh_random_state() -> None:
 
 
 def forget_own_modules() -> None:
-    """In a forked child, before the task loads its app: drop the modules of APP_PACKAGES (`fl_app`, imported
+    """In a forked child, before the task loads its app: drop the modules of PROJECT_PACKAGES (`fl_app`, imported
     to run this executor) from `sys.modules`. Flower's `load_app` imports the app from the run's FAB folder
     but keeps a package already imported, so without this a task would run the executor's installed
     `fl_app` beside the FAB's `clients` and `strategies`. (Named, not taken from `__name__`, which is
     `__main__` under `python -m`: that once left the executor's `fl_app` in every task.)"""
-    for name in [m for m in sys.modules if m.partition(".")[0] in APP_PACKAGES]:
+    for name in [m for m in sys.modules if m.partition(".")[0] in PROJECT_PACKAGES]:
         del sys.modules[name]
 
 

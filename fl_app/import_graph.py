@@ -14,8 +14,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from fl_app import PROJECT_PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fl_app", "strategies", "clients")
 LAYERS = {  # subgraph title -> module prefixes, from the bottom layer up
     "neutral core": ("fl_app.privacy", "fl_app.task"),
     "server strategies": ("strategies",),
@@ -30,7 +31,7 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    return {module_name(p): p for package in PROJECT_PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _resolve(importer: str, node: ast.ImportFrom | ast.Import, is_package: bool) -> list[str]:
@@ -73,7 +74,7 @@ def layer_of(module: str) -> str:
 
 def mermaid() -> str:
     """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy imports)."""
-    modules = [m for m in project_modules() if not m.endswith("__init__") and m not in PACKAGES
+    modules = [m for m in project_modules() if not m.endswith("__init__") and m not in PROJECT_PACKAGES
                and m not in ("fl_app.privacy", "fl_app.task")]
     node_id = {m: m.replace(".", "_") for m in modules}
     lines = ["flowchart BT"]

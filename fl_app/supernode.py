@@ -25,9 +25,10 @@ import time
 
 from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
 
-FLOWER_IDLE_SLEEPS = ("time.sleep(3)", "time.sleep(0.5)")  # what this wrapper shortens, as Flower 1.41 writes it
 FLOWER_IDLE_SLEEP = 3  # s: after asking the SuperLink for a message and finding none
-LOCAL_WAIT_CAP = 0.02  # s: the 0.5 s waits, which only look at the node's own memory (reply in? objects in?)
+FLOWER_LOCAL_WAIT = 0.5  # s: waits that only look at the node's own memory (reply in? objects in?)
+FLOWER_IDLE_SLEEPS = (f"time.sleep({FLOWER_IDLE_SLEEP})", f"time.sleep({FLOWER_LOCAL_WAIT})")  # as Flower 1.41 writes them
+LOCAL_WAIT_CAP = 0.02  # s: what the FLOWER_LOCAL_WAIT waits become
 
 
 class CappedSleep:

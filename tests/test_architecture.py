@@ -11,7 +11,6 @@
 import ast
 import re
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from fl_app.algorithms import ALGORITHMS
 from fl_app.import_graph import ROOT, import_edges, layer_of, mermaid, project_modules
+from fl_app.local_deployment import BIN
 
 EDGES = import_edges()
 
@@ -88,7 +88,7 @@ def test_architecture_doc_draws_the_current_graph():
 
 def test_the_fab_holds_every_project_module_and_nothing_else_of_ours(tmp_path):
     """`fab-include` in pyproject.toml: what every node installs and every ClientApp task unpacks."""
-    subprocess.run([str(Path(sys.executable).parent / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path,
+    subprocess.run([str(BIN / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path,
                    check=True, capture_output=True)
     (fab,) = tmp_path.glob("*.fab")
     names = set(zipfile.ZipFile(fab).namelist())
