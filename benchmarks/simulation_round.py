@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fl_app.launch import QUIET_ENV
 from fl_app.results import read_rounds
 
 PARTS = r"""
@@ -91,7 +92,7 @@ def launch_rounds(clients: int, rounds: int, ray_head: bool = True) -> tuple[lis
 
 def fresh_json(code: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+                         env={**os.environ, **QUIET_ENV, "RAY_DEDUP_LOGS": "0"})  # Ray set as the launcher sets it
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.launch import (format_run_config, own_superlink_env, reference_run_config, start_ray_head, stop_ray_head,
-                            sweep_runs, wait_ray_head)
+from fl_app.launch import (QUIET_ENV, format_run_config, own_superlink_env, reference_run_config, start_ray_head,
+                            stop_ray_head, sweep_runs, wait_ray_head)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,10 +82,10 @@ def test_sweep_makes_one_run_per_value():
 
 def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_path):
     """The launcher's Ray head: up, a driver that joins it as each run's simulation does (RAY_ADDRESS and the
-    head's token) runs a task on it, and a driver without the token is refused; stopped,
+    head's token) runs a task on it, and a driver without the token is refused; a driver that joins with a
+    runtime_env, as Flower's does, starts no idle worker it cannot use (Ray's default: one per CPU); stopped,
     none of its processes and not its temp folder is left."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_HOME": str(tmp_path / "home"),
-           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    env = {**os.environ, **QUIET_ENV, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_HOME": str(tmp_path / "home")}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
     head = start_ray_head(env, tmp_path / "ray-head.log")
@@ -108,11 +108,29 @@ def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_p
         assert out.returncode != 0 and "42" not in out.stdout, (out.stdout, out.stderr[-2000:])
         assert "Failed to connect to Ray cluster" in out.stderr, out.stderr[-2000:]
         assert len(processes_named("gcs_server", str(tmp_path))) == 1
+        assert idle_workers_after_a_flower_like_driver_joins(env, head, str(tmp_path)) == []
     finally:
         stop_ray_head(head)
     time.sleep(0.5)
     assert processes_mentioning(str(tmp_path)) == [], describe(processes_mentioning(str(tmp_path)))
     assert not head.temp.exists()
+
+
+def idle_workers_after_a_flower_like_driver_joins(env: dict, head, text: str) -> list[int]:
+    """The Ray worker processes (`ray::IDLE`) that exist 3 s after a driver joined `head` with a runtime_env
+    as Flower's RayBackend gives it (the driver's sys.path as PYTHONPATH), before it asked for anything."""
+    job = ("import os, sys, time, ray\n"
+           "ray.init(log_to_driver=False, runtime_env={'env_vars': {'PYTHONPATH': os.pathsep.join(sys.path)}})\n"
+           "print('joined', flush=True)\ntime.sleep(30)\n")
+    driver = subprocess.Popen([sys.executable, "-c", job], env={**env, **head.join_env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "joined"
+        time.sleep(3)
+        return processes_named("ray::IDLE", text)
+    finally:
+        driver.kill()
+        driver.wait()
 
 
 def test_a_ray_head_that_exits_is_reported_not_waited_for(tmp_path, capsys):
