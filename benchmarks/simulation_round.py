@@ -5,7 +5,8 @@ where round 1's extra time goes.
 
 1. `python -m fl_app.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink and Ray head, N
    simulated clients with one CPU each (two Ray actors on two cores); seconds per round from the run folder.
-   Also with `--no-ray-head`, where the simulation starts Ray itself (as under a plain `flwr run`).
+   Also with `--no-ray-head`, where the simulation starts Ray itself (as under a plain `flwr run`), and with
+   5x the local work (`local-epochs=10`, 4 rounds): round 1's start-up is a fixed cost, not a share of a round.
 2. The bare PyTorch loop doing the same local SAM steps for the steady rounds' client counts, on one thread
    (`benchmarks.round_overhead.expected_bare_loop_seconds`: which partitions trained is not known under
    `flwr run`, so a round's bare time is its client count x a partition's mean bare time).
@@ -74,16 +75,18 @@ print(json.dumps({"first_fit": times[0], "second_fit": times[1]}))
 """
 
 
-def launch_rounds(clients: int, rounds: int, ray_head: bool = True) -> tuple[list[float], list[int], float]:
+def launch_rounds(clients: int, rounds: int, ray_head: bool = True,
+                  overrides: str = "") -> tuple[list[float], list[int], float]:
     """(seconds per round, clients per round, wall seconds) of one `python -m fl_app.launch` run; `ray_head`
-    False: `--no-ray-head` (the simulation starts Ray itself, as under a plain `flwr run`)."""
+    False: `--no-ray-head` (the simulation starts Ray itself, as under a plain `flwr run`); `overrides`: more
+    run-config, 'key=value ...'."""
     import time
 
     with tempfile.TemporaryDirectory(prefix="sim-bench-") as tmp:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", str(clients), "--results", tmp,
                         *([] if ray_head else ["--no-ray-head"]),
-                        "-c", f"num-rounds={rounds} tensorboard=false"], check=True, capture_output=True)
+                        "-c", f"num-rounds={rounds} tensorboard=false {overrides}"], check=True, capture_output=True)
         wall = time.perf_counter() - t0
         (run,) = Path(tmp).glob("*-dp")
         rows = read_rounds(run)  # seconds and clients are diagnostics
@@ -96,18 +99,25 @@ def fresh_json(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+HEAVY_EPOCHS = 10  # 5x the default job's local work: round 1's start-up against longer rounds
+
+
 def measure(clients: int, rounds: int) -> dict:
+    """The default job with the launcher's Ray head and with `--no-ray-head`, the same job with
+    HEAVY_EPOCHS local epochs (4 rounds), and round 1's parts measured apart."""
     from benchmarks.round_overhead import expected_bare_loop_seconds
     from fl_app.config import validate
 
     own_seconds, _, own_wall = launch_rounds(clients, rounds, ray_head=False)
     seconds, counts, wall = launch_rounds(clients, rounds)
+    heavy_seconds, _, _ = launch_rounds(clients, 4, overrides=f"local-epochs={HEAVY_EPOCHS}")
     steady = statistics.median(seconds[1:])
     cfg = validate({"num-rounds": rounds})
     bare = expected_bare_loop_seconds(cfg, clients, counts[1:])
     return {"round1": seconds[0], "steady": steady, "bare": bare, "wall": wall, "counts": counts,
             "round1_own_ray": own_seconds[0], "steady_own_ray": statistics.median(own_seconds[1:]),
-            "wall_own_ray": own_wall, **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
+            "wall_own_ray": own_wall, "round1_heavy": heavy_seconds[0],
+            "steady_heavy": statistics.median(heavy_seconds[1:]), **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
 
 
 def main() -> None:
@@ -121,7 +131,9 @@ def main() -> None:
     r = measure(args.clients, args.rounds)
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
     print(f"round 1 / steady round: {r['round1'] / r['steady']:.2f}x ({r['round1_own_ray'] / r['steady_own_ray']:.2f}x "
-          f"with --no-ray-head); steady round / bare loop: {r['steady'] / r['bare']:.2f}x")
+          f"with --no-ray-head; {r['round1_heavy'] / r['steady_heavy']:.2f}x with local-epochs={HEAVY_EPOCHS}); "
+          f"round 1 - steady round: {r['round1'] - r['steady']:.2f} s ({r['round1_heavy'] - r['steady_heavy']:.2f} s "
+          f"with local-epochs={HEAVY_EPOCHS}); steady round / bare loop: {r['steady'] / r['bare']:.2f}x")
 
 
 if __name__ == "__main__":

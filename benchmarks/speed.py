@@ -13,7 +13,7 @@
    (`benchmarks.flower_dp_baseline`);
 6. with --deployment: 3 real SuperNodes on loopback, a deployed round against the in-process one and SecAgg+
    against a plain deployed round (`benchmarks.deployment_round`; --cold adds Flower's default isolation).
-About 7 minutes on 2 shared cores, 10 with --deployment --cold.
+About 7 minutes on 2 shared cores, 11 with --deployment --cold.
 """
 
 from __future__ import annotations
@@ -100,11 +100,14 @@ def main() -> None:
               sim["round1"] / sim["steady"], 2.0),
              ("`flwr run` (50 clients, `--no-ray-head`: Ray started by the run): round 1 / median of rounds 2-6",
               sim["round1_own_ray"] / sim["steady_own_ray"], 2.0),
+             (f"`flwr run` (the launcher's Ray head), local-epochs = {simulation_round.HEAVY_EPOCHS} (5x the local "
+              "work): round 1 / median of rounds 2-4", sim["round1_heavy"] / sim["steady_heavy"], 2.0),
              ("`flwr run`: steady round / bare PyTorch loop, same SAM steps (Ray: 2 clients at once)",
               sim["steady"] / sim["bare"], 1.10)]
     print(f"flwr run: round 1 {sim['round1']:.2f} s, steady {sim['steady']:.2f} s, bare {sim['bare']:.2f} s, "
           f"whole job {sim['wall']:.1f} s; with --no-ray-head round 1 {sim['round1_own_ray']:.2f} s, steady "
-          f"{sim['steady_own_ray']:.2f} s, whole job {sim['wall_own_ray']:.1f} s; "
+          f"{sim['steady_own_ray']:.2f} s, whole job {sim['wall_own_ray']:.1f} s; with local-epochs="
+          f"{simulation_round.HEAVY_EPOCHS} round 1 {sim['round1_heavy']:.2f} s, steady {sim['steady_heavy']:.2f} s; "
           f"round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
           f"Ray actor ready {sim['actor_ready']:.2f} s, import fl_app.client_app in the actor "
           f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
