@@ -2,7 +2,8 @@
 
 Under `distributed` noise the client clips Delta to C and adds its noise share
 N(0, sigma^2 C^2 / m) before upload (docs/algorithms.md §0); the server sends C and
-the share's std in the train config. It always reports ||Delta||_2 before clipping.
+the share's std in the train config. It always reports ||Delta||_2 before clipping, and marks the
+upload as an update (`protocol.UPLOAD_KIND`), which a Flower server strategy would otherwise take for weights.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ class TrainingClient(NumPyClient):
         upload, norm = self.privatize(update, config)
         n = len(self.trainset)
         return unflatten(upload, [a.shape for a in new]), n, {
-            keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.LOCAL_STEPS: steps, keys.NUM_EXAMPLES: n}
+            keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.LOCAL_STEPS: steps, keys.NUM_EXAMPLES: n,
+            keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.model, parameters)

@@ -294,7 +294,8 @@ class DPSGDClient(TrainingClient):
         n = len(self.trainset)
         metrics.update({keys.DPSGD_STEPS: counts["steps"], keys.MU_RELEASES: counts["mu-releases"],
                         keys.EPSILON: ledger.epsilon(), keys.BUDGET_LEFT: int(self.fits(counts, 1, release_mu)),
-                        keys.UPDATE_NORM: l2_norm(update), keys.NUM_EXAMPLES: n})
+                        keys.UPDATE_NORM: l2_norm(update), keys.NUM_EXAMPLES: n,
+                        keys.UPLOAD_KIND: keys.UPLOAD_UPDATE})
         return unflatten(update, [a.shape for a in new]), n, metrics
 
     def adopt_server_counts(self, ledger: PrivacyLedger, counts: dict, config: dict) -> None:

@@ -4,7 +4,8 @@ without subclassing. Attach them to train only (`@app.train(mods=[...])`, or a l
 
 `dp_privatize_mod` (made by `make_dp_privatize_mod`): the wrapped client replies with its
 new weights, as Flower clients do; the mod turns them into the update
-Delta = w_local - w_global, and when the strategy asks for it ("privatize" in the train
+Delta = w_local - w_global over the floating-point arrays (the others go back as the server sent them),
+marks the reply as an update (`protocol.UPLOAD_KIND`), and when the strategy asks for it ("privatize" in the train
 config) clips Delta to C ("clipping-norm") and adds the noise share N(0, s^2 I)
 ("noise-std"), docs/algorithms.md §0, with the functions of fl_app.privacy.mechanisms.
 It reports ||Delta||_2 before clipping as "update-norm" (the strategy's clipping
@@ -27,13 +28,21 @@ from __future__ import annotations
 
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 
 from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten, update_problem
+from fl_app.privacy.mechanisms import (
+    clip_and_noise,
+    flatten,
+    float_indices,
+    l2_norm,
+    make_rng,
+    unflatten,
+    update_problem,
+)
 
 LEGACY_FIT_CONFIG = "fitins.config"
 LEGACY_FIT_RESULT = "fitres.parameters"
@@ -87,29 +96,37 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
         else:
             (array_key, array_record), = reply.content.array_records.items()
             weights = array_record.to_numpy_ndarrays()
-        problem = update_problem([np.asarray(w) for w in weights], [a.shape for a in global_arrays])
+        weights = [np.asarray(w) for w in weights]
+        floats = float_indices(global_arrays)
+        problem = update_problem([weights[i] for i in floats], [global_arrays[i].shape for i in floats])
+        if problem is None and [w.shape for w in weights] != [a.shape for a in global_arrays]:
+            problem = "a non-floating-point array has the wrong shape"
         if problem:
             raise ValueError(f"dp_privatize_mod: the client's model does not match the global model: {problem}")
-        update = flatten(weights) - flatten(global_arrays)
+        update = flatten([weights[i] for i in floats]) - flatten([global_arrays[i] for i in floats])
         if bool(config.get(keys.PRIVATIZE, False)):
             rng = make_rng(0 if seed is None else seed, 3, int(config.get(keys.SERVER_ROUND, 0)),
                            msg.metadata.dst_node_id, secure=seed is None)
             update, norm = clip_and_noise(update, float(config[keys.CLIPPING_NORM]), float(config[keys.NOISE_STD]), rng)
         else:
             norm = l2_norm(update)
-        upload = unflatten(update, [a.shape for a in global_arrays])
+        upload = list(global_arrays)  # arrays that are not floating point: as the server sent them
+        for i, part in zip(floats, unflatten(update, [global_arrays[i].shape for i in floats])):
+            upload[i] = part
+        marks = {keys.UPDATE_NORM: norm, keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
         if api == "legacy":
             fitres.parameters = ndarrays_to_parameters(upload)
             if _secure(config):
                 _uniform(fitres)
             else:
-                fitres.metrics = {**fitres.metrics, keys.UPDATE_NORM: norm}
+                fitres.metrics = {**fitres.metrics, **marks}
             return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
-        content = RecordDict({array_key: ArrayRecord(upload)})
+        names = list(array_record.keys())
+        content = RecordDict({array_key: ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, upload)})})
         for key, record in reply.content.metric_records.items():
-            content[key] = MetricRecord({**record, keys.UPDATE_NORM: norm})
+            content[key] = MetricRecord({**record, **marks})
         if not reply.content.metric_records:
-            content["metrics"] = MetricRecord({keys.UPDATE_NORM: norm})
+            content["metrics"] = MetricRecord(marks)
         for key, record in reply.content.config_records.items():
             content[key] = record
         return Message(content, reply_to=msg)

@@ -194,7 +194,7 @@ class PartialSharingClient(TrainingClient):
         n = len(self.trainset)
         return unflatten(upload, [a.shape for a in new]), n, {
             keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.HEAD_LOSS: head_loss, keys.LOCAL_STEPS: steps,
-            keys.HEAD_STEPS: head_steps, keys.NUM_EXAMPLES: n}
+            keys.HEAD_STEPS: head_steps, keys.NUM_EXAMPLES: n, keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         """Accuracy of (global body, own head) on this client's held-out split; the head is not changed."""

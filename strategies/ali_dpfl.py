@@ -30,6 +30,7 @@ from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
@@ -110,7 +111,7 @@ class ALIDPFL(DPRoundLoop):
         keys.BUDGET_LEFT: MetricRule(low=0, high=1, integer=True),
     }
 
-    def __init__(self, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
+    def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
                  sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0,
                  accountant: str = DEFAULT_ACCOUNTANT,
                  adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
@@ -118,7 +119,7 @@ class ALIDPFL(DPRoundLoop):
                  partition_size: PartitionSizeFn | None = None,
                  dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
-                 secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float = 0.0,
+                 secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float | None = None,
                  publish_diagnostics: bool = False,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
@@ -128,7 +129,7 @@ class ALIDPFL(DPRoundLoop):
                             wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode)
         require(not (adaptive and mu_source == "server" and gradient_fn is None), "mu_source", mu_source,
                 "'server' with adaptive=True needs a gradient_fn (the server's data)")
-        super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
+        super().__init__(strategy, sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
                          fraction_evaluate=fraction_evaluate, publish_diagnostics=publish_diagnostics,
@@ -254,12 +255,12 @@ class ALIDPFL(DPRoundLoop):
         assert self.current_arrays is not None and self.ledger is not None
         tau = self.round_local_steps()
         self.tau_list.append(tau)
-        global_arrays = self.current_arrays.to_numpy_ndarrays()
+        global_arrays = self.global_arrays()
         self.set_dimension(sum(a.size for a in global_arrays))
         shapes = [a.shape for a in global_arrays]
         if self.releases_mu():
             self.mu_rounds += 1
-        accepted, failures, rejected = self.accepted_updates(server_round, replies, shapes)
+        accepted, failures, rejected = self.accepted_updates(server_round, replies)
         rows, weights = [], []
         for vector, metrics in accepted:
             problem, weight = self.row_problem(metrics, tau, {m[keys.PARTITION_ID] for _, m in rows})
@@ -299,7 +300,8 @@ class ALIDPFL(DPRoundLoop):
             "epsilon_min": min(eps.values(), default=0.0),
             **self.privacy_metrics(),
         }
-        return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
+        arrays, _ = self.release(server_round, new_global)
+        return arrays, MetricRecord(metrics)
 
     def row_problem(self, metrics: dict, tau: int, seen: set[int]) -> tuple[str | None, float]:
         """(why a DP-SGD client's reply cannot be used, or None; its averaging weight p_i before normalising)."""

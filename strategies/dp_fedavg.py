@@ -1,6 +1,9 @@
-"""Client-level DP-FedAvg / DP-FedSAM on Flower's Message API (docs/algorithms.md §0-§2).
+"""Client-level DP around any Flower Message-API strategy: DP-FedAvg / DP-FedSAM (docs/algorithms.md §0-§2).
 
-Clients upload the model update Delta_i = w_i - w_global. On the shared round loop
+`DifferentialPrivacy(strategy, ...)` wraps a Flower strategy as Flower's own DP wrappers do
+(`DifferentialPrivacy(FedAdam(...), clipping_norm=..., noise_multiplier=..., sample_rate=...)` is DP-FedAdam);
+`DPFedAvg` is the same class, around FedAvg by default. Clients upload their new weights (any Flower client)
+or the update Delta_i = w_i - w_global (this project's clients and mod). On the shared round loop
 (`strategies.round_loop`) the server
 
 1. samples clients (`poisson`: each with probability q; `fixed`: exactly m = qM),
@@ -10,7 +13,8 @@ Clients upload the model update Delta_i = w_i - w_global. On the shared round lo
    `distributed`: clients clipped and added N(0, sigma^2 C^2 / n_s I) each; the server
    tops the noise up by N(0, sigma^2 C^2 (n_s - k)/n_s I) for the k <= n_s updates that arrived,
    so the sum carries N(0, sigma^2 C^2 I) whatever k is (n_s: `noise_share_count`),
-4. divides by the fixed m (uniform average) and steps w <- w + eta_s * average,
+4. divides by the fixed m (uniform average) and forms w' = w + eta_s * average, which the wrapped
+   strategy's aggregation and server optimizer take as post-processing (`DPRoundLoop.release`),
 5. charges one sampled-Gaussian event (sigma, q) to the ledger and reports epsilon.
 
 Only what the ledger covers is published per round (`DPRoundLoop.split_record`); counts, norms,
@@ -25,6 +29,7 @@ from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
@@ -41,7 +46,6 @@ from fl_app.privacy.mechanisms import (
     gaussian_noise,
     l2_norm,
     make_rng,
-    unflatten,
 )
 from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregation, one_of, require
 
@@ -50,11 +54,13 @@ from .reply_gate import MetricRule
 from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
 
 
-class DPFedAvg(DPRoundLoop):
-    """Client-level DP federated averaging with clipping, Gaussian noise and a privacy ledger.
+class DifferentialPrivacy(DPRoundLoop):
+    """Client-level DP around a Flower strategy: clipping, Gaussian noise (central or distributed), sampling
+    with amplification, the privacy ledger, the budget stop or calibration, the canary audit.
 
-    Parameters (besides the round loop's: sample_rate, client_sampling, server_learning_rate,
-    delta (0: 1/M), accountant, seed, secure_rng, min_available_nodes, fraction_evaluate, on_round_end)
+    Parameters (besides the round loop's: strategy (first, FedAvg if None), sample_rate, client_sampling,
+    server_learning_rate, delta (0: 1/M), accountant, seed, secure_rng, min_available_nodes, fraction_evaluate,
+    on_round_end, on_checkpoint)
     ----------
     clipping_norm : C, bound on the global L2 norm of each update (0: no clipping,
         only with noise_multiplier = 0, for the non-private reference).
@@ -77,12 +83,12 @@ class DPFedAvg(DPRoundLoop):
     reply_metric_rules = {keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
                           keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15)}
 
-    def __init__(self, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
-                 noise_placement: str = "central", client_sampling: str = "poisson",
+    def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, clipping_norm: float,
+                 noise_multiplier: float, noise_placement: str = "central", client_sampling: str = "poisson",
                  server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = DEFAULT_ACCOUNTANT,
                  target_epsilon: float = 0.0, target_epsilon_mode: str = "stop",
                  secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
-                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0, audit_canaries: int = 0,
+                 min_available_nodes: int = 2, fraction_evaluate: float | None = None, audit_canaries: int = 0,
                  audit_canary_kind: str = "isotropic", publish_diagnostics: bool = False,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         require(audit_canaries == 0 or audit_canaries >= 2, "audit_canaries", audit_canaries,
@@ -92,7 +98,7 @@ class DPFedAvg(DPRoundLoop):
                             noise_placement=noise_placement, client_sampling=client_sampling,
                             target_epsilon=target_epsilon, target_epsilon_mode=target_epsilon_mode, delta=delta,
                             accountant=accountant, secure_aggregation=secure_aggregation)
-        super().__init__(sample_rate=sample_rate, client_sampling=client_sampling,
+        super().__init__(strategy, sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
                          fraction_evaluate=fraction_evaluate, publish_diagnostics=publish_diagnostics,
@@ -152,6 +158,7 @@ class DPFedAvg(DPRoundLoop):
         self.noise_multiplier = float(state["noise_multiplier"])
 
     def summary(self) -> None:
+        super().summary()
         log(INFO, "\t├──> Client-level DP (%s)", type(self).__name__)
         log(INFO, "\t│\t├── q=%.4g  C=%.4g  sigma=%.4g  noise=%s  sampling=%s",
             self.sample_rate, self.clipping_norm, self.noise_multiplier, self.noise_placement,
@@ -189,9 +196,8 @@ class DPFedAvg(DPRoundLoop):
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.current_arrays is not None and self.ledger is not None
-        global_arrays = self.current_arrays.to_numpy_ndarrays()
-        shapes = [a.shape for a in global_arrays]
-        accepted, failures, rejected = self.accepted_updates(server_round, replies, shapes)
+        global_arrays = self.global_arrays()
+        accepted, failures, rejected = self.accepted_updates(server_round, replies)
         updates, norms, losses = [], [], []
         for vector, metrics in accepted:
             vector, norm = self.server_clip(vector, metrics)
@@ -218,7 +224,12 @@ class DPFedAvg(DPRoundLoop):
             "server_noise_std": self.last_server_noise_std,
             **self.privacy_metrics(),
         }
-        return ArrayRecord(unflatten(new_global, shapes)), MetricRecord(metrics)
+        arrays, _ = self.release(server_round, new_global)
+        return arrays, MetricRecord(metrics)
+
+    def needs_marked_updates(self) -> bool:
+        """Distributed noise: a reply counts only if the client (or its mod) added its noise share."""
+        return self.noise_placement == "distributed" and self.noise_multiplier > 0
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
@@ -314,3 +325,6 @@ class DPFedAvg(DPRoundLoop):
             return super().describe_diagnostics()
         return {**super().describe_diagnostics(), "ledger": self.ledger.state_dict(),
                 "epsilon_against_server": self.ledger.epsilon_against_server()}
+
+
+DPFedAvg = DifferentialPrivacy  # DP-FedAvg: the wrapper around FedAvg (its default strategy)

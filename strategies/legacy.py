@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, MetricRecord, RecordDict
 from flwr.common import FitIns, FitRes, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.client_manager import ClientManager
@@ -32,6 +32,7 @@ from flwr.supercore import log
 from fl_app.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
+from .round_loop import reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
@@ -75,13 +76,6 @@ def legacy_content(array_key: str, res: FitRes) -> RecordDict:
     except Exception:  # undecodable bytes from a client
         pass
     return content
-
-
-def reply_message(node_id: int, content: RecordDict | None = None, error: Error | None = None) -> Message:
-    """A reply Message from `node_id`, as the Message-API strategy expects one."""
-    metadata = Metadata(run_id=0, message_id="", src_node_id=node_id, dst_node_id=0, reply_to_message_id="",
-                        group_id="", created_at=time.time(), ttl=0.0, message_type=MessageType.TRAIN)
-    return Message(content, metadata=metadata) if error is None else Message(error, metadata=metadata)
 
 
 def unique_failures(failures: list) -> list:

@@ -53,7 +53,7 @@ class PersonalizedDPFedAvg(DPFedAvg):
         nodes = self.evaluation_nodes(server_round, list(grid.get_node_ids()))
         record = RecordDict({self.arrayrecord_key: arrays,
                              self.configrecord_key: ConfigRecord({**dict(config), keys.SERVER_ROUND: server_round})})
-        return self._construct_messages(record, nodes, MessageType.EVALUATE)
+        return [Message(content=record, dst_node_id=int(node), message_type=MessageType.EVALUATE) for node in nodes]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Unweighted mean over clients of their accuracy and loss (failed or empty replies are skipped)."""

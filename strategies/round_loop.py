@@ -1,6 +1,7 @@
 """The one DP round loop that every strategy of this package runs (docs/algorithms.md §0).
 
-`DPRoundLoop` is Flower's Message-API FedAvg plus what differential privacy needs around it:
+`DPRoundLoop` wraps any Flower Message-API strategy (`strategy`, FedAvg by default), as Flower's own DP
+wrappers do, and adds what differential privacy needs around it:
 
 1. the population: wait for `min_available_nodes`, then fix M and m (expected clients per round)
    and build the ledger (`make_ledger`, per strategy);
@@ -15,6 +16,20 @@
    (counts, norms, losses, client evaluation, bytes, timing) is a non-private diagnostic, handed
    to the hook separately and published only with `publish_diagnostics`.
 
+The wrapped strategy keeps its own jobs: it writes the train content (its config, e.g. FedProx's
+`proximal-mu`), its evaluation, and its aggregation and server optimizer, which act on the privatized
+model as post-processing (`release`): the DP subclass hands it one reply holding
+w + eta_s * (privatized average update), so FedAvg returns exactly that and FedAdam / FedYogi / FedAvgM take
+their server step from it. The wrapper samples the nodes itself (the accounting needs its sampling), so the
+wrapped strategy's `fraction_train` and `min_train_nodes` are not used. What comes back has the keys, order,
+shapes and dtypes of what the server sent; arrays that are not floating point (e.g. BatchNorm's
+`num_batches_tracked`) are neither trained on by DP nor noised: they come back as the server sent them.
+
+A reply may carry the client's new weights (what every Flower client sends: the update is
+w_client - w_global, derived here) or, from this project's clients and `dp_privatize_mod`, the update itself,
+marked with `protocol.UPLOAD_KIND` = `UPLOAD_UPDATE`. Under distributed noise only marked replies are taken:
+an unmarked one came from a client that added no noise share, and is refused with a logged reason.
+
 `state_dict()` / `load_state_dict()` carry everything a resumed run needs (the ledger included),
 so that a run killed in round r continues from round r with no round charged twice or lost.
 
@@ -26,23 +41,29 @@ from Flower's legacy workflow.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from logging import DEBUG, INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
+
+from fl_app.privacy import protocol as keys
 
 from fl_app.privacy.mechanisms import (
     TRUNCATION_PROBABILITY,
     flatten,
+    float_indices,
     make_rng,
     noise_share_count,
     truncation_probability,
+    unflatten,
     update_problem,
 )
 from fl_app.privacy.settings import CLIENT_SAMPLINGS, one_of, require
@@ -62,11 +83,14 @@ PUBLISHED_KEYS = frozenset({
 })
 
 
-class DPRoundLoop(FedAvg):
-    """Sampling, reply gate, budget stop and round record for a DP strategy.
+class DPRoundLoop(Strategy):
+    """Sampling, reply gate, budget stop and round record for a DP strategy, around a Flower strategy.
 
     Parameters
     ----------
+    strategy : the wrapped Flower Message-API strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAvgM, a user's
+        own); None: FedAvg with `fraction_evaluate` and `min_available_nodes`. Its aggregation and server
+        optimizer act on the privatized model; its evaluation settings (fraction_evaluate) are its own.
     sample_rate : q, the probability that a client is sampled in a round.
     client_sampling : "poisson" (each with probability q) or "fixed" (exactly m = round(q M)).
     server_learning_rate : eta_s in w <- w + eta_s * aggregate.
@@ -76,7 +100,8 @@ class DPRoundLoop(FedAvg):
         (reproducible, but then anyone who knows the seed can remove the noise: the printed epsilon
         is marked as no guarantee).
     min_available_nodes : wait for this many connected nodes before round 1.
-    fraction_evaluate : fraction of clients evaluating each round (0: none).
+    fraction_evaluate : fraction of clients evaluating each round (0: none); only with strategy=None (set it
+        on the wrapped strategy otherwise).
     publish_diagnostics : also print the non-private diagnostics (counts, norms, rejected replies) in the log;
         by default they go to the `on_round_end` hook's second argument only (diagnostics.jsonl).
     on_round_end : called with each round's (published record, diagnostics) (the run directory, dashboards).
@@ -89,12 +114,23 @@ class DPRoundLoop(FedAvg):
 
     reply_metric_rules: dict[str, MetricRule] = {}
 
-    def __init__(self, *, sample_rate: float, client_sampling: str = "poisson", server_learning_rate: float = 1.0,
-                 delta: float = 0.0, accountant: str = "pld", seed: int = 0, secure_rng: bool = True,
-                 min_available_nodes: int = 2, fraction_evaluate: float = 0.0, publish_diagnostics: bool = False,
-                 on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
-        super().__init__(fraction_train=sample_rate, fraction_evaluate=fraction_evaluate,
-                         min_train_nodes=0, min_evaluate_nodes=0, min_available_nodes=min_available_nodes)
+    def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, client_sampling: str = "poisson",
+                 server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = "pld", seed: int = 0,
+                 secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float | None = None,
+                 publish_diagnostics: bool = False, on_round_end: RoundCallback | None = None,
+                 on_checkpoint: CheckpointCallback | None = None) -> None:
+        if strategy is None:
+            strategy = FedAvg(fraction_train=1.0, fraction_evaluate=fraction_evaluate or 0.0, min_train_nodes=0,
+                              min_evaluate_nodes=0, min_available_nodes=min_available_nodes)
+        elif fraction_evaluate is not None:
+            raise ValueError(f"fraction_evaluate = {fraction_evaluate!r} is set on the wrapped strategy "
+                             f"({type(strategy).__name__}(fraction_evaluate=...)), not on the DP wrapper")
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy = {strategy!r}: must be a Flower Message-API strategy "
+                            "(flwr.serverapp.strategy.Strategy, e.g. FedAvg()); for a legacy flwr.server.strategy "
+                            "use strategies.legacy.LegacyDPFedAvg")
+        self.strategy = strategy
+        self.min_available_nodes = min_available_nodes
         require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
         one_of("client_sampling", client_sampling, CLIENT_SAMPLINGS)
         require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: the default delta)")
@@ -120,6 +156,24 @@ class DPRoundLoop(FedAvg):
         self.num_rounds = 0
         self.current_arrays: ArrayRecord | None = None  # the global arrays of the round in flight
         self.latest_arrays: ArrayRecord | None = None  # the global arrays after the last completed round
+        self.float_positions: list[int] = []  # which of the current arrays DP trains and noises (floating point)
+
+    # ------------------------------------------------------------------ the wrapped strategy's keys
+    @property
+    def arrayrecord_key(self) -> str:
+        return getattr(self.strategy, "arrayrecord_key", "arrays")
+
+    @property
+    def configrecord_key(self) -> str:
+        return getattr(self.strategy, "configrecord_key", "config")
+
+    @property
+    def weighted_by_key(self) -> str:
+        return getattr(self.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
+
+    @property
+    def fraction_evaluate(self) -> float:
+        return float(getattr(self.strategy, "fraction_evaluate", 0.0))
 
     # ------------------------------------------------------------------ population
     def default_delta(self, num_clients: int) -> float:
@@ -185,25 +239,118 @@ class DPRoundLoop(FedAvg):
     def begin_round(self, arrays: ArrayRecord) -> None:
         """The global arrays that this round's updates are measured against (a new round: no problems yet)."""
         self.current_arrays = arrays
+        self.float_positions = float_indices(arrays.to_numpy_ndarrays())
         self.round_problems = []
+
+    def global_arrays(self) -> list[np.ndarray]:
+        """The floating-point arrays of the round's global model: what DP trains, clips and noises."""
+        assert self.current_arrays is not None
+        everything = self.current_arrays.to_numpy_ndarrays()
+        return [everything[i] for i in self.float_positions]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        """The wrapped strategy's train content (its config, arrays) with the DP keys, to the nodes sampled here."""
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.begin_round(arrays)
-        nodes = list(grid.get_node_ids())
-        node_ids = self.sample_clients(server_round, nodes)  # how many: a diagnostic, not logged
-        train_config = ConfigRecord({**dict(config), **self.client_train_config(server_round)})
-        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: train_config})
-        return self._construct_messages(record, node_ids, MessageType.TRAIN)
+        node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic, not logged
+        content = self.wrapped_train_content(server_round, arrays, config)
+        wrapped_config = content.config_records.get(self.configrecord_key, ConfigRecord())
+        content[self.configrecord_key] = ConfigRecord({**dict(wrapped_config),
+                                                       **self.client_train_config(server_round)})
+        return [Message(content=content, dst_node_id=int(node), message_type=MessageType.TRAIN) for node in node_ids]
+
+    def wrapped_train_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        """What the wrapped strategy would send this round (its own sampling is discarded, and so is its log
+        line, which counts nodes): asked on a stand-in grid of as many nodes as it waits for, so it never waits."""
+        grid = StandInGrid(max(1, getattr(self.strategy, "min_available_nodes", 1),
+                               getattr(self.strategy, "min_train_nodes", 1)))
+        with quiet_flower_info():
+            messages = list(self.strategy.configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
+        if not messages:
+            return RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(dict(config))})
+        return RecordDict(dict(messages[0].content.items()))
+
+    # ------------------------------------------------------------------ the wrapped strategy's part
+    def release(self, server_round: int, new_global: np.ndarray) -> tuple[ArrayRecord, MetricRecord | None]:
+        """The privatized model w' (flat, floating-point arrays only) through the wrapped strategy's aggregation
+        and server optimizer (post-processing): it receives one reply holding w', so FedAvg returns w' and
+        FedAdam steps on w' - w. Keys, order, shapes and dtypes are those the server sent; other arrays come
+        back unchanged."""
+        assert self.current_arrays is not None
+        proposal = conform(self.current_arrays, self.float_positions, new_global)
+        reply = reply_message(0, RecordDict({self.arrayrecord_key: proposal,
+                                             "metrics": MetricRecord({self.weighted_by_key: 1})}))
+        with quiet_flower_info():
+            arrays, metrics = self.strategy.aggregate_train(server_round, [reply])
+        if arrays is None:
+            return proposal, metrics
+        returned = [arrays[k].numpy() for k in arrays.keys()]
+        if list(arrays.keys()) != list(proposal.keys()) or \
+                [a.shape for a in returned] != [a.shape for a in proposal.to_numpy_ndarrays()]:
+            log(WARNING, "Round %d: %s returned arrays that do not match the model; the DP average is kept",
+                server_round, type(self.strategy).__name__)
+            return proposal, metrics
+        return conform(self.current_arrays, self.float_positions,
+                       flatten([returned[i] for i in self.float_positions])), metrics
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """The wrapped strategy's federated evaluation (its counts are not logged: see `quiet_flower_info`)."""
+        with quiet_flower_info(not self.publish_diagnostics):
+            return list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The wrapped strategy's evaluation aggregate (a non-private diagnostic); a malformed reply is dropped
+        with a logged reason, never raised."""
+        replies = list(replies)
+        try:
+            with quiet_flower_info(not self.publish_diagnostics):
+                return self.strategy.aggregate_evaluate(server_round, replies)
+        except Exception as exc:  # a hostile evaluation reply must not end the run
+            self.note_problem(server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
+            return None
+
+    def summary(self) -> None:
+        """The wrapped strategy's summary (the DP subclasses add theirs)."""
+        log(INFO, "\t├──> Wrapped strategy: %s", type(self.strategy).__name__)
+        self.strategy.summary()
 
     # ------------------------------------------------------------------ the reply gate
-    def decode_update(self, content: RecordDict) -> list[np.ndarray]:
-        """The update arrays of one reply (subclasses decode compressed forms)."""
-        return content[self.arrayrecord_key].to_numpy_ndarrays()
+    def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
+        """(arrays of one reply, whether they are the update): the update itself when the reply is marked
+        `UPLOAD_UPDATE` (this project's clients and mod), else the client's new weights (a Flower client's
+        reply), whose update is derived. Subclasses decode compressed forms."""
+        is_update = any(record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE
+                        for record in content.metric_records.values())
+        return content[self.arrayrecord_key].to_numpy_ndarrays(), is_update
 
-    def accepted_updates(self, server_round: int, replies: Iterable[Message],
-                         shapes: list) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
+    def reply_update(self, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
+        """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used)."""
+        assert self.current_arrays is not None
+        arrays, is_update = self.decode_update(content)
+        everything = self.current_arrays.to_numpy_ndarrays()
+        if len(arrays) != len(everything):
+            return None, f"expected {len(everything)} arrays, got {len(arrays)}"
+        if not is_update and self.needs_marked_updates():
+            return None, ("not privatized: under distributed noise the client adds its noise share; add "
+                          "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)")
+        global_floats = [everything[i] for i in self.float_positions]
+        floats = [np.asarray(arrays[i]) for i in self.float_positions]
+        problem = update_problem(floats, [a.shape for a in global_floats])
+        if problem is None and [np.shape(a) for a in arrays] != [a.shape for a in everything]:
+            problem = "a non-floating-point array has the wrong shape"
+        if problem:
+            return None, problem
+        vector = flatten(floats)
+        return (vector if is_update else vector - flatten(global_floats)), None
+
+    def needs_marked_updates(self) -> bool:
+        """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
+        return False
+
+    def accepted_updates(self, server_round: int,
+                         replies: Iterable[Message]) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
         """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
         and the counts of failed and rejected replies. Nothing in a reply can raise here."""
         accepted, failures, rejected = [], 0, 0
@@ -213,10 +360,8 @@ class DPRoundLoop(FedAvg):
                 self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
                 continue
             try:
-                arrays = self.decode_update(msg.content)
-                problem = update_problem(arrays, shapes)
+                vector, problem = self.reply_update(msg.content)
                 if problem is None:
-                    vector = flatten(arrays)
                     metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
                 if problem is None:
                     problem = self.upload_problem(vector, metrics)
@@ -426,3 +571,52 @@ def parse_log_line(line: str) -> tuple[dict, dict] | None:
     published, _, diagnostics = match.group(2).partition(DIAGNOSTICS_MARK.strip())
     round_number = {"round": int(match.group(1))} if match.group(1) else {}
     return {**round_number, **values(published)}, values(diagnostics)
+
+
+# ---------------------------------------------------------------------------- helpers of the wrapper
+def conform(template: ArrayRecord, positions: list[int], vector: np.ndarray) -> ArrayRecord:
+    """`template` with the arrays at `positions` replaced by consecutive slices of `vector`, in their own dtype:
+    same keys in the same order, same shapes and dtypes."""
+    names = list(template.keys())
+    everything = template.to_numpy_ndarrays()
+    parts = unflatten(np.asarray(vector), [everything[i].shape for i in positions])
+    for i, part in zip(positions, parts):
+        everything[i] = part.astype(everything[i].dtype, copy=False)
+    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in zip(names, everything)})
+
+
+class StandInGrid:
+    """Just enough of a Grid for a wrapped strategy's configure_train to write its content: `n` node ids."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, self.n + 1))
+
+
+class FlowerInfoFilter(logging.Filter):
+    """Drops Flower's INFO lines (a wrapped strategy's "Sampled N nodes", "Received N results"): they count
+    nodes, which epsilon does not cover. Warnings and errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+@contextmanager
+def quiet_flower_info(enabled: bool = True):
+    """While active (and `enabled`), the flwr logger drops INFO lines (`FlowerInfoFilter`)."""
+    flower_logger, quiet = logging.getLogger("flwr"), FlowerInfoFilter()
+    if enabled:
+        flower_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        flower_logger.removeFilter(quiet)
+
+
+def reply_message(node_id: int, content: RecordDict | None = None, error=None) -> Message:
+    """A reply Message from `node_id`, as a Message-API strategy's aggregate_train expects one."""
+    metadata = Metadata(run_id=0, message_id="", src_node_id=node_id, dst_node_id=0, reply_to_message_id="",
+                        group_id="", created_at=time.time(), ttl=0.0, message_type=MessageType.TRAIN)
+    return Message(content, metadata=metadata) if error is None else Message(error, metadata=metadata)

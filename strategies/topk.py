@@ -72,12 +72,12 @@ class DPFedSAMTopK(DPFedAvg):
         return {**super().client_train_config(server_round), keys.SPARSITY: float(self.sparsity),
                 keys.TOPK_MODE: self.topk_mode}
 
-    def decode_update(self, content: RecordDict) -> list[np.ndarray]:
-        """Dense update from the sparse upload; raises (-> rejected) if it is malformed."""
+    def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
+        """Dense update from the sparse upload (always an update); raises (-> rejected) if it is malformed."""
         assert self.current_arrays is not None
         shapes = [a.shape for a in self.current_arrays.to_numpy_ndarrays()]
         encoded = content[self.arrayrecord_key].to_numpy_ndarrays()
-        return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode)
+        return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode), True
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, Error, MetricRecord, RecordDict
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
 
 from fl_app.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
+from fl_app.privacy import protocol as keys
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg, reply_message
@@ -80,7 +81,7 @@ def reply(node: int, arrays, metrics: dict, extra_records: int = 0):
 
 def honest_metrics(pid: int) -> dict:
     return {"update-norm": 0.4, "train-loss": 0.7, "num-examples": 10, "partition-id": pid, "local-steps": 1,
-            "dpsgd-steps": 1, "epsilon": 0.1, "budget-left": 1}
+            "dpsgd-steps": 1, "epsilon": 0.1, "budget-left": 1, keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
 
 
 def round_replies(rng: random.Random, nprng: np.random.Generator, encode=None) -> tuple[list, list[str]]:

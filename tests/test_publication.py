@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
+from flwr.app import Message, ArrayRecord, ConfigRecord, MessageType, RecordDict
 
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
@@ -39,7 +39,8 @@ def release_noise(arrived: int, trials: int = 3) -> np.ndarray:
     for rnd in range(1, trials + 1):
         strategy.begin_round(arrays)
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(strategy.client_train_config(rnd))})
-        asked = strategy._construct_messages(content, list(grid.get_node_ids()), MessageType.TRAIN)  # all nodes
+        asked = [Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)  # all nodes
+                 for node in grid.get_node_ids()]
         new, _ = strategy.aggregate_train(rnd, grid.send_and_receive(asked))  # `fail` decides who answers
         out.append(flatten(new.to_numpy_ndarrays()))
     assert strategy.noise_shares == M + 1  # P(Binomial(10, 0.5) >= 11) = 0: n_s = M + 1

@@ -23,6 +23,11 @@ def flatten(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(a, dtype=np.float32).ravel() for a in arrays])
 
 
+def float_indices(arrays: Sequence[np.ndarray]) -> list[int]:
+    """Positions of the floating-point arrays: what DP trains, clips and noises (the others pass through)."""
+    return [i for i, a in enumerate(arrays) if np.issubdtype(np.asarray(a).dtype, np.floating)]
+
+
 def unflatten(vector: np.ndarray, shapes: Shapes) -> list[np.ndarray]:
     """Split a flat vector back into arrays of the given shapes."""
     sizes = [int(np.prod(s)) for s in shapes]

@@ -19,6 +19,8 @@ SPENT_MU_RELEASES = "spent-mu-releases"  # ALI-DPFL: per partition id, the mu re
 
 # Metrics: client -> server.
 NUM_EXAMPLES = "num-examples"
+UPLOAD_KIND = "dpfl-upload"  # UPLOAD_UPDATE: the arrays are the (privatized) update; absent: the client's weights
+UPLOAD_UPDATE = 1
 UPDATE_NORM = "update-norm"  # ||Delta||_2 before clipping
 TRAIN_LOSS = "train-loss"
 HEAD_LOSS = "head-loss"
