@@ -122,7 +122,7 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
                 fitres.metrics = {**fitres.metrics, **marks}
             return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
         names = list(array_record.keys())
-        content = RecordDict({array_key: ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, upload)})})
+        content = RecordDict({array_key: ArrayRecord({k: Array(np.asarray(a, order="C")) for k, a in zip(names, upload)})})
         for key, record in reply.content.metric_records.items():
             content[key] = MetricRecord({**record, **marks})
         if not reply.content.metric_records:

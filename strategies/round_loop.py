@@ -582,7 +582,7 @@ def conform(template: ArrayRecord, positions: list[int], vector: np.ndarray) -> 
     parts = unflatten(np.asarray(vector), [everything[i].shape for i in positions])
     for i, part in zip(positions, parts):
         everything[i] = part.astype(everything[i].dtype, copy=False)
-    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in zip(names, everything)})
+    return ArrayRecord({name: Array(np.asarray(a, order="C")) for name, a in zip(names, everything)})
 
 
 class StandInGrid:

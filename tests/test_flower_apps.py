@@ -1,0 +1,77 @@
+"""Flower's own kinds of app with our wrapper swapped in, under `flwr run` (a SuperLink of the test's own):
+a quickstart-pytorch style app (named state dict, BatchNorm's integer counter), unchanged under central noise
+and with one mod line under distributed noise, around FedAvg and FedAdam."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_app.launch import BIN, own_superlink_env, start_superlink, stop
+from tests.independent_accountant import dp_accounting_epsilons
+from tests.quickstart_app.quickstart.task import Net
+
+APP = Path(__file__).parent / "quickstart_app"
+NODES, ROUNDS, SIGMA, DELTA = 4, 8, 0.1, 1e-3  # small sigma: a few clients and rounds must learn
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory):
+    """A simulation SuperLink of this module's own (free ports, private FLWR_HOME), ended by PID."""
+    home = tmp_path_factory.mktemp("flwr-home")
+    base = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    env, http_port, control_port = own_superlink_env(base, home)
+    proc = start_superlink(env, http_port, control_port, home / "superlink.log")
+    yield env
+    stop(proc, env["FLWR_HOME"])
+
+
+def flwr_run(env: dict, app: Path, out: Path, **config) -> dict:
+    """`flwr run <app>` with the run config; the ServerApp's results file."""
+    values = {"results-file": str(out), "num-server-rounds": ROUNDS, "noise-multiplier": SIGMA, **config}
+    run_config = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+    subprocess.run([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", run_config,
+                    "--federation-config", f"num-supernodes={NODES} client-resources-num-cpus=1"],
+                   env=env, check=True, timeout=300, capture_output=True, text=True)
+    assert out.exists(), f"the ServerApp wrote no results to {out}"
+    return json.loads(out.read_text())
+
+
+def app_copy(tmp_path: Path, clientapp: str) -> Path:
+    """The quickstart app with `clientapp` as its ClientApp component."""
+    app = tmp_path / "app"
+    shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
+    pyproject = app / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace("quickstart.client_app:app", clientapp))
+    return app
+
+
+def check_result(result: dict, out: Path) -> None:
+    state_dict = torch.load(out.with_suffix(".pt"))
+    model = Net()
+    model.load_state_dict(state_dict)  # by name, strict: every key of the model, nothing else
+    assert result["keys"] == list(Net().state_dict())
+    assert result["dtypes"]["bn.num_batches_tracked"] == "torch.int64"
+    assert result["num_batches_tracked"] == 0  # not floating point: comes back as the server sent it
+    assert result["accuracy"] > 0.5, result  # 10 classes: chance is 0.1
+    pld_eps, rdp_eps = dp_accounting_epsilons(SIGMA, 1.0, ROUNDS, DELTA)  # the ledger prints one of the two
+    assert 0.99 * pld_eps <= result["epsilon"] <= 1.01 * rdp_eps, (result["epsilon"], pld_eps, rdp_eps)
+
+
+def test_quickstart_app_with_the_wrapper_around_fedavg_unchanged_client(superlink, tmp_path):
+    out = tmp_path / "fedavg.json"
+    check_result(flwr_run(superlink, app_copy(tmp_path, "quickstart.client_app:app"), out,
+                          strategy="fedavg", **{"noise-placement": "central"}), out)
+
+
+def test_quickstart_app_with_the_wrapper_around_fedadam_and_the_mod(superlink, tmp_path):
+    out = tmp_path / "fedadam.json"
+    check_result(flwr_run(superlink, app_copy(tmp_path, "quickstart.client_app:app_with_mod"), out,
+                          strategy="fedadam", **{"noise-placement": "distributed"}), out)
