@@ -5,7 +5,12 @@ import math
 import pytest
 
 from fl_app.privacy.ledger import (
-    DEFAULT_ACCOUNTANT, ClientLevelLedger, PrivacyLedger, calibrate_noise_multiplier, default_client_delta, epsilon_of,
+    DEFAULT_ACCOUNTANT,
+    ClientLevelLedger,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    default_client_delta,
+    epsilon_of,
     per_update_noise_multiplier,
 )
 from fl_app.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability

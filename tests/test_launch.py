@@ -10,8 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.launch import (QUIET_ENV, format_run_config, own_superlink_env, reference_run_config, start_ray_head,
-                            stop_ray_head, sweep_runs, wait_ray_head)
+from fl_app.launch import (
+    QUIET_ENV,
+    format_run_config,
+    own_superlink_env,
+    reference_run_config,
+    start_ray_head,
+    stop_ray_head,
+    sweep_runs,
+    wait_ray_head,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
