@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 
+from fl_app.run_files import read_diagnostics, read_metrics
+
 TAGS = {
     "accuracy": "eval/accuracy",
     "loss": "eval/loss",
@@ -147,8 +149,6 @@ def open_dashboards(run_dir: Path | str, cfg: dict, flower_run_id: int | None = 
 def write_tensorboard(run_dir: Path | str, publish_diagnostics: bool = False) -> Path:
     """TensorBoard events for an existing run folder, from its metrics.jsonl (and diagnostics.jsonl),
     config.json and summary.json."""
-    from fl_app.results import read_diagnostics, read_metrics
-
     run_dir = Path(run_dir)
     config = run_dir / "config.json"
     writer = TensorBoardWriter(run_dir, json.loads(config.read_text()) if config.exists() else None,
