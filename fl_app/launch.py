@@ -41,6 +41,7 @@ from typing import NamedTuple
 import httpx
 
 from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
+from fl_app.plain_output import call_plain_when_piped
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -191,7 +192,7 @@ def flwr_run(env: dict, run_config: str, clients: int) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
            "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    return subprocess.call(cmd, env=env)
+    return call_plain_when_piped(cmd, env)  # Flower's colour codes only on a terminal
 
 
 def format_run_config(values: dict) -> str:

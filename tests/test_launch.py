@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from fl_app import launch
 from fl_app.launch import (
     QUIET_ENV,
+    flwr_run,
     format_run_config,
     own_superlink_env,
     reference_run_config,
@@ -72,6 +74,26 @@ def test_own_superlink_env_uses_free_ports_and_a_private_home(tmp_path):
     env, http_port, control_port = own_superlink_env({}, tmp_path / "home")
     assert http_port != control_port and 19000 <= http_port < 20000
     assert env["FLWR_HOME"] == str(tmp_path / "home") and env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] == str(http_port)
+
+
+FAKE_FLWR = """#!/bin/sh
+printf '\\033[92mINFO \\033[0m:      Round 1/2: accuracy=0.5\\n'
+printf '\\033[93mWARNING \\033[0m:   on stderr\\n' >&2
+exit 3
+"""
+
+
+def test_flwr_run_output_to_a_pipe_or_file_has_no_colour_codes(tmp_path, monkeypatch, capsys):
+    """Flower colours its log levels whatever the output is; the launcher passes them on only to a terminal
+    (pytest's captured stdout and stderr are not terminals)."""
+    flwr = tmp_path / "flwr"
+    flwr.write_text(FAKE_FLWR)
+    flwr.chmod(0o755)
+    monkeypatch.setattr(launch, "BIN", tmp_path)
+    assert flwr_run(dict(os.environ), "num-rounds=2", 2) == 3  # the exit code comes through
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "INFO :      Round 1/2: accuracy=0.5"
+    assert err == "WARNING :   on stderr\n"
 
 
 def test_reference_run_config_round_trips():
