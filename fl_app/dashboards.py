@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+from logging import INFO
 from pathlib import Path
+
+from flwr.supercore import log
 
 from fl_app.run_files import read_diagnostics, read_metrics
 
@@ -96,6 +99,14 @@ class TensorBoardWriter:
         self.writer.close()
 
 
+def wandb_location(run, mode: str) -> str:
+    """Where a W&B run is, for the log: online its URL; offline its folder and the command that uploads it."""
+    if mode == "online" and getattr(run, "url", None):
+        return f"W&B run {run.name}: {run.url}"
+    folder = Path(run.dir).parent  # run.dir is <run folder>/wandb/offline-run-<time>-<id>/files
+    return f"W&B run {run.name} (offline) in {folder}; upload it with: wandb sync {folder}"
+
+
 class WandbWriter:
     """A run's round records as a Weights & Biases run: the scalars of `round_scalars` (the TAGS names) at
     step = round, the resolved config, and summary.json's numbers as the W&B summary.
@@ -121,6 +132,7 @@ class WandbWriter:
         self.run = wandb.init(mode=cfg["wandb-mode"], dir=str(run_dir), project=cfg["wandb-project"],
                               group=group or run_dir.name, name=run_dir.name, config=cfg, settings=settings,
                               notes=DIAGNOSTICS_NOTE if publish_diagnostics else None)
+        log(INFO, "%s", wandb_location(self.run, cfg["wandb-mode"]))
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
         self.run.log(round_scalars(published, diagnostics, self.publish_diagnostics), step=int(published["round"]))
