@@ -20,8 +20,14 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from fl_app.privacy.mechanisms import (
-    clip_and_noise, haar_padded_size, haar_wavelet_noise, make_rng, sparse_decode, sparse_encode,
-    topk_sparsify, unflatten,
+    clip_and_noise,
+    haar_padded_size,
+    haar_wavelet_noise,
+    make_rng,
+    sparse_decode,
+    sparse_encode,
+    topk_sparsify,
+    unflatten,
 )
 from strategies.topk import payload_bytes
 

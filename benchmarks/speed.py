@@ -1,4 +1,4 @@
-"""Speed ratios, all measured in one run on this machine (the README's Performance table).
+"""Speed ratios, all measured in one run on this machine (docs/performance.md's table).
 
     python -m benchmarks.speed [--deployment [--cold]] [--rounds 6] [--clients 20] [--repeats 3]
 

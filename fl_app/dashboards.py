@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import json
 import math
+from logging import INFO
 from pathlib import Path
+
+from flwr.supercore import log
+
+from fl_app.run_files import read_diagnostics, read_metrics
 
 TAGS = {
     "accuracy": "eval/accuracy",
@@ -94,6 +99,14 @@ class TensorBoardWriter:
         self.writer.close()
 
 
+def wandb_location(run, mode: str) -> str:
+    """Where a W&B run is, for the log: online its URL; offline its folder and the command that uploads it."""
+    if mode == "online" and getattr(run, "url", None):
+        return f"W&B run {run.name}: {run.url}"
+    folder = Path(run.dir).parent  # run.dir is <run folder>/wandb/offline-run-<time>-<id>/files
+    return f"W&B run {run.name} (offline) in {folder}; upload it with: wandb sync {folder}"
+
+
 class WandbWriter:
     """A run's round records as a Weights & Biases run: the scalars of `round_scalars` (the TAGS names) at
     step = round, the resolved config, and summary.json's numbers as the W&B summary.
@@ -119,6 +132,7 @@ class WandbWriter:
         self.run = wandb.init(mode=cfg["wandb-mode"], dir=str(run_dir), project=cfg["wandb-project"],
                               group=group or run_dir.name, name=run_dir.name, config=cfg, settings=settings,
                               notes=DIAGNOSTICS_NOTE if publish_diagnostics else None)
+        log(INFO, "%s", wandb_location(self.run, cfg["wandb-mode"]))
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
         self.run.log(round_scalars(published, diagnostics, self.publish_diagnostics), step=int(published["round"]))
@@ -147,8 +161,6 @@ def open_dashboards(run_dir: Path | str, cfg: dict, flower_run_id: int | None = 
 def write_tensorboard(run_dir: Path | str, publish_diagnostics: bool = False) -> Path:
     """TensorBoard events for an existing run folder, from its metrics.jsonl (and diagnostics.jsonl),
     config.json and summary.json."""
-    from fl_app.results import read_diagnostics, read_metrics
-
     run_dir = Path(run_dir)
     config = run_dir / "config.json"
     writer = TensorBoardWriter(run_dir, json.loads(config.read_text()) if config.exists() else None,

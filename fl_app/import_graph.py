@@ -65,6 +65,39 @@ def import_edges() -> list[tuple[str, str, bool]]:
     return sorted(e for e in edges if not (e[2] and (e[0], e[1]) in eager))
 
 
+def import_cycles(edges: list[tuple[str, str, bool]]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or through others (lazy imports count): Tarjan's
+    strongly connected components with more than one module, each sorted."""
+    graph: dict[str, list[str]] = {}
+    for a, b, _ in edges:
+        graph.setdefault(a, []).append(b)
+        graph.setdefault(b, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
 def layer_of(module: str) -> str:
     for layer, prefixes in LAYERS.items():
         if any(module == p or module.startswith(p + ".") for p in prefixes):

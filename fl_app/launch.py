@@ -41,6 +41,7 @@ from typing import NamedTuple
 import httpx
 
 from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
+from fl_app.plain_output import call_plain_when_piped
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -76,6 +77,18 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     env = {**base, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
            "FLWR_LOCAL_CONTROL_API_PORT": str(control_port), "PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}"}
     return env, http_port, control_port
+
+
+def superlink_hint(env: dict, http_port: int, control_port: int) -> str:
+    """Where this launch's SuperLink listens, and the `flwr ls` / `flwr log` commands that reach it from another
+    shell while the launch runs: `flwr` finds a local SuperLink only through FLWR_HOME and the two port
+    variables (without them it starts a SuperLink of its own on Flower's default ports)."""
+    prefix = " ".join(f"{key}={shlex.quote(env[key])}" for key in
+                      ("FLWR_HOME", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"))
+    flwr = shlex.quote(str(BIN / "flwr"))
+    return (f"SuperLink of this launch: 127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}. "
+            f"While it runs, from another shell (flwr log follows the run; --show prints what is there):"
+            f"\n  {prefix} {flwr} ls\n  {prefix} {flwr} log <run-id>")
 
 
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
@@ -191,7 +204,7 @@ def flwr_run(env: dict, run_config: str, clients: int) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
            "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    return subprocess.call(cmd, env=env)
+    return call_plain_when_piped(cmd, env)  # Flower's colour codes only on a terminal
 
 
 def format_run_config(values: dict) -> str:
@@ -263,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dirs = []
     try:
         proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")  # while the head starts
+        print(superlink_hint(env, http_port, control_port), flush=True)
         if head is not None and not wait_ray_head(head.proc, log_dir / "ray-head.log"):
             stop(proc, env["FLWR_HOME"])
             del env["RAY_ADDRESS"]  # each run's own Ray, with the head's token

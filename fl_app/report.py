@@ -27,6 +27,8 @@ from fl_app.results import read_diagnostics, read_metrics, run_label
 NOT_PRIVATE = "not private: not covered by epsilon"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
           "#bcbd22")
+ACCURACY_BOUNDS = (0.0, 1.0)
+IGNORED_IN_LABELS = ("results-dir", "run-name", "resume")  # differ between runs without describing them
 WIDTH, HEIGHT, MARGIN = 440, 260, (34, 16, 44, 62)  # margins: top, right, bottom, left
 
 
@@ -66,6 +68,35 @@ def load_run(path: Path | str, diagnostics: bool = False, color: str = COLORS[0]
                read_diagnostics(path) if shown else [], color)
 
 
+def config_value(value) -> str:
+    """A config value as a label shows it: strings bare, numbers as fmt writes them."""
+    return value if isinstance(value, str) else fmt(value)
+
+
+def differing_keys(runs: list[Run]) -> list[str]:
+    """The config keys whose values differ between `runs` (sorted; the run's folder and name left out)."""
+    keys = sorted({k for r in runs for k in r.config} - set(IGNORED_IN_LABELS))
+    return [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
+
+
+def make_labels_unique(runs: list[Run], max_keys: int = 3) -> None:
+    """Runs that would share a label get the config values that tell them apart (up to `max_keys`), and where
+    those do not (the same config, or too many differences), the run folder's name."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.label, []).append(run)
+    for label, members in groups.items():
+        if len(members) < 2:
+            continue
+        keys = differing_keys(members)
+        for run in members:
+            extra = " ".join(f"{k}={config_value(run.config.get(k))}" for k in keys[:max_keys])
+            run.label = f"{label} ({extra})" if extra and len(keys) <= max_keys else f"{label} ({run.path.name})"
+    if len({r.label for r in runs}) < len(runs):  # e.g. a label made above equals another run's own
+        for run in runs:
+            run.label = f"{run.label} [{run.path.name}]"
+
+
 # ---------------------------------------------------------------------------- SVG charts
 def fmt(value, digits: int = 4) -> str:
     if value is None:
@@ -95,9 +126,19 @@ class Series:
     marker_titles: list[str] = field(default_factory=list)
 
 
+def bounded_range(ys: list[float], bounds: tuple[float, float], margin: float = 0.05) -> tuple[float, float]:
+    """The data's range widened by `margin` (at least, else 10% of the range) on each side, kept within `bounds`:
+    a single accuracy of 0.9 is drawn on 0.85-0.95, not on 0.4-1.4."""
+    lo, hi = min(ys), max(ys)
+    pad = max(margin, 0.1 * (hi - lo))
+    return max(bounds[0], lo - pad), min(bounds[1], hi + pad)
+
+
 def chart(title: str, series: list[Series], x_label: str, y_label: str, *, log_x: bool = False,
-          hlines: list[Series] = (), css: str = "", note: str = "") -> str:
-    """A line chart: `series` as lines (and markers), `hlines` as horizontal dashed lines (their first y)."""
+          hlines: list[Series] = (), css: str = "", note: str = "",
+          y_bounds: tuple[float, float] | None = None) -> str:
+    """A line chart: `series` as lines (and markers), `hlines` as horizontal dashed lines (their first y).
+    `y_bounds`: the y axis spans the data with a margin, never beyond these (accuracy: (0, 1))."""
     xs = [x for s in series for x, _ in s.points]
     ys = [y for s in list(series) + list(hlines) for _, y in s.points]
     if not xs and not hlines:
@@ -111,7 +152,7 @@ def chart(title: str, series: list[Series], x_label: str, y_label: str, *, log_x
         x_ticks = [math.log10(m) + k for k in range(lo, hi) for m in steps] + [float(hi)]
     else:
         x_ticks = nice_ticks(min(xs), max(xs))
-    y_ticks = nice_ticks(min(ys), max(ys))
+    y_ticks = nice_ticks(*(bounded_range(ys, y_bounds) if y_bounds else (min(ys), max(ys))))
     top, right, bottom, left = MARGIN
     x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
 
@@ -201,14 +242,16 @@ def frontier(runs: list[Run]) -> str:
     if not series and not references:
         return ""
     return chart("Privacy-utility frontier", series, "final epsilon (log scale)", "final accuracy", log_x=True,
-                 hlines=references, css="frontier",
+                 hlines=references, css="frontier", y_bounds=ACCURACY_BOUNDS,
                  note="One point per DP run (final round), a line per algorithm; dashed: non-private references. "
                       "Epsilons of different DP units (client-level, ALI-DPFL's sample-level) do not compare.")
 
 
 def per_round(runs: list[Run], key: str, title: str, y_label: str) -> str:
+    """One line per run of `key` against the round (accuracy on an axis within [0, 1])."""
     series = [Series(r.label, r.series(key), r.color) for r in runs if r.series(key)]
-    return chart(title, series, "round", y_label, css=key) if series else ""
+    bounds = ACCURACY_BOUNDS if key == "accuracy" else None
+    return chart(title, series, "round", y_label, css=key, y_bounds=bounds) if series else ""
 
 
 def ali_dpfl_charts(run: Run) -> str:
@@ -324,6 +367,7 @@ def render(runs: list[Run]) -> str:
 
 def write_report(run_dirs: list[Path | str], out: Path | str, diagnostics: bool = False) -> Path:
     runs = [load_run(d, diagnostics, COLORS[i % len(COLORS)]) for i, d in enumerate(run_dirs)]
+    make_labels_unique(runs)
     Path(out).write_text(render(runs), encoding="utf-8")
     return Path(out)
 

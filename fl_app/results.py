@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fl_app.run_files import read_diagnostics, read_metrics
 from fl_app.task.atomic import atomic_write
 
 
@@ -141,18 +142,6 @@ def run_label(summary: dict) -> str:
     name = summary.get("strategy")
     label = ALGORITHMS[name].run_label(summary) if name in ALGORITHMS else str(name)
     return label if summary.get("epsilon_is_guarantee", True) else f"{label} (epsilon: no guarantee)"
-
-
-def read_metrics(run_dir: Path | str, name: str = "metrics.jsonl") -> list[dict]:
-    """The round records of a run folder (name = "diagnostics.jsonl" for the non-private ones)."""
-    path = Path(run_dir, name)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def read_diagnostics(run_dir: Path | str) -> list[dict]:
-    return read_metrics(run_dir, "diagnostics.jsonl")
 
 
 def read_summary(run_dir: Path | str) -> dict:

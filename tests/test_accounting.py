@@ -5,7 +5,12 @@ import math
 import pytest
 
 from fl_app.privacy.ledger import (
-    DEFAULT_ACCOUNTANT, ClientLevelLedger, PrivacyLedger, calibrate_noise_multiplier, default_client_delta, epsilon_of,
+    DEFAULT_ACCOUNTANT,
+    ClientLevelLedger,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    default_client_delta,
+    epsilon_of,
     per_update_noise_multiplier,
 )
 from fl_app.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
@@ -177,7 +182,7 @@ def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clien
     exact = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
     exact.compose(dp_accounting.GaussianDpEvent(0.5), rounds)
     assert ledger.epsilon() == pytest.approx(exact.get_epsilon(1 / num_clients), rel=0.02)
-    # the price of claiming no amplification (README): 2.4x-3x the lower bound at q = 0.5, 15x at q = 0.1
+    # the price of claiming no amplification (docs/privacy.md): 2.4x-3x the lower bound at q = 0.5, 15x at q = 0.1
     assert "replace-one" in ledger.state_dict()["relation"]
 
 

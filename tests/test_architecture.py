@@ -4,6 +4,7 @@
 - no module under clients/ imports a server strategy, and no strategy imports a client;
 - no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one);
 - no file of the project points outside the repository;
+- no two modules import each other, directly or through others (lazy imports included);
 - the import graph drawn in docs/architecture.md is the code's current one;
 - the FAB that `flwr run` builds holds every project module and no docs, benchmarks or tests.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fl_app.algorithms import ALGORITHMS
-from fl_app.import_graph import ROOT, import_edges, layer_of, mermaid, project_modules
+from fl_app.import_graph import ROOT, import_cycles, import_edges, layer_of, mermaid, project_modules
 from fl_app.local_deployment import BIN
 
 EDGES = import_edges()
@@ -38,6 +39,16 @@ def test_the_graph_sees_the_known_imports():
 def test_layers_import_only_downwards(importer_layer, forbidden):
     bad = [(a, b) for a, b, _ in EDGES if layer_of(a) == importer_layer and layer_of(b) in forbidden]
     assert bad == [], f"{importer_layer} must not import {forbidden}: {bad}"
+
+
+def test_no_import_cycles():
+    assert import_cycles(EDGES) == []
+
+
+def test_an_import_cycle_would_be_caught():
+    edges = [("a", "b", False), ("b", "c", True), ("c", "a", False), ("c", "d", False), ("d", "e", False)]
+    assert import_cycles(edges) == [["a", "b", "c"]]
+    assert import_cycles([("a", "b", False), ("b", "a", True)]) == [["a", "b"]]
 
 
 def string_constants(path: Path) -> list[tuple[int, str]]:

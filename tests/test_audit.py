@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 import pytest
+from flwr.app import ArrayRecord
 
-from fl_app.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
 from fl_app.inprocess import InProcessGrid
+from fl_app.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
 from strategies.dp_fedavg import DPFedAvg
 from strategies.wavelet import DPFedAvgWavelet
 from tests.stub_clients import stub_app, zero_update
-from flwr.app import ArrayRecord
 
 
 @pytest.mark.parametrize("mu", [0.3, 1.0, 2.0, 4.0, 8.0])

@@ -1,6 +1,7 @@
 """TensorBoard events of a real run, read back with tensorboard's EventAccumulator, against metrics.jsonl
 (and diagnostics.jsonl, which appear under nonprivate/ only when a run publishes them)."""
 
+import logging
 import math
 
 import pytest
@@ -8,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.dashboards import NONPRIVATE_PREFIX, TAGS, scalars, write_tensorboard
+from fl_app.dashboards import NONPRIVATE_PREFIX, TAGS, WandbWriter, scalars, write_tensorboard
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_diagnostics, read_metrics
 from fl_app.server_app import run_federated
@@ -148,6 +149,16 @@ def test_wandb_shows_diagnostics_only_when_the_run_publishes_them(tmp_path):
     run_federated(InProcessGrid(client_app, 4, cfg), cfg)
     history = check_wandb_against_files(tmp_path / "run", publish_diagnostics=True)
     assert history[1]["nonprivate/clients"] == 4
+
+
+def test_the_log_says_where_the_wandb_run_is(tmp_path, caplog):
+    """Offline: the run's folder, which exists, and the `wandb sync` command that uploads it."""
+    wandb_or_skip()
+    caplog.set_level(logging.INFO, logger="flwr")
+    writer = WandbWriter(tmp_path / "run", validate({**SMALL, "wandb": True}))
+    writer.on_finish({})
+    (folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    assert f"W&B run run (offline) in {folder}; upload it with: wandb sync {folder}" in caplog.messages
 
 
 def test_wandb_without_the_package_fails_before_training(tmp_path, monkeypatch):

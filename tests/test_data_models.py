@@ -19,7 +19,7 @@ from fl_app.task.models import MODELS, build_model, count_parameters, head_param
 torch.set_num_threads(1)
 
 # The full MNIST as the four IDX .gz files (train/t10k images/labels), e.g. from yann.lecun.com or a
-# Flower/torchvision download: `DPFL_MNIST_DIR=/path/to/mnist python -m pytest` (README: Tests).
+# Flower/torchvision download: `DPFL_MNIST_DIR=/path/to/mnist python -m pytest` (README, "Tests").
 MNIST_DIR = Path(os.environ.get("DPFL_MNIST_DIR", "") or "/nonexistent-dpfl-mnist")
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from fl_app.local_deployment import ROOT, Deployment, make_node_keys
 from fl_app.privacy.ledger import epsilon_of
 from fl_app.privacy.mechanisms import noise_share_count, topup_noise_std
 from fl_app.results import read_rounds
-from fl_app.local_deployment import ROOT, Deployment, make_node_keys
 
 pytestmark = pytest.mark.slow
 

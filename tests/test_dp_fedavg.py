@@ -8,11 +8,11 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from fl_app.task.torch_helpers import get_weights
 from fl_app.inprocess import InProcessGrid
 from fl_app.privacy.ledger import epsilon_of
-from strategies.dp_fedavg import DPFedAvg
 from fl_app.privacy.mechanisms import flatten
+from fl_app.task.torch_helpers import get_weights
+from strategies.dp_fedavg import DPFedAvg
 from tests.stub_clients import stub_app, zero_update
 
 C, SIGMA = 0.5, 1.3

@@ -18,11 +18,11 @@ from sklearn.datasets import load_digits
 from clients.mods import make_dp_privatize_mod, uniform_weight_mod
 from fl_app.inprocess import InProcessGrid
 from fl_app.privacy.ledger import epsilon_of
+from fl_app.privacy.mechanisms import flatten
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from tests.foreign_app.foreign.task import train as softmax_regression_steps
-from fl_app.privacy.mechanisms import flatten
 
 NODES, ROUNDS, C, SIGMA = 10, 8, 1.0, 0.7
 dp_mod = make_dp_privatize_mod(seed=0)  # seeded: the test is reproducible

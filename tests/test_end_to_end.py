@@ -9,9 +9,9 @@ import torch
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
+from fl_app.privacy.ledger import epsilon_of
 from fl_app.results import read_diagnostics, read_metrics
 from fl_app.server_app import run_federated
-from fl_app.privacy.ledger import epsilon_of
 
 NUM_CLIENTS = 50
 

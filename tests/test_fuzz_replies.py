@@ -5,7 +5,7 @@ legacy adapter; SecAgg+ sums; personalized and legacy client evaluation).
 For every round: no exception escapes, the global model stays finite, and the model moves by at
 most eta_s * k * B / m, where k replies were accepted and B is the most one accepted upload may
 weigh (C when the server clips; the honest-noise bound under distributed noise, here with sigma = 0
-so that the bound is exact). The counts are printed (README, threat model section).
+so that the bound is exact). The counts are printed (docs/privacy.md, "Threat model and failure behaviour").
 """
 
 import random

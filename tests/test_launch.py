@@ -2,6 +2,7 @@
 a non-zero exit when the run did not complete."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,8 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.launch import (QUIET_ENV, format_run_config, own_superlink_env, reference_run_config, start_ray_head,
-                            stop_ray_head, sweep_runs, wait_ray_head)
+from fl_app import launch
+from fl_app.launch import (
+    QUIET_ENV,
+    flwr_run,
+    format_run_config,
+    own_superlink_env,
+    reference_run_config,
+    start_ray_head,
+    start_superlink,
+    stop,
+    stop_ray_head,
+    superlink_hint,
+    sweep_runs,
+    wait_ray_head,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +78,54 @@ def test_own_superlink_env_uses_free_ports_and_a_private_home(tmp_path):
     env, http_port, control_port = own_superlink_env({}, tmp_path / "home")
     assert http_port != control_port and 19000 <= http_port < 20000
     assert env["FLWR_HOME"] == str(tmp_path / "home") and env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] == str(http_port)
+
+
+FAKE_FLWR = """#!/bin/sh
+printf '\\033[92mINFO \\033[0m:      Round 1/2: accuracy=0.5\\n'
+printf '\\033[93mWARNING \\033[0m:   on stderr\\n' >&2
+exit 3
+"""
+
+
+def test_flwr_run_output_to_a_pipe_or_file_has_no_colour_codes(tmp_path, monkeypatch, capsys):
+    """Flower colours its log levels whatever the output is; the launcher passes them on only to a terminal
+    (pytest's captured stdout and stderr are not terminals)."""
+    flwr = tmp_path / "flwr"
+    flwr.write_text(FAKE_FLWR)
+    flwr.chmod(0o755)
+    monkeypatch.setattr(launch, "BIN", tmp_path)
+    assert flwr_run(dict(os.environ), "num-rounds=2", 2) == 3  # the exit code comes through
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "INFO :      Round 1/2: accuracy=0.5"
+    assert err == "WARNING :   on stderr\n"
+
+
+def hint_commands(text: str) -> dict[str, str]:
+    """The `flwr ls` and `flwr log` command lines the launcher prints, by subcommand."""
+    return {m.group(2): m.group(0).strip() for m in re.finditer(r"^  (FLWR_HOME=.*) (ls|log) ?(<run-id>)?$", text,
+                                                                re.MULTILINE)}
+
+
+def test_the_printed_flwr_ls_reaches_the_launchers_superlink(tmp_path):
+    """The hint names both ports and FLWR_HOME; its `flwr ls`, run from a shell with none of them set, talks to
+    the launcher's SuperLink instead of starting one on Flower's default port."""
+    env, http_port, control_port = own_superlink_env({**os.environ, **QUIET_ENV}, tmp_path / "home")
+    hint = superlink_hint(env, http_port, control_port)
+    assert f"127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}" in hint
+    commands = hint_commands(hint)
+    assert set(commands) == {"ls", "log"} and commands["log"].endswith("flwr log <run-id>")
+    assert f"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT={http_port}" in commands["ls"]
+    shell_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_LOCAL")}
+    shell_env.update(QUIET_ENV, FLWR_HOME=str(tmp_path / "elsewhere"))
+    proc = start_superlink(env, http_port, control_port, tmp_path / "superlink.log")
+    try:
+        listed = subprocess.run(commands["ls"], shell=True, env=shell_env, capture_output=True, text=True,
+                                timeout=120)
+    finally:
+        stop(proc, env["FLWR_HOME"])
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert "Starting local SuperLink" not in listed.stdout + listed.stderr
+    assert not (tmp_path / "elsewhere").exists()  # nothing of flwr's own defaults was used
 
 
 def test_reference_run_config_round_trips():
@@ -150,6 +212,20 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def check_the_printed_flwr_commands(log: str) -> None:
+    """A live launch's log (a file: no colour codes) names its run; the printed `flwr ls` lists it and the
+    printed `flwr log` shows its round lines."""
+    assert "\x1b[" not in log
+    run_id = re.search(r"Successfully started run (\d+)", log).group(1)
+    commands = hint_commands(log)
+    shell_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
+    listed = subprocess.run(commands["ls"], shell=True, env=shell_env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and run_id in listed.stdout, listed.stdout + listed.stderr
+    logged = subprocess.run(commands["log"].replace("<run-id>", f"--show {run_id}"), shell=True, env=shell_env,
+                            capture_output=True, text=True, timeout=120)
+    assert "Round 1/200:" in logged.stdout + logged.stderr, logged.stdout + logged.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
@@ -169,7 +245,8 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
         assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
         # one Ray: the launcher's head, which the simulation joined (its own ray.init would start a second)
         assert len(processes_named("gcs_server", str(results))) == 1, describe(processes_mentioning(str(results)))
-        if how == "ctrl-c":
+        if how == "ctrl-c":  # meanwhile, from another shell: the commands the launcher printed reach its SuperLink
+            check_the_printed_flwr_commands(log_path.read_text())
             os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
         else:
             os.kill(launcher.pid, signal.SIGTERM)

@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 
 from fl_app.privacy.mechanisms import (
-    clip_and_noise, clip_to_norm, distributed_noise_std, flatten, gaussian_noise, l2_norm, make_rng,
-    topup_noise_std, unflatten, update_problem,
+    clip_and_noise,
+    clip_to_norm,
+    distributed_noise_std,
+    flatten,
+    gaussian_noise,
+    l2_norm,
+    make_rng,
+    topup_noise_std,
+    unflatten,
+    update_problem,
 )
 
 

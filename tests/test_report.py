@@ -118,3 +118,49 @@ def test_the_report_opens_in_a_headless_browser_without_errors(runs, tmp_path):
     assert counts == (len(private_runs(runs)), heatmap_cells(runs["ali"]))
     assert box and box["width"] > 0  # drawn, not just present
 
+
+
+def fake_run(folder: Path, accuracies: list[float], epsilon: float | None = 2.0, **config) -> Path:
+    """A finished run folder written by hand (no training): summary, config and one record per round."""
+    folder.mkdir(parents=True)
+    summary = {"strategy": "dp-fedavg", "noise_multiplier": 1.0, "epsilon": epsilon, "delta": 1e-5,
+               "final_accuracy": accuracies[-1], "rounds_completed": len(accuracies)}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "config.json").write_text(json.dumps({"noise-multiplier": 1.0, "results-dir": str(folder), **config}))
+    rows = [{"round": i + 1, "accuracy": a, "epsilon": epsilon} for i, a in enumerate(accuracies)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def y_ticks(text: str, css: str) -> list[float]:
+    """The y-axis tick labels of the chart with class `css` (y ticks are right-aligned, x ticks centred)."""
+    svg = re.search(rf'<svg class="chart {css}".*?</svg>', text).group(0)
+    return [float(v) for v in re.findall(r'class="tick" text-anchor="end">([^<]+)<', svg)]
+
+
+def legend(text: str) -> list[str]:
+    return re.findall(r"<td><i class=\"swatch\"[^>]*></i>([^<]+)<br>", text)
+
+
+def test_runs_that_differ_only_in_config_get_labels_that_say_how(tmp_path):
+    dirs = [fake_run(tmp_path / "a", [0.5], **{"sample-rate": 0.5, "seed": 1}),
+            fake_run(tmp_path / "b", [0.6], **{"sample-rate": 1.0, "seed": 1}),
+            fake_run(tmp_path / "c", [0.7], **{"sample-rate": 1.0, "seed": 2})]
+    labels = legend(write_report(dirs, tmp_path / "r.html").read_text())
+    assert labels == ["dp-fedavg sigma=1.0 (sample-rate=0.5 seed=1)", "dp-fedavg sigma=1.0 (sample-rate=1 seed=1)",
+                      "dp-fedavg sigma=1.0 (sample-rate=1 seed=2)"]
+
+
+def test_runs_with_the_same_config_are_told_apart_by_their_folder(tmp_path):
+    dirs = [fake_run(tmp_path / "run-1", [0.5]), fake_run(tmp_path / "run-2", [0.6])]
+    labels = legend(write_report(dirs, tmp_path / "r.html").read_text())
+    assert labels == ["dp-fedavg sigma=1.0 (run-1)", "dp-fedavg sigma=1.0 (run-2)"]
+
+
+def test_a_single_run_frontier_keeps_accuracy_within_0_and_1(tmp_path):
+    text = write_report([fake_run(tmp_path / "one", [0.6, 0.9])], tmp_path / "r.html").read_text()
+    frontier_ticks, accuracy_ticks = y_ticks(text, "frontier"), y_ticks(text, "accuracy")
+    assert 0.85 <= frontier_ticks[0] < 0.9 < frontier_ticks[-1] <= 0.95  # was 0.4 to 1.4
+    assert 0.5 <= accuracy_ticks[0] <= 0.6 and 0.9 < accuracy_ticks[-1] <= 1.0
+    top = write_report([fake_run(tmp_path / "top", [1.0])], tmp_path / "t.html").read_text()
+    assert y_ticks(top, "frontier")[-1] == 1.0 and y_ticks(top, "frontier")[0] >= 0.9

@@ -9,20 +9,20 @@ from flwr.app import ArrayRecord
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import parameters_to_ndarrays
-from flwr.compat.common import recorddict_compat as compat
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+from flwr.compat.common import recorddict_compat as compat
 from torch import nn
 
-from fl_app.task.torch_helpers import get_weights
 from clients.mods import uniform_weight_mod
 from fl_app.client_app import app as fl_client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.server_app import run_federated
 from fl_app.privacy.ledger import epsilon_of
+from fl_app.privacy.mechanisms import flatten
+from fl_app.server_app import run_federated
+from fl_app.task.torch_helpers import get_weights
 from strategies.dp_fedavg import DPFedAvg
 from strategies.secagg import SecAggPlusDPFedAvg, secagg_clipping_range
-from fl_app.privacy.mechanisms import flatten
 from tests.stub_clients import FixedUpdateClient
 
 C, SIGMA = 0.5, 1.3

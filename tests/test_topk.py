@@ -8,15 +8,20 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fl_app.task.torch_helpers import get_weights
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
+from fl_app.privacy.mechanisms import (
+    flatten,
+    sparse_decode,
+    sparse_encode,
+    topk_count,
+    topk_mask,
+    topk_sparsify,
+)
 from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import build_global_model, build_strategy, run_federated
-from fl_app.privacy.mechanisms import (
-    flatten, sparse_decode, sparse_encode, topk_count, topk_mask, topk_sparsify,
-)
+from fl_app.task.torch_helpers import get_weights
 from strategies.topk import DPFedSAMTopK, payload_bytes
 from tests.stub_clients import stub_app
 
@@ -270,9 +275,10 @@ def test_run_writes_upload_and_dense_bytes(tmp_path):
 
 def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, p: float = 0.1) -> list[int]:
     """Exact zeros in the released aggregate when `present` of m = 5 sampled clients' uploads arrive."""
+    from flwr.app import Error, MetricRecord, RecordDict
+
     from fl_app.privacy import protocol as keys
     from strategies.legacy import reply_message
-    from flwr.app import Error, MetricRecord, RecordDict
 
     # The server's noise is seeded, one stream per trial (the trial is the round): numpy's float32 normals are
     # exactly 0.0 with probability 2^-23, and with noise from OS entropy one of the ~38,800 server draws that land

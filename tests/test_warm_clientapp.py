@@ -2,8 +2,8 @@
 
 import json
 import subprocess
-import time
 import sys
+import time
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -11,7 +11,6 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fl_app import clientapp_executor
 from fl_app.server_app import PromptGrid
-
 
 FORK_TWO_TASKS = r"""
 import json, random, sys
@@ -184,8 +183,8 @@ class WithheldObjectsGrid(FakeGrid):
 
     def pull_messages(self, message_ids):
         from flwr.app import Error
-        from flwr.superlink.grid import http_grid
         from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectUnavailableError
+        from flwr.superlink.grid import http_grid
 
         self.pulls += 1
         started = time.monotonic()

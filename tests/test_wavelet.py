@@ -12,16 +12,21 @@ from threadpoolctl import threadpool_limits
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
 from fl_app.privacy.ledger import epsilon_of
 from fl_app.privacy.mechanisms import (
-    flatten, haar_coefficients, haar_padded_size, haar_wavelet_noise, haar_weights, make_rng,
+    flatten,
+    haar_coefficients,
+    haar_padded_size,
+    haar_wavelet_noise,
+    haar_weights,
+    make_rng,
     wavelet_effective_noise_multiplier,
 )
+from fl_app.results import read_metrics
+from fl_app.server_app import run_federated
 from strategies.wavelet import DPFedAvgWavelet
-from tests.stub_clients import stub_app, zero_update
 from tests.independent_accountant import dp_accounting_epsilons
+from tests.stub_clients import stub_app, zero_update
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 torch.set_num_threads(1)

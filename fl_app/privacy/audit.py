@@ -32,7 +32,6 @@ import pywt
 
 from .mechanisms import haar_padded_size
 
-
 CANARY_KINDS = ("isotropic", "smooth")
 LOWER_BOUND_CONFIDENCE = 0.999  # epsilon_lower_bound: the estimate at mu - z * standard error, one-sided
 LOWER_BOUND_Z = 3.0902

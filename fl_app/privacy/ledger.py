@@ -21,7 +21,6 @@ from typing import Protocol
 
 from fl_app.task.opacus_import import import_opacus
 
-
 ACCOUNTANTS = ("pld", "rdp", "prv")  # imported when an epsilon is first computed
 DEFAULT_ACCOUNTANT = "pld"
 MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)

@@ -215,6 +215,50 @@ def sparse_encode(arrays: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> 
     return encoded
 
 
+def _indices_to_dense(j: int, support: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """Tensor j's dense flat array from int32 indices: in range, strictly increasing, one per value."""
+    if support.ndim != 1 or support.size != values.size:
+        raise ValueError(f"tensor {j}: {support.size} indices for {values.size} values")
+    if support.size and (support.min() < 0 or support.max() >= size):
+        raise ValueError(f"tensor {j}: index out of range [0, {size}) "
+                         f"(min {support.min()}, max {support.max()})")
+    steps = np.diff(support)
+    if np.any(steps == 0):
+        raise ValueError(f"tensor {j}: duplicated index {support[1:][steps == 0][0]}")
+    if np.any(steps < 0):
+        raise ValueError(f"tensor {j}: indices are not sorted")
+    out = np.zeros(size, dtype=np.float32)
+    out[support] = values
+    return out
+
+
+def _mask_to_dense(j: int, support: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """Tensor j's dense flat array from a packed uint8 bit mask: right length, zero padding, one bit per value."""
+    if support.shape != ((size + 7) // 8,):
+        raise ValueError(f"tensor {j}: bit mask has shape {support.shape}, expected ({(size + 7) // 8},)")
+    bits = np.unpackbits(support)
+    if np.any(bits[size:]):
+        raise ValueError(f"tensor {j}: bit mask marks positions beyond the tensor's {size} entries")
+    mask = bits[:size].astype(bool)
+    if int(np.count_nonzero(mask)) != values.size:
+        raise ValueError(f"tensor {j}: bit mask keeps {np.count_nonzero(mask)} entries "
+                         f"but {values.size} values were sent")
+    out = np.zeros(size, dtype=np.float32)
+    out[mask] = values
+    return out
+
+
+def _decode_tensor(j: int, support: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """Tensor j's dense flat array from its support (int32 indices or uint8 mask) and float values."""
+    if values.ndim != 1 or not np.issubdtype(values.dtype, np.floating):
+        raise ValueError(f"tensor {j}: values must be a 1-D float array, got {values.dtype} {values.shape}")
+    if support.dtype == np.int32:
+        return _indices_to_dense(j, support, values, size)
+    if support.dtype == np.uint8:
+        return _mask_to_dense(j, support, values, size)
+    raise ValueError(f"tensor {j}: support must be int32 indices or a uint8 bit mask, got {support.dtype}")
+
+
 def sparse_decode(encoded: Sequence[np.ndarray], shapes: Shapes, fraction: float,
                   mode: str = "per-layer") -> list[np.ndarray]:
     """Dense arrays from `sparse_encode`'s form; ValueError if the upload is malformed.
@@ -231,34 +275,7 @@ def sparse_decode(encoded: Sequence[np.ndarray], shapes: Shapes, fraction: float
     for j, shape in enumerate(shapes):
         support, values = np.asarray(encoded[2 * j]), np.asarray(encoded[2 * j + 1])
         size = int(np.prod(shape))
-        if values.ndim != 1 or not np.issubdtype(values.dtype, np.floating):
-            raise ValueError(f"tensor {j}: values must be a 1-D float array, got {values.dtype} {values.shape}")
-        out = np.zeros(size, dtype=np.float32)
-        if support.dtype == np.int32:
-            if support.ndim != 1 or support.size != values.size:
-                raise ValueError(f"tensor {j}: {support.size} indices for {values.size} values")
-            if support.size and (support.min() < 0 or support.max() >= size):
-                raise ValueError(f"tensor {j}: index out of range [0, {size}) "
-                                 f"(min {support.min()}, max {support.max()})")
-            steps = np.diff(support)
-            if np.any(steps == 0):
-                raise ValueError(f"tensor {j}: duplicated index {support[1:][steps == 0][0]}")
-            if np.any(steps < 0):
-                raise ValueError(f"tensor {j}: indices are not sorted")
-            out[support] = values
-        elif support.dtype == np.uint8:
-            if support.shape != ((size + 7) // 8,):
-                raise ValueError(f"tensor {j}: bit mask has shape {support.shape}, expected ({(size + 7) // 8},)")
-            bits = np.unpackbits(support)
-            if np.any(bits[size:]):
-                raise ValueError(f"tensor {j}: bit mask marks positions beyond the tensor's {size} entries")
-            mask = bits[:size].astype(bool)
-            if int(np.count_nonzero(mask)) != values.size:
-                raise ValueError(f"tensor {j}: bit mask keeps {np.count_nonzero(mask)} entries "
-                                 f"but {values.size} values were sent")
-            out[mask] = values
-        else:
-            raise ValueError(f"tensor {j}: support must be int32 indices or a uint8 bit mask, got {support.dtype}")
+        out = _decode_tensor(j, support, values, size)
         if mode == "per-layer" and values.size != topk_count(size, fraction):
             raise ValueError(f"tensor {j}: {values.size} values kept, per-layer top-k with "
                              f"p={fraction} keeps {topk_count(size, fraction)}")
