@@ -55,7 +55,6 @@ from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
-
 from fl_app.privacy.mechanisms import (
     TRUNCATION_PROBABILITY,
     flatten,

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import Message, ArrayRecord, ConfigRecord, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
