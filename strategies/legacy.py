@@ -101,6 +101,15 @@ def failure_reason(failure) -> str:
     return f"{type(failure).__name__}: {failure}"
 
 
+def weighted_numeric_mean(results: list) -> dict:
+    """The example-weighted mean of each numeric metric every client reported (num-examples left out)."""
+    total = sum(res.num_examples for _, res in results)
+    if not total:
+        return {}
+    common = set.intersection(*(set(_numbers(res.metrics)) for _, res in results)) - {keys.NUM_EXAMPLES}
+    return {k: sum(res.num_examples * float(res.metrics[k]) for _, res in results) / total for k in common}
+
+
 class LegacyDPFedAvg(LegacyFedAvg):
     """A Message-API DP strategy (`dp`) as a `flwr.server.strategy.Strategy`.
 
@@ -109,16 +118,26 @@ class LegacyDPFedAvg(LegacyFedAvg):
     dp : the DPFedAvg (or subclass) that does all the DP work.
     evaluate_fn : Flower's legacy centralized evaluation, (round, ndarrays, config) -> (loss, metrics).
     on_fit_config_fn : extra train config (the DP keys of `dp` win on a clash).
+    on_evaluate_config_fn, evaluate_metrics_aggregation_fn : as in Flower's FedAvg: the app's own federated
+        evaluation config, and its function that aggregates the clients' evaluate metrics (default: the
+        example-weighted mean of the numeric metrics every client reported).
+
+    The fit metrics it returns to Flower (which its History prints at the end) are what the ledger covers
+    (epsilon, delta); the non-private counts and norms go to the round record's diagnostics only.
     """
 
     secure_aggregation = False  # SecAggPlusDPFedAvg: True
 
     def __init__(self, dp: DPFedAvg, *, evaluate_fn: LegacyEvaluateFn | None = None,
                  on_fit_config_fn: Callable[[int], dict] | None = None,
+                 on_evaluate_config_fn: Callable[[int], dict] | None = None,
+                 evaluate_metrics_aggregation_fn: Callable[[list], dict] | None = None,
                  initial_parameters: Parameters | None = None, num_rounds: int = 0) -> None:
         super().__init__(fraction_fit=dp.sample_rate, fraction_evaluate=dp.fraction_evaluate,
                          min_fit_clients=0, min_evaluate_clients=0, min_available_clients=dp.min_available_nodes,
                          evaluate_fn=evaluate_fn, on_fit_config_fn=on_fit_config_fn,
+                         on_evaluate_config_fn=on_evaluate_config_fn,
+                         evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
                          initial_parameters=initial_parameters)
         self.dp = dp
         self.dp.set_num_rounds(num_rounds)  # for target-epsilon-mode = calibrate
@@ -196,7 +215,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self._pending = {"round": server_round, **metrics, **({"failed_nodes": reasons} if reasons else {})}
         self.result.arrays = ArrayRecord(new_global)
         self.result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
-        return ndarrays_to_parameters(new_global), metrics
+        published, _ = self.dp.split_record({"round": server_round, **metrics})
+        published.pop("round")
+        return ndarrays_to_parameters(new_global), _numbers(published)
 
     def aggregate_updates(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                           failures: list) -> tuple[list[np.ndarray], dict]:
@@ -227,16 +248,18 @@ class LegacyDPFedAvg(LegacyFedAvg):
         return instructions
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
-        """Flower's weighted loss, the clients' numeric metrics weighted by their example counts."""
+        """Flower's weighted loss; the app's evaluate_metrics_aggregation_fn over the clients' metrics, else their
+        numeric metrics weighted by example counts. A reply that breaks the app's function is not raised."""
         results = [(proxy, res) for proxy, res in results  # plausible example counts and a finite loss only
                    if isinstance(res.num_examples, int) and 0 < res.num_examples < 2**31
                    and isinstance(res.loss, (int, float)) and math.isfinite(res.loss)]
-        loss, _ = super().aggregate_evaluate(server_round, results, failures)
-        total = sum(res.num_examples for _, res in results)
-        metrics: dict = {}
-        if total:
-            common = set.intersection(*(set(_numbers(res.metrics)) for _, res in results)) - {keys.NUM_EXAMPLES}
-            metrics = {k: sum(res.num_examples * float(res.metrics[k]) for _, res in results) / total for k in common}
+        try:
+            loss, metrics = super().aggregate_evaluate(server_round, results, failures)
+        except Exception as exc:  # the app's aggregation function on hostile metrics
+            self.dp.note_problem(server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
+            loss, metrics = None, {}
+        if self.evaluate_metrics_aggregation_fn is None:
+            metrics = weighted_numeric_mean(results)
         client = {"loss": loss, **metrics} if loss is not None else metrics
         if client:
             self.result.evaluate_metrics_clientapp[server_round] = MetricRecord(_numbers(client))

@@ -296,3 +296,31 @@ def test_legacy_start_evaluates_every_n_rounds_and_after_the_last():
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     strategy.start(grid, ArrayRecord(initial_weights()), num_rounds=5, evaluate_fn=evaluate_fn, eval_every=2)
     assert evaluated == [0, 2, 4, 5]
+
+
+def test_legacy_app_keeps_its_evaluate_metrics_and_logs_nothing_outside_the_ledger(caplog):
+    """A legacy NumPyClient app with its own federated evaluation and its own metrics aggregation: its metrics
+    come through (Flower's History), and the fit metrics Flower's History prints are the ledger's only."""
+    seen = []
+
+    def mean_accuracy(results):  # the app's own aggregation function: unweighted mean
+        seen.append(len(results))
+        return {"mean_accuracy": float(np.mean([m["accuracy"] for _, m in results]))}
+
+    wrapped = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
+                       delta=1e-3, seed=1, fraction_evaluate=1.0)
+    strategy = LegacyDPFedAvg(wrapped, evaluate_metrics_aggregation_fn=mean_accuracy,
+                              initial_parameters=ndarrays_to_parameters(initial_weights()))
+    context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                            config=ServerConfig(num_rounds=3), strategy=strategy)
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
+    with caplog.at_level("DEBUG", logger="flwr"):
+        DefaultWorkflow()(grid, context)
+    assert seen == [NODES] * 3
+    history = context.history.metrics_distributed["mean_accuracy"]
+    assert [r for r, _ in history] == [1, 2, 3] and history[-1][1] > 0.5
+    fit_metrics = context.history.metrics_distributed_fit
+    assert set(fit_metrics) == {"epsilon", "delta", "epsilon_against_server"}, set(fit_metrics)
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= 20)
+    for private in ("update_norm", "clipped_fraction", "'clients'", "rejected"):
+        assert private not in logged, private
