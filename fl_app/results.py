@@ -48,7 +48,9 @@ class PreviousRunError(ValueError):
     """The results folder holds another run that this one would overwrite or mix with."""
 
 
-RESUMABLE_KEYS = ("resume", "num-rounds")  # what may change between a run and its resumption
+RESUMABLE_KEYS = ("resume", "num-rounds")
+LOCK_FILE = ".dpfl-run.lock"  # held (flock) by the run's one writer
+RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoint.npz", LOCK_FILE)  # any: a dpfl run folder  # what may change between a run and its resumption
 
 
 class RunDirectory:
