@@ -66,3 +66,268 @@ def test_a_misspelled_key_names_its_close_matches():
     assert str(err.value).startswith("unknown run-config key(s) 'nosie-multiplier' = 2.0 (did you mean "
                                      "'noise-multiplier' or 'mu-noise-multiplier' or 'sample-noise-multiplier'?), "
                                      "'sample_rate' = 0.1 (did you mean 'sample-rate'"), str(err.value)
+
+
+# ---------------------------------------------------------------- the launcher checks before it starts anything
+
+def launch_refusal(argv: list[str]) -> str:
+    """The message of the launcher's SystemExit for `argv` (raised before any process starts)."""
+    from fl_app.launch import main
+
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    return str(err.value.code)
+
+
+def test_the_launcher_refuses_a_bad_config_in_seconds_and_starts_nothing(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    results = tmp_path / "results"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "fl_app.launch", "--results", str(results), "-c",
+                          "nosie-multiplier=2.0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - t0
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.startswith("unknown run-config key(s) 'nosie-multiplier' = 2.0 (did you mean "
+                                 "'noise-multiplier'"), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and "code: 15" not in out.stderr
+    assert not results.exists()  # no SuperLink, no Ray head, no logs: nothing was started
+    print(f"launcher refused a misspelled key in {seconds:.2f} s")
+    assert seconds < 20  # ~1.5-2 s idle (Python, Flower and torch imports); the old path started a SuperLink and Ray
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-c", "sample-rate=1.5"], "run-config key 'sample-rate' = 1.5: must be a number in [1e-06, 1]"),
+    (["-c", "audit-canaries=10000000"], "run-config key 'audit-canaries' = 10000000: must be an integer in "
+                                        "[0, 10000] (each canary is a model-sized vector in the server's memory)"),
+    (["--clients", "2", "-c", "min-nodes=5"], "--clients 2 is fewer than run-config key 'min-nodes' = 5: the run "
+                                              "would wait for nodes that never come; pass --clients 5 (or more), or "
+                                              "-c \"min-nodes=2\""),
+    (["--sweep", "noise-multiplier=1,0.0001"], "run-config key 'noise-multiplier' = 0.0001: must be a number: 0 or "
+                                               "in [0.001, 1000]"),
+    (["--reference", "-c", "results-dir='/tmp/x'"], "run-config key 'results-dir' = '/tmp/x' names one folder for 2 "
+                                                    "runs (--sweep, --reference): leave it out, and each run gets its "
+                                                    "own under --results"),
+    (["-c", "lr=0.1 oops momentum = 0.9"], "-c 'lr=0.1 oops momentum = 0.9': 'oops', 'momentum', '=', '0.9' is not "
+                                           "key=value (without spaces around '='; quote strings: key='text')"),
+])
+def test_the_launcher_names_the_problem(tmp_path, argv, message):
+    results = tmp_path / "results"
+    assert launch_refusal(["--results", str(results), *argv]) == message
+    assert not results.exists()
+
+
+def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_path):
+    import argparse
+    import json
+
+    from fl_app.config import SPEC
+    from fl_app.launch import parse_overrides, plan_runs
+
+    args = argparse.Namespace(resume="", sweep="", reference=False, clients=4, results=str(tmp_path / "results"),
+                              run_config=f"num-rounds=3 results-dir='{tmp_path / 'mine'}'")
+    [(name, overrides, run_dir)] = plan_runs(args, "stamp")
+    assert run_dir == tmp_path / "mine" and parse_overrides(overrides)["results-dir"] == str(tmp_path / "mine")
+    assert overrides.count("results-dir") == 1
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**{k: s.default for k, s in SPEC.items()}, "num-rounds": 2,
+                                                 "noise-multiplier": 2.0, "results-dir": str(run)}))
+    (run / "checkpoint.npz").write_bytes(b"")
+    args = argparse.Namespace(resume=str(run), sweep="", reference=False, clients=4, results=str(tmp_path / "r"),
+                              run_config="num-rounds=5")
+    [(name, overrides, run_dir)] = plan_runs(args, "stamp")
+    assert run_dir == run and parse_overrides(overrides) == {"num-rounds": 5, "noise-multiplier": 2.0,
+                                                             "resume": True, "results-dir": str(run)}
+    args.run_config = "noise-multiplier=1.0"  # the run's settings may not change (but for num-rounds)
+    assert launch_refusal(["--resume", str(run), "-c", "noise-multiplier=1.0"]) == (
+        f"resume = true, but the run in {run} was made with other settings: 'noise-multiplier' = 2.0 there, 1.0 now")
+    (run / "checkpoint.npz").unlink()
+    assert launch_refusal(["--resume", str(run)]) == (
+        f"resume = true, but {run / 'checkpoint.npz'} does not exist (the run in {run} completed no round, or this "
+        "is not its folder): set resume = false to start afresh")
+
+
+# ---------------------------------------------------------------- run folders: the owner's, one writer, unique
+
+def test_run_folder_files_are_the_owners_only(tmp_path):
+    import stat
+
+    import numpy as np
+    from flwr.app import ArrayRecord
+
+    from fl_app.results import RunDirectory, plot_runs
+
+    run = RunDirectory(tmp_path / "run")
+    run.write_config({"a": 1})
+    run.write_status("running")
+    run.append_round({"round": 1, "accuracy": 0.5}, {"round": 1})
+    run.write_checkpoint({"rounds": 1}, ArrayRecord([np.zeros(3, np.float32)]))
+    run.write_summary({"strategy": "x"}, {"seconds": 1.0})
+    plot_runs([run.path], run.path / "plot.png")
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in [run.path, *run.path.iterdir()]}
+    assert modes == {"run": "0o700", **{name: "0o600" for name in (
+        ".dpfl-run.lock", "config.json", "status.json", "metrics.jsonl", "diagnostics.jsonl", "checkpoint.npz",
+        "summary.json", "diagnostics-summary.json", "plot.png")}}
+
+
+def test_the_launchers_flower_home_is_the_owners_only(tmp_path):
+    import stat
+
+    from fl_app.launch import own_superlink_env
+
+    own_superlink_env({}, tmp_path / "home")
+    assert oct(stat.S_IMODE((tmp_path / "home").stat().st_mode)) == "0o700"
+
+
+HOLD_LOCK = """
+import sys, time
+from fl_app.results import RunDirectory
+run = RunDirectory(sys.argv[1])
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_run_folder_has_one_writer(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fl_app.results import RunDirectory, RunFolderLockedError, lock_run_folder
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(RunFolderLockedError) as err:
+            RunDirectory(tmp_path)
+        assert str(err.value) == (f"results-dir {tmp_path} is being written by another run (pid {holder.pid} holds "
+                                  f"{tmp_path / '.dpfl-run.lock'}): wait for it to end, or choose another results-dir "
+                                  "or run-name")
+    finally:
+        holder.kill()
+        holder.wait()
+    run = RunDirectory(tmp_path)  # the holder died: its lock went with it
+    with pytest.raises(RunFolderLockedError):
+        RunDirectory(tmp_path)  # a second writer in the same process is refused too
+    run.write_status("completed")  # the run's last word releases the folder
+    os.close(lock_run_folder(tmp_path))
+
+
+def test_two_runs_started_in_the_same_second_get_different_folders(monkeypatch):
+    import time
+
+    from fl_app.config import validate
+    from fl_app.launch import run_stamp
+    from fl_app.results import resolve_run_dir
+
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-120000")
+    cfg = validate({})
+    names = {resolve_run_dir(cfg).name for _ in range(20)}
+    assert len(names) == 20 and all(n.startswith("20260101-120000-") and n.endswith("-dp-fedsam-mnist-embedded")
+                                    for n in names), names
+    assert len({run_stamp() for _ in range(20)}) == 20
+
+
+def previous_run(folder: Path, checkpoint: bool = True) -> Path:
+    """A run folder as a run killed after round 2 leaves it: config, status, two rounds, a checkpoint."""
+    import json
+
+    import numpy as np
+    from flwr.app import ArrayRecord
+
+    from fl_app.config import validate
+    from fl_app.results import RunDirectory
+
+    run = RunDirectory(folder)
+    run.write_config(validate({"results-dir": str(folder)}))
+    run.write_status("running")
+    for r in (1, 2):
+        run.append_round({"round": r, "epsilon": r / 10}, {"round": r})
+    if checkpoint:
+        run.write_checkpoint({"completed_rounds": 2}, ArrayRecord([np.ones(2, np.float32)]))
+    run.close()
+    assert json.loads((folder / "status.json").read_text())["status"] == "running"
+    return folder
+
+
+def test_a_refused_resume_leaves_the_round_files_as_they_were(tmp_path):
+    from fl_app.config import validate
+    from fl_app.results import PreviousRunError, RunDirectory
+
+    folder = previous_run(tmp_path / "run")
+    before = {name: (folder / name).read_bytes() for name in ("metrics.jsonl", "diagnostics.jsonl")}
+    run = RunDirectory(folder, resume=True)
+    with pytest.raises(PreviousRunError, match="'noise-multiplier' = 1.0 there, 2.0 now"):
+        run.write_config(validate({"results-dir": str(folder), "resume": True, "noise-multiplier": 2.0}))
+    assert {name: (folder / name).read_bytes() for name in before} == before
+    assert before["metrics.jsonl"].count(b"\n") == 2
+
+
+def test_the_launcher_fails_a_run_whose_status_is_a_previous_runs(tmp_path):
+    import json
+    import time
+
+    from fl_app.launch import run_status
+
+    (tmp_path / "status.json").write_text(json.dumps({"status": "completed", "time": time.time() - 60}))
+    assert run_status(tmp_path) == "completed"
+    assert run_status(tmp_path, since=time.time()) == "stale"  # the resumed run never wrote: not a success
+
+
+def test_resume_without_a_checkpoint_is_an_error_naming_it(tmp_path):
+    from fl_app.results import PreviousRunError, RunDirectory
+
+    folder = previous_run(tmp_path / "run", checkpoint=False)
+    with pytest.raises(PreviousRunError) as err:
+        RunDirectory(folder, resume=True)
+    assert str(err.value) == (f"resume = true, but {folder / 'checkpoint.npz'} does not exist (the run in {folder} "
+                              "completed no round, or this is not its folder): set resume = false to start afresh")
+    assert (folder / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_a_full_disk_leaves_no_half_written_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from fl_app.results import RunDirectory, read_metrics
+
+    run = RunDirectory(tmp_path / "run")
+    run.write_status("running")
+    run.append_round({"round": 1}, {"round": 1})
+    before = {p.name: p.read_bytes() for p in run.path.iterdir()}
+    real_fsync = os.fsync
+
+    def full(fd):  # the data reached the page cache; the disk refuses it
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        run.write_status("completed")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+
+    class FullFile:  # a write that gets half a line out, then finds the disk full
+        def __init__(self, path):
+            self.f = open(path, "ab")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:5])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: FullFile(f"/proc/self/fd/{fd}"))
+    with pytest.raises(OSError, match="No space left"):
+        run.append_round({"round": 2}, {"round": 2})
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in run.path.iterdir()} == before  # no temp files, no half lines
+    assert read_metrics(run.path) == [{"round": 1}]
