@@ -331,3 +331,126 @@ def test_a_full_disk_leaves_no_half_written_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in run.path.iterdir()} == before  # no temp files, no half lines
     assert read_metrics(run.path) == [{"round": 1}]
+
+
+# ---------------------------------------------------------------- bad data files and caches: one line naming the file
+
+def idx_bytes(array) -> bytes:
+    """An unsigned-byte IDX file holding `array`."""
+    import numpy as np
+
+    return b"\x00\x00\x08" + bytes([array.ndim]) + np.asarray(array.shape, ">i4").tobytes() + array.tobytes()
+
+
+def mnist_folder(folder: Path, train: int = 20, test: int = 10, train_labels: int | None = None) -> Path:
+    """A data-dir with the four MNIST .gz files: `train` and `test` random digits."""
+    import gzip
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    arrays = (rng.integers(0, 256, (train, 28, 28), np.uint8), rng.integers(0, 10, train_labels or train, np.uint8),
+              rng.integers(0, 256, (test, 28, 28), np.uint8), rng.integers(0, 10, test, np.uint8))
+    for stem, array in zip(stems, arrays):
+        (folder / f"{stem}.gz").write_bytes(gzip.compress(idx_bytes(array)))
+    return folder
+
+
+def data_error(folder: Path) -> str:
+    from fl_app.task.data import DataFileError, load_dataset
+
+    with pytest.raises(DataFileError) as err:
+        load_dataset("mnist", str(folder))
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_good_idx_files_load(tmp_path):
+    from fl_app.task.data import load_dataset
+
+    pool, test = load_dataset("mnist", str(mnist_folder(tmp_path / "mnist")))
+    assert (len(pool), len(test), pool.x.shape[1:]) == (20, 10, (1, 28, 28))
+
+
+def test_a_truncated_gz_names_the_file(tmp_path):
+    folder = mnist_folder(tmp_path / "mnist")
+    gz = folder / "train-images-idx3-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[:200])
+    assert data_error(folder) == (f"{gz}: cannot be read as gzip (EOFError: Compressed file ended before the "
+                                  "end-of-stream marker was reached); replace it with a complete copy")
+
+
+def test_garbage_named_gz_names_the_file(tmp_path):
+    folder = mnist_folder(tmp_path / "mnist")
+    gz = folder / "t10k-labels-idx1-ubyte.gz"
+    gz.write_bytes(b"<html>404 Not Found</html>")
+    assert data_error(folder) == (f"{gz}: cannot be read as gzip (BadGzipFile: Not a gzipped file (b'<h')); "
+                                  "replace it with a complete copy")
+
+
+def test_an_idx_file_shorter_than_its_header_says_names_the_file(tmp_path):
+    import gzip
+
+    folder = mnist_folder(tmp_path / "mnist")
+    gz = folder / "train-images-idx3-ubyte.gz"
+    gz.write_bytes(gzip.compress(gzip.decompress(gz.read_bytes())[:1000]))
+    assert data_error(folder) == (f"{gz}: its header says shape (20, 28, 28) (15680 bytes of data), but it holds "
+                                  "984: truncated; replace it with a complete copy")
+
+
+def test_images_and_labels_of_different_counts_are_refused(tmp_path):
+    folder = mnist_folder(tmp_path / "mnist", train_labels=19)
+    assert data_error(folder) == (f"{folder / 'train-images-idx3-ubyte.gz'} holds images of shape (20, 28, 28) and "
+                                  f"{folder / 'train-labels-idx1-ubyte.gz'} labels of shape (19,): expected (N, H, W) "
+                                  "and (N,) with the same N")
+
+
+def test_a_plain_file_shadowing_the_gz_is_named_with_the_gz(tmp_path):
+    folder = mnist_folder(tmp_path / "mnist")
+    (folder / "train-labels-idx1-ubyte").write_bytes(b"partial")
+    assert data_error(folder) == (
+        f"{folder / 'train-labels-idx1-ubyte'}: not an unsigned-byte IDX file (it starts with b'part', not "
+        "b'\\x00\\x00\\x08'); replace it with a complete copy (it is read instead of train-labels-idx1-ubyte.gz "
+        "beside it: remove one of the two)")
+
+
+@pytest.mark.parametrize("corruption", ["empty", "truncated", "wrong keys"])
+def test_a_corrupted_cache_file_is_rebuilt_with_a_warning_naming_it(tmp_path, monkeypatch, corruption):
+    import io
+
+    import numpy as np
+
+    from fl_app.task import data
+
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
+    x, y = data._embedded_images("digits")
+    [cache] = tmp_path.glob("decoded-*.npz")
+    good = cache.read_bytes()
+    wrong = io.BytesIO()
+    np.savez(wrong, x=np.zeros(3))
+    cache.write_bytes({"empty": b"", "truncated": good[: len(good) // 2], "wrong keys": wrong.getvalue()}[corruption])
+    with pytest.warns(UserWarning, match=f"cache file {cache} is corrupted .*: rebuilding it"):
+        x2, y2 = data._embedded_images("digits")
+    np.testing.assert_array_equal(x2, x)
+    np.testing.assert_array_equal(y2, y)
+    assert cache.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == [cache.name]
+
+
+def test_a_full_disk_leaves_no_half_written_cache_file(tmp_path, monkeypatch):
+    import errno
+
+    import numpy as np
+
+    from fl_app.task import data
+
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
+
+    def half_then_full(f, **arrays):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", half_then_full)
+    x, y = data._embedded_images("digits")  # the cache could not be written: the decoded arrays all the same
+    assert x.shape == (1797, 8, 8) and list(tmp_path.iterdir()) == []
