@@ -18,7 +18,8 @@ What it does, so that nothing is left behind:
    FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
    (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
 4. ends the SuperLink and the Ray head it started, by PID and process group, also after Ctrl-C or a failed run, and exits
-   non-zero unless every run folder says `completed` (status.json).
+   non-zero unless every run folder says `completed` (status.json); a SIGKILLed launcher takes them along too
+   (each child gets SIGTERM when it dies, PR_SET_PDEATHSIG, and a watchdog process ends what they leave).
 
 The tools come from this Python's own environment (`.venv/bin/python -m fl_app.launch` works without an
 activated venv); `kill -USR1 <launcher pid>` prints where the launcher is, should it ever seem stuck.
@@ -27,6 +28,7 @@ activated venv); `kill -USR1 <launcher pid>` prints where the launcher is, shoul
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import json
 import os
@@ -83,6 +85,50 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     return env, http_port, control_port
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher(sig: int = signal.SIGTERM):
+    """A Popen preexec_fn: the child gets `sig` when the launcher dies, however it dies (SIGKILL included, when
+    no `finally` runs), so that its SuperLink, Ray head and `flwr run` never outlive it. SIGTERM: each ends what
+    it started itself. Linux only (prctl PR_SET_PDEATHSIG); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc, launcher = ctypes.CDLL(None, use_errno=True), os.getpid()  # loaded before the fork
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != launcher:  # the launcher died before prctl: nobody would signal this child
+            os._exit(1)
+
+    return preexec
+
+
+def watchdog(home: str) -> None:
+    """The launcher's watchdog process: reads its stdin (a pipe from the launcher) to the end; an end without
+    "done" means the launcher died before its cleanup (SIGKILL, an OOM kill): end every process of its
+    private FLWR_HOME, what the SuperLink's SIGTERM leaves (its `flwr-simulation`) included."""
+    if sys.stdin.read() != "done":
+        end_processes_with_home(home, grace=3)  # no one waits for their results any more
+
+
+def start_watchdog(home: Path) -> subprocess.Popen:
+    """`watchdog(home)` in a session of its own (Ctrl-C to the launcher's terminal does not reach it); the
+    launcher writes "done" to its stdin after its own cleanup (`release_watchdog`)."""
+    env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+    code = "import sys; from fl_app.launch import watchdog; watchdog(sys.argv[1])"
+    return subprocess.Popen([sys.executable, "-c", code, str(home)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+
+
+def release_watchdog(proc: subprocess.Popen) -> None:
+    """The launcher's cleanup is done: the watchdog exits without ending anything."""
+    try:
+        proc.communicate("done", timeout=10)
+    except (subprocess.TimeoutExpired, BrokenPipeError):
+        proc.kill()
+
+
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
 
 
@@ -111,18 +157,18 @@ def start_ray_head(env: dict, log_file: Path) -> RayHead:
     (`ray_token_auth`; without it anyone who can reach its port runs code as this user). `wait_ray_head`
     waits for it, `stop_ray_head` ends it by PID and group."""
     taken: set[int] = set()
-    temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))
+    temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
     port = free_port(taken)
     auth = ray_token_auth()
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--include-dashboard=false",
-           "--disable-usage-stats", "--temp-dir", str(temp),
+           "--disable-usage-stats", "--temp-dir", str(temp / "r"),
            "--dashboard-agent-listen-port", str(free_port(taken)), "--metrics-export-port", str(free_port(taken)),
            "--ray-client-server-port", str(free_port(taken)),
            "--min-worker-port", "0", "--max-worker-port", "0"]  # workers: ports the OS picks (Ray: 10002-19999)
     with open(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
         proc = subprocess.Popen(cmd, env={**env, **auth}, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_launcher())
     return RayHead(proc, temp, {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth})
 
 
@@ -154,7 +200,7 @@ def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path
            "--log-file", str(log_file)]
     os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT, 0o600))  # the owner's only (the SuperLink appends)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_launcher())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -201,7 +247,7 @@ def flwr_run(env: dict, run_config: str, clients: int) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
            "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    return subprocess.call(cmd, env=env)
+    return subprocess.call(cmd, env=env, preexec_fn=die_with_launcher())
 
 
 def format_run_config(values: dict) -> str:
@@ -354,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
+    guard = start_watchdog(Path(env["FLWR_HOME"]))  # ends what the launcher started should it be SIGKILLed
     own_ray = not env.get("RAY_ADDRESS")  # a cluster the user named keeps its own settings
     head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and own_ray else None
     if head is not None:
@@ -380,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_ray_head(head)  # first, as a group (its agents, signalled one by one by stop(), linger 20 s)
         stop(proc, env["FLWR_HOME"])
+        release_watchdog(guard)
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
         d = json.loads((run_dir / "diagnostics-summary.json").read_text())

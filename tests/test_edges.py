@@ -454,3 +454,45 @@ def test_a_full_disk_leaves_no_half_written_cache_file(tmp_path, monkeypatch):
     monkeypatch.setattr(np, "savez", half_then_full)
     x, y = data._embedded_images("digits")  # the cache could not be written: the decoded arrays all the same
     assert x.shape == (1797, 8, 8) and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- a SIGKILLed launcher takes its processes with it
+
+@pytest.mark.slow
+def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
+    """SIGKILL (no handler, no `finally`) to the launcher alone, mid-run: its SuperLink, the simulation and the
+    Ray head go too (each child dies with its parent: PR_SET_PDEATHSIG, and its own cleanup on SIGTERM)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_launch import describe, processes_mentioning, processes_named
+
+    results, log_path = tmp_path / "results", tmp_path / "launch.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
+             "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not [m for m in results.glob("*-dp/metrics.jsonl") if m.read_text()]:
+            assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        assert processes_named("flwr-simulation", str(results)) and processes_named("gcs_server", str(results))
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        t0 = time.monotonic()
+        while processes_mentioning(str(results)) and time.monotonic() - t0 < 30:
+            time.sleep(0.5)
+        left = describe(processes_mentioning(str(results)))
+        print(f"{len(left)} processes left {time.monotonic() - t0:.1f} s after the launcher's SIGKILL")
+        assert left == []
+    finally:
+        for pid in processes_mentioning(str(results)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
