@@ -496,3 +496,34 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
+    """`--resume RUN_DIR -c num-rounds=2` continues a 1-round run to 2 rounds (the settings from its config.json);
+    a resume with other settings exits 1 before anything starts and leaves the round files as they were."""
+    import json
+    import subprocess
+    import sys
+
+    from fl_app.results import read_metrics
+
+    results = tmp_path / "results"
+
+    def launch(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
+                               *argv], cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+    first = launch("-c", "num-rounds=1 dataset='digits' model='mlp' partitioner='iid' local-steps=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    [run] = results.glob("*-dp")
+    resumed = launch("--resume", str(run), "-c", "num-rounds=2")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["resumed_after_round"], summary["rounds_completed"]) == (1, 2)
+    assert [r["round"] for r in read_metrics(run)] == [1, 2]
+    before = (run / "metrics.jsonl").read_bytes()
+    changed = launch("--resume", str(run), "-c", "num-rounds=3 lr=0.5")
+    assert changed.returncode == 1 and changed.stderr == (
+        f"resume = true, but the run in {run} was made with other settings: 'lr' = 0.1 there, 0.5 now\n")
+    assert (run / "metrics.jsonl").read_bytes() == before
