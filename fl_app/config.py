@@ -7,6 +7,7 @@ allowed, and runs before any training starts.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -30,6 +31,11 @@ from fl_app.task.models import MODELS
 FLOAT_MAX = 1e6  # no float key needs more; larger values overflow the accountants or the model
 INT_MAX = 10**7  # rounds, steps, epochs, sizes
 NOISE_RANGE = (1e-3, 1e3)  # noise multipliers: below, Opacus' RDP divides by ~0; above, it takes seconds per call
+RATE_MIN = 1e-6  # sample-rate and mu-max: smaller values gave a NaN model (1 / q) or a ZeroDivisionError (1 / mu-max)
+AUDIT_CANARIES_MAX = 10_000  # each canary is a model-sized vector held by the server: 1e7 of them ran out of memory
+# results-dir may not be the filesystem root nor lie in these trees (the launcher runs as any user, root included)
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys",
+                "/usr")
 
 
 class ConfigError(ValueError):
@@ -46,6 +52,7 @@ class Key:
     low_open: bool = False
     high_open: bool = False
     nonzero_low: float | None = None  # 0, or at least this (noise multipliers: the accountants' range)
+    note: str = ""  # why the bounds are what they are, added to the error message
 
     @property
     def upper(self) -> float:
@@ -64,7 +71,7 @@ class Key:
             interval = f"{'(' if self.low_open else '['}{lo}, {self.upper:g}{')' if self.high_open else ']'}"
             kind += (f": 0 or in [{self.nonzero_low:g}, {self.upper:g}]" if self.nonzero_low is not None
                      else f" in {interval}")
-        return kind
+        return f"{kind} ({self.note})" if self.note else kind
 
 
 SPEC: dict[str, Key] = {
@@ -81,7 +88,7 @@ SPEC: dict[str, Key] = {
     "num-rounds": Key(30, "federated rounds", low=1),
     "eval-every": Key(1, "evaluation (the server's, and the clients' where the algorithm has it) every N rounds "
                          "and after the last", low=1),
-    "sample-rate": Key(0.5, "q: probability that a client is sampled in a round", low=0, high=1, low_open=True),
+    "sample-rate": Key(0.5, "q: probability that a client is sampled in a round", low=RATE_MIN, high=1),
     "client-sampling": Key("poisson", "client sampling scheme", CLIENT_SAMPLINGS),
     "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),
     "round-timeout": Key(3600.0, "seconds a message exchange waits for client replies; a reply not in by then, "
@@ -135,11 +142,12 @@ SPEC: dict[str, Key] = {
     "mu-source": Key("server", "ali-dpfl: where mu is estimated (server data: free; clients: noised, charged)",
                      MU_SOURCES),
     "mu-max": Key(1.0, "ali-dpfl, mu-source = clients: each client's mu ratio is clipped to [0, mu-max]",
-                  low=0, low_open=True),
+                  low=RATE_MIN, note="the clients' mu ratios are divided by it"),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
                                low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
     "audit-canaries": Key(0, "K canary clients for the one-shot empirical privacy estimate (Andrew et al.), "
-                             "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0),
+                             "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0,
+                          high=AUDIT_CANARIES_MAX, note="each canary is a model-sized vector in the server's memory"),
     "audit-canary-kind": Key("isotropic", "canary directions: 'isotropic' (random, the paper's) or 'smooth' (coarse "
                                           "Haar directions, where noise that is weak along smooth directions shows)",
                              ("isotropic", "smooth")),
@@ -207,12 +215,40 @@ def _check_creatable(key: str, path: str) -> None:
         raise ConfigError(f"run-config key '{key}' = {path!r}: cannot be created ({folder!r} is not a writable folder)")
 
 
+def _check_results_dir(path: str) -> None:
+    """results-dir is not the filesystem root, lies in no system tree, and is new, empty or a dpfl run folder
+    (whatever else a folder holds would be mixed with the run's files, or overwritten)."""
+    from fl_app.results import RUN_FILES
+
+    folder = os.path.realpath(os.path.expanduser(path))
+    system = next((t for t in SYSTEM_TREES if folder == t or folder.startswith(t + "/")), None)
+    if folder == "/" or system:
+        where = "the filesystem root" if folder == "/" else f"in the system tree {system}"
+        raise ConfigError(f"run-config key 'results-dir' = {path!r}: must be a folder outside the filesystem root "
+                          f"and {', '.join(SYSTEM_TREES)}; {folder!r} is {where}")
+    if os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, f)) for f in RUN_FILES):
+        others = sorted(os.listdir(folder))
+        if others:
+            raise ConfigError(f"run-config key 'results-dir' = {path!r}: must be a new or empty folder, or a dpfl "
+                              f"run folder (one holding {' or '.join(RUN_FILES)}); it holds {len(others)} other "
+                              f"entries ({', '.join(map(repr, others[:3]))}{', ...' if len(others) > 3 else ''})")
+
+
+def _unknown_keys(run_config: Mapping[str, Any]) -> ConfigError:
+    """The error for keys not in SPEC: each with its close matches (a misspelling), then every known key."""
+    def one(key: str) -> str:
+        close = difflib.get_close_matches(key, SPEC, n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        return f"'{key}' = {run_config[key]!r}{hint}"
+
+    unknown = sorted(set(run_config) - set(SPEC))
+    return ConfigError(f"unknown run-config key(s) {', '.join(map(one, unknown))}; known keys: {', '.join(SPEC)}")
+
+
 def validate(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """Defaults filled in, every key checked, combinations checked; raises ConfigError."""
-    unknown = sorted(set(run_config) - set(SPEC))
-    if unknown:
-        given = ", ".join(f"'{k}' = {run_config[k]!r}" for k in unknown)
-        raise ConfigError(f"unknown run-config key(s) {given}; known keys: {', '.join(SPEC)}")
+    if set(run_config) - set(SPEC):
+        raise _unknown_keys(run_config)
     cfg = {k: spec.default for k, spec in SPEC.items()}
     for key, value in run_config.items():
         cfg[key] = _check_type(key, value, SPEC[key])
@@ -234,6 +270,7 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
     if cfg["data-dir"] and not os.path.isdir(os.path.expanduser(cfg["data-dir"])):
         raise ConfigError(f"run-config key 'data-dir' = {cfg['data-dir']!r}: must be an existing folder")
     if cfg["results-dir"]:
+        _check_results_dir(cfg["results-dir"])
         _check_creatable("results-dir", cfg["results-dir"])
     if cfg["run-name"] and ("/" in cfg["run-name"] or cfg["run-name"] in (".", "..")):
         raise ConfigError(f"run-config key 'run-name' = {cfg['run-name']!r}: must be a plain folder name")

@@ -1,8 +1,11 @@
 """Run the app with `flwr run` in local simulation, and clean up after it.
 
     python -m fl_app.launch [--clients N] [--reference] [-c "key=value ..."] [--sweep "key=v1,v2,..."]
+    python -m fl_app.launch --resume RUN_DIR [--clients N] [-c "num-rounds=..."]
 
 What it does, so that nothing is left behind:
+0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will) and --clients
+   against min-nodes, and exits with the one-line reason before it starts anything;
 1. starts its own local simulation SuperLink on free ports with a private FLWR_HOME (never one
    that is already running: `flwr run` is pointed at this one), with runtime dependency
    installation and telemetry off, and remembers its PID; next to it, a Ray head of its own that every
@@ -10,12 +13,13 @@ What it does, so that nothing is left behind:
    (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does); either Ray takes only drivers
    with the launch's random token (`ray_token_auth`);
 2. `flwr run . --stream` with N simulated clients, one CPU each, and
-   results-dir = ./results/<name>;
+   results-dir = ./results/<time>-<random>-<name> (or the results-dir given; --resume: the run folder);
 3. with --reference, a second run without clipping or noise (the non-private
    FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
    (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
 4. ends the SuperLink and the Ray head it started, by PID and process group, also after Ctrl-C or a failed run, and exits
-   non-zero unless every run folder says `completed` (status.json).
+   non-zero unless every run folder says `completed` (status.json); a SIGKILLed launcher takes them along too
+   (each child gets SIGTERM when it dies, PR_SET_PDEATHSIG, and a watchdog process ends what they leave).
 
 The tools come from this Python's own environment (`.venv/bin/python -m fl_app.launch` works without an
 activated venv); `kill -USR1 <launcher pid>` prints where the launcher is, should it ever seem stuck.
@@ -24,9 +28,11 @@ activated venv); `kill -USR1 <launcher pid>` prints where the launcher is, shoul
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -74,6 +80,7 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     taken: set[int] = set()
     http_port, control_port = free_port(taken), free_port(taken)
     home.mkdir(parents=True, exist_ok=True)
+    home.chmod(0o700)  # its state.db: the runs' configs and messages
     env = {**base, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
            "FLWR_LOCAL_CONTROL_API_PORT": str(control_port), "PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}"}
     return env, http_port, control_port
@@ -89,6 +96,50 @@ def superlink_hint(env: dict, http_port: int, control_port: int) -> str:
     return (f"SuperLink of this launch: 127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}. "
             f"While it runs, from another shell (flwr log follows the run; --show prints what is there):"
             f"\n  {prefix} {flwr} ls\n  {prefix} {flwr} log <run-id>")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher(sig: int = signal.SIGTERM):
+    """A Popen preexec_fn: the child gets `sig` when the launcher dies, however it dies (SIGKILL included, when
+    no `finally` runs), so that its SuperLink, Ray head and `flwr run` never outlive it. SIGTERM: each ends what
+    it started itself. Linux only (prctl PR_SET_PDEATHSIG); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc, launcher = ctypes.CDLL(None, use_errno=True), os.getpid()  # loaded before the fork
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != launcher:  # the launcher died before prctl: nobody would signal this child
+            os._exit(1)
+
+    return preexec
+
+
+def watchdog(home: str) -> None:
+    """The launcher's watchdog process: reads its stdin (a pipe from the launcher) to the end; an end without
+    "done" means the launcher died before its cleanup (SIGKILL, an OOM kill): end every process of its
+    private FLWR_HOME, what the SuperLink's SIGTERM leaves (its `flwr-simulation`) included."""
+    if sys.stdin.read() != "done":
+        end_processes_with_home(home, grace=3)  # no one waits for their results any more
+
+
+def start_watchdog(home: Path) -> subprocess.Popen:
+    """`watchdog(home)` in a session of its own (Ctrl-C to the launcher's terminal does not reach it); the
+    launcher writes "done" to its stdin after its own cleanup (`release_watchdog`)."""
+    env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+    code = "import sys; from fl_app.launch import watchdog; watchdog(sys.argv[1])"
+    return subprocess.Popen([sys.executable, "-c", code, str(home)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+
+
+def release_watchdog(proc: subprocess.Popen) -> None:
+    """The launcher's cleanup is done: the watchdog exits without ending anything."""
+    try:
+        proc.communicate("done", timeout=10)
+    except (subprocess.TimeoutExpired, BrokenPipeError):
+        proc.kill()
 
 
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
@@ -119,18 +170,18 @@ def start_ray_head(env: dict, log_file: Path) -> RayHead:
     (`ray_token_auth`; without it anyone who can reach its port runs code as this user). `wait_ray_head`
     waits for it, `stop_ray_head` ends it by PID and group."""
     taken: set[int] = set()
-    temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))
+    temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
     port = free_port(taken)
     auth = ray_token_auth()
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--include-dashboard=false",
-           "--disable-usage-stats", "--temp-dir", str(temp),
+           "--disable-usage-stats", "--temp-dir", str(temp / "r"),
            "--dashboard-agent-listen-port", str(free_port(taken)), "--metrics-export-port", str(free_port(taken)),
            "--ray-client-server-port", str(free_port(taken)),
            "--min-worker-port", "0", "--max-worker-port", "0"]  # workers: ports the OS picks (Ray: 10002-19999)
-    with open(log_file, "wb") as log:
+    with open(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
         proc = subprocess.Popen(cmd, env={**env, **auth}, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_launcher())
     return RayHead(proc, temp, {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth})
 
 
@@ -160,8 +211,9 @@ def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path
            "--control-api-address", f"127.0.0.1:{control_port}", "--host", "127.0.0.1",
            "--port", str(http_port), "--database", str(Path(env["FLWR_HOME"]) / "state.db"),
            "--log-file", str(log_file)]
+    os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT, 0o600))  # the owner's only (the SuperLink appends)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_launcher())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -194,17 +246,21 @@ def stop(proc: subprocess.Popen | None, home: str) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def run_status(run_dir: Path) -> str:
-    """What the run folder says: completed, failed, running (a ServerApp that died), or missing."""
+def run_status(run_dir: Path, since: float = 0.0) -> str:
+    """What the run folder says: completed, failed, running (a ServerApp that died), or missing; `stale` when
+    its status.json was written before `since` (a previous run's, e.g. of a resume that was refused)."""
     status = run_dir / "status.json"
-    return json.loads(status.read_text()).get("status", "missing") if status.exists() else "missing"
+    if not status.exists():
+        return "missing"
+    record = json.loads(status.read_text())
+    return record.get("status", "missing") if record.get("time", 0) >= since else "stale"
 
 
 def flwr_run(env: dict, run_config: str, clients: int) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
            "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    return call_plain_when_piped(cmd, env)  # Flower's colour codes only on a terminal
+    return call_plain_when_piped(cmd, env, preexec_fn=die_with_launcher())  # colour codes only on a terminal
 
 
 def format_run_config(values: dict) -> str:
@@ -236,6 +292,96 @@ def sweep_runs(run_config: str, sweep: str) -> list[tuple[str, str]]:
             for v in values.split(",") if v.strip()]
 
 
+def run_stamp() -> str:
+    """The start of this launch's run folder names: time to the second and 4 random hex digits, so that two
+    launches in the same second into the same --results get different folders."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def app_defaults() -> dict:
+    """The app's run config as `flwr run` starts from it: pyproject.toml's [tool.flwr.app.config]."""
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+
+CONFIG_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")  # flwr.common.config.parse_config_args' pattern
+
+
+def parse_overrides(run_config: str) -> dict:
+    """`key=value ...` as `flwr run --run-config` parses it; a malformed string exits with Flower's reason."""
+    import click
+    from flwr.common.config import parse_config_args
+
+    try:
+        parsed = parse_config_args([run_config]) if run_config.strip() else {}
+    except (click.ClickException, ValueError) as exc:
+        raise SystemExit(f"-c {run_config!r}: {getattr(exc, 'message', exc)}") from None
+    toml_file = run_config.strip().endswith(".toml")  # flwr run -c also takes a TOML file of overrides
+    stray = [] if toml_file else CONFIG_PAIR.sub(" ", run_config).split()  # what Flower's parser skips silently
+    if stray:
+        raise SystemExit(f"-c {run_config!r}: {', '.join(map(repr, stray))} is not key=value (without spaces "
+                         "around '='; quote strings: key='text')")
+    return parsed
+
+
+def resume_run_config(run_dir: Path, run_config: str) -> str:
+    """The run config that continues the run in `run_dir`: its config.json's settings (those that differ from
+    the defaults), then `run_config`'s overrides (e.g. num-rounds), resume = true and its results-dir."""
+    from fl_app.config import SPEC
+
+    previous = run_dir / "config.json"
+    if not previous.is_file():
+        raise SystemExit(f"--resume {run_dir}: {previous} does not exist (not a dpfl run folder)")
+    settings = {k: v for k, v in json.loads(previous.read_text()).items()
+                if k in SPEC and v != SPEC[k].default and k not in ("resume", "results-dir")}
+    settings.update(parse_overrides(run_config))
+    return format_run_config({**settings, "resume": True, "results-dir": str(run_dir)})
+
+
+def plan_runs(args: argparse.Namespace, stamp: str) -> list[tuple[str, str, Path]]:
+    """(name, run config for `flwr run`, run folder) of each run of this launch, each config (pyproject's
+    defaults and the overrides) validated as the ServerApp will, and --clients against min-nodes: a bad
+    value exits here with the one-line reason, before any process starts."""
+    if args.resume:
+        if args.sweep or args.reference:
+            raise SystemExit("--resume continues one run: it takes no --sweep or --reference")
+        runs = [("resumed", resume_run_config(Path(args.resume).resolve(), args.run_config))]
+    else:
+        runs = sweep_runs(args.run_config, args.sweep) if args.sweep else [("dp", args.run_config)]
+        if args.reference:
+            runs.append(("reference", reference_run_config(args.run_config)))
+    return [check_run(name, overrides, args, stamp, len(runs)) for name, overrides in runs]
+
+
+def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, count: int) -> tuple[str, str, Path]:
+    """One run of `plan_runs`: its folder (the results-dir it names, else <--results>/<stamp>-<name>) and its
+    validated config; SystemExit with the reason otherwise."""
+    from fl_app.config import ConfigError, validate
+    from fl_app.results import PreviousRunError, check_resumable
+
+    if args.clients < 1:
+        raise SystemExit(f"--clients {args.clients}: must be at least 1")
+    given = parse_overrides(overrides)
+    if "results-dir" in given and count > 1:
+        raise SystemExit(f"run-config key 'results-dir' = {given['results-dir']!r} names one folder for {count} "
+                         "runs (--sweep, --reference): leave it out, and each run gets its own under --results")
+    if "results-dir" not in given:
+        given["results-dir"] = str(Path(args.results, f"{stamp}-{name}").resolve())
+        overrides = f"{overrides} results-dir='{given['results-dir']}'".strip()
+    try:
+        cfg = validate({**app_defaults(), **given})
+        if cfg["resume"]:
+            check_resumable(Path(cfg["results-dir"]), cfg)
+    except (ConfigError, PreviousRunError) as exc:
+        raise SystemExit(str(exc)) from None
+    if args.clients < cfg["min-nodes"]:
+        raise SystemExit(f"--clients {args.clients} is fewer than run-config key 'min-nodes' = {cfg['min-nodes']}: "
+                         f"the run would wait for nodes that never come; pass --clients {cfg['min-nodes']} (or more), "
+                         f"or -c \"min-nodes={max(args.clients, 1)}\"")
+    return name, overrides, Path(cfg["results-dir"])
+
+
 def exit_on_signal(signum: int, _frame) -> None:
     """SIGTERM / SIGHUP end the launcher through its `finally` (which stops the SuperLink and all it started),
     not at once as Python's default would, leaving the simulation and Ray running."""
@@ -249,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help="also run the non-private reference")
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
     parser.add_argument("--sweep", default="", help="one run per value: 'key=v1,v2,...' (e.g. noise-multiplier=0.5,1,2)")
+    parser.add_argument("--resume", default="", metavar="RUN_DIR",
+                        help="continue the run in this folder from its last checkpoint, with its settings (-c: "
+                             "e.g. more num-rounds); pass the same --clients as the run had")
     parser.add_argument("--no-ray-head", dest="ray_head", action="store_false",
                         help="let each run start Ray itself (default: one Ray head for all runs of this launch, "
                              "unless RAY_ADDRESS already names a cluster)")
@@ -259,13 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, exit_on_signal)
 
     base = {**os.environ, **QUIET_ENV}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    runs = sweep_runs(args.run_config, args.sweep) if args.sweep else [("dp", args.run_config)]
-    if args.reference:
-        runs.append(("reference", reference_run_config(args.run_config)))
+    stamp = run_stamp()
+    runs = plan_runs(args, stamp)  # every run's config checked before anything starts
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
+    guard = start_watchdog(Path(env["FLWR_HOME"]))  # ends what the launcher started should it be SIGKILLed
     own_ray = not env.get("RAY_ADDRESS")  # a cluster the user named keeps its own settings
     head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and own_ray else None
     if head is not None:
@@ -281,10 +429,10 @@ def main(argv: list[str] | None = None) -> int:
             stop(proc, env["FLWR_HOME"])
             del env["RAY_ADDRESS"]  # each run's own Ray, with the head's token
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
-        for name, overrides in runs:
-            run_dir = Path(args.results, f"{stamp}-{name}").resolve()
-            rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients)
-            status = run_status(run_dir)
+        for name, overrides, run_dir in runs:
+            started = time.time()
+            rc = flwr_run(env, overrides, args.clients)
+            status = run_status(run_dir, since=started)
             if rc != 0 or status != "completed":
                 print(f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "
                       "see the log above and its status.json", file=sys.stderr)
@@ -293,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_ray_head(head)  # first, as a group (its agents, signalled one by one by stop(), linger 20 s)
         stop(proc, env["FLWR_HOME"])
+        release_watchdog(guard)
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
         d = json.loads((run_dir / "diagnostics-summary.json").read_text())

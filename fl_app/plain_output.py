@@ -29,14 +29,15 @@ def copy_plain(source: TextIO, target: TextIO) -> None:
         target.flush()
 
 
-def call_plain_when_piped(cmd: list[str], env: dict | None = None) -> int:
-    """`subprocess.call(cmd, env=env)`, except that what would reach a non-terminal stdout or stderr loses its
+def call_plain_when_piped(cmd: list[str], env: dict | None = None, preexec_fn=None) -> int:
+    """`subprocess.call(cmd, env=env, preexec_fn=preexec_fn)`, except that what would reach a non-terminal stdout or stderr loses its
     ANSI codes on the way. Streams going to a terminal are the child's own, as before."""
     targets = {name: getattr(sys, name) for name in ("stdout", "stderr") if not getattr(sys, name).isatty()}
     if not targets:
-        return subprocess.call(cmd, env=env)
+        return subprocess.call(cmd, env=env, preexec_fn=preexec_fn)
     pipe = {name: subprocess.PIPE if name in targets else None for name in ("stdout", "stderr")}
-    with subprocess.Popen(cmd, env=env, text=True, errors="replace", bufsize=1, **pipe) as proc:
+    with subprocess.Popen(cmd, env=env, text=True, errors="replace", bufsize=1, preexec_fn=preexec_fn,
+                          **pipe) as proc:
         copiers = [threading.Thread(target=copy_plain, args=(getattr(proc, name), target), daemon=True)
                    for name, target in targets.items()]
         for copier in copiers:

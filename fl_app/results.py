@@ -12,11 +12,14 @@ TensorBoard events for older run folders.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import secrets
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +41,27 @@ def json_safe(obj):
     return obj
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append `line` to `path` (created 0600), or nothing: a failed write (a full disk) is cut off again, so
+    no half line is left for the readers."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            with os.fdopen(os.dup(fd), "wb") as f:
+                f.write(line.encode())
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
 def resolve_run_dir(cfg: dict) -> Path:
-    """results-dir if given, else ~/dpfl-results/<run-name or time-algorithm-dataset>."""
-    name = cfg["run-name"] or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg['algorithm']}-{cfg['dataset']}"
+    """results-dir if given, else ~/dpfl-results/<run-name or time-random-algorithm-dataset> (4 random hex
+    digits: two runs started in the same second get different folders)."""
+    name = cfg["run-name"] or (f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}-{cfg['algorithm']}-"
+                               f"{cfg['dataset']}")
     base = Path(os.path.expanduser(cfg["results-dir"])) if cfg["results-dir"] else Path.home() / "dpfl-results" / name
     return base.resolve()
 
@@ -49,7 +70,58 @@ class PreviousRunError(ValueError):
     """The results folder holds another run that this one would overwrite or mix with."""
 
 
+class RunFolderLockedError(PreviousRunError):
+    """Another process is writing the run folder (it holds the folder's lock file)."""
+
+
 RESUMABLE_KEYS = ("resume", "num-rounds")  # what may change between a run and its resumption
+LOCK_FILE = ".dpfl-run.lock"  # held (flock) by the run's one writer
+RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoint.npz", LOCK_FILE)  # any: a dpfl run folder
+TERMINAL_STATUSES = ("completed", "failed")  # written last: the lock is released with them
+
+
+def no_checkpoint_error(path: Path) -> PreviousRunError:
+    """The error of a resume with no checkpoint to continue from (never a silent fresh start)."""
+    return PreviousRunError(f"resume = true, but {path / 'checkpoint.npz'} does not exist (the run in {path} "
+                            "completed no round, or this is not its folder): set resume = false to start afresh")
+
+
+def config_differences(path: Path, cfg: dict) -> list[str]:
+    """What differs, but for RESUMABLE_KEYS, between `cfg` and the config.json of the run in `path`."""
+    previous_file = path / "config.json"
+    if not previous_file.exists():
+        return []
+    previous = json.loads(previous_file.read_text())
+    return [f"'{k}' = {previous.get(k)!r} there, {cfg.get(k)!r} now" for k in sorted(set(previous) | set(cfg))
+            if k not in RESUMABLE_KEYS and json_safe(previous.get(k)) != json_safe(cfg.get(k))]
+
+
+def check_resumable(path: Path, cfg: dict) -> None:
+    """Can the run in `path` be continued with `cfg` (a checkpoint, the same settings)? PreviousRunError if not;
+    the launcher asks before it starts anything."""
+    if not (path / "checkpoint.npz").is_file():
+        raise no_checkpoint_error(path)
+    differ = config_differences(path, cfg)
+    if differ:
+        raise PreviousRunError(f"resume = true, but the run in {path} was made with other settings: "
+                               + ", ".join(differ))
+
+
+def lock_run_folder(path: Path) -> int:
+    """An open descriptor of `path`'s lock file, flock'ed exclusively (released when it is closed, also when the
+    process dies); RunFolderLockedError, naming the folder and the holder's pid, if another writer has it."""
+    lock = path / LOCK_FILE
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RunFolderLockedError(f"results-dir {path} is being written by another run (pid {holder} holds "
+                                   f"{lock}): wait for it to end, or choose another results-dir or run-name") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class RunDirectory:
@@ -58,61 +130,76 @@ class RunDirectory:
     Files: config.json, status.json (running / completed / failed), metrics.jsonl and
     diagnostics.jsonl (one line per round each), checkpoint.npz (after every round: the global arrays
     and the strategy's whole state, the ledger included, replaced atomically), summary.json,
-    diagnostics-summary.json and plot.png at the end.
+    diagnostics-summary.json and plot.png at the end. The folder is the owner's only (0700, files 0600),
+    and has one writer: this object holds its lock file (LOCK_FILE) until the run's last status
+    (completed or failed), `close()`, or its end.
 
     A folder that holds a previous run is refused unless `resume`: then the checkpoint is read
-    (`checkpoint`), the config must match the previous one (but for RESUMABLE_KEYS), and the
-    caller rewrites the round files from the checkpoint's history (`rewrite_rounds`), so no round
-    appears twice.
+    (`checkpoint`; none is an error), the config must match the previous one (but for RESUMABLE_KEYS), and
+    the caller rewrites the round files from the checkpoint's history (`rewrite_rounds`), so no round
+    appears twice. Nothing is changed in the folder before those checks pass.
     """
 
     def __init__(self, path: Path | str, *, resume: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
         self.metrics_file = self.path / "metrics.jsonl"
         self.diagnostics_file = self.path / "diagnostics.jsonl"
         self.checkpoint_file = self.path / "checkpoint.npz"
-        self.checkpoint = self.read_checkpoint()
-        previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
-        if not resume and (self.checkpoint is not None or previous_rounds):
-            raise PreviousRunError(
-                f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
-                f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue it, "
-                "or choose another results-dir or run-name")
-        self.rewrite_rounds([])
+        self._lock = lock_run_folder(self.path)
+        self._release = weakref.finalize(self, os.close, self._lock)
+        try:
+            self.checkpoint = self.read_checkpoint()
+            previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
+            if resume and self.checkpoint is None:
+                raise no_checkpoint_error(self.path)
+            if not resume and (self.checkpoint is not None or previous_rounds):
+                raise PreviousRunError(
+                    f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
+                    f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue "
+                    "it, or choose another results-dir or run-name")
+        except BaseException:
+            self.close()
+            raise
+        if not resume:
+            self.rewrite_rounds([])
+
+    def close(self) -> None:
+        """Release the folder's lock (another process may then write it)."""
+        self._release()
 
     def _write_json(self, name: str, obj) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(json_safe(obj), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path / name)
+        text = json.dumps(json_safe(obj), indent=2, sort_keys=True) + "\n"
+        atomic_write(self.path / name, lambda f: f.write(text.encode()))
 
     def write_config(self, cfg: dict) -> None:
         """config.json; resuming, the previous run's config must agree (but for RESUMABLE_KEYS)."""
-        previous_file = self.path / "config.json"
-        if self.checkpoint is not None and previous_file.exists():
-            previous = json.loads(previous_file.read_text())
-            differ = sorted(k for k in set(previous) | set(cfg) if k not in RESUMABLE_KEYS
-                            and json_safe(previous.get(k)) != json_safe(cfg.get(k)))
-            if differ:
-                raise PreviousRunError(
-                    f"resume = true, but the run in {self.path} was made with other settings: "
-                    + ", ".join(f"'{k}' = {previous.get(k)!r} there, {cfg.get(k)!r} now" for k in differ))
+        differ = config_differences(self.path, cfg) if self.checkpoint is not None else []
+        if differ:
+            self.close()
+            raise PreviousRunError(f"resume = true, but the run in {self.path} was made with other settings: "
+                                   + ", ".join(differ))
         self._write_json("config.json", cfg)
 
     def write_status(self, status: str, **details) -> None:
-        """status.json: running (also what a killed run leaves), completed or failed."""
+        """status.json: running (also what a killed run leaves), completed or failed (these two release the
+        folder's lock)."""
         self._write_json("status.json", {"status": status, "pid": os.getpid(), "time": time.time(), **details})
+        if status in TERMINAL_STATUSES:
+            self.close()
 
     def rewrite_rounds(self, rounds: list[tuple[dict, dict]]) -> None:
-        """metrics.jsonl and diagnostics.jsonl from (published, diagnostics) pairs, e.g. a checkpoint's history."""
+        """metrics.jsonl and diagnostics.jsonl from (published, diagnostics) pairs, e.g. a checkpoint's history;
+        each replaced atomically."""
         for path, records in ((self.metrics_file, [p for p, _ in rounds]), (self.diagnostics_file, [d for _, d in rounds])):
-            path.write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in records))
+            text = "".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in records)
+            atomic_write(path, lambda f, text=text: f.write(text.encode()))
 
     def append_round(self, published: dict, diagnostics: dict) -> None:
         """One round: what the ledger covers to metrics.jsonl, the raw diagnostics to diagnostics.jsonl."""
         for path, record in ((self.metrics_file, published), (self.diagnostics_file, diagnostics)):
-            with path.open("a") as f:
-                f.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
+            append_line(path, json.dumps(json_safe(record), sort_keys=True) + "\n")
 
     def write_checkpoint(self, state: dict, arrays) -> None:
         """checkpoint.npz: the global arrays and the strategy's state as JSON, replaced atomically."""
@@ -184,7 +271,7 @@ def plot_runs(run_dirs: list[Path | str], out: Path | str, diagnostics: bool = F
         if ax.get_legend_handles_labels()[0]:  # a non-private run draws no epsilon line
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))  # 0600, never half a file
     plt.close(fig)
     return Path(out)
 

@@ -160,6 +160,8 @@ def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_p
 
     try:
         assert wait_ray_head(head.proc, tmp_path / "ray-head.log"), (tmp_path / "ray-head.log").read_text()
+        assert oct(head.temp.stat().st_mode & 0o777) == "0o700"  # its sockets and logs: the owner's only
+        assert oct((tmp_path / "ray-head.log").stat().st_mode & 0o777) == "0o600"
         assert set(head.join_env) == {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
         assert len(head.join_env["RAY_AUTH_TOKEN"]) == 64
         out = run_job(head.join_env)

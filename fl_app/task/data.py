@@ -20,11 +20,13 @@ import functools
 import gzip
 import hashlib
 import io
+import math
 import os
 import urllib.error
 import urllib.request
 import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -111,6 +113,10 @@ class ArrayDataset:
         return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, writers)
 
 
+class DataFileError(ValueError):
+    """A dataset file that cannot be used (corrupted, truncated, another format); the message names it."""
+
+
 class _Raw(NamedTuple):
     """Images as uint8 (N, H, W) or (N, H, W, C) before normalization; test may be missing."""
 
@@ -182,13 +188,32 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _cached(key: str, build) -> dict[str, np.ndarray]:
-    """The arrays stored under `key` in the cache, or `build()`'s, stored first (memory-mapped reads)."""
+_CACHE_READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
+def _read_cache(path: Path, valid) -> dict[str, np.ndarray] | None:
+    """The arrays of a cache file, or None (with a warning naming the file) when it is unreadable or `valid`
+    refuses what it holds: the caller rebuilds it."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+        problem = None if valid(arrays) else f"it holds {sorted(arrays)} with other shapes or keys than expected"
+    except _CACHE_READ_ERRORS as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return arrays
+    warnings.warn(f"cache file {path} is corrupted ({problem}): rebuilding it", stacklevel=3)
+    return None
+
+
+def _cached(key: str, build, valid=lambda arrays: True) -> dict[str, np.ndarray]:
+    """The arrays stored under `key` in the cache, or `build()`'s, stored first; a cache file that cannot be
+    read or fails `valid` (a predicate on the arrays) is rebuilt and replaced, with a warning naming it."""
     path = cache_dir() / f"{key}.npz"
     if path.exists():
-        with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
-            with np.load(path, allow_pickle=False) as data:
-                return {k: data[k] for k in data.files}
+        arrays = _read_cache(path, valid)
+        if arrays is not None:
+            return arrays
     arrays = build()
     with contextlib.suppress(OSError):  # a read-only home: work without the cache
         atomic_write(path, lambda f: np.savez(f, **arrays))  # concurrent readers never see half a file
@@ -242,7 +267,10 @@ def _embedded_images(name: str) -> tuple[np.ndarray, np.ndarray]:
         x, y = decode()
         return {"x": x, "y": y}
 
-    arrays = _cached(f"decoded-{source_digest(name)}", build)
+    def valid(arrays):
+        return set(arrays) == {"x", "y"} and arrays["x"].ndim == 3 and arrays["x"].shape[0] == arrays["y"].shape[0] > 0
+
+    arrays = _cached(f"decoded-{source_digest(name)}", build, valid)
     return arrays["x"], arrays["y"]
 
 
@@ -286,26 +314,69 @@ def _read_local(name: str, folder: Path) -> _Raw:
         raise FileNotFoundError(f"data-dir='{folder}' holds no files of dataset {name!r}: {_FILES_HELP[name]} "
                                 f"(or a Hugging Face parquet export: train*.parquet, test*.parquet) and pass "
                                 f"its absolute path as data-dir")
+    _check_raw(name, raw, folder)
     return raw
 
 
+def _check_raw(name: str, raw: _Raw, folder: Path) -> None:
+    """The images have the dataset's size and the labels its classes; DataFileError naming the folder if not."""
+    spec = _SPECS[name]
+    for split, x, y in (("train", raw.x_train, raw.y_train), ("test", raw.x_test, raw.y_test)):
+        if x is None:
+            continue
+        channels = 1 if x.ndim == 3 else x.shape[-1]
+        if (channels, *x.shape[1:3]) != spec.input_shape:
+            raise DataFileError(f"data-dir='{folder}': the {split} images of dataset {name!r} are {x.shape[1:]}, "
+                                f"not {spec.input_shape[1:]} with {spec.input_shape[0]} channel(s): another dataset?")
+        if len(y) and not 0 <= int(y.min()) <= int(y.max()) < spec.num_classes:
+            raise DataFileError(f"data-dir='{folder}': the {split} labels of dataset {name!r} span "
+                                f"[{int(y.min())}, {int(y.max())}], not [0, {spec.num_classes - 1}]: another dataset?")
+
+
 def _read_idx(path: Path) -> np.ndarray:
-    """An unsigned-byte IDX file (MNIST format), gzipped or not."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-        data = f.read()
-    if data[:3] != b"\x00\x00\x08":
-        raise ValueError(f"{path} is not an unsigned-byte IDX file")
-    ndim = data[3]
-    shape = np.frombuffer(data, ">i4", count=ndim, offset=4)
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    """An unsigned-byte IDX file (MNIST format), gzipped or not; DataFileError, naming it, if it is not one
+    (garbage, a truncated download, another format)."""
+    gz = path.suffix == ".gz"
+    try:
+        with (gzip.open if gz else open)(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataFileError(f"{path}: cannot be read{' as gzip' if gz else ''} ({type(exc).__name__}: {exc}); "
+                            "replace it with a complete copy") from None
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
+        raise DataFileError(f"{path}: not an unsigned-byte IDX file (it starts with {data[:4]!r}, not "
+                            "b'\\x00\\x00\\x08'); replace it with a complete copy")
+    ndim, header = data[3], 4 + 4 * data[3]
+    shape = tuple(int(n) for n in np.frombuffer(data, ">i4", count=ndim, offset=4)) if len(data) >= header else None
+    if shape is None or len(data) - header != math.prod(shape):
+        raise DataFileError(f"{path}: its header says shape {shape} ({math.prod(shape or (0,))} bytes of data), but "
+                            f"it holds {max(len(data) - header, 0)}: truncated; replace it with a complete copy")
+    return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
+
+
+def _read_idx_file(path: Path) -> np.ndarray:
+    """`_read_idx`, its error saying so where a plain file is read instead of the .gz beside it."""
+    try:
+        return _read_idx(path)
+    except DataFileError as exc:
+        gz = path.with_name(path.name + ".gz")
+        if gz.is_file():
+            raise DataFileError(f"{exc} (it is read instead of {gz.name} beside it: remove one of the two)") from None
+        raise
 
 
 def _read_idx_folder(folder: Path, stems: tuple[str, ...]) -> _Raw | None:
-    """The four IDX files in `folder` or in a torchvision-style `<folder>/*/raw`; None if absent."""
+    """The four IDX files in `folder` or in a torchvision-style `<folder>/*/raw`; None if absent; DataFileError
+    if one is unreadable or images and labels disagree."""
     for candidate in (folder, *sorted(folder.glob("*/raw"))):
         paths = [next((p for p in (candidate / s, candidate / f"{s}.gz") if p.is_file()), None) for s in stems]
         if all(paths):
-            return _Raw(*(_read_idx(p) for p in paths))
+            arrays = [_read_idx_file(p) for p in paths]
+            for (images, labels), (image_file, label_file) in ((arrays[:2], paths[:2]), (arrays[2:], paths[2:])):
+                if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+                    raise DataFileError(f"{image_file} holds images of shape {images.shape} and {label_file} labels "
+                                        f"of shape {labels.shape}: expected (N, H, W) and (N,) with the same N")
+            return _Raw(*arrays)
     return None
 
 
@@ -503,7 +574,13 @@ def _dataset_partitions(name: str, data_dir: str, num_partitions: int, partition
     held = f"-v{validation_fraction!r}" if validation_fraction else ""
     key = (f"partitions-{source_digest(name, data_dir)}-n{num_partitions}-{partitioner}-a{alpha!r}"
            f"-c{classes_per_client}-s{seed}{held}")
-    arrays = _cached(key, build)
+    def valid(arrays):
+        parts = [arrays.get(f"p{i}") for i in range(num_partitions)]
+        return len(arrays) == num_partitions and all(
+            p is not None and p.ndim == 1 and p.dtype.kind == "i" and (p.size == 0 or 0 <= p.min() <= p.max() < len(pool))
+            for p in parts)
+
+    arrays = _cached(key, build, valid)
     return tuple(arrays[f"p{i}"] for i in range(num_partitions))
 
 
