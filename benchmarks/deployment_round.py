@@ -28,7 +28,7 @@ from fl_app.local_deployment import Deployment
 from fl_app.results import read_diagnostics
 
 IDLE_POLL = 0.2  # fl_app.supernode --idle-poll
-JOB = {"sample-rate": 1.0, "noise-multiplier": 0.0, "tensorboard": False}  # sigma 0: 3 clients would diverge
+JOB = {"sample-rate": 1.0, "noise-multiplier": 0.0, "tensorboard": False, "flower-speed-patches": True}  # sigma 0: 3 clients would diverge
 
 
 def round_seconds(folder: Path) -> list[float]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from fl_app.local_deployment import Deployment
 from fl_app.results import read_rounds, read_summary
 
-RUN = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1}
+RUN = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1,
+       "flower-speed-patches": True}
 
 
 def main() -> None:

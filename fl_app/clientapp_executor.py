@@ -23,7 +23,7 @@ import sys
 import time
 
 from fl_app import PROJECT_PACKAGES  # this repository's: a task takes them from its FAB
-from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
+from fl_app.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
 
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
 
@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.insecure == bool(args.root_certificates):
         parser.error("give exactly one of --insecure and --root-certificates")
+    if problem := flower_patch_problem():  # it speaks Flower's internal Runtime API
+        raise SystemExit(f"fl_app.clientapp_executor: {problem}; run the SuperNode without it (Flower's own "
+                         "flwr-clientapp per message)")
     for module in filter(None, args.preload.split(",")):
         importlib.import_module(module)
     if "torch" in sys.modules:

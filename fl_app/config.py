@@ -91,6 +91,10 @@ SPEC: dict[str, Key] = {
     "sample-rate": Key(0.5, "q: probability that a client is sampled in a round", low=RATE_MIN, high=1),
     "client-sampling": Key("poisson", "client sampling scheme", CLIENT_SAMPLINGS),
     "min-nodes": Key(2, "wait for this many connected nodes before round 1", low=1),
+    "flower-speed-patches": Key(False, "patch Flower internals for speed (flwr 1.41/1.42 only, checked at start): "
+                                       "object pulls retried after 0.05 s, reply object pulls ended at round-timeout"),
+    "node-wait-timeout": Key(600.0, "seconds to wait for min-nodes connected nodes before the run is refused (a "
+                                    "simulation with fewer SuperNodes is refused at once)", low=0, low_open=True),
     "round-timeout": Key(3600.0, "seconds a message exchange waits for client replies; a reply not in by then, "
                                  "objects included, counts as a failed client", low=0, low_open=True),
     "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),

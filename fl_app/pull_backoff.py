@@ -32,7 +32,31 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 PULL_BACKOFF = 0.05  # seconds before the first retry (Flower: 1)
+PATCHED_FLOWER = ("1.41", "1.42")  # the Flower releases these patches were written for and are tested on
 PULL_BACKOFF_RANGE = (0.01, 1.0)  # what the command-line options accept
+
+
+def flower_patch_problem() -> str | None:
+    """Why the installed Flower is not patched (None: it may be): a release these patches do not know."""
+    import flwr
+
+    release = ".".join(flwr.__version__.split(".")[:2])
+    if release not in PATCHED_FLOWER:
+        return (f"flwr {flwr.__version__} is not a release the speed patches were tested on "
+                f"({', '.join(PATCHED_FLOWER)}): Flower's stock behaviour is kept")
+    return None
+
+
+def apply_server_patches() -> str:
+    """The ServerApp's opt-in speed patches (run-config key `flower-speed-patches`): replies' objects retried
+    after PULL_BACKOFF s, not 1 s, and their pulls ended at the round's timeout. Returns what was done (a log
+    line); on a Flower release they were not tested on, nothing is patched."""
+    problem = flower_patch_problem()
+    if problem:
+        return problem
+    done = [shorten_pull_backoff() and f"object pulls retried after {PULL_BACKOFF} s",
+            bound_reply_object_pulls() and "reply object pulls end at round-timeout"]
+    return "Flower speed patches: " + ("; ".join(d for d in done if d) or "none applied (this flwr lacks them)")
 
 
 def pull_backoff_option(text: str) -> float:

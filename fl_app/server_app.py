@@ -15,7 +15,7 @@ from flwr.supercore import log
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
-from fl_app.pull_backoff import bound_reply_object_pulls, object_pulls_end_by, shorten_pull_backoff
+from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
 from fl_app.task.models import build_model, count_parameters, split_state_keys
@@ -185,7 +185,8 @@ def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_
 
 class PromptGrid(Grid):
     """A Grid that looks for replies every `interval` seconds (Flower 1.41's deployed Grid waits 3 s between
-    looks, which a round pays once per message exchange: four times per round under SecAgg+)."""
+    looks, which a round pays once per message exchange: four times per round under SecAgg+). Public Grid API
+    only; with `flower-speed-patches` the pulls of a reply's objects also end at the timeout."""
 
     def __init__(self, grid: Grid, interval: float = 0.1) -> None:
         self.grid, self.interval = grid, interval
@@ -237,9 +238,49 @@ class PromptGrid(Grid):
         return replies
 
 
+class TooFewNodes(RuntimeError):
+    """Fewer nodes are connected than the run config's min-nodes, and no more will come."""
+
+
+def is_simulation(grid: Grid) -> bool:
+    """Whether the grid is Flower's simulation grid (all SuperNodes register when the simulation starts)."""
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # pragma: no cover - another Flower layout: treated as a deployment (the timeout applies)
+        return False
+    return isinstance(grid, InMemoryGrid)
+
+
+def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *, simulation: bool, poll: float = 0.5,
+                   settle: float = 5.0) -> int:
+    """The number of connected nodes once it reaches min-nodes. A simulation's count that stays below it for
+    `settle` s (its SuperNodes have registered) is refused at once; elsewhere after `timeout` s. The error
+    names the key and the number to set."""
+    start = time.monotonic()
+    count, changed = -1, start
+    while True:
+        now, seen = time.monotonic(), len(list(grid.get_node_ids()))
+        if seen >= min_nodes:
+            return seen
+        if seen != count:
+            count, changed = seen, now
+            log(INFO, "Waiting for nodes: %d connected, run-config key 'min-nodes' = %d", seen, min_nodes)
+        if simulation and seen > 0 and now - changed >= settle:
+            raise TooFewNodes(f"run-config key 'min-nodes' = {min_nodes}, but the simulation has {seen} SuperNodes: "
+                              f"run with --federation-config \"num-supernodes={min_nodes}\" (or more), or set "
+                              f"--run-config \"min-nodes={seen}\"")
+        if now - start >= timeout:
+            raise TooFewNodes(f"run-config key 'min-nodes' = {min_nodes}, but only {seen} nodes connected within "
+                              f"run-config key 'node-wait-timeout' = {timeout:g} s: start {min_nodes - seen} more "
+                              f"SuperNodes (or, in a simulation, --federation-config \"num-supernodes={min_nodes}\"), "
+                              f"or lower min-nodes")
+        time.sleep(poll)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = validate(context.run_config)
-    shorten_pull_backoff()  # replies' objects: retry after 0.05 s, not 1 s (fl_app.pull_backoff)
-    bound_reply_object_pulls()  # ... and give up at the round's timeout
+    if cfg["flower-speed-patches"]:  # opt-in: patches of Flower internals (fl_app.pull_backoff), version-checked
+        log(INFO, apply_server_patches())
+    wait_for_nodes(grid, cfg["min-nodes"], cfg["node-wait-timeout"], simulation=is_simulation(grid))
     run_federated(PromptGrid(grid), cfg, context.run_id)

@@ -23,7 +23,7 @@ import inspect
 import sys
 import time
 
-from fl_app.pull_backoff import PULL_BACKOFF, pull_backoff_option, shorten_pull_backoff
+from fl_app.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
 
 FLOWER_IDLE_SLEEP = 3  # s: after asking the SuperLink for a message and finding none
 FLOWER_LOCAL_WAIT = 0.5  # s: waits that only look at the node's own memory (reply in? objects in?)
@@ -73,16 +73,21 @@ def main(argv: list[str] | None = None) -> None:
     args, flower_args = parser.parse_known_args(argv)
     if not 0.01 <= args.idle_poll <= 3:
         parser.error(f"--idle-poll = {args.idle_poll}: must be between 0.01 and 3 seconds")
-    try:
-        shorten_idle_sleeps(args.idle_poll)
-    except RuntimeError as error:
-        raise SystemExit(str(error)) from None
     from flwr.supernode.cli import flower_supernode
 
-    backoff = (f"object pulls retried after {args.pull_backoff} s" if shorten_pull_backoff(args.pull_backoff)
-               else "Flower's object pull backoff (this flwr has no default to set)")
-    print(f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
-          flush=True)
+    problem = flower_patch_problem()
+    if problem is None:
+        try:
+            shorten_idle_sleeps(args.idle_poll)
+        except RuntimeError as error:
+            problem = f"{error}: Flower's stock behaviour is kept"
+    if problem:
+        print(f"fl_app.supernode: {problem}", flush=True)
+    else:
+        backoff = (f"object pulls retried after {args.pull_backoff} s" if shorten_pull_backoff(args.pull_backoff)
+                   else "Flower's object pull backoff (this flwr has no default to set)")
+        print(f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
+              flush=True)
     sys.argv = ["flower-supernode", *flower_args]
     flower_supernode()
 

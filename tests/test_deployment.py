@@ -113,7 +113,7 @@ def test_a_node_that_withholds_its_reply_objects_costs_one_round_timeout(deploym
         d.wait_connected(name)
     results, timeout = tmp_path / "run", 15.0
     cli = d.run_app({**APP, "num-rounds": 2, "min-nodes": 3, "round-timeout": timeout,
-                     "results-dir": str(results)})
+                     "flower-speed-patches": True, "results-dir": str(results)})
     finish(d, cli)
 
     summary, rounds = read_run(results)

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,18 @@ def test_quickstart_app_with_the_wrapper_around_fedadam_and_the_mod(superlink, t
     out = tmp_path / "fedadam.json"
     check_result(flwr_run(superlink, app_copy(tmp_path, "quickstart.client_app:app_with_mod"), out,
                           strategy="fedadam", **{"noise-placement": "distributed"}), out)
+
+
+def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(superlink, tmp_path):
+    """`flwr run .` with 2 SuperNodes (Flower's default federation size) and min-nodes = 3: refused in seconds,
+    naming the key and the number to set, instead of waiting forever."""
+    root = Path(__file__).resolve().parents[1]
+    start = time.monotonic()
+    out = subprocess.run([str(BIN / "flwr"), "run", str(root), "--stream", "--run-config",
+                          f"min-nodes=3 num-rounds=1 results-dir='{tmp_path / 'run'}'",
+                          "--federation-config", "num-supernodes=2 client-resources-num-cpus=1"],
+                         env=superlink, timeout=240, capture_output=True, text=True)
+    assert time.monotonic() - start < 120
+    text = out.stdout + out.stderr
+    assert "run-config key 'min-nodes' = 3, but the simulation has 2 SuperNodes" in text, text[-3000:]
+    assert 'num-supernodes=3' in text

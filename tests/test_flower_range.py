@@ -1,0 +1,74 @@
+"""The supported Flower range: no patch of Flower internals unless asked for (`flower-speed-patches`), and
+then only on a release they were tested on; a federation smaller than min-nodes is refused, never waited on."""
+
+import time
+
+import flwr
+import pytest
+
+from fl_app import pull_backoff
+from fl_app.server_app import TooFewNodes, wait_for_nodes
+
+
+def pull_defaults() -> dict:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    return dict(inflatable_utils.pull_objects.__kwdefaults__ or {})
+
+
+def test_the_installed_flower_is_in_the_supported_range_and_patchable():
+    release = ".".join(flwr.__version__.split(".")[:2])
+    assert release in pull_backoff.PATCHED_FLOWER, flwr.__version__
+    assert pull_backoff.flower_patch_problem() is None
+
+
+def test_an_unknown_flower_release_is_not_patched(monkeypatch):
+    before = pull_defaults()
+    monkeypatch.setattr(flwr, "__version__", "1.99.0")
+    message = pull_backoff.apply_server_patches()
+    assert "flwr 1.99.0 is not a release the speed patches were tested on" in message
+    assert "stock behaviour" in message
+    assert pull_defaults() == before
+
+
+def test_the_default_server_path_patches_nothing(tmp_path, monkeypatch):
+    """The ServerApp's main with the default config leaves Flower's pull defaults as they are."""
+    from flwr.app import Context, RecordDict
+
+    from fl_app import server_app
+    from fl_app.inprocess import InProcessGrid
+    from fl_app.server_app import main as server_main
+
+    monkeypatch.setattr(server_app, "PromptGrid", lambda grid: grid)  # the in-process grid answers at once
+
+    before = pull_defaults()
+    run_config = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 1, "local-steps": 1,
+                  "results-dir": str(tmp_path / "run"), "tensorboard": False}
+    from fl_app.client_app import app as client_app
+
+    grid = InProcessGrid(client_app, 2, run_config)
+    server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
+    assert pull_defaults() == before
+
+
+class CountingGrid:
+    def __init__(self, counts):
+        self.counts = list(counts)
+
+    def get_node_ids(self):
+        return list(range(self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]))
+
+
+def test_a_simulation_smaller_than_min_nodes_is_refused_at_once_naming_the_keys():
+    start = time.monotonic()
+    with pytest.raises(TooFewNodes) as error:
+        wait_for_nodes(CountingGrid([0, 2]), 5, 600, simulation=True, poll=0.01, settle=0.2)
+    assert time.monotonic() - start < 5
+    assert "'min-nodes' = 5" in str(error.value) and 'num-supernodes=5' in str(error.value)
+    assert 'min-nodes=2' in str(error.value)
+
+
+def test_a_deployment_waits_for_late_nodes_then_gives_up_at_the_timeout():
+    assert wait_for_nodes(CountingGrid([1, 1, 2, 3]), 3, 10, simulation=False, poll=0.01) == 3
+    with pytest.raises(TooFewNodes, match="'node-wait-timeout' = 0.3 s: start 2 more SuperNodes"):
+        wait_for_nodes(CountingGrid([1]), 3, 0.3, simulation=False, poll=0.01)
