@@ -37,7 +37,6 @@ from fl_app.task.opacus_import import import_opacus
 import_opacus()  # first: Opacus' own import would give the root logger a handler (fl_app/task/opacus_import.py)
 from opacus.grad_sample.utils import prepare_module  # noqa: E402
 from opacus.optimizers import DPOptimizer, get_optimizer_class  # noqa: E402
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed  # noqa: E402
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping  # noqa: E402
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
@@ -84,24 +83,24 @@ class HaarDPOptimizer(DPOptimizer):
         self.noise_rng = noise_rng
 
     def clip_and_accumulate(self) -> None:
-        samples = torch.cat([g.flatten(1) for g in self.grad_samples], dim=1)  # (batch, d)
+        """sum_s min(1, C / ||H(g_s)||) g_s into p.summed_grad (public Opacus API only: `grad_samples`; no
+        gradient is used twice, since `dpsgd_steps` zeroes them before every step and its module forbids
+        accumulation)."""
+        grad_samples = self.grad_samples
+        samples = torch.cat([g.flatten(1) for g in grad_samples], dim=1)  # (batch, d)
         norms = torch.from_numpy(haar_coefficient_norms(samples.detach().numpy()))
         factors = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0).to(samples.dtype)
-        for p in self.params:
-            _check_processed_flag(p.grad_sample)
-            grad = torch.einsum("i,i...", factors.to(p.dtype), self._get_flat_grad_sample(p).to(p.dtype))
+        for p, grad_sample in zip(self.params, grad_samples):
+            grad = torch.einsum("i,i...", factors.to(p.dtype), grad_sample.to(p.dtype))
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
-            _mark_as_processed(p.grad_sample)
 
     def add_noise(self) -> None:
-        for p in self.params:
-            _check_processed_flag(p.summed_grad)
+        """p.grad = summed_grad + the paper's wavelet noise, over all parameters as one vector."""
         total = torch.cat([p.summed_grad.reshape(-1) for p in self.params]).detach().numpy()
         noisy = torch.from_numpy(haar_wavelet_noise(total, self.noise_multiplier * self.max_grad_norm,
                                                     self.noise_rng))
         for p, part in zip(self.params, torch.split(noisy, [p.numel() for p in self.params])):
             p.grad = part.reshape(p.shape).to(p.dtype)
-            _mark_as_processed(p.summed_grad)
 
 
 def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, sample_rate: float,
