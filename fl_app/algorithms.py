@@ -23,6 +23,7 @@ from typing import Any
 
 from flwr.app import Context
 from flwr.client import NumPyClient
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
 from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 from strategies.ali_dpfl import ALIDPFL
@@ -87,15 +88,18 @@ class Algorithm:
     check_config: Callable[[dict], None] | None = None
 
     def strategy_kwargs(self, cfg: dict) -> dict:
-        """Every keyword argument of the strategy, from a validated run config."""
+        """Every DP keyword argument of the strategy, from a validated run config (the wrapped Flower strategy
+        comes from `wrapped_strategy`)."""
+        fedavg_step = cfg["server-lr"] if cfg["server-strategy"] == "fedavg" else 1.0  # else the optimizer's eta
         return dict(sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
-                    server_learning_rate=cfg["server-lr"], delta=cfg["delta"], accountant=cfg["accountant"],
+                    server_learning_rate=fedavg_step, delta=cfg["delta"], accountant=cfg["accountant"],
                     target_epsilon=cfg["target-epsilon"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
-                    min_available_nodes=cfg["min-nodes"], fraction_evaluate=cfg["fraction-evaluate"],
-                    publish_diagnostics=cfg["publish-diagnostics"], **self.strategy_settings(cfg))
+                    min_available_nodes=cfg["min-nodes"], publish_diagnostics=cfg["publish-diagnostics"],
+                    **self.strategy_settings(cfg))
 
     def build_strategy(self, cfg: dict, **hooks) -> DPRoundLoop:
-        return self.strategy_class(**self.strategy_kwargs(cfg), **hooks)
+        """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`)."""
+        return self.strategy_class(wrapped_strategy(cfg), **self.strategy_kwargs(cfg), **hooks)
 
     def run_label(self, summary: dict) -> str:
         """How a run of this algorithm is labelled in plots and reports."""
@@ -103,6 +107,26 @@ class Algorithm:
             return f"{self.name} (sample-level, target epsilon {summary.get('target_epsilon')})"
         sigma = summary.get("noise_multiplier")
         return f"{self.name} sigma={sigma}" if sigma else f"{self.name} non-private reference"
+
+
+# ---------------------------------------------------------------------------- the wrapped Flower strategy
+SERVER_STRATEGIES = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedavgm")
+
+
+def wrapped_strategy(cfg: dict) -> Strategy:
+    """The Flower strategy the DP wrapper runs around (`server-strategy`): its aggregation and server optimizer
+    act on the privatized average. eta = server-lr for FedAdam/FedYogi/FedAdagrad (eta_l = lr, what clients
+    use), FedAvgM's server_learning_rate = server-lr with momentum server-momentum; FedAvg: the wrapper's own
+    step w + server-lr * average. Evaluation: fraction-evaluate of the clients."""
+    common = dict(fraction_train=1.0, fraction_evaluate=cfg["fraction-evaluate"], min_train_nodes=0,
+                  min_evaluate_nodes=0, min_available_nodes=cfg["min-nodes"])
+    name = cfg["server-strategy"]
+    if name in ("fedadam", "fedyogi", "fedadagrad"):
+        optimizer = {"fedadam": FedAdam, "fedyogi": FedYogi, "fedadagrad": FedAdagrad}[name]
+        return optimizer(eta=cfg["server-lr"], eta_l=cfg["lr"], **common)
+    if name == "fedavgm":
+        return FedAvgM(server_learning_rate=cfg["server-lr"], server_momentum=cfg["server-momentum"], **common)
+    return FedAvg(**common)
 
 
 # ---------------------------------------------------------------------------- strategy settings
@@ -296,6 +320,9 @@ def check_config(cfg: dict, defaults: dict) -> None:
             raise ValueError(f"run-config key '{key}' = {cfg[key]!r} is a client-level DP setting that algorithm "
                              f"{algo.name!r} ({algo.privacy_unit}-level DP) does not use: leave it at "
                              f"{defaults[key]!r}{hint}")
+    if cfg["secure-aggregation"] and cfg["server-strategy"] != "fedavg":
+        raise ValueError(f"run-config key 'server-strategy' = {cfg['server-strategy']!r} does not run under "
+                         "'secure-aggregation' = True (SecAgg+ runs Flower's legacy FedAvg workflow): use 'fedavg'")
     if cfg["secure-aggregation"] and not algo.secure_aggregation:
         supported = ", ".join(a.name for a in ALGORITHMS.values() if a.secure_aggregation)
         raise ValueError(f"run-config key 'secure-aggregation' = True works with algorithm {supported} "

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, check_config
+from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, SERVER_STRATEGIES, check_config
 from fl_app.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
 from fl_app.privacy.mechanisms import TOPK_MODES
 from fl_app.privacy.settings import (
@@ -107,7 +107,11 @@ SPEC: dict[str, Key] = {
                                TARGET_EPSILON_MODES),
     "accountant": Key("pld", "privacy accountant: dp-accounting's PLD (tightest), Opacus' RDP or PRV",
                       ACCOUNTANT_NAMES),
-    "server-lr": Key(1.0, "server learning rate eta_s", low=0, low_open=True),
+    "server-strategy": Key("fedavg", "the Flower strategy the DP wrapper runs around: its aggregation and server "
+                                     "optimizer act on the privatized average", SERVER_STRATEGIES),
+    "server-lr": Key(1.0, "server learning rate: eta_s of w + eta_s * average (fedavg), the optimizer's eta "
+                          "(fedadam, fedyogi, fedadagrad), FedAvgM's server_learning_rate", low=0, low_open=True),
+    "server-momentum": Key(0.9, "fedavgm: server momentum", low=0, high=1, high_open=True),
     "local-epochs": Key(2, "local passes over the client's data per round", low=1),
     "local-steps": Key(0, "local steps per round (0: use local-epochs)", low=0),
     "batch-size": Key(32, "local minibatch size", low=1),

@@ -521,7 +521,8 @@ class DPRoundLoop(Strategy):
     def describe_sampling(self) -> dict:
         """The summary.json entries every DP strategy shares."""
         caveats = self.guarantee_caveats()
-        return {"client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
+        return {"wrapped_strategy": type(self.strategy).__name__,
+                "client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
                 "num_clients": self.num_clients, "expected_clients_per_round": self.expected_clients,
                 "accountant": self.accountant, "stop_reason": self.stop_reason, "secure_rng": self.secure_rng,
                 "epsilon_is_guarantee": not caveats, "epsilon_caveats": caveats}

@@ -85,6 +85,11 @@ BAD = [
     ({"tensorboard": 1}, "tensorboard", "true or false"),
     ({"round-timeout": 0.0}, "round-timeout", "(0, 1e+06]"),
     ({"round-timeout": "1h"}, "round-timeout", "number"),
+    ({"flower-speed-patches": "yes"}, "flower-speed-patches", "true or false"),
+    ({"node-wait-timeout": 0.0}, "node-wait-timeout", "(0, 1e+06]"),
+    ({"server-strategy": "fedprox"}, "server-strategy", "fedavg, fedadam, fedyogi, fedadagrad, fedavgm"),
+    ({"server-strategy": "fedadam", "secure-aggregation": True}, "server-strategy", "legacy FedAvg"),
+    ({"server-momentum": 1.0}, "server-momentum", "[0, 1)"),
     # values that passed before and then broke the run (issue 11): refused up front
     ({"noise-multiplier": float("inf")}, "noise-multiplier", "[0.001, 1000]"),
     ({"noise-multiplier": 1e-300}, "noise-multiplier", "[0.001, 1000]"),

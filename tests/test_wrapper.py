@@ -150,3 +150,19 @@ def test_replies_it_cannot_interpret_are_refused_with_a_reason():
     assert metrics["rejected"] == 3 and metrics["clients"] == 0
     assert len(strategy.round_problems) == 3
     np.testing.assert_array_equal(arrays["fc.weight"].numpy(), good["fc.weight"])
+
+
+@pytest.mark.parametrize("server_strategy, wrapped", [("fedadam", "FedAdam"), ("fedavgm", "FedAvgM")])
+def test_the_app_runs_the_wrapper_around_the_configured_flower_strategy(tmp_path, server_strategy, wrapped):
+    """`server-strategy` in the run config: the app's DP wrapper around Flower's optimizer; the model learns."""
+    from fl_app.client_app import app as client_app
+    from fl_app.config import validate
+    from fl_app.server_app import run_federated
+
+    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
+                    "noise-multiplier": 0.3, "local-steps": 5, "server-strategy": server_strategy,
+                    "server-lr": 0.05 if server_strategy == "fedadam" else 1.0, "min-nodes": 5,
+                    "results-dir": str(tmp_path / "run"), "tensorboard": False})
+    summary = run_federated(InProcessGrid(client_app, 5, cfg), cfg)
+    assert summary["wrapped_strategy"] == wrapped
+    assert summary["final_accuracy"] > 0.3, summary["final_accuracy"]  # 10 classes: chance is 0.1
