@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -113,6 +113,7 @@ class DifferentialPrivacy(DPRoundLoop):
         self.audit_canaries, self.audit_canary_kind = audit_canaries, audit_canary_kind
         self.canary_seed = new_canary_seed() if secure_rng else int(make_rng(seed, 8).integers(2**63))
         self.audit_start: np.ndarray | None = None  # the global vector before round 1
+        self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
 
     @classmethod
     def check_settings(cls, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
@@ -176,6 +177,11 @@ class DifferentialPrivacy(DPRoundLoop):
         if self.audit_canaries and self.audit_start is None:
             self.audit_start = flatten(arrays.to_numpy_ndarrays())
         super().begin_round(arrays)
+        if not self.signal_checked and self.ledger is not None:
+            self.signal_checked = True
+            if warning := noise_to_signal_warning(self.noise_multiplier, self.expected_clients,
+                                                  sum(a.size for a in self.global_arrays())):
+                log(WARNING, "%s", warning)
 
     def canary_updates(self, server_round: int, dim: int) -> list[np.ndarray]:
         """C * u_i of the canaries sampled this round (each with probability q, like a client)."""
@@ -325,6 +331,26 @@ class DifferentialPrivacy(DPRoundLoop):
             return super().describe_diagnostics()
         return {**super().describe_diagnostics(), "ledger": self.ledger.state_dict(),
                 "epsilon_against_server": self.ledger.epsilon_against_server()}
+
+
+NOISE_TO_SIGNAL_LIMIT = 10.0  # sigma sqrt(d) / m above this: the default job learns at 6.4, stalls at 16
+
+
+def noise_to_signal_warning(noise_multiplier: float, expected_clients: float, dim: int) -> str | None:
+    """A warning when the noise on the average update, of norm about sigma C sqrt(d) / m, is more than
+    NOISE_TO_SIGNAL_LIMIT times the largest average update C can be (learning is then unlikely), with the
+    remedies; None otherwise."""
+    if noise_multiplier <= 0 or expected_clients <= 0:
+        return None
+    ratio = noise_multiplier * math.sqrt(dim) / expected_clients
+    if ratio <= NOISE_TO_SIGNAL_LIMIT:
+        return None
+    needed = math.ceil(noise_multiplier * math.sqrt(dim) / NOISE_TO_SIGNAL_LIMIT)
+    return (f"the noise on the average update (norm about sigma*C*sqrt(d)/m) is {ratio:.3g} times the largest "
+            f"average update C (sigma = {noise_multiplier:g}, d = {dim} parameters, m = {expected_clients:g} "
+            f"clients per round): the model will hardly learn. Remedies: about {needed} or more clients per round "
+            f"(more clients, or a higher sample-rate), a smaller noise-multiplier (a larger epsilon), or a smaller "
+            f"model")
 
 
 DPFedAvg = DifferentialPrivacy  # DP-FedAvg: the wrapper around FedAvg (its default strategy)

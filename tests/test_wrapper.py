@@ -166,3 +166,17 @@ def test_the_app_runs_the_wrapper_around_the_configured_flower_strategy(tmp_path
     summary = run_federated(InProcessGrid(client_app, 5, cfg), cfg)
     assert summary["wrapped_strategy"] == wrapped
     assert summary["final_accuracy"] > 0.3, summary["final_accuracy"]  # 10 classes: chance is 0.1
+
+
+def test_settings_that_cannot_learn_are_warned_about_at_start(caplog):
+    """sigma sqrt(d) / m above 10: a warning with the ratio and the number of clients per round that fixes it."""
+    from strategies.dp_fedavg import noise_to_signal_warning
+
+    assert noise_to_signal_warning(1.0, 25, 26010) is None  # the default job: 6.45, it learns
+    warning = noise_to_signal_warning(1.0, 10, 26010)  # 10 clients a round: 16.1
+    assert "16.1 times" in warning and "about 17 or more clients per round" in warning
+    strategy = DifferentialPrivacy(clipping_norm=0.5, noise_multiplier=1.0, sample_rate=0.5, min_available_nodes=2)
+    big = ArrayRecord({"w": Array(np.zeros(26010, np.float32))})
+    with caplog.at_level("WARNING", logger="flwr"):
+        strategy.start(InProcessGrid(weights_client(), 2, {}), big, num_rounds=1)
+    assert sum("the model will hardly learn" in r.getMessage() for r in caplog.records) == 1  # once: m = 1
