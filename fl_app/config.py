@@ -297,3 +297,33 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
         check_config(cfg, {k: spec.default for k, spec in SPEC.items()})
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------- the key reference, drawn from SPEC
+KEYS_DOC = "docs/run-config.md"
+
+
+def key_reference() -> str:
+    """docs/run-config.md: every key with its default, what is allowed and what it does, from SPEC."""
+    def literal(value: Any) -> str:
+        return ("true" if value else "false") if isinstance(value, bool) else (
+            f'"{value}"' if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value))
+
+    rows = [f"| `{key}` | `{literal(spec.default)}` | {spec.allowed()} | {spec.help} |"
+            for key, spec in SPEC.items()]
+    return "\n".join([
+        "# Run-config keys", "",
+        "Every key of `[tool.flwr.app.config]` in pyproject.toml, drawn from `fl_app/config.py` (`SPEC`), where",
+        "each key is declared once with its default, what is allowed and what it does; `validate()` checks a run",
+        "config against it before anything trains, and an error names the key, the value and what is allowed.",
+        "Regenerate with `python -m fl_app.config --write` (a test keeps this page current).", "",
+        "| key | default | allowed | what it does |", "|---|---|---|---|", *rows, ""])
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    target = Path(__file__).resolve().parents[1] / KEYS_DOC
+    if "--write" in sys.argv:
+        target.write_text(key_reference())
+    print(key_reference() if "--write" not in sys.argv else f"wrote {target}")

@@ -160,3 +160,10 @@ def test_every_key_has_an_error_test_or_is_free_text():
     # keys whose only constraint is a lower bound of the same kind as a tested one
     assert untested <= {"classes-per-client", "min-nodes", "server-lr", "local-epochs", "local-steps",
                         "batch-size", "weight-decay", "sam-rho", "target-epsilon"}, untested
+
+
+def test_the_key_reference_is_drawn_from_the_spec():
+    from fl_app.config import KEYS_DOC, key_reference
+
+    assert (ROOT / KEYS_DOC).read_text() == key_reference(), "regenerate it: python -m fl_app.config --write"
+    assert all(f"| `{key}` |" in key_reference() for key in SPEC)
