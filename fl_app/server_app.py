@@ -252,20 +252,22 @@ def is_simulation(grid: Grid) -> bool:
 
 
 def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *, simulation: bool, poll: float = 0.5,
-                   settle: float = 5.0) -> int:
-    """The number of connected nodes once it reaches min-nodes. A simulation's count that stays below it for
-    `settle` s (its SuperNodes have registered) is refused at once; elsewhere after `timeout` s. The error
+                   settle: float = 5.0, steady: float = 1.0) -> int:
+    """The number of connected nodes once it reaches min-nodes (in a simulation, once it has also stayed the
+    same for `steady` s: the population M is fixed from it). A simulation's count that stays below min-nodes
+    for `settle` s (its SuperNodes have registered) is refused at once; elsewhere after `timeout` s. The error
     names the key and the number to set."""
     start = time.monotonic()
     count, changed = -1, start
     while True:
         now, seen = time.monotonic(), len(list(grid.get_node_ids()))
-        if seen >= min_nodes:
-            return seen
         if seen != count:
             count, changed = seen, now
-            log(INFO, "Waiting for nodes: %d connected, run-config key 'min-nodes' = %d", seen, min_nodes)
-        if simulation and seen > 0 and now - changed >= settle:
+            if seen < min_nodes:
+                log(INFO, "Waiting for nodes: %d connected, run-config key 'min-nodes' = %d", seen, min_nodes)
+        if seen >= min_nodes and (not simulation or now - changed >= steady):
+            return seen
+        if simulation and 0 < seen < min_nodes and now - changed >= settle:
             raise TooFewNodes(f"run-config key 'min-nodes' = {min_nodes}, but the simulation has {seen} SuperNodes: "
                               f"run with --federation-config \"num-supernodes={min_nodes}\" (or more), or set "
                               f"--run-config \"min-nodes={seen}\"")
@@ -274,7 +276,7 @@ def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *, simulation: bo
                               f"run-config key 'node-wait-timeout' = {timeout:g} s: start {min_nodes - seen} more "
                               f"SuperNodes (or, in a simulation, --federation-config \"num-supernodes={min_nodes}\"), "
                               f"or lower min-nodes")
-        time.sleep(poll)
+        time.sleep(min(poll, steady / 4) if simulation and seen >= min_nodes else poll)
 
 
 @app.main()

@@ -72,3 +72,9 @@ def test_a_deployment_waits_for_late_nodes_then_gives_up_at_the_timeout():
     assert wait_for_nodes(CountingGrid([1, 1, 2, 3]), 3, 10, simulation=False, poll=0.01) == 3
     with pytest.raises(TooFewNodes, match="'node-wait-timeout' = 0.3 s: start 2 more SuperNodes"):
         wait_for_nodes(CountingGrid([1]), 3, 0.3, simulation=False, poll=0.01)
+
+
+def test_a_simulation_takes_its_population_once_registration_is_over():
+    """Nodes registering one after another: the count is taken once it has stopped changing, not at min-nodes."""
+    grid = CountingGrid([0, 1, 2, 3, 4, 5])
+    assert wait_for_nodes(grid, 2, 10, simulation=True, poll=0.01, steady=0.1) == 5
