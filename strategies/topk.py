@@ -15,6 +15,7 @@ from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fl_app.privacy import protocol as keys
@@ -41,9 +42,10 @@ class DPFedSAMTopK(DPFedAvg):
 
     reply_metric_rules = {**DPFedAvg.reply_metric_rules, keys.KEPT_VALUES: MetricRule(low=0, integer=True)}
 
-    def __init__(self, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **kwargs) -> None:
+    def __init__(self, strategy: Strategy | None = None, *, sparsity: float = 0.4, topk_mode: str = "per-layer",
+                 **kwargs) -> None:
         self.check_topk(sparsity, topk_mode, kwargs.get("noise_placement", "central"))
-        super().__init__(**kwargs)
+        super().__init__(strategy, **kwargs)
         self.sparsity, self.topk_mode = sparsity, topk_mode
         self.upload_bytes_total = 0
         self.dense_bytes_total = 0

@@ -22,7 +22,7 @@ from logging import INFO, WARNING
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fl_app.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
@@ -42,10 +42,10 @@ class DPFedAvgWavelet(DPFedAvg):
 
     clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
 
-    def __init__(self, *, wavelet_calibration: str = "exact", **kwargs) -> None:
+    def __init__(self, strategy: Strategy | None = None, *, wavelet_calibration: str = "exact", **kwargs) -> None:
         kwargs.setdefault("noise_placement", "central")
         self.check_wavelet(wavelet_calibration, kwargs["noise_placement"])
-        super().__init__(**kwargs)
+        super().__init__(strategy, **kwargs)
         self.wavelet_calibration = wavelet_calibration
         self.dimension = 0  # d, set from the model
         self.padded_size = 0  # n = 2^L >= d
