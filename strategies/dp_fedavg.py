@@ -75,8 +75,8 @@ class DifferentialPrivacy(DPRoundLoop):
         K more directions are never inserted; the estimate is in `describe()["audit"]`.
     audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
 
-    Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 without amplification
-    (replace-one; `fl_app.privacy.ledger.ClientLevelLedger`).
+    Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
+    of the bounds without amplification and with sampling without replacement (`fl_app.privacy.ledger.ClientLevelLedger`).
     """
 
     clients_clip_under_central_noise = False
@@ -260,7 +260,8 @@ class DifferentialPrivacy(DPRoundLoop):
         aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
         aggregate /= np.float32(self.expected_clients)
         self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.noise_shares, received,
-                                 truncation_probability=self.round_truncation_probability)
+                                 truncation_probability=self.round_truncation_probability,
+                                 sampled_from=self.round_sampled_from)
         return global_vector + np.float32(self.server_learning_rate) * aggregate
 
     def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
