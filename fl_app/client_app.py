@@ -58,12 +58,27 @@ def secure_aggregation(context: Context) -> bool:
     return bool(context.run_config.get(keys.SECURE_AGGREGATION, False))
 
 
+def train_mods(context: Context) -> list:
+    """The run config's client mods on train (`noise-placement = "local"`: the local-DP mod)."""
+    from clients.local_dp import local_dp_mod_from_run_config
+
+    cfg = validate(context.run_config)
+    return [mod for mod in (local_dp_mod_from_run_config(cfg, context),) if mod is not None]
+
+
+def plain_train(msg: Message, context: Context) -> Message:
+    return train_reply(build_client(context), msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
-    return train_reply(build_client(context), msg)
+    handler = plain_train
+    for mod in reversed(train_mods(context)):
+        handler = (lambda m, inner: lambda message, ctx: m(message, ctx, inner))(mod, handler)
+    return handler(msg, context)
 
 
 @app.evaluate()

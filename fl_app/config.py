@@ -88,7 +88,7 @@ SPEC: dict[str, Key] = {
                                  "objects included, counts as a failed client", low=0, low_open=True),
     "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),
     "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0, nonzero_low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
-    "noise-placement": Key("distributed", "who adds the Gaussian noise", NOISE_PLACEMENTS),
+    "noise-placement": Key("distributed", "who adds the Gaussian noise (local: local DP, each client noises its own update)", NOISE_PLACEMENTS),
     "delta": Key(0.0, "target delta (0: min(1e-5, 0.01 / number of clients); ali-dpfl: 1e-5 per client's samples)",
                  low=0, high=1, high_open=True),
     "target-epsilon": Key(0.0, "privacy budget (0: none)", low=0),

@@ -65,7 +65,8 @@ class DifferentialPrivacy(DPRoundLoop):
     clipping_norm : C, bound on the global L2 norm of each update (0: no clipping,
         only with noise_multiplier = 0, for the non-private reference).
     noise_multiplier : sigma (0: no noise, epsilon = inf).
-    noise_placement : "central" (trusted server adds the noise) or "distributed".
+    noise_placement : "central" (trusted server adds the noise), "distributed", or "local" (local DP: each client's
+        `clients.local_dp` mod noises its own update, docs/dp-toolbox.md §2).
     target_epsilon, target_epsilon_mode : "stop" before a round would exceed the
         target, or "calibrate" sigma up front for the configured number of rounds.
     secure_aggregation : the server only ever sees the sum (SecAgg+, `strategies.secagg`);
@@ -81,7 +82,8 @@ class DifferentialPrivacy(DPRoundLoop):
 
     clients_clip_under_central_noise = False
     reply_metric_rules = {keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
-                          keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15)}
+                          keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
+                          keys.LOCAL_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e15)}
 
     def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, clipping_norm: float,
                  noise_multiplier: float, noise_placement: str = "central", client_sampling: str = "poisson",
@@ -229,10 +231,12 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def needs_marked_updates(self) -> bool:
         """Distributed noise: a reply counts only if the client (or its mod) added its noise share."""
-        return self.noise_placement == "distributed" and self.noise_multiplier > 0
+        return self.noise_placement in ("distributed", "local") and self.noise_multiplier > 0
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
+        if (problem := getattr(self.noise, "reply_problem", lambda *_: None)(metrics, self.noise_multiplier)):
+            return problem
         bound = self.noise.upload_norm_bound(self.noise_multiplier, self.clipping_norm, self.noise_shares,
                                              vector.size)
         norm = l2_norm(vector)

@@ -39,7 +39,7 @@ BAD = [
     ({"dataset": "imagenet"}, "dataset", "mnist-embedded"),
     ({"partitioner": "shards"}, "partitioner", "dirichlet"),
     ({"model": "vgg"}, "model", "cnn-mnist"),
-    ({"noise-placement": "local"}, "noise-placement", "central, distributed"),
+    ({"noise-placement": "nowhere"}, "noise-placement", "central, distributed, local"),
     ({"client-sampling": "uniform"}, "client-sampling", "poisson, fixed"),
     ({"accountant": "gdp"}, "accountant", "rdp, prv"),
     ({"target-epsilon-mode": "warn"}, "target-epsilon-mode", "stop, calibrate"),

@@ -316,6 +316,10 @@ class ClientLevelLedger:
       sampled Gaussian mechanism except on the event that some round's other clients alone fill n_s,
       whose probability (summed over rounds: `truncation_delta`) is added to delta: epsilon is the
       accountant's at delta - truncation_delta;
+    - `local` noise (local DP, docs/dp-toolbox.md §2): every upload is the Gaussian mechanism at sigma / 2
+      (replace-one, sensitivity 2C) on its own, with no sampling amplification (nothing is trusted on the
+      server, its sampling included): one (sigma / 2, 1) event per round, against the released model and
+      against the server alike, which is the local epsilon of a client that took part in every round;
     - server, `central` noise: the trusted server sees raw updates (no guarantee);
     - server, `distributed` noise without secure aggregation: every upload is its own
       Gaussian release with multiplier sigma/(2 sqrt(n_s)) and no sampling amplification;
@@ -343,12 +347,17 @@ class ClientLevelLedger:
     def server_threat_model(self) -> str:
         if self.noise_placement == "central":
             return "trusted server: it sees raw clipped updates, no DP against it"
+        if self.noise_placement == "local":
+            return "local DP: each upload is its own Gaussian release (sigma/2, q=1); nothing trusted on the server"
         if self.secure_aggregation:
             return "secure aggregation: the server sees only the noisy sum (no sampling amplification against it)"
         return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(n_s)), q=1)"
 
     @property
     def relation(self) -> str:
+        if self.noise_placement == "local":
+            return ("replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
+                    "amplification")
         if self.client_sampling == "fixed":
             return ("replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
                     "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
@@ -357,8 +366,9 @@ class ClientLevelLedger:
                 "probability of truncating a round's sample to n_s noise shares")
 
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
-        """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size."""
-        if self.client_sampling == "fixed":
+        """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size
+        sampling and for local noise."""
+        if self.client_sampling == "fixed" or self.noise_placement == "local":
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
@@ -372,7 +382,7 @@ class ClientLevelLedger:
             return math.inf, self.accountant
         eps, by = epsilon_of(events, delta, self.accountant), accountant_used(events, delta, self.accountant)
         fixed_rounds = self.fixed_rounds if fixed_rounds is None else fixed_rounds
-        if self.client_sampling == "fixed" and fixed_rounds and \
+        if self.client_sampling == "fixed" and self.noise_placement != "local" and fixed_rounds and \
                 sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events):
             wor = fixed_size_epsilon(fixed_rounds, delta)
             if wor < eps:
@@ -402,6 +412,9 @@ class ClientLevelLedger:
         `sampled_from` = (N, m): fixed-size sampling drew m of N nodes (None: unknown, no amplification)."""
         sigma, rate = self.release_event(noise_multiplier, sample_rate)
         self.model.record(sigma, rate)
+        if self.noise_placement == "local":  # no amplification, no truncation reserve: the server is not trusted
+            self.server.record(sigma, rate)
+            return
         if self.client_sampling == "fixed" and sampled_from is not None:
             population, sample = int(sampled_from[0]), int(sampled_from[1])
             last = self.fixed_rounds[-1] if self.fixed_rounds else None

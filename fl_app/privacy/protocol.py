@@ -36,3 +36,9 @@ EPSILON_CLAIMED = "epsilon-claimed"
 BUDGET_LEFT = "budget-left"  # 1 if one more DP-SGD step fits the budget
 ACCURACY = "accuracy"
 LOSS = "loss"
+# Local DP (clients.local_dp): what the client's own ledger says, in its train reply.
+LOCAL_NOISE_MULTIPLIER = "local-noise-multiplier"  # sigma of its local Gaussian noise (std sigma C)
+LOCAL_EPSILON_ROUND = "local-epsilon-round"  # epsilon of this one release, on its own
+LOCAL_EPSILON = "local-epsilon"  # composed over the rounds this client took part in
+LOCAL_ROUNDS = "local-rounds"  # rounds this client took part in
+LOCAL_DELTA = "local-delta"
