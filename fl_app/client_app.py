@@ -59,11 +59,16 @@ def secure_aggregation(context: Context) -> bool:
 
 
 def train_mods(context: Context) -> list:
-    """The run config's client mods on train (`noise-placement = "local"`: the local-DP mod)."""
+    """The run config's client mods on train (`noise-placement = "local"`: the local-DP mod; adaptive clipping
+    under distributed noise: the noisy clipped bit)."""
+    from clients.adaptive_clipping import make_clip_bit_mod
     from clients.local_dp import local_dp_mod_from_run_config
 
     cfg = validate(context.run_config)
-    return [mod for mod in (local_dp_mod_from_run_config(cfg, context),) if mod is not None]
+    mods = [mod for mod in (local_dp_mod_from_run_config(cfg, context),) if mod is not None]
+    if cfg["adaptive-clipping"] and cfg["noise-placement"] == "distributed":
+        mods.append(make_clip_bit_mod(None if cfg["secure-rng"] else int(cfg["seed"])))
+    return mods
 
 
 def plain_train(msg: Message, context: Context) -> Message:

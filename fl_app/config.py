@@ -138,6 +138,14 @@ SPEC: dict[str, Key] = {
                   low=0, low_open=True),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
                                low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
+    "adaptive-clipping": Key(False, "adapt the clipping norm toward a quantile of the update norms each round "
+                             "(Andrew et al.; clipping-norm is C_0; docs/dp-toolbox.md §3)"),
+    "target-quantile": Key(0.5, "adaptive-clipping: target quantile gamma of the update norms", low=0, high=1,
+                           low_open=True, high_open=True),
+    "clip-learning-rate": Key(0.2, "adaptive-clipping: eta_C in C <- C exp(-eta_C (b_bar - gamma))", low=0,
+                              low_open=True),
+    "clip-count-noise-multiplier": Key(10.0, "adaptive-clipping: sigma_b, noise std of the count of unclipped "
+                                       "clients (must exceed noise-multiplier / 2)", low=0, low_open=True),
     "audit-canaries": Key(0, "K canary clients for the one-shot empirical privacy estimate (Andrew et al.), "
                              "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0),
     "audit-canary-kind": Key("isotropic", "canary directions: 'isotropic' (random, the paper's) or 'smooth' (coarse "

@@ -60,6 +60,10 @@ BAD = [
     ({"sparsity": 1.5}, "sparsity", "(0, 1]"),
     ({"topk-mode": "layer"}, "topk-mode", "per-layer, global"),
     ({"wavelet-calibration": "approx"}, "wavelet-calibration", "paper, exact"),
+    ({"adaptive-clipping": 1}, "adaptive-clipping", "true or false"),
+    ({"target-quantile": 1.0}, "target-quantile", "(0, 1)"),
+    ({"clip-learning-rate": 0.0}, "clip-learning-rate", "(0, 1e+06]"),
+    ({"clip-count-noise-multiplier": 0.0}, "clip-count-noise-multiplier", "(0, 1e+06]"),
     # combinations
     ({"sparsity": 0.1}, "sparsity", "dp-fedsam-topk"),
     ({"topk-mode": "global", "algorithm": "dp-fedavg"}, "topk-mode", "dp-fedsam-topk"),
