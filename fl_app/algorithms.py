@@ -26,6 +26,7 @@ from flwr.client import NumPyClient
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
 from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
@@ -130,11 +131,19 @@ def wrapped_strategy(cfg: dict) -> Strategy:
 
 
 # ---------------------------------------------------------------------------- strategy settings
+def adaptive_clipping(cfg: dict) -> AdaptiveClipping | None:
+    """`adaptive-clipping = true`: the part the DP wrapper is composed with (docs/dp-toolbox.md §3)."""
+    if not cfg["adaptive-clipping"]:
+        return None
+    return AdaptiveClipping(target_quantile=cfg["target-quantile"], learning_rate=cfg["clip-learning-rate"],
+                            count_noise_multiplier=cfg["clip-count-noise-multiplier"])
+
+
 def client_level(cfg: dict) -> dict:
     return dict(clipping_norm=cfg["clipping-norm"], noise_multiplier=cfg["noise-multiplier"],
                 noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"],
                 secure_aggregation=cfg["secure-aggregation"], audit_canaries=cfg["audit-canaries"],
-                audit_canary_kind=cfg["audit-canary-kind"])
+                audit_canary_kind=cfg["audit-canary-kind"], adaptive_clipping=adaptive_clipping(cfg))
 
 
 def topk_settings(cfg: dict) -> dict:
@@ -269,7 +278,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               DPFedSAMTopK, topk_settings, topk_sam_client, owned_keys=("sparsity", "topk-mode"),
               secure_aggregation=True),
     Algorithm("dp-fedavg-wav", "DP-FedAvg-WAV: Haar-wavelet noise at the server (§6)",
-              DPFedAvgWavelet, wavelet_settings, sgd_client, owned_keys=("wavelet-calibration",)),
+              DPFedAvgWavelet, wavelet_settings, sgd_client, owned_keys=("wavelet-calibration",),
+              unused_keys={"adaptive-clipping": None}),
     Algorithm("dp2-fedsam", "DP²-FedSAM: shared body with SAM, personal heads (§4)",
               PartialSharingDPFedAvg, client_level, partial_sharing_client(sam=True), owned_keys=HEAD_KEYS,
               shares_body_only=True, check_config=check_head_prefix),
@@ -285,7 +295,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               ALIDPFL, dpsgd_settings, dpsgd_client, owned_keys=SAMPLE_LEVEL_KEYS,
               unused_keys={"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
                            "noise-placement": None, "audit-canaries": None,
-                           "audit-canary-kind": None},
+                           "audit-canary-kind": None, "adaptive-clipping": None},
               reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
                          "target-epsilon": 0.0},
               privacy_unit="sample", opacus_model=True, check_config=check_dpsgd_config),

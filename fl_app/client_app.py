@@ -58,12 +58,32 @@ def secure_aggregation(context: Context) -> bool:
     return bool(context.run_config.get(keys.SECURE_AGGREGATION, False))
 
 
+def train_mods(context: Context) -> list:
+    """The run config's client mods on train (`noise-placement = "local"`: the local-DP mod; adaptive clipping
+    under distributed noise: the noisy clipped bit)."""
+    from clients.adaptive_clipping import make_clip_bit_mod
+    from clients.local_dp import local_dp_mod_from_run_config
+
+    cfg = validate(context.run_config)
+    mods = [mod for mod in (local_dp_mod_from_run_config(cfg, context),) if mod is not None]
+    if cfg["adaptive-clipping"] and cfg["noise-placement"] == "distributed":
+        mods.append(make_clip_bit_mod(None if cfg["secure-rng"] else int(cfg["seed"])))
+    return mods
+
+
+def plain_train(msg: Message, context: Context) -> Message:
+    return train_reply(build_client(context), msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
-    return train_reply(build_client(context), msg)
+    handler = plain_train
+    for mod in reversed(train_mods(context)):
+        handler = (lambda m, inner: lambda message, ctx: m(message, ctx, inner))(mod, handler)
+    return handler(msg, context)
 
 
 @app.evaluate()

@@ -99,7 +99,7 @@ SPEC: dict[str, Key] = {
                                  "objects included, counts as a failed client", low=0, low_open=True),
     "clipping-norm": Key(0.5, "C: bound on the L2 norm of each client update (0: no clipping)", low=0),
     "noise-multiplier": Key(1.0, "sigma: noise std / C (0: no noise)", low=0, nonzero_low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
-    "noise-placement": Key("distributed", "who adds the Gaussian noise", NOISE_PLACEMENTS),
+    "noise-placement": Key("distributed", "who adds the Gaussian noise (local: local DP, each client noises its own update)", NOISE_PLACEMENTS),
     "delta": Key(0.0, "target delta (0: min(1e-5, 0.01 / number of clients); ali-dpfl: 1e-5 per client's samples)",
                  low=0, high=1, high_open=True),
     "target-epsilon": Key(0.0, "privacy budget (0: none)", low=0),
@@ -153,6 +153,14 @@ SPEC: dict[str, Key] = {
                   low=RATE_MIN, note="the clients' mu ratios are divided by it"),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
                                low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
+    "adaptive-clipping": Key(False, "adapt the clipping norm toward a quantile of the update norms each round "
+                             "(Andrew et al.; clipping-norm is C_0; docs/dp-toolbox.md §3)"),
+    "target-quantile": Key(0.5, "adaptive-clipping: target quantile gamma of the update norms", low=0, high=1,
+                           low_open=True, high_open=True),
+    "clip-learning-rate": Key(0.2, "adaptive-clipping: eta_C in C <- C exp(-eta_C (b_bar - gamma))", low=0,
+                              low_open=True),
+    "clip-count-noise-multiplier": Key(10.0, "adaptive-clipping: sigma_b, noise std of the count of unclipped "
+                                       "clients (must exceed noise-multiplier / 2)", low=0, low_open=True),
     "audit-canaries": Key(0, "K canary clients for the one-shot empirical privacy estimate (Andrew et al.), "
                              "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0,
                           high=AUDIT_CANARIES_MAX, note="each canary is a model-sized vector in the server's memory"),

@@ -31,6 +31,8 @@ TAGS = {
     "epsilon_claimed": "privacy/epsilon_claimed_by_paper",
     "claimed_epsilon": "privacy/epsilon_claimed_by_paper",
     "epsilon_min": "privacy/epsilon_min_client",
+    "clipping_norm": "adaptive_clipping/clipping_norm",
+    "unclipped_fraction_noisy": "adaptive_clipping/unclipped_fraction_noisy",
     "tau": "ali_dpfl/tau",
     "tau_star": "ali_dpfl/tau_star",
     "mu": "ali_dpfl/mu",

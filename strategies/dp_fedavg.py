@@ -65,7 +65,8 @@ class DifferentialPrivacy(DPRoundLoop):
     clipping_norm : C, bound on the global L2 norm of each update (0: no clipping,
         only with noise_multiplier = 0, for the non-private reference).
     noise_multiplier : sigma (0: no noise, epsilon = inf).
-    noise_placement : "central" (trusted server adds the noise) or "distributed".
+    noise_placement : "central" (trusted server adds the noise), "distributed", or "local" (local DP: each client's
+        `clients.local_dp` mod noises its own update, docs/dp-toolbox.md §2).
     target_epsilon, target_epsilon_mode : "stop" before a round would exceed the
         target, or "calibrate" sigma up front for the configured number of rounds.
     secure_aggregation : the server only ever sees the sum (SecAgg+, `strategies.secagg`);
@@ -74,14 +75,17 @@ class DifferentialPrivacy(DPRoundLoop):
         (`fl_app.privacy.audit`): each, sampled with probability q per round, adds C * u_i to the sum;
         K more directions are never inserted; the estimate is in `describe()["audit"]`.
     audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
+    adaptive_clipping : a `strategies.adaptive_clipping.AdaptiveClipping` (Andrew et al.): C moves toward a
+        quantile of the update norms each round; the update noise is sigma_Delta, the ledger charges sigma.
 
-    Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 without amplification
-    (replace-one; `fl_app.privacy.ledger.ClientLevelLedger`).
+    Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
+    of the bounds without amplification and with sampling without replacement (`fl_app.privacy.ledger.ClientLevelLedger`).
     """
 
     clients_clip_under_central_noise = False
     reply_metric_rules = {keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
-                          keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15)}
+                          keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
+                          keys.LOCAL_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e15)}
 
     def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, clipping_norm: float,
                  noise_multiplier: float, noise_placement: str = "central", client_sampling: str = "poisson",
@@ -90,6 +94,7 @@ class DifferentialPrivacy(DPRoundLoop):
                  secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
                  min_available_nodes: int = 2, fraction_evaluate: float | None = None, audit_canaries: int = 0,
                  audit_canary_kind: str = "isotropic", publish_diagnostics: bool = False,
+                 adaptive_clipping=None,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         require(audit_canaries == 0 or audit_canaries >= 2, "audit_canaries", audit_canaries,
                 "must be 0 (no audit) or >= 2 (the null cosines' spread needs two)")
@@ -97,7 +102,8 @@ class DifferentialPrivacy(DPRoundLoop):
         self.check_settings(sample_rate=sample_rate, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier,
                             noise_placement=noise_placement, client_sampling=client_sampling,
                             target_epsilon=target_epsilon, target_epsilon_mode=target_epsilon_mode, delta=delta,
-                            accountant=accountant, secure_aggregation=secure_aggregation)
+                            accountant=accountant, secure_aggregation=secure_aggregation,
+                            adaptive_clipping=adaptive_clipping)
         super().__init__(strategy, sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
@@ -114,12 +120,16 @@ class DifferentialPrivacy(DPRoundLoop):
         self.canary_seed = new_canary_seed() if secure_rng else int(make_rng(seed, 8).integers(2**63))
         self.audit_start: np.ndarray | None = None  # the global vector before round 1
         self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
+        self.adaptive_clipping = adaptive_clipping  # strategies.adaptive_clipping.AdaptiveClipping, or None
+        if adaptive_clipping is not None:
+            self.reply_metric_rules = {**self.reply_metric_rules, keys.CLIP_BIT: MetricRule(low=-1e15, high=1e15)}
 
     @classmethod
     def check_settings(cls, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
                        noise_placement: str = "central", client_sampling: str = "poisson",
                        target_epsilon: float = 0.0, target_epsilon_mode: str = "stop", delta: float = 0.0,
-                       accountant: str = DEFAULT_ACCOUNTANT, secure_aggregation: bool = False, **_) -> None:
+                       accountant: str = DEFAULT_ACCOUNTANT, secure_aggregation: bool = False,
+                       adaptive_clipping=None, **_) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
         check_client_level_dp(sample_rate=sample_rate, clipping_norm=clipping_norm,
                               noise_multiplier=noise_multiplier, noise_placement=noise_placement,
@@ -127,6 +137,9 @@ class DifferentialPrivacy(DPRoundLoop):
                               target_epsilon_mode=target_epsilon_mode, delta=delta, accountant=accountant)
         if secure_aggregation:
             check_secure_aggregation(noise_placement, clipping_norm)
+        if adaptive_clipping is not None:
+            adaptive_clipping.check(noise_multiplier=noise_multiplier, noise_placement=noise_placement,
+                                    secure_aggregation=secure_aggregation, clipping_norm=clipping_norm)
 
     @property
     def noise_placement(self) -> str:
@@ -153,10 +166,11 @@ class DifferentialPrivacy(DPRoundLoop):
         return ClientLevelLedger.from_state_dict(state)
 
     def extra_state(self) -> dict:
-        return {"noise_multiplier": self.noise_multiplier}  # as calibrated
+        return {"noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm}  # as calibrated, adapted
 
     def load_extra_state(self, state: dict) -> None:
         self.noise_multiplier = float(state["noise_multiplier"])
+        self.clipping_norm = float(state.get("clipping_norm", self.clipping_norm))
 
     def summary(self) -> None:
         super().summary()
@@ -170,8 +184,11 @@ class DifferentialPrivacy(DPRoundLoop):
     # ------------------------------------------------------------------ train
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""
-        return {keys.SERVER_ROUND: server_round,
-                **self.noise.client_config(self.noise_multiplier, self.clipping_norm, self.noise_shares)}
+        config = {keys.SERVER_ROUND: server_round,
+                  **self.noise.client_config(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares)}
+        if self.adaptive_clipping is not None:
+            config.update(self.adaptive_clipping.client_config(self.noise_placement, self.noise_shares))
+        return config
 
     def begin_round(self, arrays: ArrayRecord) -> None:
         if self.audit_canaries and self.audit_start is None:
@@ -230,16 +247,23 @@ class DifferentialPrivacy(DPRoundLoop):
             "server_noise_std": self.last_server_noise_std,
             **self.privacy_metrics(),
         }
+        if self.adaptive_clipping is not None:  # C_{t+1} from the noised count (after this round's noise used C_t)
+            metrics.update(self.adaptive_clipping.after_round(self, server_round, accepted, norms))
         arrays, _ = self.release(server_round, new_global)
         return arrays, MetricRecord(metrics)
 
     def needs_marked_updates(self) -> bool:
         """Distributed noise: a reply counts only if the client (or its mod) added its noise share."""
-        return self.noise_placement == "distributed" and self.noise_multiplier > 0
+        return self.noise_placement in ("distributed", "local") and self.noise_multiplier > 0
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
-        bound = self.noise.upload_norm_bound(self.noise_multiplier, self.clipping_norm, self.noise_shares,
+        if (problem := getattr(self.noise, "reply_problem", lambda *_: None)(metrics, self.noise_multiplier)):
+            return problem
+        if self.adaptive_clipping is not None and (problem := self.adaptive_clipping.reply_problem(
+                metrics, self.noise_placement, self.noise_shares)):
+            return problem
+        bound = self.noise.upload_norm_bound(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares,
                                              vector.size)
         norm = l2_norm(vector)
         return f"upload norm {norm:.6g} above the bound {bound:.6g} of an honest noisy update" if norm > bound else None
@@ -247,6 +271,13 @@ class DifferentialPrivacy(DPRoundLoop):
     def server_clip(self, vector: np.ndarray, metrics: dict) -> tuple[np.ndarray, float]:
         """(update to sum, its norm before clipping), by the noise placement."""
         return self.noise.server_clip(vector, metrics, self.clipping_norm)
+
+    def update_noise_multiplier(self) -> float:
+        """The multiplier of the noise on the update sum: sigma, or under adaptive clipping sigma_Delta of
+        Theorem 1 (the count's noise takes the rest; the ledger still charges sigma)."""
+        if self.adaptive_clipping is None:
+            return self.noise_multiplier
+        return self.adaptive_clipping.update_noise_multiplier(self.noise_multiplier)
 
     def accounted_noise_multiplier(self) -> float:
         """The sigma the ledger charges per round (a strategy whose noise is not N(0, sigma^2 C^2 I)
@@ -266,7 +297,8 @@ class DifferentialPrivacy(DPRoundLoop):
         aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
         aggregate /= np.float32(self.expected_clients)
         self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.noise_shares, received,
-                                 truncation_probability=self.round_truncation_probability)
+                                 truncation_probability=self.round_truncation_probability,
+                                 sampled_from=self.round_sampled_from)
         return global_vector + np.float32(self.server_learning_rate) * aggregate
 
     def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
@@ -274,7 +306,7 @@ class DifferentialPrivacy(DPRoundLoop):
         """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)
         for the n_s - received noise shares that did not arrive."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        std = self.noise.server_noise_std(self.noise_multiplier, self.clipping_norm, self.noise_shares,
+        std = self.noise.server_noise_std(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares,
                                           len(updates) if received is None else received)
         self.last_server_noise_std = std
         return total + gaussian_noise(size, std, make_rng(self.seed, 2, server_round, secure=self.secure_rng))
@@ -301,8 +333,9 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def published_keys(self) -> frozenset:
         """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""
-        return super().published_keys() - {"epsilon_against_server"} if self.secure_aggregation \
-            else super().published_keys()
+        published = super().published_keys() | (self.adaptive_clipping.published_keys if self.adaptive_clipping
+                                                 else frozenset())
+        return published - {"epsilon_against_server"} if self.secure_aggregation else published
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json (what the ledger covers)."""
@@ -321,6 +354,7 @@ class DifferentialPrivacy(DPRoundLoop):
             "accounting_note": self.ledger.relation,
             "server_threat_model": self.ledger.server_threat_model,
             "secure_aggregation": self.secure_aggregation,
+            **({"adaptive_clipping": self.adaptive_clipping.describe()} if self.adaptive_clipping else {}),
             "ledger": ledger,
             **({"audit": self.audit()} if self.audit_canaries else {}),
             **{k: v for k, v in privacy.items() if k in published},

@@ -7,6 +7,7 @@ fixed-clipping DP wrappers.
   adds the top-up N(0, sigma^2 C^2 (n_s - k)/n_s I) for the n_s - k shares that did not arrive, so
   the sum carries sigma^2 C^2 whatever the number k of participants (n_s: the round loop's
   `noise_shares`, `fl_app.privacy.mechanisms.noise_share_count`).
+- `LocalNoise`: local DP, each client adds N(0, sigma^2 C^2 I) to its own clipped update; no server noise.
 """
 
 from __future__ import annotations
@@ -80,5 +81,44 @@ class DistributedNoise:
                                                                       noise_shares), dim)
 
 
-def noise_placement(name: str, clients_clip: bool = False) -> CentralNoise | DistributedNoise:
+class LocalNoise:
+    """Local DP (docs/dp-toolbox.md §2): each client clips and adds N(0, sigma^2 C^2 I) to its own update
+    (`clients.local_dp.make_local_dp_mod`), so every upload is DP on its own and the server adds nothing. The
+    server takes only uploads marked with a local noise multiplier of at least sigma, under the norm an honest
+    one stays below."""
+
+    name = "local"
+
+    def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
+        """The client's mod decides its own noise; its training client is asked for the raw update."""
+        return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: False, keys.NOISE_STD: 0.0}
+
+    def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
+        """The client clipped and noised; no norm before clipping is sent (NaN)."""
+        return vector, math.nan
+
+    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
+                         received: int) -> float:
+        return 0.0
+
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
+                          dim: int) -> float:
+        if clipping_norm <= 0:
+            return math.inf
+        return upload_norm_bound(clipping_norm, noise_multiplier * clipping_norm, dim)
+
+    def reply_problem(self, metrics: dict, noise_multiplier: float) -> str | None:
+        """Why an upload is not locally private enough (no local noise multiplier, or a smaller one), else None."""
+        local = metrics.get(keys.LOCAL_NOISE_MULTIPLIER)
+        if local is None:
+            return ("not locally privatized: under noise_placement = 'local' each client adds its own noise; add "
+                    "clients.local_dp.make_local_dp_mod to the ClientApp's train")
+        if local < noise_multiplier * (1 - 1e-9):
+            return f"local noise multiplier {local:g} below the configured {noise_multiplier:g}"
+        return None
+
+
+def noise_placement(name: str, clients_clip: bool = False) -> CentralNoise | DistributedNoise | LocalNoise:
+    if name == "local":
+        return LocalNoise()
     return DistributedNoise() if name == "distributed" else CentralNoise(clients_clip)

@@ -148,6 +148,7 @@ class DPRoundLoop(Strategy):
         self.expected_clients = 0.0  # m
         self.noise_shares = 0  # n_s: the most clients a round keeps (noise_share_count)
         self.round_truncation_probability = 0.0  # P(this round's sample was truncated to n_s)
+        self.round_sampled_from: tuple[int, int] | None = None  # fixed-size sampling: m of N nodes this round
         self.round_problems: list[str] = []  # failed and rejected replies of the round in flight (diagnostics)
         self.ledger = None
         self.stop_reason = ""
@@ -219,6 +220,7 @@ class DPRoundLoop(Strategy):
         if self.client_sampling == "fixed":
             self.round_truncation_probability = 0.0
             k = min(len(nodes), int(self.expected_clients))
+            self.round_sampled_from = (len(nodes), k)  # (N, m): the ledger's sampling-without-replacement bound
             return sorted(rng.choice(nodes, size=k, replace=False).tolist())
         self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
         sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]

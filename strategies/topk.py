@@ -60,6 +60,9 @@ class DPFedSAMTopK(DPFedAvg):
     def check_topk(sparsity: float, topk_mode: str, noise_placement: str) -> None:
         require(0 < sparsity <= 1, "sparsity", sparsity, "must be in (0, 1]")
         one_of("topk_mode", topk_mode, TOPK_MODES)
+        require(noise_placement != "local", "noise_placement", noise_placement,
+                "'local' is not supported with top-k uploads (the local-DP mod noises dense updates): use 'central' "
+                "or 'distributed'")
 
     def guarantee_caveats(self) -> list[str]:
         """Top-k of each client's noisy share (the paper's order, distributed noise) is not post-processing of

@@ -181,7 +181,7 @@ def test_target_epsilon_calibrate():
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(sample_rate=0.0), "sample_rate"),
     (dict(noise_multiplier=1.0, clipping_norm=0.0), "clipping_norm"),
-    (dict(noise_placement="local"), "noise_placement"),
+    (dict(noise_placement="nowhere"), "noise_placement"),
     (dict(client_sampling="uniform"), "client_sampling"),
     (dict(target_epsilon_mode="x"), "target_epsilon_mode"),
 ])

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from fl_app.task.opacus_import import import_opacus
 
 ACCOUNTANTS = ("pld", "rdp", "prv")  # imported when an epsilon is first computed
@@ -234,6 +236,47 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     return hi
 
 
+WorEvent = tuple[float, int, int, int]  # (multiplier w.r.t. the replace-one sensitivity, population N, sample m, steps)
+
+
+def fixed_size_epsilon(events: list[WorEvent], delta: float) -> float:
+    """eps(delta) of a composition of Gaussian mechanisms on m of N sampled without replacement, under the
+    replace-one relation: dp-accounting's RDP of `SampledWithoutReplacementDpEvent` (Wang, Balle and
+    Kasiviswanathan, AISTATS 2019, Theorem 27) with `NeighboringRelation.REPLACE_ONE`, the multiplier taken
+    relative to the replace-one sensitivity (2C for a sum of updates clipped to C). A valid upper bound."""
+    steps: dict[tuple[float, int, int], int] = {}
+    for sigma, population, sample, n in events:
+        if n > 0:
+            key = (float(sigma), int(population), int(sample))
+            steps[key] = steps.get(key, 0) + int(n)
+    return _fixed_size_epsilon(tuple(sorted((s, p, m, n) for (s, p, m), n in steps.items())), float(delta))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fixed_size_epsilon(events: tuple[WorEvent, ...], delta: float) -> float:
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    if not events:
+        return 0.0
+    if any(sigma < MIN_SIGMA for sigma, _, _, _ in events):
+        return math.inf
+    rdp = sum(_wor_rdp_per_step(sigma, population, sample) * n for sigma, population, sample, n in events)
+    return max(0.0, float(rdp_lib.compute_epsilon(rdp_lib.DEFAULT_RDP_ORDERS, rdp, delta)[0]))
+
+
+@functools.lru_cache(maxsize=256)
+def _wor_rdp_per_step(sigma: float, population: int, sample: int):
+    """Per-step replace-one RDP of the Gaussian on m of N without replacement, at dp-accounting's default orders
+    (0.2-0.6 s each, so built once per (sigma, N, m); RDP composes additively)."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    rdp = np.asarray(rdp_lib._compute_rdp_sample_wor_gaussian(min(1.0, sample / population), sigma,
+                                                               rdp_lib.DEFAULT_RDP_ORDERS), dtype=float)
+    rdp.setflags(write=False)
+    return rdp
+
+
 def per_update_noise_multiplier(noise_multiplier: float, noise_shares: int) -> float:
     """Noise multiplier of one distributed-noise upload as the server sees it.
 
@@ -262,14 +305,21 @@ class ClientLevelLedger:
 
     - released model, Poisson client sampling: one sampled-Gaussian event (sigma, q) per round;
     - released model, fixed-size sampling (exactly m of M): under the replace-one relation one client's
-      change moves the clipped sum by up to 2C, so a round is charged as the Gaussian mechanism with
-      multiplier sigma / 2 and no sampling amplification (q = 1), an upper bound (tests check it
-      against the worst-pair lower bound);
+      change moves the clipped sum by up to 2C. Two valid upper bounds are computed and the smaller is
+      printed (`model_bound_by` names it): each round as the Gaussian mechanism with multiplier sigma / 2
+      and no sampling amplification (q = 1, the configured accountant), and dp-accounting's replace-one RDP
+      of the Gaussian at sigma / 2 on m of N sampled without replacement (`fixed_size_epsilon`, with each
+      round's own N and m: `fixed_rounds`). Both are upper bounds, so the minimum is one, and never below
+      a valid lower bound (tests check it against the worst-pair lower bound and dp-accounting);
     - released model, the sample truncated to n_s (`truncation_probability`, docs/algorithms.md §0): a
       round whose Poisson sample would exceed n_s noise shares keeps n_s of them. The run equals the
       sampled Gaussian mechanism except on the event that some round's other clients alone fill n_s,
       whose probability (summed over rounds: `truncation_delta`) is added to delta: epsilon is the
       accountant's at delta - truncation_delta;
+    - `local` noise (local DP, docs/dp-toolbox.md §2): every upload is the Gaussian mechanism at sigma / 2
+      (replace-one, sensitivity 2C) on its own, with no sampling amplification (nothing is trusted on the
+      server, its sampling included): one (sigma / 2, 1) event per round, against the released model and
+      against the server alike, which is the local epsilon of a client that took part in every round;
     - server, `central` noise: the trusted server sees raw updates (no guarantee);
     - server, `distributed` noise without secure aggregation: every upload is its own
       Gaussian release with multiplier sigma/(2 sqrt(n_s)) and no sampling amplification;
@@ -285,6 +335,7 @@ class ClientLevelLedger:
     secure_aggregation: bool = False
     client_sampling: str = "poisson"
     truncation_delta: float = 0.0
+    fixed_rounds: list[WorEvent] = field(default_factory=list)  # fixed sampling: (sigma / 2, N, m, steps) per round
     model: PrivacyLedger = field(init=False)
     server: PrivacyLedger = field(init=False)
 
@@ -296,41 +347,81 @@ class ClientLevelLedger:
     def server_threat_model(self) -> str:
         if self.noise_placement == "central":
             return "trusted server: it sees raw clipped updates, no DP against it"
+        if self.noise_placement == "local":
+            return "local DP: each upload is its own Gaussian release (sigma/2, q=1); nothing trusted on the server"
         if self.secure_aggregation:
             return "secure aggregation: the server sees only the noisy sum (no sampling amplification against it)"
         return "distributed noise: each upload is its own Gaussian release (sigma/(2 sqrt(n_s)), q=1)"
 
     @property
     def relation(self) -> str:
+        if self.noise_placement == "local":
+            return ("replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
+                    "amplification")
         if self.client_sampling == "fixed":
-            return ("replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C, no sampling "
-                    "amplification claimed (an upper bound)")
+            return ("replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
+                    "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
+                    "without replacement")
         return ("add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact), delta reduced by the "
                 "probability of truncating a round's sample to n_s noise shares")
 
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
-        """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size."""
-        if self.client_sampling == "fixed":
+        """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size
+        sampling and for local noise."""
+        if self.client_sampling == "fixed" or self.noise_placement == "local":
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
-    def _model_epsilon(self, events: list[Event], truncation_delta: float) -> float:
+    def _model_bounds(self, events: list[Event], truncation_delta: float,
+                      fixed_rounds: list[WorEvent] | None = None) -> tuple[float, str]:
+        """(eps(delta) against the released model, the bound that gave it): the configured accountant's, or
+        under fixed-size sampling the smaller of it and the sampling-without-replacement RDP bound (when every
+        round's N and m are known)."""
         delta = self.delta - truncation_delta
-        return epsilon_of(events, delta, self.accountant) if delta > 0 else math.inf
+        if delta <= 0:
+            return math.inf, self.accountant
+        eps, by = epsilon_of(events, delta, self.accountant), accountant_used(events, delta, self.accountant)
+        fixed_rounds = self.fixed_rounds if fixed_rounds is None else fixed_rounds
+        if self.client_sampling == "fixed" and self.noise_placement != "local" and fixed_rounds and \
+                sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events):
+            wor = fixed_size_epsilon(fixed_rounds, delta)
+            if wor < eps:
+                return wor, "rdp-sampled-without-replacement (dp-accounting, replace-one)"
+        return eps, by
+
+    def _model_epsilon(self, events: list[Event], truncation_delta: float,
+                       fixed_rounds: list[WorEvent] | None = None) -> float:
+        return self._model_bounds(events, truncation_delta, fixed_rounds)[0]
 
     def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float, rounds: int = 1,
                              truncation_probability: float = 0.0) -> float:
-        """eps(delta) against the released model if `rounds` more rounds were charged."""
+        """eps(delta) against the released model if `rounds` more rounds were charged (fixed-size sampling:
+        at the last round's N and m)."""
         event = (*self.release_event(noise_multiplier, sample_rate), rounds)
+        fixed = None
+        if self.fixed_rounds:
+            fixed = self.fixed_rounds + [(event[0], self.fixed_rounds[-1][1], self.fixed_rounds[-1][2], rounds)]
         return self._model_epsilon(self.model.history + [event],
-                                   self.truncation_delta + rounds * truncation_probability)
+                                   self.truncation_delta + rounds * truncation_probability, fixed)
 
     def record_round(self, noise_multiplier: float, sample_rate: float, noise_shares: float,
-                     received: int | None = None, truncation_probability: float = 0.0) -> None:
+                     received: int | None = None, truncation_probability: float = 0.0,
+                     sampled_from: tuple[int, int] | None = None) -> None:
         """Charge one round. `noise_shares` = n_s; `received` = noise shares that reached the sum (None: all);
-        `truncation_probability` = P(the round's sample is truncated to n_s), reserved out of delta."""
+        `truncation_probability` = P(the round's sample is truncated to n_s), reserved out of delta;
+        `sampled_from` = (N, m): fixed-size sampling drew m of N nodes (None: unknown, no amplification)."""
         sigma, rate = self.release_event(noise_multiplier, sample_rate)
         self.model.record(sigma, rate)
+        if self.noise_placement == "local":  # no amplification, no truncation reserve: the server is not trusted
+            self.server.record(sigma, rate)
+            return
+        if self.client_sampling == "fixed" and sampled_from is not None:
+            population, sample = int(sampled_from[0]), int(sampled_from[1])
+            last = self.fixed_rounds[-1] if self.fixed_rounds else None
+            if last is not None and last[:3] == (sigma, population, sample):
+                self.fixed_rounds[-1] = (sigma, population, sample, last[3] + 1)
+            else:
+                self.fixed_rounds.append((float(sigma), population, sample, 1))
         self.truncation_delta += float(truncation_probability)
         if self.noise_placement != "distributed":
             return
@@ -354,13 +445,19 @@ class ClientLevelLedger:
         return {"delta": self.delta, "accountant": self.accountant, "noise_placement": self.noise_placement,
                 "secure_aggregation": self.secure_aggregation, "client_sampling": self.client_sampling,
                 "truncation_delta": self.truncation_delta, "relation": self.relation,
+                "fixed_rounds": [list(e) for e in self.fixed_rounds], "model_bound_by": self.model_bound_by(),
                 "model": self.model.state_dict(), "server": self.server.state_dict()}
+
+    def model_bound_by(self) -> str:
+        """Which bound gave the released model's epsilon."""
+        return self._model_bounds(self.model.history, self.truncation_delta)[1]
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "ClientLevelLedger":
         ledger = cls(float(state["delta"]), state["accountant"], state["noise_placement"],
                      bool(state["secure_aggregation"]), state.get("client_sampling", "poisson"),
-                     float(state.get("truncation_delta", 0.0)))
+                     float(state.get("truncation_delta", 0.0)),
+                     [(float(s), int(n), int(m), int(k)) for s, n, m, k in state.get("fixed_rounds", [])])
         ledger.model = PrivacyLedger.from_state_dict(state["model"])
         ledger.server = PrivacyLedger.from_state_dict(state["server"])
         return ledger

@@ -36,3 +36,12 @@ EPSILON_CLAIMED = "epsilon-claimed"
 BUDGET_LEFT = "budget-left"  # 1 if one more DP-SGD step fits the budget
 ACCURACY = "accuracy"
 LOSS = "loss"
+# Local DP (clients.local_dp): what the client's own ledger says, in its train reply.
+LOCAL_NOISE_MULTIPLIER = "local-noise-multiplier"  # sigma of its local Gaussian noise (std sigma C)
+LOCAL_EPSILON_ROUND = "local-epsilon-round"  # epsilon of this one release, on its own
+LOCAL_EPSILON = "local-epsilon"  # composed over the rounds this client took part in
+LOCAL_ROUNDS = "local-rounds"  # rounds this client took part in
+LOCAL_DELTA = "local-delta"
+# Adaptive clipping (strategies.adaptive_clipping, clients.adaptive_clipping).
+CLIP_COUNT_NOISE_STD = "clip-count-noise-std"  # train config: the std of the client's share of the count noise
+CLIP_BIT = "clip-bit"  # metric: (1[||Delta|| <= C] - 1/2) + the client's share of the count noise

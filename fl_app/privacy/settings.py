@@ -8,7 +8,7 @@ registry) before any training starts.
 
 from __future__ import annotations
 
-NOISE_PLACEMENTS = ("central", "distributed")
+NOISE_PLACEMENTS = ("central", "distributed", "local")
 CLIENT_SAMPLINGS = ("poisson", "fixed")
 TARGET_EPSILON_MODES = ("stop", "calibrate")
 ACCOUNTANT_NAMES = ("pld", "rdp", "prv")  # fl_app.privacy.ledger.ACCOUNTANTS
@@ -55,6 +55,11 @@ def check_client_level_dp(*, sample_rate: float, clipping_norm: float, noise_mul
             "target-epsilon-mode = 'calibrate' or a positive noise-multiplier")
     require(not (target_epsilon > 0 and target_epsilon_mode == "calibrate" and clipping_norm == 0),
             "target_epsilon_mode", target_epsilon_mode, f"'calibrate' needs {name('clipping_norm')} > 0")
+    require(not (noise_placement == "local" and noise_multiplier == 0), "noise_placement", noise_placement,
+            f"'local' needs {name('noise_multiplier')} > 0: each client noises its own update")
+    require(not (noise_placement == "local" and target_epsilon > 0 and target_epsilon_mode == "calibrate"),
+            "target_epsilon_mode", target_epsilon_mode, "'calibrate' cannot be used with noise_placement = 'local' "
+            "(run-config key 'noise-placement'): the clients choose their own noise; use 'stop'")
 
 
 def require_noise_placement(algorithm: str, noise_placement: str, allowed: str, reason: str) -> None:

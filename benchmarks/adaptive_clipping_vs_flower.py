@@ -1,0 +1,121 @@
+"""Our adaptive clipping against Flower's `DifferentialPrivacyServerSideAdaptiveClipping(FedAvg)`, same job, in one
+process (docs/dp-toolbox.md §3).
+
+    python -m benchmarks.adaptive_clipping_vs_flower [--clients 20] [--rounds 10] [--repeats 2]
+
+Both: `InProcessGrid`, the same clients (our `TrainingClient`'s local SGD), partitions, model, C_0, sigma, sigma_b,
+target quantile, eta_C and seeds, q = 1 (every client every round: Flower's FedAvg samples exactly fraction_train N),
+central noise (the server clips). Flower: the wrapper around FedAvg, clients reply with their new weights; ours:
+`algorithm = dp-fedavg`, `noise-placement = central`, `adaptive-clipping = true` through the real ServerApp and
+ClientApp code. Reported: final accuracy (the server's test set), seconds per round (median over rounds and repeats,
+after a warm-up pair), the final clipping norm, and our ledger's epsilon (Flower's wrapper prints none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping, FedAvg
+
+from fl_app.client_app import app as our_client_app
+from fl_app.client_app import build_client
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.results import read_metrics, read_rounds
+from fl_app.server_app import build_global_model, run_federated
+from fl_app.task.data import load_dataset
+from fl_app.task.torch_helpers import evaluate_model, get_weights, set_weights
+
+JOB = {"algorithm": "dp-fedavg", "dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 5,
+       "batch-size": 16, "sample-rate": 1.0, "noise-placement": "central", "clipping-norm": 0.1,
+       "noise-multiplier": 1.0, "adaptive-clipping": True, "target-quantile": 0.5, "clip-learning-rate": 0.2,
+       "clip-count-noise-multiplier": 2.0, "delta": 1e-5, "secure-rng": False, "seed": 7, "tensorboard": False}
+
+
+flower_client_app = ClientApp()
+
+
+@flower_client_app.train()
+def flower_train(msg: Message, context: Context) -> Message:
+    """Local SGD with our TrainingClient; reply with the new weights (the server-side wrapper clips)."""
+    torch.set_num_threads(1)
+    client = build_client(context)
+    set_weights(client.model, msg.content["arrays"].to_numpy_ndarrays())
+    loss, _ = client.train(dict(msg.content["config"]))
+    return Message(RecordDict({"arrays": ArrayRecord(get_weights(client.model)),
+                               "metrics": MetricRecord({"num-examples": 1, "train-loss": loss})}), reply_to=msg)
+
+
+def flower_run(cfg: dict, clients: int) -> dict:
+    np.random.seed(cfg["seed"])  # Flower draws its noise from numpy's global generator
+    strategy = DifferentialPrivacyServerSideAdaptiveClipping(
+        FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients),
+        noise_multiplier=cfg["noise-multiplier"], num_sampled_clients=clients,
+        initial_clipping_norm=cfg["clipping-norm"], target_clipped_quantile=cfg["target-quantile"],
+        clip_norm_lr=cfg["clip-learning-rate"], clipped_count_stddev=cfg["clip-count-noise-multiplier"])
+    model = build_global_model(cfg)
+    _, testset = load_dataset(cfg["dataset"], cfg["data-dir"])
+    marks, accuracies = [], []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        set_weights(model, arrays.to_numpy_ndarrays())
+        loss, accuracy = evaluate_model(model, testset)
+        marks.append(time.perf_counter())
+        accuracies.append(accuracy)
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    strategy.start(InProcessGrid(flower_client_app, clients, cfg), ArrayRecord(get_weights(model)),
+                   num_rounds=cfg["num-rounds"], evaluate_fn=evaluate_fn)
+    return {"seconds": [b - a for a, b in zip(marks, marks[1:])], "accuracy": accuracies[-1],
+            "clipping_norm": strategy.clipping_norm, "epsilon": None}
+
+
+def our_run(cfg: dict, clients: int) -> dict:
+    summary = run_federated(InProcessGrid(our_client_app, clients, cfg), cfg)
+    rounds = read_metrics(summary["results_dir"])
+    return {"seconds": [r["seconds"] for r in read_rounds(summary["results_dir"])],
+            "accuracy": summary["final_accuracy"], "clipping_norm": rounds[-1]["clipping_norm_next"],
+            "epsilon": summary["epsilon"]}
+
+
+def compare(clients: int, rounds: int, repeats: int) -> dict:
+    seconds: dict[str, list[float]] = {"flower": [], "ours": []}
+    accuracy: dict[str, list[float]] = {"flower": [], "ours": []}
+    last: dict[str, dict] = {}
+    for repeat in range(repeats + 1):  # the first pair pays one-time costs
+        for name, run in (("flower", flower_run), ("ours", our_run)):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = validate({**JOB, "num-rounds": rounds, "min-nodes": clients, "results-dir": tmp,
+                                "seed": JOB["seed"] + repeat})
+                out = run(cfg, clients)
+            if repeat:
+                seconds[name] += out["seconds"]
+                accuracy[name].append(out["accuracy"])
+            last[name] = out
+    return {name: {"s_per_round": statistics.median(seconds[name]), "accuracy": accuracy[name],
+                   "clipping_norm": last[name]["clipping_norm"], "epsilon": last[name]["epsilon"]}
+            for name in seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name, r in compare(args.clients, args.rounds, args.repeats).items():
+        eps = "none printed" if r["epsilon"] is None else f"{r['epsilon']:.3f}"
+        print(f"{name:6}  s/round {r['s_per_round']:.3f}  accuracy {', '.join(f'{a:.3f}' for a in r['accuracy'])}  "
+              f"final C {r['clipping_norm']:.4f}  epsilon {eps}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy, "Differentially Private Learning with Adaptive
+Clipping", NeurIPS 2021, arXiv 1905.03871), a part the DP wrapper is composed with (docs/dp-toolbox.md §3):
+
+    DifferentialPrivacy(FedAvg(), clipping_norm=C_0, noise_multiplier=sigma, sample_rate=q,
+                        adaptive_clipping=AdaptiveClipping(target_quantile=0.5, learning_rate=0.2,
+                                                           count_noise_multiplier=sigma_b))
+
+Each round t the clipping norm C_t moves toward the gamma-quantile of the update norms:
+
+    b_i = 1[||Delta_i|| <= C_t],   b_bar = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2,
+    C_{t+1} = C_t * exp(-eta_C (b_bar - gamma)),
+
+and the update noise has the multiplier of the paper's Theorem 1, sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2),
+so that the round (update sum with sensitivity C and noise sigma_Delta C, centred count with sensitivity 1/2 and noise
+sigma_b) is exactly one Gaussian mechanism with multiplier sigma: the ledger charges sigma, as without adaptive
+clipping. Settings with sigma_b <= sigma / 2 (sigma_Delta imaginary) are refused.
+
+Where the bits come from follows the noise placement: `central`, the server computes b_i from the norms it measures
+and adds the count noise; `distributed`, each client's mod (`clients.adaptive_clipping.clip_bit_mod`) sends
+(b_i - 1/2) + N(0, sigma_b^2 / n_s) and the server tops up the shares that did not arrive, as for the update.
+C_t is a DP output (a function of the noised counts): it is published per round (`clipping_norm`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fl_app.privacy import protocol as keys
+from fl_app.privacy.mechanisms import make_rng
+from fl_app.privacy.settings import require
+
+HONEST_BIT_BOUND_SIGMAS = math.sqrt(2 * math.log(1e12))  # an honest share exceeds 1/2 + this many stds w.p. <= 1e-12
+
+
+def update_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
+    """sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2) (Theorem 1 of arXiv 1905.03871)."""
+    if noise_multiplier <= 0:
+        return 0.0
+    rest = noise_multiplier ** -2 - (2.0 * count_noise_multiplier) ** -2
+    if rest <= 0:
+        raise ValueError(f"count_noise_multiplier={count_noise_multiplier!r} <= noise_multiplier / 2")
+    return rest ** -0.5
+
+
+class AdaptiveClipping:
+    """The geometric quantile update of the clipping norm, with its noised count."""
+
+    published_keys = frozenset({"clipping_norm", "clipping_norm_next", "unclipped_fraction_noisy"})  # DP outputs
+
+    def __init__(self, target_quantile: float = 0.5, learning_rate: float = 0.2,
+                 count_noise_multiplier: float = 10.0) -> None:
+        require(0 < target_quantile < 1, "target_quantile", target_quantile, "must be in (0, 1)")
+        require(learning_rate > 0, "clip_learning_rate", learning_rate, "must be > 0")
+        require(count_noise_multiplier > 0, "clip_count_noise_multiplier", count_noise_multiplier, "must be > 0")
+        self.target_quantile = target_quantile
+        self.learning_rate = learning_rate
+        self.count_noise_multiplier = count_noise_multiplier
+
+    def check(self, *, noise_multiplier: float, noise_placement: str, secure_aggregation: bool = False,
+              clipping_norm: float = 1.0) -> None:
+        """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
+        require(noise_multiplier == 0 or self.count_noise_multiplier > noise_multiplier / 2,
+                "clip_count_noise_multiplier", self.count_noise_multiplier,
+                f"must be > noise_multiplier / 2 = {noise_multiplier / 2:g} (run-config keys "
+                "'clip-count-noise-multiplier' and 'noise-multiplier'): the update noise multiplier "
+                "(sigma^-2 - (2 sigma_b)^-2)^(-1/2) of Theorem 1 would be imaginary")
+        require(noise_placement in ("central", "distributed"), "noise_placement", noise_placement,
+                "adaptive clipping (run-config key 'adaptive-clipping') needs 'central' or 'distributed' noise")
+        require(not secure_aggregation, "secure_aggregation", secure_aggregation,
+                "adaptive clipping (run-config key 'adaptive-clipping') needs the clipped bits in the clear, "
+                "which SecAgg+ replies do not carry")
+        require(clipping_norm > 0, "clipping_norm", clipping_norm, "adaptive clipping starts from C_0 > 0")
+
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        return update_noise_multiplier(noise_multiplier, self.count_noise_multiplier)
+
+    def client_config(self, noise_placement: str, noise_shares: int) -> dict:
+        """Distributed: each client's share of the count noise."""
+        if noise_placement != "distributed":
+            return {}
+        return {keys.CLIP_COUNT_NOISE_STD: self.count_noise_multiplier / math.sqrt(max(1, noise_shares))}
+
+    def reply_problem(self, metrics: dict, noise_placement: str, noise_shares: int) -> str | None:
+        """Distributed: the noisy bit is present and within what an honest one reaches (p <= 1e-12)."""
+        if noise_placement != "distributed":
+            return None
+        if keys.CLIP_BIT not in metrics:
+            return ("no clipped bit: adaptive clipping under distributed noise needs "
+                    "clients.adaptive_clipping.clip_bit_mod on the ClientApp's train")
+        bound = 0.5 + HONEST_BIT_BOUND_SIGMAS * self.count_noise_multiplier / math.sqrt(max(1, noise_shares))
+        if abs(metrics[keys.CLIP_BIT]) > bound:
+            return f"clipped bit {metrics[keys.CLIP_BIT]:.6g} outside [-{bound:.6g}, {bound:.6g}]"
+        return None
+
+    def noisy_count(self, server_round: int, noise_placement: str, bits: list[float], noise_shares: int,
+                    seed: int, secure: bool) -> float:
+        """sum_i (b_i - 1/2) + N(0, sigma_b^2): all of the noise (central) or the top-up of the missing shares."""
+        if noise_placement == "distributed":
+            std = self.count_noise_multiplier * math.sqrt(max(0, noise_shares - len(bits)) / max(1, noise_shares))
+        else:
+            std = self.count_noise_multiplier
+        rng = make_rng(seed, 12, server_round, secure=secure)
+        return float(np.sum(bits)) + float(rng.normal(0.0, std)) if std > 0 else float(np.sum(bits))
+
+    def next_clipping_norm(self, clipping_norm: float, noisy_count: float, expected_clients: float) -> tuple[float, float]:
+        """(C_{t+1}, b_bar) from the noisy centred count."""
+        b_bar = noisy_count / expected_clients + 0.5
+        return clipping_norm * math.exp(-self.learning_rate * (b_bar - self.target_quantile)), b_bar
+
+    def after_round(self, strategy, server_round: int, accepted: list[tuple[np.ndarray, dict]],
+                    norms: list[float]) -> dict:
+        """Set the wrapper's C to C_{t+1}; the round record's entries (C_t and C_{t+1} are published)."""
+        used = strategy.clipping_norm
+        if strategy.noise_placement == "distributed":
+            bits = [float(metrics[keys.CLIP_BIT]) for _, metrics in accepted]
+        else:
+            bits = [(1.0 if n <= used else 0.0) - 0.5 for n in norms]
+        count = self.noisy_count(server_round, strategy.noise_placement, bits, strategy.noise_shares,
+                                 strategy.seed, strategy.secure_rng)
+        strategy.clipping_norm, b_bar = self.next_clipping_norm(used, count, strategy.expected_clients)
+        return {"clipping_norm": used, "clipping_norm_next": strategy.clipping_norm,
+                "unclipped_fraction_noisy": b_bar}
+
+    def describe(self) -> dict:
+        return {"target_quantile": self.target_quantile, "clip_learning_rate": self.learning_rate,
+                "clip_count_noise_multiplier": self.count_noise_multiplier}
