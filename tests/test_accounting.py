@@ -223,3 +223,25 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
         monkeypatch.undo()
         ledger._bound.cache_clear()
     assert ledger.accountant_used(events, 1e-5, "pld") == "pld"  # PLD's own number where it is finite
+
+
+def test_an_accountant_is_one_registered_class():
+    """The registry (as Opacus' accountants/registry.py): the three accountants are classes in it, and a new
+    class registered under a name is what `epsilon_of` uses for that name, with RDP standing in as for PLD."""
+    from fl_app.privacy import ledger as ledger_module
+
+    assert set(ledger_module.ACCOUNTANT_REGISTRY) == {"pld", "rdp", "prv"} == set(ledger_module.ACCOUNTANTS)
+    events = [(1.1, 0.3, 40)]
+    try:
+        @ledger_module.register_accountant
+        class DoubleRDP:
+            name, discretised = "double-rdp", True
+
+            def epsilon(self, events, delta):
+                return 2 * ledger_module.epsilon_of(list(events), delta, "rdp")
+
+        assert ledger_module.epsilon_of(events, 1e-5, "double-rdp") == pytest.approx(
+            2 * ledger_module.epsilon_of(events, 1e-5, "rdp"))
+        assert ledger_module.accountant_used([(0.1, 0.3, 4)], 1e-5, "double-rdp").startswith("rdp (a noise")
+    finally:
+        ledger_module.ACCOUNTANT_REGISTRY.pop("double-rdp", None)

@@ -23,7 +23,6 @@ import numpy as np
 
 from fl_app.task.opacus_import import import_opacus
 
-ACCOUNTANTS = ("pld", "rdp", "prv")  # imported when an epsilon is first computed
 DEFAULT_ACCOUNTANT = "pld"
 MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)
 NUMERIC_MIN_SIGMA = 0.2  # below it PLD and PRV take minutes and gigabytes (measured: PLD 110 s, 7.8 GB at 0.02)
@@ -74,6 +73,69 @@ def canonical(events: list[Event]) -> tuple[Event, ...]:
     return tuple((sigma, q, n) for (sigma, q), n in sorted(steps.items()))
 
 
+class Accountant(Protocol):
+    """An accountant of the registry: eps(delta) of a composition of Poisson-sampled Gaussian events
+    (sigma, q, steps). `discretised`: it needs sigma >= NUMERIC_MIN_SIGMA (below, RDP stands in)."""
+
+    name: str
+    discretised: bool
+
+    def epsilon(self, events: tuple[Event, ...], delta: float) -> float: ...
+
+
+ACCOUNTANT_REGISTRY: dict[str, Accountant] = {}
+
+
+def register_accountant(cls: type) -> type:
+    """Class decorator: adds one instance of an accountant class to the registry under its `name`."""
+    ACCOUNTANT_REGISTRY[cls.name] = cls()
+    return cls
+
+
+@register_accountant
+class PLDAccountant:
+    """dp-accounting's privacy-loss distributions (the tightest of the three; the default)."""
+
+    name, discretised = "pld", True
+
+    def epsilon(self, events: tuple[Event, ...], delta: float) -> float:
+        return _pld_epsilon(list(events), delta)
+
+
+@register_accountant
+class RDPAccountant:
+    """Opacus' RDP accountant: what its RDPAccountant.get_privacy_spent computes, per-step RDP cached."""
+
+    name, discretised = "rdp", False
+
+    def epsilon(self, events: tuple[Event, ...], delta: float) -> float:
+        import_opacus()
+        from opacus.accountants import RDPAccountant as OpacusRDP
+        from opacus.accountants.analysis import rdp as rdp_analysis
+
+        rdp = sum(_rdp_per_step(sigma, q) * steps for sigma, q, steps in events)
+        return _quiet(rdp_analysis.get_privacy_spent, orders=OpacusRDP.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0]
+
+
+@register_accountant
+class PRVAccountant:
+    """Opacus' privacy random variables accountant."""
+
+    name, discretised = "prv", True
+
+    def epsilon(self, events: tuple[Event, ...], delta: float) -> float:
+        import_opacus()
+        from opacus.accountants import PRVAccountant as OpacusPRV
+
+        acc = OpacusPRV()
+        acc.history = list(events)
+        return _quiet(acc.get_epsilon, delta=delta)
+
+
+ACCOUNTANTS = tuple(ACCOUNTANT_REGISTRY)  # the names a setting may take
+FALLBACK_ACCOUNTANT = "rdp"  # valid and finite where a discretised accountant cannot give a number
+
+
 @functools.lru_cache(maxsize=4096)
 def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[float, str]:
     """(eps(delta), the accountant that gave it). Memoised (PRV evaluations are slow and many ledgers share
@@ -85,30 +147,17 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
     events = tuple(e for e in events if e[1] > 0)
     if not events:
         return 0.0, accountant
-    if accountant != "rdp" and min(sigma for sigma, _, _ in events) < NUMERIC_MIN_SIGMA:
+    chosen = ACCOUNTANT_REGISTRY[accountant]
+    if chosen.discretised and min(sigma for sigma, _, _ in events) < NUMERIC_MIN_SIGMA:
         # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
         # bound (within a few percent of theirs at epsilons this large).
-        return _bound(events, delta, "rdp")[0], (f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} "
-                                                 "would need minutes and gigabytes)")
-    if accountant == "pld":
-        eps = _pld_epsilon(events, delta)
-        if not math.isfinite(eps):  # dp-accounting's conversion can overflow near eps ~ 700 (seen in a log line as
-            # inf between 706 and 727): RDP's bound, valid, finite
-            return _bound(events, delta, "rdp")[0], "rdp (pld's epsilon-for-delta conversion overflowed)"
-    elif accountant == "rdp":  # what Opacus' RDPAccountant.get_privacy_spent computes, per-step RDP cached
-        import_opacus()
-        from opacus.accountants import RDPAccountant
-        from opacus.accountants.analysis import rdp as rdp_analysis
-
-        rdp = sum(_rdp_per_step(sigma, q) * steps for sigma, q, steps in events)
-        eps = _quiet(rdp_analysis.get_privacy_spent, orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0]
-    else:
-        import_opacus()
-        from opacus.accountants import PRVAccountant
-
-        acc = PRVAccountant()
-        acc.history = list(events)
-        eps = _quiet(acc.get_epsilon, delta=delta)
+        return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
+            f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} would need minutes and gigabytes)")
+    eps = chosen.epsilon(events, delta)
+    if not math.isfinite(eps) and accountant != FALLBACK_ACCOUNTANT:
+        # dp-accounting's PLD conversion can overflow near eps ~ 700 (seen in a log line as inf between 706 and
+        # 727): RDP's bound, valid, finite
+        return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], f"rdp ({accountant}'s epsilon-for-delta conversion overflowed)"
     # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
     return max(0.0, float(eps)), accountant
 
@@ -155,11 +204,11 @@ def _quiet(fn, *args, **kwargs):
 def _rdp_per_step(noise_multiplier: float, sample_rate: float):
     """RDP of one sampled-Gaussian step at Opacus' default orders (RDP composes additively)."""
     import_opacus()
-    from opacus.accountants import RDPAccountant
+    from opacus.accountants import RDPAccountant as OpacusRDP
     from opacus.accountants.analysis import rdp as rdp_analysis
 
     rdp = _quiet(rdp_analysis.compute_rdp, q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
-                 orders=RDPAccountant.DEFAULT_ALPHAS)
+                 orders=OpacusRDP.DEFAULT_ALPHAS)
     rdp.setflags(write=False)
     return rdp
 

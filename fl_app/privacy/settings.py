@@ -8,10 +8,11 @@ registry) before any training starts.
 
 from __future__ import annotations
 
+from fl_app.privacy.ledger import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
+
 NOISE_PLACEMENTS = ("central", "distributed", "local")
 CLIENT_SAMPLINGS = ("poisson", "fixed")
 TARGET_EPSILON_MODES = ("stop", "calibrate")
-ACCOUNTANT_NAMES = ("pld", "rdp", "prv")  # fl_app.privacy.ledger.ACCOUNTANTS
 MU_SOURCES = ("server", "clients")
 
 
