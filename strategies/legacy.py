@@ -10,11 +10,9 @@ drift apart. Its SecAgg+ form is `strategies.secagg.SecAggPlusDPFedAvg`.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from logging import INFO, WARNING
 
 import numpy as np
@@ -32,7 +30,7 @@ from flwr.supercore import log
 from fl_app.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
-from .round_loop import reply_message
+from .round_loop import quiet_flower_info, reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
@@ -45,26 +43,15 @@ def _numbers(metrics) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-class WorkflowInfoFilter(logging.Filter):
-    """Drops the INFO lines of Flower's legacy workflows (`flwr/server/workflow/`): they print how many clients
-    were sampled, answered and failed each round, and the metrics history, none of which epsilon covers.
-    Their warnings and errors pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "/flwr/server/workflow/" not in record.pathname.replace("\\", "/")
+WORKFLOW_PATH = "/flwr/server/workflow/"  # Flower's legacy workflows log per-round counts and the metrics history
 
 
-@contextmanager
 def quiet_workflow_logs(enabled: bool = True):
-    """While active (and `enabled`), Flower's legacy workflows log no counts (`WorkflowInfoFilter`). Wrap a
-    `DefaultWorkflow(...)(grid, context)` call with it in a drop-in deployment that publishes its log."""
-    flower_logger, quiet = logging.getLogger("flwr"), WorkflowInfoFilter()
-    if enabled:
-        flower_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        flower_logger.removeFilter(quiet)
+    """While active (and `enabled`), Flower's legacy workflows log no INFO lines: they print how many clients were
+    sampled, answered and failed each round, and the metrics history, none of which epsilon covers (their
+    warnings and errors pass). Wrap a `DefaultWorkflow(...)(grid, context)` call with it in a drop-in
+    deployment that publishes its log."""
+    return quiet_flower_info(enabled, WORKFLOW_PATH)
 
 
 def legacy_content(array_key: str, res: FitRes) -> RecordDict:

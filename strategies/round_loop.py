@@ -598,17 +598,22 @@ class StandInGrid:
 
 
 class FlowerInfoFilter(logging.Filter):
-    """Drops Flower's INFO lines (a wrapped strategy's "Sampled N nodes", "Received N results"): they count
-    nodes, which epsilon does not cover. Warnings and errors pass."""
+    """Drops Flower's INFO lines logged from files whose path contains `path_part` (every file: ""): a wrapped
+    strategy's "Sampled N nodes" and "Received N results", a legacy workflow's counts. They count nodes,
+    which epsilon does not cover. Warnings and errors pass."""
+
+    def __init__(self, path_part: str = "") -> None:
+        super().__init__()
+        self.path_part = path_part
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
+        return record.levelno >= logging.WARNING or self.path_part not in record.pathname.replace("\\", "/")
 
 
 @contextmanager
-def quiet_flower_info(enabled: bool = True):
+def quiet_flower_info(enabled: bool = True, path_part: str = ""):
     """While active (and `enabled`), the flwr logger drops INFO lines (`FlowerInfoFilter`)."""
-    flower_logger, quiet = logging.getLogger("flwr"), FlowerInfoFilter()
+    flower_logger, quiet = logging.getLogger("flwr"), FlowerInfoFilter(path_part)
     if enabled:
         flower_logger.addFilter(quiet)
     try:
