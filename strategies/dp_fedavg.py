@@ -280,14 +280,18 @@ class DifferentialPrivacy(DPRoundLoop):
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
-        """`stop` mode: would the next round push epsilon above the target?"""
-        if self.ledger is None or self.target_epsilon <= 0 or self.target_epsilon_mode != "stop":
+        """Would the next round push epsilon above the target? The target is a hard cap in both modes:
+        `calibrate` picks sigma so that the configured rounds end at the target, but a run given more rounds
+        than it was calibrated for (a resume with a larger num-rounds, a legacy strategy whose num_rounds is
+        below its ServerConfig's) stops here too."""
+        if self.ledger is None or self.target_epsilon <= 0:
             return False
         return self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, 1,
                                                 self.next_truncation_probability()) > self.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
-        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more"
+        calibrated = (" (sigma was calibrated for fewer rounds)" if self.target_epsilon_mode == "calibrate" else "")
+        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{calibrated}"
 
     def guarantee_caveats(self) -> list[str]:
         """Seeded noise only matters when there is noise."""

@@ -73,3 +73,44 @@ def secagg_server_app(strategy):
 
     return app
 
+
+# ---------------------------------------------------------------- 2. the target is a hard cap on every path
+
+CAP_TARGET = 2.7
+
+
+def calibrated_dp() -> DPFedAvg:
+    return DPFedAvg(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=0.0, noise_placement="distributed",
+                    delta=1e-3, target_epsilon=CAP_TARGET, target_epsilon_mode="calibrate", seed=1, secure_rng=False)
+
+
+def test_calibrated_run_resumed_with_more_rounds_stops_at_its_target():
+    """Calibrated for 5 rounds, resumed to 10: it stops before the round that would exceed the target
+    (before: all 10 rounds ran at the 5-round sigma and printed 4.152 against 2.7)."""
+    from flwr.app import ArrayRecord
+
+    from tests.test_dropin import message_api_app
+
+    grid = InProcessGrid(message_api_app([dp_mod]), 4, {})
+    first = calibrated_dp()
+    result = first.start(grid, ArrayRecord(initial_weights()), num_rounds=5)
+    assert len(first.history) == 5 and first.history[-1]["epsilon"] <= CAP_TARGET
+    resumed = calibrated_dp()
+    resumed.load_state_dict(first.state_dict())
+    resumed.start(grid, result.arrays, num_rounds=10)
+    printed = [r["epsilon"] for r in resumed.history]
+    assert max(printed) <= CAP_TARGET and resumed.ledger.epsilon() <= CAP_TARGET
+    assert len(resumed.history) < 10 and "target epsilon 2.7 reached" in resumed.stop_reason
+
+
+def test_legacy_strategy_with_fewer_rounds_than_its_server_config_stops_at_its_target():
+    """LegacyDPFedAvg(num_rounds=5) under ServerConfig(num_rounds=15): calibrated for 5, it stops at the target
+    instead of running 15 rounds (before: 15 rounds, 5.369 against 2.7)."""
+    strategy = LegacyDPFedAvg(calibrated_dp(), initial_parameters=ndarrays_to_parameters(initial_weights()),
+                              num_rounds=5)
+    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
+                                                                         config=ServerConfig(num_rounds=15)))
+    grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), 4, {})
+    server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert max(r["epsilon"] for r in strategy.history) <= CAP_TARGET
+    assert strategy.describe()["epsilon"] <= CAP_TARGET and len(strategy.history) == 5
