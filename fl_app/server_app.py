@@ -174,6 +174,9 @@ def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_
     log(INFO, "Finished: %s", line)
     if not summary["epsilon_is_guarantee"]:
         log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))
+    if summary.get("epsilon_against_server_is_guarantee") is False:
+        log(WARNING, "epsilon_against_server is NOT a guarantee: %s",
+            "; ".join(summary["epsilon_against_server_caveats"]))
     if summary.get("audit"):
         log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
             summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])

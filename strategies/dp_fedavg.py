@@ -297,6 +297,16 @@ class DifferentialPrivacy(DPRoundLoop):
         """Seeded noise only matters when there is noise."""
         return super().guarantee_caveats() if self.noise_multiplier > 0 else []
 
+    def server_guarantee_caveats(self) -> list[str]:
+        """Distributed noise without SecAgg+: this project's clients and dp_privatize_mod send their update's norm
+        before clipping (and TrainingClient its training loss and example count) in the clear beside the noisy
+        upload; the per-upload figure covers the upload only. (Under SecAgg+ clients send weight 1 and no
+        metrics.)"""
+        if self.noise_placement != "distributed" or self.secure_aggregation or self.noise_multiplier <= 0:
+            return []
+        return ["clients send their update norm before clipping, training loss and example count in the clear "
+                "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"]
+
     def published_keys(self) -> frozenset:
         """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""
         return super().published_keys() - {"epsilon_against_server"} if self.secure_aggregation \

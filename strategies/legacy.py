@@ -45,13 +45,26 @@ def _numbers(metrics) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+# SecAgg+'s warnings and errors that tell how many nodes a round sampled or kept (the round's own record has
+# them as diagnostics: 'no aggregate ...').
+COUNTING_WORKFLOW_MESSAGES = ("Insufficient available nodes", "The number of samples should be greater than 1",
+                              "Not enough shares to recover secret", "Number of shares in the SecAgg+ protocol")
+LEGACY_SERVER_PATHS = ("/flwr/server/workflow/", "/flwr/server/server.py")
+
+
 class WorkflowInfoFilter(logging.Filter):
-    """Drops the INFO lines of Flower's legacy workflows (`flwr/server/workflow/`): they print how many clients
-    were sampled, answered and failed each round, and the metrics history, none of which epsilon covers.
-    Their warnings and errors pass."""
+    """Drops the INFO lines of Flower's legacy workflows and legacy Server (`flwr/server/workflow/`,
+    `flwr/server/server.py`): they print how many clients were sampled, answered and failed each round (fit and
+    evaluate), and the metrics history, none of which epsilon covers; and SecAgg+'s warnings and errors that
+    count nodes (`COUNTING_WORKFLOW_MESSAGES`). Their other warnings and errors pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "/flwr/server/workflow/" not in record.pathname.replace("\\", "/")
+        path = record.pathname.replace("\\", "/")
+        if not any(part in path for part in LEGACY_SERVER_PATHS):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return not str(record.msg).startswith(COUNTING_WORKFLOW_MESSAGES)
 
 
 @contextmanager

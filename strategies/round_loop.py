@@ -79,6 +79,7 @@ PUBLISHED_KEYS = frozenset({
     "round", "accuracy", "loss", "val_accuracy", "val_loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon",
     "epsilon_claimed", "epsilon_min", "epsilon_per_client", "tau", "tau_star", "tau_next", "mu",
     "steps_budget", "local_steps_total", "upload_bytes_per_client", "dense_bytes_per_client",
+    "epsilon_is_guarantee", "epsilon_against_server_is_guarantee", "claimed_epsilon_is_guarantee",  # False or absent
 })
 
 
@@ -416,6 +417,7 @@ class DPRoundLoop(Strategy):
     def finish_round(self, record: dict, started: float, arrays: ArrayRecord) -> None:
         """The round's record is complete: seconds, history, the checkpoint, one log line, on_round_end."""
         record.update(self.round_details())
+        record.update(self.guarantee_marks())
         record["seconds"] = time.perf_counter() - started
         self.history.append(record)
         self.completed_rounds = int(record["round"])
@@ -513,6 +515,27 @@ class DPRoundLoop(Strategy):
             return ["noise derivable from the seed (secure-rng = false): anyone who knows 'seed' can remove it"]
         return []
 
+    def server_guarantee_caveats(self) -> list[str]:
+        """Why `epsilon_against_server` is not a guarantee (empty: it is one, or there is no such figure)."""
+        return []
+
+    def guarantee_marks(self) -> dict:
+        """What every per-round output carries when a figure beside it is not a guarantee (metrics.jsonl, the
+        round's log line, TensorBoard and W&B, whose tags then say so): nothing when both are guarantees."""
+        marks = {}
+        if self.guarantee_caveats():
+            marks["epsilon_is_guarantee"] = False
+        if self.server_guarantee_caveats():
+            marks["epsilon_against_server_is_guarantee"] = False
+        if self.publishes_claimed_epsilon():
+            marks["claimed_epsilon_is_guarantee"] = False
+        return marks
+
+    def publishes_claimed_epsilon(self) -> bool:
+        """Whether the rounds publish a paper's claimed epsilon beside the true one (wavelet noise under `paper`
+        calibration): that figure is no guarantee."""
+        return False
+
     def describe_diagnostics(self) -> dict:
         """End-of-run figures computed from raw client replies (diagnostics-summary.json, not private)."""
         rounds = [r for r in self.history if "problems" in r]
@@ -520,8 +543,10 @@ class DPRoundLoop(Strategy):
 
     def describe_sampling(self) -> dict:
         """The summary.json entries every DP strategy shares."""
-        caveats = self.guarantee_caveats()
-        return {"client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
+        caveats, server_caveats = self.guarantee_caveats(), self.server_guarantee_caveats()
+        server = {"epsilon_against_server_is_guarantee": False,
+                  "epsilon_against_server_caveats": server_caveats} if server_caveats else {}
+        return {**server, "client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
                 "num_clients": self.num_clients, "expected_clients_per_round": self.expected_clients,
                 "accountant": self.accountant, "stop_reason": self.stop_reason, "secure_rng": self.secure_rng,
                 "epsilon_is_guarantee": not caveats, "epsilon_caveats": caveats}
@@ -539,7 +564,8 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
 
 
 LOG_KEYS = ("accuracy", "loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon", "epsilon_claimed",
-            "epsilon_min", "tau", "tau_next")
+            "epsilon_min", "tau", "tau_next", "epsilon_is_guarantee", "epsilon_against_server_is_guarantee",
+            "claimed_epsilon_is_guarantee")
 DIAGNOSTIC_LOG_KEYS = ("personalized_accuracy", "clients", "rejected", "failures", "clipped_fraction",
                        "update_norm_mean", "train_loss")
 
@@ -563,9 +589,14 @@ def parse_log_line(line: str) -> tuple[dict, dict] | None:
     if match is None:
         return None
 
+    def value(v: str):
+        if v in ("True", "False"):  # the not-a-guarantee marks
+            return v == "True"
+        return int(v) if v.lstrip("-").isdigit() else float(v)
+
     def values(text: str) -> dict:
         pairs = (item.split("=", 1) for item in text.split())
-        return {k: int(v) if v.lstrip("-").isdigit() else float(v) for k, v in pairs}
+        return {k: value(v) for k, v in pairs}
 
     published, _, diagnostics = match.group(2).partition(DIAGNOSTICS_MARK.strip())
     round_number = {"round": int(match.group(1))} if match.group(1) else {}
