@@ -210,3 +210,47 @@ def test_outputs_that_epsilon_does_not_cover_are_listed_in_the_privacy_doc():
     for output in ("checkpoint.npz", "epsilon_per_client", "_runtime", "wall_time", "quiet_workflow_logs",
                    "The number of samples"):
         assert output in section, output
+
+
+# ---------------------------------------------------------------- 5. ALI-DPFL's server mu never sees the test set
+
+@pytest.mark.parametrize("validation_fraction", [0.0, 0.1])
+def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measured_on(validation_fraction,
+                                                                                       tmp_path, monkeypatch):
+    """mu steers tau (training), so the data it is estimated on must not be the test data the reported accuracy is
+    measured on (the validation set, held out of the training data, is model-selection data: val_accuracy). Before: every mu gradient was taken on the server's test set (256 of its samples, all of them
+    evaluated); now on the validation split, or on 256 test samples that evaluation leaves out."""
+    import numpy as np
+
+    import fl_app.server_app as server_app
+    from fl_app.client_app import app as client_app
+    from fl_app.config import validate
+
+    mu_rows, evaluated_rows = set(), set()
+    real_gradient, real_evaluate = server_app.loss_gradient, server_app.evaluate_model
+
+    def rows(dataset, n=0):
+        x = dataset.x[:n] if n else dataset.x
+        return {hash(np.ascontiguousarray(row).tobytes()) for row in x}
+
+    def spy_gradient(model, dataset, max_samples=0, **kw):
+        mu_rows.update(rows(dataset, max_samples))
+        return real_gradient(model, dataset, max_samples, **kw)
+
+    calls = []
+
+    def spy_evaluate(model, dataset, *args, **kw):  # each evaluation: the test set, then the validation set if any
+        calls.append(dataset)
+        if validation_fraction == 0 or len(calls) % 2 == 1:
+            evaluated_rows.update(rows(dataset))
+        return real_evaluate(model, dataset, *args, **kw)
+
+    monkeypatch.setattr(server_app, "loss_gradient", spy_gradient)
+    monkeypatch.setattr(server_app, "evaluate_model", spy_evaluate)
+    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "algorithm": "ali-dpfl",
+                    "num-rounds": 2, "sample-rate": 1.0, "batch-sample-rate": 0.2, "target-epsilon": 20.0,
+                    "mu-source": "server", "adaptive": True, "validation-fraction": validation_fraction,
+                    "tensorboard": False, "results-dir": str(tmp_path / "run")})
+    server_app.run_federated(InProcessGrid(client_app, 3, cfg), cfg)
+    assert len(mu_rows) > 100 and evaluated_rows
+    assert not mu_rows & evaluated_rows
