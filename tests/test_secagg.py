@@ -111,7 +111,7 @@ def test_strategy_receives_only_the_sum():
     described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
     assert described["epsilon"] == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
     assert "epsilon_against_server" not in described and described["ledger"]["server"].startswith("in diagnostics")
-    assert diagnostics["epsilon_against_server"] == pytest.approx(epsilon_of([(SIGMA * math.sqrt(5 / 6), 1.0, 1)],
+    assert diagnostics["epsilon_against_server"] == pytest.approx(epsilon_of([(SIGMA * math.sqrt(5 / 6) / 2, 1.0, 1)],
                                                                              DELTA))
     assert described["secure_aggregation"] is True
 
@@ -136,7 +136,7 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/6) against it
     ledger = strategy.ledger
     assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
-    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / N_S), 1.0, 1)], DELTA))
+    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / N_S) / 2, 1.0, 1)], DELTA))
     assert ledger.epsilon_against_server() > ledger.epsilon()
 
 
@@ -207,7 +207,7 @@ def test_app_with_secagg_matches_plain_run(tmp_path):
     # shares (a diagnostic: it depends on how many arrived), without it each upload is a release of its own
     assert secure["epsilon"] == pytest.approx(plain["epsilon"])
     assert secure_diagnostics["epsilon_against_server"] == pytest.approx(
-        epsilon_of([(0.5 * math.sqrt(4 / 5), 1.0, 4)], secure["delta"]))
+        epsilon_of([(0.5 * math.sqrt(4 / 5) / 2, 1.0, 4)], secure["delta"]))
     assert plain["epsilon_against_server"] > 5 * plain["epsilon"]
     assert secure["secure_aggregation"] is True and secure["secagg"]["max_weight"] == 1.0
     # nothing data-dependent travels in the clear next to the secure sum
