@@ -277,3 +277,34 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     independent.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 100))
     assert ledger.epsilon_against_server() == pytest.approx(independent.get_epsilon(1e-5), rel=0.01)
     assert ledger.epsilon_against_server() == pytest.approx(284.4, abs=0.5)
+
+
+# ---------------------------------------------------------------- 7. SecAgg+: the unmasked sum is bounded
+
+def test_secagg_refuses_a_sum_above_what_honest_clients_can_produce():
+    """A sum 200x above k C plus the noise bound was aggregated (65 rounds seen). Now the sum is refused whole
+    (the round moves by the full noise only, topped up for every share) and an honest sum passes."""
+    import numpy as np
+    from flwr.app import ArrayRecord
+    from flwr.common import Code, FitRes, Status, parameters_to_ndarrays
+
+    from fl_app.privacy.mechanisms import flatten, l2_norm
+
+    dp = DPFedAvg(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=0.0, noise_placement="distributed")
+    strategy = SecAggPlusDPFedAvg(dp)
+    dp.setup_population(3)
+    weights = [np.zeros(50, np.float32)]
+
+    def round_with(mean: np.ndarray):
+        strategy._global = weights
+        dp.begin_round(ArrayRecord(weights))
+        res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean]), 1, {})
+        parameters, _ = strategy.aggregate_fit(1, [(None, res)] * 3, [])
+        return flatten(parameters_to_ndarrays(parameters)), dict(strategy.result.train_metrics_clientapp[1])
+
+    honest = np.full(50, 1.0 / np.sqrt(50), np.float32)  # each client's update at norm C: the sum has norm 3C
+    moved, metrics = round_with(honest)
+    assert metrics["clients"] == 3 and l2_norm(moved) == pytest.approx(1.0, rel=1e-4)  # the sum 3C over m = 3
+    moved, metrics = round_with(200 * honest)  # a sum 200x above what 3 honest clients can produce
+    assert metrics["clients"] == 0 and metrics["rejected"] == 3
+    assert "above the bound" in dp.round_problems[0] and l2_norm(moved) == 0  # sigma = 0: no noise either
