@@ -48,11 +48,22 @@ DIAGNOSTICS_NOTE = ("Scalars under nonprivate/ (counts, update norms, clipped fr
 def scalars(record: dict) -> dict[str, float]:
     """{tag: value} of a published round record's finite numbers (per-client epsilon under
     privacy/epsilon_client/)."""
-    out = {TAGS[k]: float(v) for k, v in record.items() if k in TAGS and finite_number(v)}
+    out = {tag_of(k, record): float(v) for k, v in record.items() if k in TAGS and finite_number(v)}
     for client, eps in (record.get("epsilon_per_client") or {}).items():
         if finite_number(eps):
             out[f"privacy/epsilon_client/{client}"] = float(eps)
     return out
+
+
+NOT_A_GUARANTEE = "_NOT_a_guarantee"  # appended to the tag of a figure its round record marks as no guarantee
+GUARANTEE_MARKS = {"epsilon": "epsilon_is_guarantee", "epsilon_against_server": "epsilon_against_server_is_guarantee",
+                   "claimed_epsilon": "claimed_epsilon_is_guarantee", "epsilon_claimed": "claimed_epsilon_is_guarantee"}
+
+
+def tag_of(key: str, record: dict) -> str:
+    """The dashboard tag of a published key: TAGS', with NOT_A_GUARANTEE when the round says the figure is none."""
+    mark = GUARANTEE_MARKS.get(key)
+    return TAGS[key] + (NOT_A_GUARANTEE if mark and record.get(mark) is False else "")
 
 
 def diagnostic_scalars(diagnostics: dict) -> dict[str, float]:
@@ -82,22 +93,23 @@ class TensorBoardWriter:
 
         self.writer = SummaryWriter(log_dir=str(run_dir))
         self.publish_diagnostics = publish_diagnostics
+        self.wall_time = 0.0  # every event's: an event's wall_time would tell when its round ended (its timing)
         if publish_diagnostics:
-            self.writer.add_text("notes/diagnostics", DIAGNOSTICS_NOTE, 0)
+            self.writer.add_text("notes/diagnostics", DIAGNOSTICS_NOTE, 0, walltime=self.wall_time)
         if cfg is not None:
             self.writer.add_text("config", "    " + json.dumps(cfg, indent=2, sort_keys=True, default=str)
-                                 .replace("\n", "\n    "), 0)
+                                 .replace("\n", "\n    "), 0, walltime=self.wall_time)
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
         for tag, value in round_scalars(published, diagnostics, self.publish_diagnostics).items():
-            self.writer.add_scalar(tag, value, int(published["round"]))
+            self.writer.add_scalar(tag, value, int(published["round"]), walltime=self.wall_time)
         self.writer.flush()
 
     def on_finish(self, summary: dict) -> None:
         audit = summary.get("audit") or {}
         if audit.get("epsilon_estimate") is not None and summary.get("rounds_completed"):
             self.writer.add_scalar("privacy/audit_epsilon_estimate", float(audit["epsilon_estimate"]),
-                                   int(summary["rounds_completed"]))
+                                   int(summary["rounds_completed"]), walltime=self.wall_time)
         self.writer.close()
 
 

@@ -27,7 +27,17 @@ from strategies.secagg import SecAggPlusDPFedAvg
 app = ServerApp()
 
 
-MU_SAMPLES = 256  # ali-dpfl, mu-source = server: gradients on this many server evaluation samples
+MU_SAMPLES = 256  # ali-dpfl, mu-source = server: gradients on this many held-out server samples
+
+
+def mu_split(testset, validation):
+    """(the set the server evaluates on, the set ALI-DPFL's server-side mu is estimated on): the validation set
+    (held out of the training data) when validation-fraction > 0, else the first MU_SAMPLES of the test set,
+    which evaluation then leaves out; never data the reported accuracy is measured on (mu steers training)."""
+    if validation is not None:
+        return testset, validation
+    held = min(MU_SAMPLES, len(testset) // 2)
+    return testset.subset(np.arange(held, len(testset))), testset.subset(np.arange(held))
 
 
 def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None,
@@ -94,6 +104,9 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     model = build_global_model(cfg)
     _, server_testset = load_dataset(cfg["dataset"], cfg["data-dir"])
     validation = load_validation(cfg["dataset"], cfg["data-dir"], cfg["validation-fraction"])
+    mu_set = None
+    if algorithm(cfg["algorithm"]).privacy_unit == "sample" and cfg["mu-source"] == "server":
+        server_testset, mu_set = mu_split(server_testset, validation)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """The global model on the server's test set (and its validation set, held out of the training data)."""
@@ -104,9 +117,9 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
             metrics["val_loss"], metrics["val_accuracy"] = evaluate_model(model, validation)
         return MetricRecord(metrics)
 
-    def gradient_fn(arrays: list) -> np.ndarray:  # ali-dpfl's mu on server data (no client data, no privacy cost)
+    def gradient_fn(arrays: list) -> np.ndarray:  # ali-dpfl's mu on held-out server data (no client data)
         set_weights(model, arrays)
-        return loss_gradient(model, server_testset, MU_SAMPLES)
+        return loss_gradient(model, mu_set, MU_SAMPLES)  # held out: never the evaluation data (`mu_split`)
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
     partial = algorithm(cfg["algorithm"]).shares_body_only
@@ -174,6 +187,9 @@ def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_
     log(INFO, "Finished: %s", line)
     if not summary["epsilon_is_guarantee"]:
         log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))
+    if summary.get("epsilon_against_server_is_guarantee") is False:
+        log(WARNING, "epsilon_against_server is NOT a guarantee: %s",
+            "; ".join(summary["epsilon_against_server_caveats"]))
     if summary.get("audit"):
         log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
             summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])

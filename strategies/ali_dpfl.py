@@ -407,6 +407,10 @@ class ALIDPFL(DPRoundLoop):
         claimed = {"epsilon_claimed": self.claimed_epsilon()} if self.noise.claims_differ else {}
         return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
 
+    def publishes_claimed_epsilon(self) -> bool:
+        """DP-SGD-WAV under `paper` calibration publishes epsilon_claimed, the paper's figure: no guarantee."""
+        return self.noise.claims_differ
+
     def round_details(self) -> dict:
         """Each client's epsilon so far, for the round record (dashboards' rounds x clients heatmap)."""
         assert self.ledger is not None

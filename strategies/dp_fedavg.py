@@ -318,18 +318,32 @@ class DifferentialPrivacy(DPRoundLoop):
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
-        """`stop` mode: would the next round push epsilon above the target?"""
-        if self.ledger is None or self.target_epsilon <= 0 or self.target_epsilon_mode != "stop":
+        """Would the next round push epsilon above the target? The target is a hard cap in both modes:
+        `calibrate` picks sigma so that the configured rounds end at the target, but a run given more rounds
+        than it was calibrated for (a resume with a larger num-rounds, a legacy strategy whose num_rounds is
+        below its ServerConfig's) stops here too."""
+        if self.ledger is None or self.target_epsilon <= 0:
             return False
         return self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, 1,
                                                 self.next_truncation_probability()) > self.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
-        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more"
+        calibrated = (" (sigma was calibrated for fewer rounds)" if self.target_epsilon_mode == "calibrate" else "")
+        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{calibrated}"
 
     def guarantee_caveats(self) -> list[str]:
         """Seeded noise only matters when there is noise."""
         return super().guarantee_caveats() if self.noise_multiplier > 0 else []
+
+    def server_guarantee_caveats(self) -> list[str]:
+        """Distributed noise without SecAgg+: this project's clients and dp_privatize_mod send their update's norm
+        before clipping (and TrainingClient its training loss and example count) in the clear beside the noisy
+        upload; the per-upload figure covers the upload only. (Under SecAgg+ clients send weight 1 and no
+        metrics.)"""
+        if self.noise_placement != "distributed" or self.secure_aggregation or self.noise_multiplier <= 0:
+            return []
+        return ["clients send their update norm before clipping, training loss and example count in the clear "
+                "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"]
 
     def published_keys(self) -> frozenset:
         """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""

@@ -10,6 +10,7 @@ drift apart. Its SecAgg+ form is `strategies.secagg.SecAggPlusDPFedAvg`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from flwr.supercore import log
 from fl_app.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
-from .round_loop import quiet_flower_info, reply_message
+from .round_loop import filtered_flower_log, reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
@@ -43,15 +44,32 @@ def _numbers(metrics) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-WORKFLOW_PATH = "/flwr/server/workflow/"  # Flower's legacy workflows log per-round counts and the metrics history
+# SecAgg+'s warnings and errors that tell how many nodes a round sampled or kept (the round's own record has
+# them as diagnostics: 'no aggregate ...').
+COUNTING_WORKFLOW_MESSAGES = ("Insufficient available nodes", "The number of samples should be greater than 1",
+                              "Not enough shares to recover secret", "Number of shares in the SecAgg+ protocol")
+LEGACY_SERVER_PATHS = ("/flwr/server/workflow/", "/flwr/server/server.py")
+
+
+class WorkflowInfoFilter(logging.Filter):
+    """Drops the INFO lines of Flower's legacy workflows and legacy Server (`flwr/server/workflow/`,
+    `flwr/server/server.py`): they print how many clients were sampled, answered and failed each round (fit and
+    evaluate), and the metrics history, none of which epsilon covers; and SecAgg+'s warnings and errors that
+    count nodes (`COUNTING_WORKFLOW_MESSAGES`). Their other warnings and errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        path = record.pathname.replace("\\", "/")
+        if not any(part in path for part in LEGACY_SERVER_PATHS):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return not str(record.msg).startswith(COUNTING_WORKFLOW_MESSAGES)
 
 
 def quiet_workflow_logs(enabled: bool = True):
-    """While active (and `enabled`), Flower's legacy workflows log no INFO lines: they print how many clients were
-    sampled, answered and failed each round, and the metrics history, none of which epsilon covers (their
-    warnings and errors pass). Wrap a `DefaultWorkflow(...)(grid, context)` call with it in a drop-in
-    deployment that publishes its log."""
-    return quiet_flower_info(enabled, WORKFLOW_PATH)
+    """While active (and `enabled`), Flower's legacy workflows log no counts (`WorkflowInfoFilter`). Wrap a
+    `DefaultWorkflow(...)(grid, context)` call with it in a drop-in deployment that publishes its log."""
+    return filtered_flower_log(WorkflowInfoFilter(), enabled)
 
 
 def legacy_content(array_key: str, res: FitRes) -> RecordDict:
@@ -132,8 +150,12 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.result = Result()
         self._global: list[np.ndarray] | None = None
         self._pending: dict | None = None  # the round's record until its evaluation is in
-        self._sampled_round = 0  # the last round whose instructions went out
+        self._sampled_round = 0  # the last round whose clients were sampled
         self._round_start = 0.0
+        # The model of a round that was sampled but aggregated nothing (an empty sample, or SecAgg+ halted):
+        # released with noise only, as DPFedAvg.start does; Flower's workflow does not see it, so the next
+        # round trains and evaluates on it instead of on the workflow's stale parameters.
+        self._noise_only: Parameters | None = None
 
     # ------------------------------------------------------------------ views of the wrapped strategy
     @property
@@ -180,6 +202,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
                 self.dp.stop_reason = self.dp.budget_stop_reason(server_round)
                 log(WARNING, "Stopping before round %d: %s", server_round, self.dp.stop_reason)
             return []
+        if self._noise_only is not None:  # the last release, which the workflow did not see
+            parameters = self._noise_only
         self._round_start = time.perf_counter()
         self._global = parameters_to_ndarrays(parameters)
         self.dp.begin_round(ArrayRecord(self._global))  # what DPFedAvg.aggregate_train measures updates against
@@ -189,7 +213,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         config.update(self.dp.client_train_config(server_round))
         config[keys.SECURE_AGGREGATION] = self.secure_aggregation
         fit_ins = FitIns(parameters, config)
-        self._sampled_round = server_round
+        self._sampled_round = server_round  # sampled: the round is charged, even if nothing comes of it
         return [(proxies[node], fit_ins) for node in sampled]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
@@ -197,6 +221,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         if self._global is None:
             raise RuntimeError("aggregate_fit before configure_fit")
         failures = unique_failures(failures)
+        self._noise_only = None
         new_global, metrics = self.aggregate_updates(server_round, results, failures)
         reasons = [failure_reason(f) for f in failures]
         self._pending = {"round": server_round, **metrics, **({"failed_nodes": reasons} if reasons else {})}
@@ -216,19 +241,28 @@ class LegacyDPFedAvg(LegacyFedAvg):
 
     # ------------------------------------------------------------------ evaluation and the round record
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
-        """Centralized evaluation (Flower's legacy evaluate_fn), added to the round's record."""
+        """Centralized evaluation (Flower's legacy evaluate_fn), added to the round's record.
+
+        A round that was sampled but aggregated nothing (its sample was empty, or SecAgg+ halted: fewer than 2
+        sampled, or too few finished the protocol) is released here as DPFedAvg.start releases it: the model plus
+        the full noise, charged to the ledger (the sampling ran; an unchanged model would tell that it came up
+        short). How it came up short is a diagnostic."""
+        if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
+            self.dp.note_problem(server_round, "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
+                                 "sampled or too few finished the protocol): the round releases noise only")
+            parameters, _ = self.aggregate_fit(server_round, [], [])
+            self._noise_only = parameters
         res = super().evaluate(server_round, parameters)
         if res is not None:
             self.result.evaluate_metrics_serverapp[server_round] = MetricRecord(_numbers({"loss": res[0], **res[1]}))
-        if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
-            log(WARNING, "Round %d: no aggregate (SecAgg+ halts when too few sampled nodes finish the protocol); "
-                "the model is unchanged and nothing was charged to the ledger", server_round)
         if res is not None and self._pending is not None and self._pending["round"] == server_round:
             self._pending.update(_numbers({"loss": res[0], **res[1]}))
         return res
 
     def configure_evaluate(self, server_round: int, parameters: Parameters,
                            client_manager: ClientManager) -> list:
+        if self._noise_only is not None:  # the round's release, which the workflow did not see
+            parameters = self._noise_only
         instructions = super().configure_evaluate(server_round, parameters, client_manager)
         if not instructions:  # no client evaluation this round: the record is complete
             self._emit(server_round)

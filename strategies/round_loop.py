@@ -79,6 +79,7 @@ PUBLISHED_KEYS = frozenset({
     "round", "accuracy", "loss", "val_accuracy", "val_loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon",
     "epsilon_claimed", "epsilon_min", "epsilon_per_client", "tau", "tau_star", "tau_next", "mu",
     "steps_budget", "local_steps_total", "upload_bytes_per_client", "dense_bytes_per_client",
+    "epsilon_is_guarantee", "epsilon_against_server_is_guarantee", "claimed_epsilon_is_guarantee",  # False or absent
 })
 
 
@@ -418,6 +419,7 @@ class DPRoundLoop(Strategy):
     def finish_round(self, record: dict, started: float, arrays: ArrayRecord) -> None:
         """The round's record is complete: seconds, history, the checkpoint, one log line, on_round_end."""
         record.update(self.round_details())
+        record.update(self.guarantee_marks())
         record["seconds"] = time.perf_counter() - started
         self.history.append(record)
         self.completed_rounds = int(record["round"])
@@ -515,6 +517,27 @@ class DPRoundLoop(Strategy):
             return ["noise derivable from the seed (secure-rng = false): anyone who knows 'seed' can remove it"]
         return []
 
+    def server_guarantee_caveats(self) -> list[str]:
+        """Why `epsilon_against_server` is not a guarantee (empty: it is one, or there is no such figure)."""
+        return []
+
+    def guarantee_marks(self) -> dict:
+        """What every per-round output carries when a figure beside it is not a guarantee (metrics.jsonl, the
+        round's log line, TensorBoard and W&B, whose tags then say so): nothing when both are guarantees."""
+        marks = {}
+        if self.guarantee_caveats():
+            marks["epsilon_is_guarantee"] = False
+        if self.server_guarantee_caveats():
+            marks["epsilon_against_server_is_guarantee"] = False
+        if self.publishes_claimed_epsilon():
+            marks["claimed_epsilon_is_guarantee"] = False
+        return marks
+
+    def publishes_claimed_epsilon(self) -> bool:
+        """Whether the rounds publish a paper's claimed epsilon beside the true one (wavelet noise under `paper`
+        calibration): that figure is no guarantee."""
+        return False
+
     def describe_diagnostics(self) -> dict:
         """End-of-run figures computed from raw client replies (diagnostics-summary.json, not private)."""
         rounds = [r for r in self.history if "problems" in r]
@@ -522,8 +545,10 @@ class DPRoundLoop(Strategy):
 
     def describe_sampling(self) -> dict:
         """The summary.json entries every DP strategy shares."""
-        caveats = self.guarantee_caveats()
-        return {"wrapped_strategy": type(self.strategy).__name__,
+        caveats, server_caveats = self.guarantee_caveats(), self.server_guarantee_caveats()
+        server = {"epsilon_against_server_is_guarantee": False,
+                  "epsilon_against_server_caveats": server_caveats} if server_caveats else {}
+        return {**server, "wrapped_strategy": type(self.strategy).__name__,
                 "client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
                 "num_clients": self.num_clients, "expected_clients_per_round": self.expected_clients,
                 "accountant": self.accountant, "stop_reason": self.stop_reason, "secure_rng": self.secure_rng,
@@ -542,7 +567,8 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
 
 
 LOG_KEYS = ("accuracy", "loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon", "epsilon_claimed",
-            "epsilon_min", "tau", "tau_next")
+            "epsilon_min", "tau", "tau_next", "epsilon_is_guarantee", "epsilon_against_server_is_guarantee",
+            "claimed_epsilon_is_guarantee")
 DIAGNOSTIC_LOG_KEYS = ("personalized_accuracy", "clients", "rejected", "failures", "clipped_fraction",
                        "update_norm_mean", "train_loss")
 
@@ -566,9 +592,14 @@ def parse_log_line(line: str) -> tuple[dict, dict] | None:
     if match is None:
         return None
 
+    def value(v: str):
+        if v in ("True", "False"):  # the not-a-guarantee marks
+            return v == "True"
+        return int(v) if v.lstrip("-").isdigit() else float(v)
+
     def values(text: str) -> dict:
         pairs = (item.split("=", 1) for item in text.split())
-        return {k: int(v) if v.lstrip("-").isdigit() else float(v) for k, v in pairs}
+        return {k: value(v) for k, v in pairs}
 
     published, _, diagnostics = match.group(2).partition(DIAGNOSTICS_MARK.strip())
     round_number = {"round": int(match.group(1))} if match.group(1) else {}
@@ -598,28 +629,28 @@ class StandInGrid:
 
 
 class FlowerInfoFilter(logging.Filter):
-    """Drops Flower's INFO lines logged from files whose path contains `path_part` (every file: ""): a wrapped
-    strategy's "Sampled N nodes" and "Received N results", a legacy workflow's counts. They count nodes,
-    which epsilon does not cover. Warnings and errors pass."""
-
-    def __init__(self, path_part: str = "") -> None:
-        super().__init__()
-        self.path_part = path_part
+    """Drops Flower's INFO lines (a wrapped strategy's "Sampled N nodes", "Received N results"): they count
+    nodes, which epsilon does not cover. Warnings and errors pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or self.path_part not in record.pathname.replace("\\", "/")
+        return record.levelno >= logging.WARNING
 
 
 @contextmanager
-def quiet_flower_info(enabled: bool = True, path_part: str = ""):
-    """While active (and `enabled`), the flwr logger drops INFO lines (`FlowerInfoFilter`)."""
-    flower_logger, quiet = logging.getLogger("flwr"), FlowerInfoFilter(path_part)
+def filtered_flower_log(log_filter: logging.Filter, enabled: bool = True):
+    """While active (and `enabled`), the flwr logger passes its records through `log_filter`."""
+    flower_logger = logging.getLogger("flwr")
     if enabled:
-        flower_logger.addFilter(quiet)
+        flower_logger.addFilter(log_filter)
     try:
         yield
     finally:
-        flower_logger.removeFilter(quiet)
+        flower_logger.removeFilter(log_filter)
+
+
+def quiet_flower_info(enabled: bool = True):
+    """While active (and `enabled`), the flwr logger drops INFO lines (`FlowerInfoFilter`)."""
+    return filtered_flower_log(FlowerInfoFilter(), enabled)
 
 
 def reply_message(node_id: int, content: RecordDict | None = None, error=None) -> Message:

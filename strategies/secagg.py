@@ -17,6 +17,7 @@ nonlinearly and void the accounting of the sum as one Gaussian release.
 
 from __future__ import annotations
 
+import math
 from statistics import NormalDist
 
 import numpy as np
@@ -29,11 +30,12 @@ from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid
 
 from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import flatten, unflatten, update_problem
+from fl_app.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
 from fl_app.privacy.settings import check_secure_aggregation
 
 from .dp_fedavg import DPFedAvg
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
+from .reply_gate import upload_norm_bound
 
 SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
 SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate
@@ -114,7 +116,10 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
             except Exception as exc:  # undecodable sum
                 problem = f"undecodable sum ({type(exc).__name__}: {exc})"
             if problem is None:
-                updates = [(flatten(mean).astype(np.float64) * k).astype(np.float32)]
+                total = (flatten(mean).astype(np.float64) * k).astype(np.float32)
+                problem = self.sum_problem(total, k)
+            if problem is None:
+                updates = [total]
         if problem:
             self.dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
         canaries = self.dp.canary_updates(server_round, sum(a.size for a in self._global))
@@ -123,6 +128,23 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         metrics = {"clients": k if updates else 0, "rejected": 0 if updates else k, "failures": len(failures),
                    "server_noise_std": self.dp.last_server_noise_std, **self.dp.privacy_metrics()}
         return unflatten(new_global, shapes), metrics
+
+
+    def sum_bound(self, k: int, dim: int) -> float:
+        """The norm an honest sum of k uploads exceeds with probability <= 1e-12: each clipped update is at
+        most C and the k noise shares sum to N(0, k s^2 I) (`reply_gate.upload_norm_bound` at k C and
+        sqrt(k) s), plus SecAgg+'s quantization error (at most one step per coordinate per client)."""
+        dp = self.dp
+        share_std = float(dp.client_train_config(0)[keys.NOISE_STD])
+        step = float(self.secagg_settings.get("quantization_step", 0.0))
+        return upload_norm_bound(k * dp.clipping_norm, math.sqrt(k) * share_std, dim) + k * step * math.sqrt(dim)
+
+    def sum_problem(self, total: np.ndarray, k: int) -> str | None:
+        """Why an unmasked sum is refused: above what k honest clients can produce (`sum_bound`)."""
+        if self.dp.clipping_norm <= 0:
+            return None
+        bound, norm = self.sum_bound(k, total.size), l2_norm(total)
+        return f"sum norm {norm:.6g} above the bound {bound:.6g} of {k} honest noisy updates" if norm > bound else None
 
 
 class DPSecAggPlusWorkflow(SecAggPlusWorkflow):

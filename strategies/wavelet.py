@@ -143,6 +143,10 @@ class DPFedAvgWavelet(DPFedAvg):
         metrics["claimed_epsilon"] = self.claimed.epsilon()
         return arrays, metrics
 
+    def publishes_claimed_epsilon(self) -> bool:
+        """claimed_epsilon (the paper's analysis, ledger at sigma_H) is in every round's record: no guarantee."""
+        return True
+
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, **kwargs) -> Result:
         """DPRoundLoop.start, once d (and n, the ledger's true multiplier) is known from the initial arrays."""
         self.set_dimension(sum(a.size for a in initial_arrays.to_numpy_ndarrays()))

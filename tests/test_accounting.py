@@ -143,7 +143,7 @@ def test_distributed_against_server_is_per_update_release():
         secagg.record_round(1.0, 0.2, m)
     # the server chose the sample, so against it the sum is charged without amplification (issue 10)
     assert secagg.epsilon() == pytest.approx(ledger.epsilon())
-    assert secagg.epsilon_against_server() == pytest.approx(epsilon_of([(1.0, 1.0, 10)], 1e-3))
+    assert secagg.epsilon_against_server() == pytest.approx(epsilon_of([(0.5, 1.0, 10)], 1e-3))  # 2C
     central = ClientLevelLedger(1e-3, noise_placement="central")
     central.record_round(1.0, 0.2, m)
     assert math.isinf(central.epsilon_against_server())
@@ -187,21 +187,22 @@ def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clien
 
 
 def test_secagg_server_figure_composes_without_amplification():
-    """The server chose the sample, so against it the sum of each round is the unamplified Gaussian mechanism:
-    at sigma = 1, q = 0.1, 100 rounds, delta 1e-5 about 91.8, not the amplified 7.9."""
+    """The server chose the sample, so against it the sum of each round is the unamplified Gaussian mechanism at
+    sensitivity 2C (it knows who is in the sum: replace-one): at sigma = 1, q = 0.1, 100 rounds, delta 1e-5
+    about 284.4, not the amplified 7.9."""
     import dp_accounting
 
     ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True)
     for _ in range(100):
         ledger.record_round(1.0, 0.1, 10)
     independent = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
-    independent.compose(dp_accounting.GaussianDpEvent(1.0), 100)
+    independent.compose(dp_accounting.GaussianDpEvent(0.5), 100)
     assert ledger.epsilon_against_server() == pytest.approx(independent.get_epsilon(1e-5), rel=0.02)
     assert ledger.epsilon_against_server() > 60 and ledger.epsilon() < 10
-    # k of n_s shares in the sum (dropouts): the server sees multiplier sigma sqrt(k / n_s) before its top-up
+    # k of n_s shares in the sum (dropouts): the server sees multiplier sigma sqrt(k / n_s) / 2 before its top-up
     partial = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True)
     partial.record_round(1.0, 0.1, 16, received=4)
-    assert partial.server.history == [(0.5, 1.0, 1)]
+    assert partial.server.history == [(0.25, 1.0, 1)]
 
 
 def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):

@@ -111,7 +111,7 @@ def test_strategy_receives_only_the_sum():
     described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
     assert described["epsilon"] == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
     assert "epsilon_against_server" not in described and described["ledger"]["server"].startswith("in diagnostics")
-    assert diagnostics["epsilon_against_server"] == pytest.approx(epsilon_of([(SIGMA * math.sqrt(5 / 6), 1.0, 1)],
+    assert diagnostics["epsilon_against_server"] == pytest.approx(epsilon_of([(SIGMA * math.sqrt(5 / 6) / 2, 1.0, 1)],
                                                                              DELTA))
     assert described["secure_aggregation"] is True
 
@@ -136,17 +136,22 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/6) against it
     ledger = strategy.ledger
     assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
-    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / N_S), 1.0, 1)], DELTA))
+    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / N_S) / 2, 1.0, 1)], DELTA))
     assert ledger.epsilon_against_server() > ledger.epsilon()
 
 
-def test_secagg_halts_when_too_few_finish(caplog):
-    """4 of 5 nodes drop before sending their masked vector: nothing can be unmasked, nothing is released."""
+def test_secagg_halts_when_too_few_finish():
+    """4 of 5 nodes drop before sending their masked vector: nothing can be unmasked; the round was sampled, so
+    it releases the model with the full noise (sigma C / m) and is charged, like an empty round of DPFedAvg.start;
+    the server saw no sum."""
     strategy, _, _, delta = run_secagg_round(
         5, signal, fail=lambda node, msg: node != 100 and masked_vector_stage(msg))
-    assert strategy.history == [] and np.all(delta == 0)
-    assert strategy.ledger.epsilon() == 0 and strategy.ledger.epsilon_against_server() == 0
-    assert "no aggregate" in caplog.text
+    [record] = strategy.history
+    assert record["clients"] == 0 and "no aggregate" in record["problems"][0]
+    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C)
+    assert abs(delta.std() / (SIGMA * C / 5) - 1) < 5 / math.sqrt(2 * delta.size)
+    assert strategy.ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
+    assert strategy.ledger.epsilon_against_server() == 0
 
 
 def test_secagg_rejects_unequal_weights():
@@ -164,7 +169,9 @@ def test_secagg_rejects_unequal_weights():
             from flwr.common import ndarrays_to_parameters
             self.num_examples, self.parameters, self.metrics = n, ndarrays_to_parameters([np.zeros(3)]), {}
 
-    parameters, metrics = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
+    parameters, published = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
+    assert "rejected" not in published  # what Flower's History prints is the ledger's only
+    metrics = dict(strategy.result.train_metrics_clientapp[1])
     assert "num_examples = 1" in dp.round_problems[0]
     assert metrics["rejected"] == 2 and metrics["clients"] == 0
     assert metrics["server_noise_std"] == pytest.approx(SIGMA * C)  # the top-up covers all m = 2 shares
@@ -200,7 +207,7 @@ def test_app_with_secagg_matches_plain_run(tmp_path):
     # shares (a diagnostic: it depends on how many arrived), without it each upload is a release of its own
     assert secure["epsilon"] == pytest.approx(plain["epsilon"])
     assert secure_diagnostics["epsilon_against_server"] == pytest.approx(
-        epsilon_of([(0.5 * math.sqrt(4 / 5), 1.0, 4)], secure["delta"]))
+        epsilon_of([(0.5 * math.sqrt(4 / 5) / 2, 1.0, 4)], secure["delta"]))
     assert plain["epsilon_against_server"] > 5 * plain["epsilon"]
     assert secure["secure_aggregation"] is True and secure["secagg"]["max_weight"] == 1.0
     # nothing data-dependent travels in the clear next to the secure sum

@@ -335,6 +335,17 @@ def per_update_noise_multiplier(noise_multiplier: float, noise_shares: int) -> f
     return noise_multiplier / (2.0 * math.sqrt(noise_shares))
 
 
+def secure_sum_noise_multiplier(noise_multiplier: float, shares: int, noise_shares: int) -> float:
+    """Noise multiplier of a SecAgg+ sum of `shares` noise shares as the server sees it (before its top-up).
+
+    The server chose the sample, so it knows who is in the sum: against it the relation is replace-one (a
+    participant's clipped update anywhere in the C-ball), sensitivity 2C, as for a single upload
+    (`per_update_noise_multiplier`), whatever the client sampling. The sum carries N(0, sigma^2 C^2 k / n_s):
+    multiplier sigma sqrt(k / n_s) C / (2C) = sigma sqrt(k / n_s) / 2 (docs/privacy.md).
+    """
+    return noise_multiplier * math.sqrt(shares / noise_shares) / 2.0
+
+
 class Ledger(Protocol):
     """What every ledger offers: delta, the epsilon spent, and its whole state."""
 
@@ -373,9 +384,10 @@ class ClientLevelLedger:
     - server, `distributed` noise without secure aggregation: every upload is its own
       Gaussian release with multiplier sigma/(2 sqrt(n_s)) and no sampling amplification;
     - server, `distributed` with secure aggregation: the server sees only the noisy sum, but it
-      chose the sample, so no sampling amplification (q = 1); the sum of the k noise shares that
-      arrived has multiplier sigma sqrt(k / n_s) before the server's own top-up, and that is what
-      the server figure charges for the round (it depends on k, so it is a diagnostic, not published).
+      chose the sample, so no sampling amplification (q = 1) and replace-one (sensitivity 2C, as for one
+      upload, under either client sampling); the sum of the k noise shares that arrived has multiplier
+      sigma sqrt(k / n_s) / 2 before the server's own top-up (`secure_sum_noise_multiplier`), and that is
+      what the server figure charges for the round (it depends on k, so it is a diagnostic, not published).
     """
 
     delta: float
@@ -479,7 +491,7 @@ class ClientLevelLedger:
             return
         shares = noise_shares if received is None else min(received, noise_shares)
         if shares > 0:  # the server chose the sample: no amplification against it
-            self.server.record(sigma * math.sqrt(shares / noise_shares), 1.0)
+            self.server.record(secure_sum_noise_multiplier(noise_multiplier, shares, noise_shares), 1.0)
 
     def epsilon(self) -> float:
         """eps(delta) against the released model."""
