@@ -24,6 +24,7 @@ from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import make_rng
 
 from .dp_fedavg import DPFedAvg
+from .round_loop import pick
 from .reply_gate import MetricRule, read_metrics
 
 EVALUATION_RULES = {keys.ACCURACY: MetricRule(low=0.0, high=1.0), keys.LOSS: MetricRule(low=0.0)}
@@ -45,7 +46,7 @@ class PersonalizedDPFedAvg(DPFedAvg):
         if 0 < self.fraction_evaluate < 1:
             k = max(1, round(self.fraction_evaluate * len(nodes)))
             rng = make_rng(self.seed, 6, server_round)
-            nodes = sorted(rng.choice(nodes, size=k, replace=False).tolist())
+            nodes = pick(rng, nodes, k)
         return nodes
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

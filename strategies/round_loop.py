@@ -222,11 +222,11 @@ class DPRoundLoop(Strategy):
             self.round_truncation_probability = 0.0
             k = min(len(nodes), int(self.expected_clients))
             self.round_sampled_from = (len(nodes), k)  # (N, m): the ledger's sampling-without-replacement bound
-            return sorted(rng.choice(nodes, size=k, replace=False).tolist())
+            return pick(rng, nodes, k)
         self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
         sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
         if len(sampled) > self.noise_shares:
-            sampled = sorted(rng.choice(sampled, size=self.noise_shares, replace=False).tolist())
+            sampled = pick(rng, sampled, self.noise_shares)
         return sampled
 
     def next_truncation_probability(self) -> float:
@@ -607,6 +607,12 @@ def parse_log_line(line: str) -> tuple[dict, dict] | None:
 
 
 # ---------------------------------------------------------------------------- helpers of the wrapper
+def pick(rng: np.random.Generator, node_ids: list[int], k: int) -> list[int]:
+    """k of the node ids uniformly without replacement, sorted. Indices are drawn, not the ids: numpy would
+    hold Flower's 64-bit node ids as floats and return ids of nodes that do not exist."""
+    return sorted(node_ids[i] for i in rng.choice(len(node_ids), size=k, replace=False))
+
+
 def conform(template: ArrayRecord, positions: list[int], vector: np.ndarray) -> ArrayRecord:
     """`template` with the arrays at `positions` replaced by consecutive slices of `vector`, in their own dtype:
     same keys in the same order, same shapes and dtypes."""

@@ -180,3 +180,18 @@ def test_settings_that_cannot_learn_are_warned_about_at_start(caplog):
     with caplog.at_level("WARNING", logger="flwr"):
         strategy.start(InProcessGrid(weights_client(), 2, {}), big, num_rounds=1)
     assert sum("the model will hardly learn" in r.getMessage() for r in caplog.records) == 1  # once: m = 1
+
+
+def test_sampling_returns_the_exact_64_bit_node_ids():
+    """Flower's node ids are 64-bit; numpy would turn them into floats (2**64 - 3 -> 1.8446744073709552e19)
+    and the sampled 'nodes' would not exist. Fixed-size sampling and the Poisson truncation pick indices."""
+    ids = [2**64 - 3, 2**64 - 1001, 2**63 + 7, 2**62 + 11, 12345678901234567]
+    fixed = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.6, client_sampling="fixed")
+    fixed.setup_population(len(ids))
+    for rnd in range(1, 20):
+        sampled = fixed.sample_clients(rnd, ids)
+        assert len(sampled) == 3 and set(sampled) <= set(ids) and all(type(n) is int for n in sampled)
+    poisson = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.9)
+    poisson.setup_population(2)  # the pool grew after the population was fixed: samples get truncated to n_s
+    for rnd in range(1, 20):
+        assert set(poisson.sample_clients(rnd, ids)) <= set(ids)
