@@ -100,8 +100,8 @@ class DPFTRL:
         epoch = self.epoch(server_round)
         eligible = [n for n in sorted(set(node_ids)) if self.last_epoch.get(n) != epoch]
         rng = make_rng(strategy.seed, SELECTION_STREAM, server_round, secure=strategy.secure_rng)
-        chosen = sorted(int(n) for n in rng.choice(eligible, size=min(len(eligible), self.clients_per_round),
-                                                    replace=False)) if eligible else []
+        picks = rng.choice(len(eligible), size=min(len(eligible), self.clients_per_round), replace=False)
+        chosen = sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
         for node in chosen:
             self.last_epoch[node] = epoch
         self.round_nodes, self.round_replied = set(chosen), set()
