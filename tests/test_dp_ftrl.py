@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.ledger import TreeAggregationLedger, tree_gaussian_multiplier
+from fl_app.privacy.ledger import TreeAggregationLedger, epsilon_of, tree_gaussian_multiplier
 from fl_app.privacy.mechanisms import make_rng
 from fl_app.privacy.settings import SettingError
 from fl_app.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth
@@ -162,6 +162,13 @@ def test_single_participation_is_one_tree_and_cheaper_than_no_amplification_dp_f
     no_amplification.compose(dp_accounting.GaussianDpEvent(sigma), rounds)
     assert ledger.trees == [[sigma, rounds]]
     assert ledger.epsilon() < no_amplification.get_epsilon(delta) / 3
+    # b = 1 (every node may take part in every round): a tree of one leaf per round is DP-FedAvg without
+    # amplification exactly
+    every_round = TreeAggregationLedger(delta, "pld", 1)
+    for _ in range(rounds):
+        every_round.record_round(sigma)
+    assert every_round.epsilon() == pytest.approx(no_amplification.get_epsilon(delta), rel=0.01)
+    assert every_round.epsilon() == epsilon_of([(sigma, 1.0, rounds)], delta)
 
 
 def test_the_ftrl_model_and_its_momentum_form():

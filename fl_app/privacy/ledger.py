@@ -540,7 +540,8 @@ class TreeAggregationLedger:
     epoch of `epoch_rounds` rounds (the strategy enforces it), one tree per epoch. `trees` holds (sigma, steps)
     per tree; eps(delta) is the smaller of two upper bounds: dp-accounting's RDP of the tree events
     (`tree_aggregation_rdp_epsilon`) and the configured accountant's epsilon of the equivalent Gaussian mechanism
-    (`tree_gaussian_multiplier`, q = 1; tighter, RDP's conversion to (eps, delta) being lossy). Against the
+    (`tree_gaussian_multiplier`: ceil(log2(steps + 1)) Gaussian releases at sigma per tree, q = 1; tighter, RDP's
+    conversion to (eps, delta) being lossy). Against the
     server: none (a trusted server sees the clipped updates)."""
 
     delta: float
@@ -577,10 +578,10 @@ class TreeAggregationLedger:
 
     def _bounds(self, trees: list[list]) -> tuple[float, str]:
         rdp = tree_aggregation_rdp_epsilon([tuple(t) for t in trees], self.delta)
-        multiplier = tree_gaussian_multiplier([tuple(t) for t in trees])
-        gaussian = epsilon_of([(multiplier, 1.0, 1)], self.delta, self.accountant) if trees else 0.0
+        events = [(sigma, 1.0, int(steps).bit_length()) for sigma, steps in trees]  # depth_j releases at sigma_j
+        gaussian = epsilon_of(events, self.delta, self.accountant)
         if gaussian <= rdp:
-            return gaussian, f"{accountant_used([(multiplier, 1.0, 1)], self.delta, self.accountant)} (equivalent Gaussian)"
+            return gaussian, f"{accountant_used(events, self.delta, self.accountant)} (equivalent Gaussian)"
         return rdp, "rdp (dp-accounting, SingleEpochTreeAggregationDpEvent)"
 
     def epsilon(self) -> float:
