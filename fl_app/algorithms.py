@@ -148,7 +148,8 @@ def client_level(cfg: dict) -> dict:
 
 
 def ftrl_settings(cfg: dict) -> dict:
-    """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise and the DPFTRL part."""
+    """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise (the noise-placement default, distributed,
+    does not apply: the tree is noised at the server) and the DPFTRL part."""
     return {**client_level(cfg), "noise_placement": "central",
             "ftrl": DPFTRL(epoch_rounds=cfg["ftrl-epoch-rounds"], momentum=cfg["ftrl-momentum"])}
 
@@ -275,6 +276,9 @@ def check_ftrl_config(cfg: dict) -> None:
     if cfg["server-strategy"] != "fedavg":
         raise ValueError(f"run-config key 'server-strategy' = {cfg['server-strategy']!r}: DP-FTRL is its own server "
                          "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'")
+    if cfg["noise-placement"] == "local":
+        raise ValueError("run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
+                         "('central', which it uses whatever the key says otherwise)")
     if cfg["resume"]:
         raise ValueError("run-config key 'resume' = True is not supported with DP-FTRL (its tree's noise is not "
                          "checkpointed, and redrawing it would release the same nodes twice)")
@@ -309,7 +313,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("dp-ftrl", "DP-FTRL: no sampling, each node at most once per epoch, tree-aggregated noise "
               "(docs/dp-toolbox.md §4)",
               DPFedAvg, ftrl_settings, sgd_client, owned_keys=("ftrl-epoch-rounds", "ftrl-momentum"),
-              unused_keys={"noise-placement": None, "client-sampling": None, "adaptive-clipping": None,
+              unused_keys={"client-sampling": None, "adaptive-clipping": None,
                            "audit-canaries": None, "audit-canary-kind": None},
               reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
                          "target-epsilon": 0.0},
