@@ -238,3 +238,21 @@ def test_the_superlinks_64_bit_node_ids_are_kept_exactly():
     second = part.select(strategy, 2, ids)
     assert len(first) == len(second) == 2 and sorted(first + second) == sorted(ids)
     assert part.sender_problem(2, second[0]) is None and part.sender_problem(2, first[0]) is not None
+
+
+def test_the_budget_stop_uses_the_tree_ledger():
+    """target_epsilon (stop): the run ends before the round whose tree step would pass it."""
+    sigma, epoch_rounds, delta = 2.0, 8, 1e-5
+    ledger = TreeAggregationLedger(delta, "pld", epoch_rounds)
+    epsilons = []
+    for _ in range(8):
+        ledger.record_round(sigma)
+        epsilons.append(ledger.epsilon())
+    assert epsilons[2] == epsilons[1] < epsilons[3]  # depth 2 for steps 2 and 3, 3 from step 4
+    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=sigma, sample_rate=0.25, delta=delta,
+                                   noise_placement="central", min_available_nodes=8, target_epsilon=epsilons[2],
+                                   ftrl=DPFTRL(epoch_rounds=epoch_rounds))
+    strategy.start(InProcessGrid(unchanged_weights_client(), 8, {}), ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+                   num_rounds=8)
+    assert strategy.completed_rounds == 3 and "target epsilon" in strategy.stop_reason
+    assert strategy.privacy_metrics()["epsilon"] == epsilons[2]

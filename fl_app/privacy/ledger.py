@@ -609,7 +609,7 @@ class TreeAggregationLedger:
                 "epoch_rounds": self.epoch_rounds, "trees": [list(t) for t in self.trees],
                 "relation": self.relation, "model_bound_by": self.model_bound_by(),
                 "rdp_tree_epsilon": self.rdp_epsilon(),
-                "gaussian_multiplier": tree_gaussian_multiplier([tuple(t) for t in self.trees])}
+                "gaussian_multiplier": tree_gaussian_multiplier([tuple(t) for t in self.trees]) if self.trees else None}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "TreeAggregationLedger":
