@@ -29,6 +29,7 @@ from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
+from strategies.dp_ftrl import DPFTRL
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
 from strategies.round_loop import DPRoundLoop
 from strategies.topk import DPFedSAMTopK
@@ -144,6 +145,13 @@ def client_level(cfg: dict) -> dict:
                 noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"],
                 secure_aggregation=cfg["secure-aggregation"], audit_canaries=cfg["audit-canaries"],
                 audit_canary_kind=cfg["audit-canary-kind"], adaptive_clipping=adaptive_clipping(cfg))
+
+
+def ftrl_settings(cfg: dict) -> dict:
+    """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise (the noise-placement default, distributed,
+    does not apply: the tree is noised at the server) and the DPFTRL part."""
+    return {**client_level(cfg), "noise_placement": "central",
+            "ftrl": DPFTRL(epoch_rounds=cfg["ftrl-epoch-rounds"], momentum=cfg["ftrl-momentum"])}
 
 
 def topk_settings(cfg: dict) -> dict:
@@ -264,6 +272,18 @@ def check_dpsgd_config(cfg: dict) -> None:
                          "dpsgd-noise = 'wavelet'")
 
 
+def check_ftrl_config(cfg: dict) -> None:
+    if cfg["server-strategy"] != "fedavg":
+        raise ValueError(f"run-config key 'server-strategy' = {cfg['server-strategy']!r}: DP-FTRL is its own server "
+                         "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'")
+    if cfg["noise-placement"] == "local":
+        raise ValueError("run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
+                         "('central', which it uses whatever the key says otherwise)")
+    if cfg["resume"]:
+        raise ValueError("run-config key 'resume' = True is not supported with DP-FTRL (its tree's noise is not "
+                         "checkpointed, and redrawing it would release the same nodes twice)")
+
+
 SAMPLE_LEVEL_KEYS = ("sample-noise-multiplier", "sample-clipping-norm", "batch-sample-rate", "grad-sample-mode",
                      "dpsgd-noise", "adaptive", "gamma", "mu-source", "mu-max", "mu-noise-multiplier",
                      "wavelet-calibration")
@@ -290,6 +310,14 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               PersonalizedDPFedAvg, client_level, fine_tuned(sgd_client), owned_keys=("fine-tune-steps",)),
     Algorithm("dp-fedsam-ft", "DP-FedSAM-FT: DP-FedSAM, evaluated after local fine-tuning (§4)",
               PersonalizedDPFedAvg, client_level, fine_tuned(sam_client), owned_keys=("fine-tune-steps",)),
+    Algorithm("dp-ftrl", "DP-FTRL: no sampling, each node at most once per epoch, tree-aggregated noise "
+              "(docs/dp-toolbox.md §4)",
+              DPFedAvg, ftrl_settings, sgd_client, owned_keys=("ftrl-epoch-rounds", "ftrl-momentum"),
+              unused_keys={"client-sampling": None, "adaptive-clipping": None,
+                           "audit-canaries": None, "audit-canary-kind": None},
+              reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
+                         "target-epsilon": 0.0},
+              check_config=check_ftrl_config),
     Algorithm("ali-dpfl", "ALI-DPFL: DP-SGD clients, adaptive local iterations (§5; DP-SGD-WAV with "
               "dpsgd-noise = 'wavelet', §6)",
               ALIDPFL, dpsgd_settings, dpsgd_client, owned_keys=SAMPLE_LEVEL_KEYS,

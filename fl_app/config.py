@@ -161,6 +161,11 @@ SPEC: dict[str, Key] = {
                               low_open=True),
     "clip-count-noise-multiplier": Key(10.0, "adaptive-clipping: sigma_b, noise std of the count of unclipped "
                                        "clients (must exceed noise-multiplier / 2)", low=0, low_open=True),
+    "ftrl-epoch-rounds": Key(0, "dp-ftrl: b, rounds per epoch; each node takes part at most once per epoch, one "
+                                "tree per epoch (0: number of nodes // clients per round, where clients per round = "
+                                "round(sample-rate * nodes))", low=0),
+    "ftrl-momentum": Key(0.0, "dp-ftrl: server momentum gamma on the noisy prefix sums (DP-FTRLM; 0: plain DP-FTRL)",
+                         low=0, high=1, high_open=True),
     "audit-canaries": Key(0, "K canary clients for the one-shot empirical privacy estimate (Andrew et al.), "
                              "reported beside the accounted epsilon (0: no audit; client-level algorithms)", low=0,
                           high=AUDIT_CANARIES_MAX, note="each canary is a model-sized vector in the server's memory"),

@@ -77,6 +77,8 @@ class DifferentialPrivacy(DPRoundLoop):
     audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
     adaptive_clipping : a `strategies.adaptive_clipping.AdaptiveClipping` (Andrew et al.): C moves toward a
         quantile of the update norms each round; the update noise is sigma_Delta, the ledger charges sigma.
+    ftrl : a `strategies.dp_ftrl.DPFTRL` (Kairouz et al.): no sampling; each node at most once per epoch (enforced),
+        the running sum of clipped updates released by the binary-tree mechanism (docs/dp-toolbox.md §4).
 
     Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
     of the bounds without amplification and with sampling without replacement (`fl_app.privacy.ledger.ClientLevelLedger`).
@@ -94,7 +96,7 @@ class DifferentialPrivacy(DPRoundLoop):
                  secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
                  min_available_nodes: int = 2, fraction_evaluate: float | None = None, audit_canaries: int = 0,
                  audit_canary_kind: str = "isotropic", publish_diagnostics: bool = False,
-                 adaptive_clipping=None,
+                 adaptive_clipping=None, ftrl=None,
                  on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
         require(audit_canaries == 0 or audit_canaries >= 2, "audit_canaries", audit_canaries,
                 "must be 0 (no audit) or >= 2 (the null cosines' spread needs two)")
@@ -103,7 +105,7 @@ class DifferentialPrivacy(DPRoundLoop):
                             noise_placement=noise_placement, client_sampling=client_sampling,
                             target_epsilon=target_epsilon, target_epsilon_mode=target_epsilon_mode, delta=delta,
                             accountant=accountant, secure_aggregation=secure_aggregation,
-                            adaptive_clipping=adaptive_clipping)
+                            adaptive_clipping=adaptive_clipping, ftrl=ftrl, audit_canaries=audit_canaries)
         super().__init__(strategy, sample_rate=sample_rate, client_sampling=client_sampling,
                          server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
                          secure_rng=secure_rng, min_available_nodes=min_available_nodes,
@@ -121,6 +123,7 @@ class DifferentialPrivacy(DPRoundLoop):
         self.audit_start: np.ndarray | None = None  # the global vector before round 1
         self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
         self.adaptive_clipping = adaptive_clipping  # strategies.adaptive_clipping.AdaptiveClipping, or None
+        self.ftrl = ftrl  # strategies.dp_ftrl.DPFTRL, or None
         if adaptive_clipping is not None:
             self.reply_metric_rules = {**self.reply_metric_rules, keys.CLIP_BIT: MetricRule(low=-1e15, high=1e15)}
 
@@ -129,7 +132,7 @@ class DifferentialPrivacy(DPRoundLoop):
                        noise_placement: str = "central", client_sampling: str = "poisson",
                        target_epsilon: float = 0.0, target_epsilon_mode: str = "stop", delta: float = 0.0,
                        accountant: str = DEFAULT_ACCOUNTANT, secure_aggregation: bool = False,
-                       adaptive_clipping=None, **_) -> None:
+                       adaptive_clipping=None, ftrl=None, audit_canaries: int = 0, **_) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
         check_client_level_dp(sample_rate=sample_rate, clipping_norm=clipping_norm,
                               noise_multiplier=noise_multiplier, noise_placement=noise_placement,
@@ -140,6 +143,11 @@ class DifferentialPrivacy(DPRoundLoop):
         if adaptive_clipping is not None:
             adaptive_clipping.check(noise_multiplier=noise_multiplier, noise_placement=noise_placement,
                                     secure_aggregation=secure_aggregation, clipping_norm=clipping_norm)
+        if ftrl is not None:
+            ftrl.check(noise_placement=noise_placement, secure_aggregation=secure_aggregation,
+                       adaptive_clipping=adaptive_clipping, audit_canaries=audit_canaries,
+                       target_epsilon_mode=target_epsilon_mode, noise_multiplier=noise_multiplier,
+                       clipping_norm=clipping_norm)
 
     @property
     def noise_placement(self) -> str:
@@ -151,6 +159,8 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def make_ledger(self, delta: float) -> ClientLevelLedger:
         """The client-level ledger; for `calibrate`, sigma for the configured number of rounds first."""
+        if self.ftrl is not None:
+            return self.ftrl.make_ledger(self, delta)  # one tree-aggregation event per epoch, no sampling
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
             rounds = max(1, self.num_rounds)
@@ -163,6 +173,9 @@ class DifferentialPrivacy(DPRoundLoop):
                                  self.client_sampling)
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
+        if self.ftrl is not None:
+            raise ValueError("a DP-FTRL run cannot resume: its tree's noise is not checkpointed, and redrawing it "
+                             "would release the same nodes twice")
         return ClientLevelLedger.from_state_dict(state)
 
     def extra_state(self) -> dict:
@@ -182,6 +195,17 @@ class DifferentialPrivacy(DPRoundLoop):
             self.target_epsilon or "none", self.target_epsilon_mode)
 
     # ------------------------------------------------------------------ train
+    def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
+        """DP-FTRL: the nodes its participation rule allows (no sampling); else the round loop's sampling."""
+        if self.ftrl is None:
+            return super().sample_clients(server_round, node_ids)
+        if self.ledger is None:
+            self.setup_population(len(node_ids))
+        return self.ftrl.select(self, server_round, node_ids)
+
+    def sender_problem(self, server_round: int, node_id: int) -> str | None:
+        return None if self.ftrl is None else self.ftrl.sender_problem(server_round, node_id)
+
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""
         config = {keys.SERVER_ROUND: server_round,
@@ -293,6 +317,8 @@ class DifferentialPrivacy(DPRoundLoop):
         SecAgg+ one summed vector carries the shares of every client that made it into the sum).
         """
         assert self.ledger is not None
+        if self.ftrl is not None:  # w_0 + eta (tree-noised prefix sum) / m, charged to the tree ledger
+            return self.ftrl.step(self, server_round, updates, global_vector)
         received = len(updates) if received is None else received
         aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
         aggregate /= np.float32(self.expected_clients)
@@ -369,6 +395,7 @@ class DifferentialPrivacy(DPRoundLoop):
             "server_threat_model": self.ledger.server_threat_model,
             "secure_aggregation": self.secure_aggregation,
             **({"adaptive_clipping": self.adaptive_clipping.describe()} if self.adaptive_clipping else {}),
+            **({"ftrl": self.ftrl.describe()} if self.ftrl else {}),
             "ledger": ledger,
             **({"audit": self.audit()} if self.audit_canaries else {}),
             **{k: v for k, v in privacy.items() if k in published},

@@ -24,8 +24,8 @@ from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import make_rng
 
 from .dp_fedavg import DPFedAvg
-from .round_loop import pick
 from .reply_gate import MetricRule, read_metrics
+from .round_loop import pick
 
 EVALUATION_RULES = {keys.ACCURACY: MetricRule(low=0.0, high=1.0), keys.LOSS: MetricRule(low=0.0)}
 

@@ -362,7 +362,9 @@ class DPRoundLoop(Strategy):
                 self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
                 continue
             try:
-                vector, problem = self.reply_update(msg.content)
+                problem = self.sender_problem(server_round, msg.metadata.src_node_id)
+                if problem is None:
+                    vector, problem = self.reply_update(msg.content)
                 if problem is None:
                     metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
                 if problem is None:
@@ -381,6 +383,10 @@ class DPRoundLoop(Strategy):
         publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
         self.round_problems.append(problem)
         log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
+
+    def sender_problem(self, server_round: int, node_id: int) -> str | None:
+        """Why a reply from this node (the SuperLink's id of the sender) is refused whatever it holds, else None."""
+        return None
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""

@@ -115,6 +115,10 @@ BAD = [
     ({"secure-aggregation": True, "noise-placement": "central"}, "secure-aggregation", "distributed"),
     ({"secure-aggregation": True, "clipping-norm": 0.0, "noise-multiplier": 0.0}, "secure-aggregation",
      "clipping-norm"),
+    # dp-ftrl
+    ({"ftrl-epoch-rounds": -1}, "ftrl-epoch-rounds", "[0, "),
+    ({"ftrl-momentum": 1.0}, "ftrl-momentum", "[0, 1)"),
+    ({"algorithm": "dp-ftrl", "server-strategy": "fedadam"}, "server-strategy", "'fedavg'"),
     # ali-dpfl
     ({"sample-noise-multiplier": 0.0}, "sample-noise-multiplier", "[0.001, 1000]"),
     ({"sample-clipping-norm": -1.0}, "sample-clipping-norm", "(0, 1e+06]"),

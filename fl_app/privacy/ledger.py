@@ -558,3 +558,121 @@ class SampleLevelLedgers:
     def from_state_dict(cls, state: dict) -> "SampleLevelLedgers":
         return cls(float(state["delta"]), state["accountant"],
                    {int(c): PrivacyLedger.from_state_dict(s) for c, s in state["clients"].items()})
+
+
+Tree = tuple[float, int]  # (noise multiplier of each node, steps of the tree)
+
+
+def tree_aggregation_rdp_epsilon(trees: list[Tree], delta: float) -> float:
+    """eps(delta) of DP-FTRL's trees, each a `SingleEpochTreeAggregationDpEvent(sigma, steps)` (every client in at
+    most one leaf of each tree: Kairouz et al., arXiv 2103.00039, Appendix D), composed by dp-accounting's
+    `RdpAccountant` under its `REPLACE_SPECIAL` relation (a client's contributions replaced by zero)."""
+    return _tree_rdp_epsilon(tuple((float(s), int(n)) for s, n in trees if n > 0), float(delta))
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree_rdp_epsilon(trees: tuple[Tree, ...], delta: float) -> float:
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    if not trees:
+        return 0.0
+    if any(sigma < MIN_SIGMA for sigma, _ in trees):
+        return math.inf
+    accountant = rdp_lib.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    accountant.compose(dp_accounting.ComposedDpEvent(
+        [dp_accounting.SingleEpochTreeAggregationDpEvent(sigma, steps) for sigma, steps in trees]))
+    return max(0.0, float(accountant.get_epsilon(delta)))
+
+
+def tree_gaussian_multiplier(trees: list[Tree]) -> float:
+    """The multiplier of the one Gaussian mechanism the trees amount to: a client's leaf moves at most
+    ceil(log2(steps + 1)) released nodes of a tree by up to C each, every node with its own N(0, sigma^2 C^2),
+    so the trees compose (adaptively, Gaussian mechanisms compose exactly) to (sum_j depth_j / sigma_j^2)^(-1/2)."""
+    load = sum((int(steps).bit_length()) / sigma ** 2 for sigma, steps in trees if steps > 0 and sigma >= MIN_SIGMA)
+    if any(sigma < MIN_SIGMA for sigma, steps in trees if steps > 0):
+        return 0.0
+    return math.inf if load == 0 else load ** -0.5
+
+
+@dataclass
+class TreeAggregationLedger:
+    """Client-level DP of DP-FTRL (docs/dp-toolbox.md §4): no sampling, each client in at most one round of each
+    epoch of `epoch_rounds` rounds (the strategy enforces it), one tree per epoch. `trees` holds (sigma, steps)
+    per tree; eps(delta) is the smaller of two upper bounds: dp-accounting's RDP of the tree events
+    (`tree_aggregation_rdp_epsilon`) and the configured accountant's epsilon of the equivalent Gaussian mechanism
+    (`tree_gaussian_multiplier`: ceil(log2(steps + 1)) Gaussian releases at sigma per tree, q = 1; tighter, RDP's
+    conversion to (eps, delta) being lossy). Against the
+    server: none (a trusted server sees the clipped updates)."""
+
+    delta: float
+    accountant: str = DEFAULT_ACCOUNTANT
+    epoch_rounds: int = 1
+    trees: list[list] = field(default_factory=list)  # [sigma, steps] per tree, the last one possibly incomplete
+
+    kind = "tree-aggregation"
+    server_threat_model = "trusted server: it sees raw clipped updates, no DP against it"
+    relation = ("replace-special (a client's updates replaced by zero), no sampling: each client in at most one "
+                "round per epoch (enforced by the server), one binary tree per epoch; dp-accounting's "
+                "SingleEpochTreeAggregationDpEvent")
+
+    def __post_init__(self) -> None:
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant={self.accountant!r} is not one of: {', '.join(ACCOUNTANTS)}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta={self.delta!r} must be in (0, 1)")
+
+    def _with_round(self, trees: list[list], noise_multiplier: float) -> list[list]:
+        """The trees after one more round: a new tree every `epoch_rounds` rounds (the smaller sigma if it changed)."""
+        trees = [list(t) for t in trees]
+        if trees and trees[-1][1] < self.epoch_rounds:
+            trees[-1] = [min(trees[-1][0], float(noise_multiplier)), trees[-1][1] + 1]
+        else:
+            trees.append([float(noise_multiplier), 1])
+        return trees
+
+    def record_round(self, noise_multiplier: float, sample_rate: float = 1.0, noise_shares: float = 0,
+                     received: int | None = None, truncation_probability: float = 0.0,
+                     sampled_from: tuple[int, int] | None = None) -> None:
+        """Charge one round: one more leaf of the current epoch's tree (no sampling, so q is not used)."""
+        self.trees = self._with_round(self.trees, noise_multiplier)
+
+    def _bounds(self, trees: list[list]) -> tuple[float, str]:
+        rdp = tree_aggregation_rdp_epsilon([tuple(t) for t in trees], self.delta)
+        events = [(sigma, 1.0, int(steps).bit_length()) for sigma, steps in trees]  # depth_j releases at sigma_j
+        gaussian = epsilon_of(events, self.delta, self.accountant)
+        if gaussian <= rdp:
+            return gaussian, f"{accountant_used(events, self.delta, self.accountant)} (equivalent Gaussian)"
+        return rdp, "rdp (dp-accounting, SingleEpochTreeAggregationDpEvent)"
+
+    def epsilon(self) -> float:
+        return self._bounds(self.trees)[0]
+
+    def rdp_epsilon(self) -> float:
+        """dp-accounting's RDP bound of the tree events alone."""
+        return tree_aggregation_rdp_epsilon([tuple(t) for t in self.trees], self.delta)
+
+    def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float = 1.0, rounds: int = 1,
+                             truncation_probability: float = 0.0) -> float:
+        trees = self.trees
+        for _ in range(rounds):
+            trees = self._with_round(trees, noise_multiplier)
+        return self._bounds(trees)[0]
+
+    def epsilon_against_server(self) -> float:
+        return math.inf
+
+    def model_bound_by(self) -> str:
+        return self._bounds(self.trees)[1]
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "delta": self.delta, "accountant": self.accountant,
+                "epoch_rounds": self.epoch_rounds, "trees": [list(t) for t in self.trees],
+                "relation": self.relation, "model_bound_by": self.model_bound_by(),
+                "rdp_tree_epsilon": self.rdp_epsilon(),
+                "gaussian_multiplier": tree_gaussian_multiplier([tuple(t) for t in self.trees]) if self.trees else None}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "TreeAggregationLedger":
+        return cls(float(state["delta"]), state["accountant"], int(state["epoch_rounds"]),
+                   [[float(s), int(n)] for s, n in state["trees"]])

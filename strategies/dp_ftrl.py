@@ -1,0 +1,157 @@
+"""DP-FTRL (Kairouz, McMahan, Song, Thakkar, Thakurta and Xu, "Practical and Private (Deep) Learning without
+Sampling or Shuffling", ICML 2021, arXiv 2103.00039): client-level DP without any sampling assumption, a part
+the DP wrapper is composed with (docs/dp-toolbox.md §4):
+
+    DifferentialPrivacy(FedAvg(), clipping_norm=C, noise_multiplier=sigma, sample_rate=q,
+                        noise_placement="central", ftrl=DPFTRL(epoch_rounds=b, momentum=0.0))
+
+Real devices join when they can, so the server cannot promise the uniform sampling that amplification needs.
+DP-FTRL needs none; what it needs instead is a participation rule, which this part enforces:
+
+- the run is cut into epochs of b rounds (rounds (j-1)b+1 .. jb); a node (the SuperLink's node id: the ids the
+  wrapper sends to, `msg.metadata.src_node_id` of a reply, never an id a client sends) takes part in at most
+  one round per epoch. Each round the server sends the train message to m = max(1, round(q M)) of the nodes
+  that have not taken part in the epoch yet (fewer if fewer are eligible; which ones does not matter to the
+  guarantee), marks them as having taken part, and refuses any reply from a node it did not send this
+  round's message to, and a second reply from one it did;
+- the server keeps the running sum of the rounds' sums of clipped updates (each client's update clipped to
+  C), released through the binary-tree mechanism (`fl_app.privacy.tree_aggregation`), one tree per epoch,
+  each node with noise N(0, sigma^2 C^2 I) from OS entropy; a completed epoch's noisy total is carried over;
+- the model is w_t = w_0 + eta (noisy prefix sum of the updates) / m (FTRL; eta: the wrapper's
+  server_learning_rate), or with server momentum gamma (the paper's DP-FTRLM): g_t = P_t - P_{t-1} of the noisy
+  prefix sums P, v_t = gamma v_{t-1} + g_t, w_t = w_0 + eta (v_1 + ... + v_t) / m. Both are post-processing of
+  the released prefix sums.
+
+Each epoch's tree is one `SingleEpochTreeAggregationDpEvent(sigma, steps)` in the ledger
+(`fl_app.privacy.ledger.TreeAggregationLedger`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fl_app.privacy.ledger import TreeAggregationLedger
+from fl_app.privacy.mechanisms import make_rng
+from fl_app.privacy.settings import require
+from fl_app.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
+
+NOISE_STREAM = 21  # make_rng stream of the tree nodes' noise (seeded runs only)
+SELECTION_STREAM = 22
+
+
+class DPFTRL:
+    """The participation rule, the tree-aggregated noise and the FTRL model of DP-FTRL (one run per instance).
+
+    epoch_rounds : b, rounds per epoch; a node takes part at most once per epoch (0: M // m, the longest epoch in
+        which every node can take part once with full rounds; b >= num-rounds: at most once in the run).
+    momentum : gamma of DP-FTRLM's server momentum (0: plain DP-FTRL).
+    """
+
+    def __init__(self, epoch_rounds: int = 0, momentum: float = 0.0) -> None:
+        require(int(epoch_rounds) == epoch_rounds and epoch_rounds >= 0, "epoch_rounds", epoch_rounds,
+                "must be an integer >= 0 (0: number of nodes // clients per round)")
+        require(0 <= momentum < 1, "ftrl_momentum", momentum, "must be in [0, 1)")
+        self.requested_epoch_rounds = int(epoch_rounds)
+        self.momentum = float(momentum)
+        self.epoch_rounds = 0  # b, fixed with the population
+        self.clients_per_round = 0  # m
+        self.last_epoch: dict[int, int] = {}  # node id -> the last epoch it was sent a train message in
+        self.round_nodes: set[int] = set()  # the nodes sent this round's train message
+        self.round_replied: set[int] = set()
+        self.initial: np.ndarray | None = None  # w_0
+        self.exact_sum: np.ndarray | None = None  # sum of every round's sum of clipped updates
+        self.carried_noise: np.ndarray | None = None  # the released noise of the completed epochs' totals
+        self.tree: TreeNoise | None = None
+        self.tree_epoch = -1
+        self.last_prefix: np.ndarray | None = None  # P_{t-1} (momentum)
+        self.velocity: np.ndarray | None = None
+        self.cumulative: np.ndarray | None = None  # v_1 + ... + v_t (momentum)
+
+    # ------------------------------------------------------------------ rules
+    def check(self, *, noise_placement: str, secure_aggregation: bool = False, adaptive_clipping=None,
+              audit_canaries: int = 0, target_epsilon_mode: str = "stop", noise_multiplier: float = 1.0,
+              clipping_norm: float = 1.0) -> None:
+        """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
+        require(noise_placement == "central", "noise_placement", noise_placement,
+                "DP-FTRL (run-config algorithm 'dp-ftrl') adds the tree's noise at the server: use 'central'")
+        require(not secure_aggregation, "secure_aggregation", secure_aggregation,
+                "DP-FTRL keeps a running sum at the server; SecAgg+ is not supported with it")
+        require(adaptive_clipping is None, "adaptive_clipping", adaptive_clipping,
+                "DP-FTRL's tree charges a fixed clipping norm; adaptive clipping is not supported with it")
+        require(audit_canaries == 0, "audit_canaries", audit_canaries, "the canary audit assumes sampling")
+        require(target_epsilon_mode == "stop", "target_epsilon_mode", target_epsilon_mode,
+                "DP-FTRL supports 'stop' only (its noise is not calibrated to the sampled Gaussian)")
+        require(noise_multiplier > 0 and clipping_norm > 0, "noise_multiplier", noise_multiplier,
+                "DP-FTRL needs noise_multiplier > 0 and clipping_norm > 0 (the non-private reference is dp-fedavg)")
+
+    # ------------------------------------------------------------------ population, ledger
+    def make_ledger(self, strategy, delta: float) -> TreeAggregationLedger:
+        """Fix m and b from the population, and the ledger with one tree per epoch."""
+        self.clients_per_round = max(1, round(strategy.sample_rate * strategy.num_clients))
+        self.epoch_rounds = self.requested_epoch_rounds or max(1, strategy.num_clients // self.clients_per_round)
+        return TreeAggregationLedger(delta, strategy.accountant, self.epoch_rounds)
+
+    def epoch(self, server_round: int) -> int:
+        return (int(server_round) - 1) // self.epoch_rounds
+
+    # ------------------------------------------------------------------ the participation rule
+    def select(self, strategy, server_round: int, node_ids: list[int]) -> list[int]:
+        """Up to m of the nodes that have not taken part in this epoch, marked as having taken part."""
+        epoch = self.epoch(server_round)
+        eligible = [n for n in sorted(set(node_ids)) if self.last_epoch.get(n) != epoch]
+        rng = make_rng(strategy.seed, SELECTION_STREAM, server_round, secure=strategy.secure_rng)
+        picks = rng.choice(len(eligible), size=min(len(eligible), self.clients_per_round), replace=False)
+        chosen = sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
+        for node in chosen:
+            self.last_epoch[node] = epoch
+        self.round_nodes, self.round_replied = set(chosen), set()
+        strategy.round_truncation_probability, strategy.round_sampled_from = 0.0, None
+        return chosen
+
+    def sender_problem(self, server_round: int, node_id: int) -> str | None:
+        """Why the reply of `node_id` (the SuperLink's id of the sender) is refused, else None (and counted)."""
+        if node_id not in self.round_nodes:
+            return (f"node {node_id} was not sent round {server_round}'s train message (DP-FTRL: each node takes "
+                    f"part at most once per epoch of {self.epoch_rounds} rounds)")
+        if node_id in self.round_replied:
+            return f"a second reply from node {node_id} in round {server_round}"
+        self.round_replied.add(node_id)
+        return None
+
+    # ------------------------------------------------------------------ the tree and the model
+    def step(self, strategy, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray) -> np.ndarray:
+        """w_0 + eta (noisy prefix sum, or its momentum form) / m, with this round charged to the ledger."""
+        size = global_vector.size
+        if self.initial is None:
+            self.initial = global_vector.astype(np.float32, copy=True)
+            self.exact_sum = np.zeros(size, np.float32)
+            self.carried_noise = np.zeros(size, np.float32)
+        epoch = self.epoch(server_round)
+        if self.tree is None or epoch != self.tree_epoch:
+            if self.tree is not None:
+                self.carried_noise += self.tree.prefix_noise()  # the completed epoch's released total
+            self.tree_epoch = epoch
+            std = strategy.noise_multiplier * strategy.clipping_norm
+            self.tree = TreeNoise(size, std, lambda t, e=epoch: make_rng(strategy.seed, NOISE_STREAM, e, t,
+                                                                           secure=strategy.secure_rng))
+        if updates:
+            self.exact_sum += np.sum(updates, axis=0, dtype=np.float32)
+        noise = self.tree.next_prefix_noise()
+        strategy.last_server_noise_std = float(strategy.noise_multiplier * strategy.clipping_norm
+                                               * np.sqrt(nodes_in_prefix(self.tree.steps)))
+        prefix = self.exact_sum + self.carried_noise + noise
+        strategy.ledger.record_round(strategy.noise_multiplier)
+        if self.momentum > 0:
+            gradient = prefix - (self.last_prefix if self.last_prefix is not None else 0.0)
+            self.velocity = gradient if self.velocity is None else np.float32(self.momentum) * self.velocity + gradient
+            self.cumulative = self.velocity.copy() if self.cumulative is None else self.cumulative + self.velocity
+            self.last_prefix = prefix
+            prefix = self.cumulative
+        return self.initial + np.float32(strategy.server_learning_rate) * prefix / np.float32(self.clients_per_round)
+
+    def describe(self) -> dict:
+        return {"epoch_rounds": self.epoch_rounds, "clients_per_round": self.clients_per_round,
+                "momentum": self.momentum,
+                "participation_rule": f"each node at most once per epoch of {self.epoch_rounds} rounds, "
+                                      "enforced by the server (ineligible nodes are not sent a train message "
+                                      "and their replies are refused)"}

@@ -1,0 +1,258 @@
+"""DP-FTRL (issue 27, item 4; Kairouz et al., arXiv 2103.00039): the binary tree's prefix-sum noise (its std is
+sigma C sqrt(nodes summed), and prefix sums share their nodes), the participation rule (ineligible nodes are not
+sent a message and their replies are refused), epsilon against dp-accounting used directly, the FTRL model with
+momentum, refused settings, and an in-process run of the app that learns."""
+
+import logging
+import math
+from types import SimpleNamespace
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from fl_app.client_app import app as client_app
+from fl_app.config import ConfigError, validate
+from fl_app.inprocess import InProcessGrid
+from fl_app.privacy.ledger import TreeAggregationLedger, epsilon_of, tree_gaussian_multiplier
+from fl_app.privacy.mechanisms import make_rng
+from fl_app.privacy.settings import SettingError
+from fl_app.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth
+from fl_app.results import read_metrics
+from fl_app.server_app import run_federated
+from strategies import DifferentialPrivacy
+from strategies.dp_ftrl import DPFTRL
+from strategies.round_loop import reply_message
+
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def rel_tolerance(n: int, sds: float = 6.0) -> float:
+    """The relative error of a sample std of n normals that is exceeded with negligible probability."""
+    return sds / math.sqrt(2 * n)
+
+
+def test_each_prefix_sums_popcount_nodes_of_std_sigma_c_and_shares_them_with_later_prefixes():
+    dim, std = 100_000, 1.5
+    tree = TreeNoise(dim, std, lambda t: make_rng(0, 1, t, secure=True))
+    prefixes = [tree.next_prefix_noise().astype(np.float64) for _ in range(16)]
+    for t, z in enumerate(prefixes, start=1):
+        assert z.std() == pytest.approx(std * math.sqrt(nodes_in_prefix(t)), rel=rel_tolerance(dim))
+        assert len(tree.nodes) <= tree_depth(16)
+    assert [nodes_in_prefix(t) for t in (1, 2, 3, 4, 7, 8, 15, 16)] == [1, 1, 2, 1, 3, 1, 4, 1]
+    z = dict(enumerate(prefixes, start=1))
+    # Z_5 = node[1,4] + node[5]: Z_5 - Z_4 is one fresh node, independent of Z_4; Z_7 - Z_6 likewise
+    for a, b in ((4, 5), (6, 7)):
+        assert (z[b] - z[a]).std() == pytest.approx(std, rel=rel_tolerance(dim))
+        assert np.corrcoef(z[a], z[b] - z[a])[0, 1] == pytest.approx(0.0, abs=6 / math.sqrt(dim))
+    # Z_4 and Z_6 share node [1,4]: covariance std^2 (one node) out of variances std^2 and 2 std^2
+    assert np.cov(z[4], z[6])[0, 1] == pytest.approx(std ** 2, rel=0.03)
+    # one leaf enters at most one released node per level: ceil(log2(T + 1))
+    assert [tree_depth(t) for t in (1, 2, 3, 4, 7, 8, 100)] == [1, 2, 2, 3, 3, 4, 7]
+
+
+def unchanged_weights_client() -> ClientApp:
+    """A client whose update is zero (it sends back the weights it got): the model moves by the noise alone."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 1})}),
+                       reply_to=msg)
+
+    return app
+
+
+def test_the_released_model_carries_the_tree_noise_of_the_nodes_summed_across_epochs():
+    """w_t - w_0 = eta Z_t / m: std eta sigma C sqrt(nodes) / m, with a completed epoch's total carried over."""
+    nodes, dim, sigma, clip, eta, epoch_rounds = 8, 100_000, 2.0, 0.1, 0.5, 3
+    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), clipping_norm=clip, noise_multiplier=sigma,
+                                   sample_rate=0.25, noise_placement="central", server_learning_rate=eta,
+                                   min_available_nodes=nodes, ftrl=DPFTRL(epoch_rounds=epoch_rounds))
+    start = ArrayRecord({"w": Array(np.zeros(dim, np.float32))})
+    grid = InProcessGrid(unchanged_weights_client(), nodes, {})
+    models = []
+    strategy.on_checkpoint = lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
+    strategy.start(grid, start, num_rounds=7)
+    m = strategy.ftrl.clients_per_round
+    assert m == 2
+    # rounds 1-3: tree 1 at steps 1, 2, 3; rounds 4-6: Z of tree 1 at step 3 (2 nodes) + tree 2; round 7: + tree 3
+    expected_nodes = [1, 1, 2, 2 + 1, 2 + 1, 2 + 2, 2 + 2 + 1]
+    for model, count in zip(models, expected_nodes):
+        assert model.std() == pytest.approx(eta * sigma * clip * math.sqrt(count) / m, rel=rel_tolerance(dim))
+    assert strategy.ledger.trees == [[sigma, 3], [sigma, 3], [sigma, 1]]
+
+
+def test_a_node_takes_part_at_most_once_per_epoch_and_ineligible_replies_are_refused():
+    nodes, epoch_rounds = 10, 4
+    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.3,
+                                   noise_placement="central", min_available_nodes=nodes,
+                                   ftrl=DPFTRL(epoch_rounds=epoch_rounds))
+    grid = InProcessGrid(unchanged_weights_client(), nodes, {})
+    strategy.start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=8)
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
+    # m = round(0.3 * 10) = 3 per round while 3 are eligible: 3, 3, 3, then the 1 left, per epoch of 4 rounds
+    per_round = [sum(1 for r, _ in sent if r == rnd) for rnd in range(1, 9)]
+    assert per_round == [3, 3, 3, 1, 3, 3, 3, 1]
+    for epoch in (0, 1):
+        in_epoch = [node for r, node in sent if (r - 1) // epoch_rounds == epoch]
+        assert sorted(in_epoch) == sorted(set(in_epoch)) == list(range(100, 100 + nodes))  # each exactly once
+
+    # round 9 (epoch 2): replies from a node not sent this round's message, and a second reply, are refused
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    messages = list(strategy.configure_train(9, arrays, ConfigRecord(), grid))
+    chosen = [m.metadata.dst_node_id for m in messages]
+    outsider = next(n for n in grid.get_node_ids() if n not in chosen)
+    update = RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(4, np.float32))}),
+                         "metrics": MetricRecord({"num-examples": 1})})
+    replies = [reply_message(chosen[0], update), reply_message(chosen[0], update), reply_message(outsider, update)]
+    _, metrics = strategy.aggregate_train(9, replies)
+    assert metrics["clients"] == 1 and metrics["rejected"] == 2
+    problems = strategy.round_problems
+    assert any(f"a second reply from node {chosen[0]}" in p for p in problems)
+    assert any(f"node {outsider} was not sent round 9's train message" in p for p in problems)
+    # round 10 (same epoch): the nodes of round 9 are not asked again
+    again = [m.metadata.dst_node_id for m in strategy.configure_train(10, arrays, ConfigRecord(), grid)]
+    assert not set(again) & set(chosen)
+
+
+def dp_accounting_tree_epsilons(sigma: float, trees: list[int], delta: float) -> tuple[float, float]:
+    """(RDP epsilon of the tree events, PLD epsilon of the equivalent Gaussian), with dp-accounting directly."""
+    acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    for steps in trees:
+        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(sigma, steps))
+    depth = sum(math.ceil(math.log2(steps + 1)) for steps in trees)
+    exact = pld.PLDAccountant(value_discretization_interval=1e-4)
+    exact.compose(dp_accounting.GaussianDpEvent(sigma / math.sqrt(depth)))
+    return acc.get_epsilon(delta), exact.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("sigma, epoch_rounds, rounds", [(1.0, 10, 50), (2.0, 100, 100), (0.8, 7, 30), (4.0, 1, 20)])
+def test_epsilon_against_dp_accounting(sigma, epoch_rounds, rounds):
+    delta = 1e-5
+    ledger = TreeAggregationLedger(delta, "pld", epoch_rounds)
+    for _ in range(rounds):
+        ledger.record_round(sigma)
+    trees = [min(epoch_rounds, rounds - start) for start in range(0, rounds, epoch_rounds)]
+    assert ledger.trees == [[sigma, n] for n in trees]
+    rdp_eps, gaussian_eps = dp_accounting_tree_epsilons(sigma, trees, delta)
+    assert ledger.rdp_epsilon() == pytest.approx(rdp_eps, rel=1e-9)
+    assert ledger.epsilon() == pytest.approx(min(rdp_eps, gaussian_eps), rel=0.01)
+    assert ledger.epsilon() >= gaussian_eps * (1 - 1e-3)  # the pessimistic PLD never below the exact figure
+    assert tree_gaussian_multiplier([tuple(t) for t in ledger.trees]) == pytest.approx(
+        sigma / math.sqrt(sum(t.bit_length() for t in trees)))
+    # the RDP ledger's epsilon: the same two bounds, the Gaussian one by Opacus' RDP
+    rdp_ledger = TreeAggregationLedger.from_state_dict({**ledger.state_dict(), "accountant": "rdp"})
+    assert rdp_ledger.epsilon() <= rdp_eps * (1 + 1e-9)
+    assert rdp_ledger.epsilon() >= gaussian_eps
+
+
+def test_single_participation_is_one_tree_and_cheaper_than_no_amplification_dp_fedavg():
+    """b >= T: one SingleEpochTreeAggregationDpEvent(sigma, T) (depth 7 for 100 rounds) against DP-FedAvg's 100
+    Gaussian releases at sigma without amplification (what is honest when sampling is not uniform)."""
+    sigma, rounds, delta = 2.0, 100, 1e-5
+    ledger = TreeAggregationLedger(delta, "pld", rounds)
+    for _ in range(rounds):
+        ledger.record_round(sigma)
+    no_amplification = pld.PLDAccountant(value_discretization_interval=1e-4)
+    no_amplification.compose(dp_accounting.GaussianDpEvent(sigma), rounds)
+    assert ledger.trees == [[sigma, rounds]]
+    assert ledger.epsilon() < no_amplification.get_epsilon(delta) / 3
+    # b = 1 (every node may take part in every round): a tree of one leaf per round is DP-FedAvg without
+    # amplification exactly
+    every_round = TreeAggregationLedger(delta, "pld", 1)
+    for _ in range(rounds):
+        every_round.record_round(sigma)
+    assert every_round.epsilon() == pytest.approx(no_amplification.get_epsilon(delta), rel=0.01)
+    assert every_round.epsilon() == epsilon_of([(sigma, 1.0, rounds)], delta)
+
+
+def test_the_ftrl_model_and_its_momentum_form():
+    """Without noise (only here, on the part itself) the model is w_0 + eta sum_t u / m, or with momentum gamma
+    w_0 + eta sum_t v_t / m, v_t = gamma v_{t-1} + u_t."""
+    u, eta, m, gamma = np.array([1.0, -2.0], np.float32), 0.5, 4, 0.9
+    for momentum in (0.0, gamma):
+        part = DPFTRL(epoch_rounds=3, momentum=momentum)
+        strategy = SimpleNamespace(sample_rate=0.5, num_clients=8, accountant="pld", seed=0, secure_rng=True,
+                                   noise_multiplier=0.0, clipping_norm=1.0, server_learning_rate=eta)
+        strategy.ledger = part.make_ledger(strategy, 1e-5)
+        w0, v, total = np.array([3.0, 3.0], np.float32), 0.0, 0.0
+        for rnd in range(1, 8):
+            new = part.step(strategy, rnd, [u / 2, u / 2], w0 + 123)  # the current model is not used: w_0 is
+            v = momentum * v + u
+            total = total + v
+            np.testing.assert_allclose(new, w0 + 123 + eta * total / m, rtol=1e-5)
+        assert strategy.ledger.trees == [[0.0, 3], [0.0, 3], [0.0, 1]]
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(noise_placement="distributed"), "noise_placement"),
+    (dict(noise_placement="central", secure_aggregation=True), "secure_aggregation"),
+    (dict(noise_placement="central", target_epsilon=5.0, target_epsilon_mode="calibrate"), "target_epsilon_mode"),
+    (dict(noise_placement="central", audit_canaries=4), "audit_canaries"),
+])
+def test_settings_it_cannot_honour_are_refused(settings, match):
+    with pytest.raises(SettingError, match=match):
+        DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, ftrl=DPFTRL(), **settings)
+
+
+def test_the_run_config_route_refuses_what_it_cannot_honour(tmp_path):
+    base = {"algorithm": "dp-ftrl", "results-dir": str(tmp_path)}
+    for extra, match in ((dict(resume=True), "resume"), ({"server-strategy": "fedadam"}, "server-strategy"),
+                         ({"noise-placement": "local"}, "noise-placement"),
+                         ({"client-sampling": "fixed"}, "client-sampling"),
+                         ({"ftrl-momentum": 1.0}, "ftrl-momentum")):
+        with pytest.raises(ConfigError, match=match):
+            validate({**base, **extra})
+    with pytest.raises(ConfigError, match="ftrl-epoch-rounds.*dp-ftrl"):
+        validate({"algorithm": "dp-fedavg", "ftrl-epoch-rounds": 3})
+
+
+def test_the_app_learns_under_dp_ftrl_and_prints_the_ledgers_epsilon(tmp_path):
+    clients, rounds = 20, 10
+    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 5, "batch-size": 16,
+                    "num-rounds": rounds, "sample-rate": 0.25, "min-nodes": clients, "algorithm": "dp-ftrl",
+                    "results-dir": str(tmp_path)})
+    summary = run_federated(InProcessGrid(client_app, clients, cfg), cfg)
+    rounds_published = read_metrics(tmp_path)
+    assert len(rounds_published) == rounds
+    assert summary["ftrl"]["clients_per_round"] == 5 and summary["ftrl"]["epoch_rounds"] == 4  # 20 // 5
+    assert summary["final_accuracy"] > 0.3  # chance: 0.1 (measured 0.59 and 0.64 with these settings)
+    rdp_eps, gaussian_eps = dp_accounting_tree_epsilons(cfg["noise-multiplier"], [4, 4, 2], summary["delta"])
+    assert summary["epsilon"] == pytest.approx(min(rdp_eps, gaussian_eps), rel=0.01)
+    assert summary["ledger"]["rdp_tree_epsilon"] == pytest.approx(rdp_eps, rel=1e-9)
+    assert rounds_published[-1]["epsilon"] == summary["epsilon"]
+
+
+def test_the_superlinks_64_bit_node_ids_are_kept_exactly():
+    """flwr's node ids go up to 2^64 - 1; numpy would round them through float64."""
+    part = DPFTRL(epoch_rounds=2)
+    strategy = SimpleNamespace(sample_rate=0.5, num_clients=4, accountant="pld", seed=0, secure_rng=True)
+    part.make_ledger(strategy, 1e-5)
+    ids = [2**64 - 1, 2**63 + 12345, 9876543210987654321, 17]
+    first = part.select(strategy, 1, ids)
+    second = part.select(strategy, 2, ids)
+    assert len(first) == len(second) == 2 and sorted(first + second) == sorted(ids)
+    assert part.sender_problem(2, second[0]) is None and part.sender_problem(2, first[0]) is not None
+
+
+def test_the_budget_stop_uses_the_tree_ledger():
+    """target_epsilon (stop): the run ends before the round whose tree step would pass it."""
+    sigma, epoch_rounds, delta = 2.0, 8, 1e-5
+    ledger = TreeAggregationLedger(delta, "pld", epoch_rounds)
+    epsilons = []
+    for _ in range(8):
+        ledger.record_round(sigma)
+        epsilons.append(ledger.epsilon())
+    assert epsilons[2] == epsilons[1] < epsilons[3]  # depth 2 for steps 2 and 3, 3 from step 4
+    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=sigma, sample_rate=0.25, delta=delta,
+                                   noise_placement="central", min_available_nodes=8, target_epsilon=epsilons[2],
+                                   ftrl=DPFTRL(epoch_rounds=epoch_rounds))
+    strategy.start(InProcessGrid(unchanged_weights_client(), 8, {}), ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+                   num_rounds=8)
+    assert strategy.completed_rounds == 3 and "target epsilon" in strategy.stop_reason
+    assert strategy.privacy_metrics()["epsilon"] == epsilons[2]
