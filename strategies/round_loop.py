@@ -151,6 +151,9 @@ class DPRoundLoop(Strategy):
         self.round_truncation_probability = 0.0  # P(this round's sample was truncated to n_s)
         self.round_sampled_from: tuple[int, int] | None = None  # fixed-size sampling: m of N nodes this round
         self.round_problems: list[str] = []  # failed and rejected replies of the round in flight (diagnostics)
+        self.round_nodes: set[int] | None = None  # the nodes sampled this round (None: not sampled here)
+        self.round_population: set[int] = set()  # the nodes connected when this round sampled
+        self.round_accepted_nodes: list[int] = []  # the node (SuperLink's id) of each accepted update, in order
         self.ledger = None
         self.stop_reason = ""
         self.history: list[dict] = []
@@ -218,15 +221,19 @@ class DPRoundLoop(Strategy):
             self.setup_population(len(node_ids))
         rng = make_rng(self.seed, 1, server_round, secure=self.secure_rng)
         nodes = sorted(node_ids)
+        self.round_population = set(nodes)
         if self.client_sampling == "fixed":
             self.round_truncation_probability = 0.0
             k = min(len(nodes), int(self.expected_clients))
             self.round_sampled_from = (len(nodes), k)  # (N, m): the ledger's sampling-without-replacement bound
-            return sorted(rng.choice(nodes, size=k, replace=False).tolist())
-        self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
-        sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
-        if len(sampled) > self.noise_shares:
-            sampled = sorted(rng.choice(sampled, size=self.noise_shares, replace=False).tolist())
+            sampled = sorted(rng.choice(nodes, size=k, replace=False).tolist())
+        else:
+            self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate,
+                                                                       self.noise_shares)
+            sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
+            if len(sampled) > self.noise_shares:
+                sampled = sorted(rng.choice(sampled, size=self.noise_shares, replace=False).tolist())
+        self.round_nodes = {int(n) for n in sampled}
         return sampled
 
     def next_truncation_probability(self) -> float:
@@ -243,6 +250,7 @@ class DPRoundLoop(Strategy):
         self.current_arrays = arrays
         self.float_positions = float_indices(arrays.to_numpy_ndarrays())
         self.round_problems = []
+        self.round_nodes = None
 
     def global_arrays(self) -> list[np.ndarray]:
         """The floating-point arrays of the round's global model: what DP trains, clips and noises."""
@@ -354,9 +362,22 @@ class DPRoundLoop(Strategy):
     def accepted_updates(self, server_round: int,
                          replies: Iterable[Message]) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
         """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
-        and the counts of failed and rejected replies. Nothing in a reply can raise here."""
+        and the counts of failed and rejected replies. Nothing in a reply can raise here.
+
+        Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
+        round did not sample, or a second reply from one node, is rejected. `round_accepted_nodes` lists the node of
+        each accepted update."""
         accepted, failures, rejected = [], 0, 0
+        self.round_accepted_nodes = []
+        seen: set[int] = set()
         for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            if not msg.has_error() and (self.round_nodes is not None and node not in self.round_nodes
+                                        or node in seen):
+                rejected += 1
+                self.note_problem(server_round, f"rejected a reply of node {node}: "
+                                                + ("a second reply" if node in seen else "not sampled this round"))
+                continue
             if msg.has_error():
                 failures += 1
                 self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
@@ -373,7 +394,9 @@ class DPRoundLoop(Strategy):
                 rejected += 1
                 self.note_problem(server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
                 continue
+            seen.add(node)
             accepted.append((vector, metrics))
+            self.round_accepted_nodes.append(node)
         return accepted, failures, rejected
 
     def note_problem(self, server_round: int, problem: str) -> None:
