@@ -521,6 +521,10 @@ class DPRoundLoop(Strategy):
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
             record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
+            if missing := unanswered_nodes(replies, instructions):  # hung or gone at the timeout: failures too
+                record["failures"] = int(record.get("failures", 0)) + len(missing)
+                for node in missing:
+                    self.note_problem(rnd, f"node {node} failed: {NO_REPLY}")
             due = self.evaluation_due(rnd, eval_every, num_rounds)
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid) if due else []
             if eval_msgs:
@@ -578,14 +582,30 @@ class DPRoundLoop(Strategy):
                 "epsilon_is_guarantee": not caveats, "epsilon_caveats": caveats}
 
 
+NO_REPLY = "no reply before round-timeout"
+
+
+def unanswered_nodes(replies: Iterable[Message], instructions: Iterable[Message]) -> list:
+    """The nodes whose instruction got no reply at all (a hung node at the timeout: no error message comes); by
+    message id where the instructions have one, else as many '?' as instructions outnumber replies."""
+    replies, instructions = list(replies), list(instructions)
+    answered = {m.metadata.reply_to_message_id for m in replies}
+    if all(m.metadata.message_id for m in instructions):
+        return [m.metadata.dst_node_id for m in instructions if m.metadata.message_id not in answered]
+    return ["?"] * max(0, len(instructions) - len(replies))
+
+
 def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Message] = ()) -> dict:
-    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (empty if none).
+    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors and the instructions that
+    got no reply (empty if none).
 
     The node is the instruction's destination (the SuperLink itself answers for a node that went away).
     """
+    replies, instructions = list(replies), list(instructions)
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in instructions}
     failed = [f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
               for m in replies if m.has_error()]
+    failed += [f"node {node}: {NO_REPLY}" for node in unanswered_nodes(replies, instructions)]
     return {"failed_nodes": failed} if failed else {}
 
 

@@ -3,6 +3,7 @@ the SuperLink's node ids), runs that aggregated nothing say so, hung nodes count
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,3 +136,63 @@ def test_a_reply_from_a_node_that_was_not_sampled_or_twice_from_one_node_is_reje
     grid.send_and_receive = duplicating
     metrics = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
     assert metrics["clients"] == 3 and metrics["rejected"] == 2
+
+
+# ---------------------------------------------------------------- failed runs say so; hung nodes are failures
+
+NO_UPDATE_AGGREGATED = "no client update was aggregated in any round"
+
+
+def small_run_config(tmp_path, algorithm="ali-dpfl"):
+    from fl_app.config import validate
+
+    common = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "num-rounds": 2,
+              "local-steps": 1, "results-dir": str(tmp_path)}
+    if algorithm == "ali-dpfl":
+        common.update({"batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5, "sample-clipping-norm": 1.0,
+                       "target-epsilon": 3.0, "adaptive": False})
+    return validate({"algorithm": algorithm, **common})
+
+
+@pytest.mark.parametrize("algorithm", ["ali-dpfl", "dp-fedavg"])
+def test_a_run_in_which_every_client_fails_says_failed_and_the_launcher_exits_non_zero(tmp_path, algorithm):
+    """Before: status 'completed' (the launcher exited 0) though no client update was ever aggregated."""
+    from fl_app.client_app import app as client_app
+    from fl_app.launch import run_status
+    from fl_app.server_app import run_federated
+
+    cfg = small_run_config(tmp_path, algorithm=algorithm)
+    summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: True), cfg)
+    folder = Path(summary["results_dir"])
+    status = json.loads((folder / "status.json").read_text())
+    assert status["status"] == "failed" and status["reason"] == NO_UPDATE_AGGREGATED
+    assert run_status(folder) == "failed"  # what the launcher's exit code follows (non-zero unless completed)
+    written = json.loads((folder / "summary.json").read_text())
+    assert written["status"] == "failed" and written["failure_reason"] == NO_UPDATE_AGGREGATED
+    assert written["rounds_completed"] == 2
+
+
+def test_a_run_in_which_one_client_trains_completes(tmp_path):
+    from fl_app.client_app import app as client_app
+    from fl_app.server_app import run_federated
+
+    cfg = small_run_config(tmp_path)
+    summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: node != 101), cfg)
+    assert summary["status"] == "completed" and "failure_reason" not in summary
+
+
+class HangingGrid(InProcessGrid):
+    """Node 101 is SIGSTOPped: its replies never come (no error message either), as at a round-timeout."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return [r for r in super().send_and_receive(messages, timeout=timeout) if r.metadata.src_node_id != 101]
+
+
+def test_a_hung_node_whose_reply_never_comes_is_a_failure_in_the_round_diagnostics():
+    """Before: 'failures' 0 and no 'failed_nodes' entry: a reply missing at the timeout is no error message."""
+    strategy = ali()
+    strategy.start(HangingGrid(app_with_liar({}), 3, {}), initial(), num_rounds=1)
+    record = strategy.history[0]
+    assert record["clients"] == 2 and record["failures"] == 1
+    assert record["failed_nodes"] == ["node 101: no reply before round-timeout"]
+    assert "node 101 failed: no reply before round-timeout" in record["problems"]
