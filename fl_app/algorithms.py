@@ -167,7 +167,8 @@ def dpsgd_settings(cfg: dict) -> dict:
                 sample_clipping_norm=cfg["sample-clipping-norm"], adaptive=cfg["adaptive"],
                 local_steps=cfg["local-steps"], gamma=cfg["gamma"], mu_source=cfg["mu-source"],
                 mu_noise_multiplier=cfg["mu-noise-multiplier"], mu_max=cfg["mu-max"], dpsgd_noise=cfg["dpsgd-noise"],
-                wavelet_calibration=cfg["wavelet-calibration"], grad_sample_mode=cfg["grad-sample-mode"])
+                wavelet_calibration=cfg["wavelet-calibration"], grad_sample_mode=cfg["grad-sample-mode"],
+                num_partitions=cfg["num-partitions"])
 
 
 # ---------------------------------------------------------------------------- clients

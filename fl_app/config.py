@@ -151,6 +151,8 @@ SPEC: dict[str, Key] = {
                      MU_SOURCES),
     "mu-max": Key(1.0, "ali-dpfl, mu-source = clients: each client's mu ratio is clipped to [0, mu-max]",
                   low=RATE_MIN, note="the clients' mu ratios are divided by it"),
+    "num-partitions": Key(0, "ali-dpfl: the SuperNodes' node-config num-partitions, for the public partition sizes "
+                             "that weigh the average (0: the number of nodes connected at the start)", low=0),
     "mu-noise-multiplier": Key(10.0, "ali-dpfl, mu-source = clients: noise std / mu-max of each mu release",
                                low=NOISE_RANGE[0], high=NOISE_RANGE[1]),
     "adaptive-clipping": Key(False, "adapt the clipping norm toward a quantile of the update norms each round "

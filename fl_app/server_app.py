@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 
 import numpy as np
 import torch
@@ -146,8 +146,10 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
         raise
     server_eval = result.evaluate_metrics_serverapp
     final = server_eval[max(server_eval)] if server_eval else (strategy.history[-1] if strategy.history else {})
+    failure = run_failure(strategy.history)
     summary = {
-        "status": "completed",
+        "status": "failed" if failure else "completed",
+        **({"failure_reason": failure} if failure else {}),
         "strategy": cfg["algorithm"],
         "dataset": cfg["dataset"],
         "model": cfg["model"],
@@ -164,10 +166,27 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     run_dir.write_summary(summary, diagnostics)
     for dashboard in dashboards:
         dashboard.on_finish(summary)
-    run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
+    if failure:
+        run_dir.write_status("failed", reason=failure, rounds_completed=summary["rounds_completed"])
+    else:
+        run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
     plot_runs([run_dir.path], run_dir.path / "plot.png", cfg["publish-diagnostics"])
     log_finish(summary, diagnostics, cfg["publish-diagnostics"], run_dir.path)
+    if failure:
+        log(ERROR, "The run failed: %s (no client trained the model; see %s/diagnostics.jsonl)",
+            failure, run_dir.path)
     return summary
+
+
+NO_UPDATE_AGGREGATED = "no client update was aggregated in any round"
+
+
+def run_failure(history: list[dict]) -> str | None:
+    """Why a finished run failed (status 'failed', the launcher exits non-zero), or None: no round (a resumed run's
+    included) aggregated an accepted client update (every client failed or was rejected, or no round ran)."""
+    if not any(int(record.get("clients", 0)) > 0 for record in history):
+        return NO_UPDATE_AGGREGATED
+    return None
 
 
 DIAGNOSTICS_NOTICE = ("computed from raw client replies without noise: NOT covered by the run's epsilon; do not "

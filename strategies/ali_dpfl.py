@@ -9,6 +9,11 @@ each round the server
    p_i = |D_i| / sum_j |D_j| over the clients that replied (eq. 4),
 3. mirrors each client's ledger from the cumulative counts it reports (DP-SGD steps,
    mu releases) and reports the maximum epsilon over clients,
+
+   Ledgers and step counts are keyed by the node id the SuperLink gives each reply (`src_node_id`), never
+   by an id the client sends. A node is bound to the partition id it first reports (which sets its public
+   |D_i|); a second connected node claiming a bound partition id is refused. A partition whose node is no
+   longer connected may be claimed by a new node, which inherits that node's ledger (a SuperNode restart).
 4. computes the next tau: 1 if R_s >= R_c (Lemma 1), else eq. (9) with
    T = min(R_s * tau_prev, R_c), B = min_i q_s |D_i|, d = number of parameters,
    rounded to the nearest integer >= 1 (`adaptive = False`: tau stays `local_steps`),
@@ -69,8 +74,13 @@ def next_local_steps(*, rounds_budget: int, steps_budget: int, previous: int, mu
     if not (math.isfinite(mu) and mu > 0 and batch_size > 0):
         return previous, math.nan
     total = min(rounds_budget * previous, steps_budget)
-    tau = optimal_local_steps(mu=mu, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier, dim=dim,
-                              batch_size=batch_size, gamma=gamma, total_steps=total)
+    try:
+        tau = optimal_local_steps(mu=mu, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier, dim=dim,
+                                  batch_size=batch_size, gamma=gamma, total_steps=total)
+    except (ZeroDivisionError, OverflowError):  # mu so small that 1/mu^2 overflows: tau* is unbounded
+        tau = math.inf
+    if not math.isfinite(tau) or tau >= steps_budget:  # never more than R_c (and an int, even for tau* = inf)
+        return max(1, steps_budget), tau
     return max(1, math.floor(tau + 0.5)), tau
 
 
@@ -91,6 +101,8 @@ class ALIDPFL(DPRoundLoop):
     mu_source, mu_noise_multiplier : see the module docstring.
     mu_max : a client's mu is clipped to [0, mu_max] on the server too (mu_source = clients).
     gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
+    num_partitions : the deployment's number of partitions (the clients' node config num-partitions) for
+        `partition_size`; 0: the number of nodes connected at the start.
     partition_size : (partition id, number of partitions) -> |D_i|, the public partition sizes. The
         averaging weights p_i come from it, never from what a client reports (a reply whose
         num-examples differs is rejected); without it the server averages uniformly.
@@ -116,7 +128,7 @@ class ALIDPFL(DPRoundLoop):
                  accountant: str = DEFAULT_ACCOUNTANT,
                  adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
                  mu_noise_multiplier: float = 10.0, mu_max: float = 1.0, gradient_fn: GradientFn | None = None,
-                 partition_size: PartitionSizeFn | None = None,
+                 partition_size: PartitionSizeFn | None = None, num_partitions: int = 0,
                  dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
                  client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
                  secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float | None = None,
@@ -143,6 +155,8 @@ class ALIDPFL(DPRoundLoop):
         self.mu_source, self.mu_noise_multiplier, self.mu_max = mu_source, mu_noise_multiplier, mu_max
         self.gradient_fn = gradient_fn
         self.partition_size = partition_size
+        require(num_partitions >= 0, "num_partitions", num_partitions, "must be >= 0 (0: the connected nodes)")
+        self.num_partitions = num_partitions
         self.dpsgd_noise, self.wavelet_calibration = dpsgd_noise, wavelet_calibration
         self.grad_sample_mode = grad_sample_mode
         self.noise = dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # d set in round 1
@@ -151,10 +165,11 @@ class ALIDPFL(DPRoundLoop):
         self.steps_budget = 0  # R_c
         self.tau = self.initial_local_steps
         self.tau_list: list[int] = []
-        self.steps_taken: dict[int, int] = {}  # partition id -> cumulative DP-SGD steps
-        self.mu_releases: dict[int, int] = {}  # partition id -> cumulative mu releases
+        self.steps_taken: dict[int, int] = {}  # node id -> cumulative DP-SGD steps
+        self.mu_releases: dict[int, int] = {}  # node id -> cumulative mu releases
         self.mu_rounds = 0  # rounds that asked for a mu release
-        self.dataset_sizes: dict[int, int] = {}  # partition id -> |D_i|
+        self.dataset_sizes: dict[int, int] = {}  # node id -> |D_i|
+        self.partition_of: dict[int, int] = {}  # node id -> the partition id it first reported
         self.clients_out_of_budget = False
 
     @classmethod
@@ -203,7 +218,8 @@ class ALIDPFL(DPRoundLoop):
             return {str(k): v for k, v in d.items()}
         return {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list,
                 "steps_taken": by_pid(self.steps_taken), "mu_releases": by_pid(self.mu_releases),
-                "dataset_sizes": by_pid(self.dataset_sizes), "mu_rounds": self.mu_rounds,
+                "dataset_sizes": by_pid(self.dataset_sizes), "partition_of": by_pid(self.partition_of),
+                "mu_rounds": self.mu_rounds,
                 "clients_out_of_budget": self.clients_out_of_budget}
 
     def load_extra_state(self, state: dict) -> None:
@@ -213,6 +229,7 @@ class ALIDPFL(DPRoundLoop):
         self.tau_list = [int(t) for t in state["tau_list"]]
         self.steps_taken, self.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
         self.dataset_sizes, self.mu_rounds = by_pid(state["dataset_sizes"]), int(state["mu_rounds"])
+        self.partition_of = by_pid(state.get("partition_of", {}))
         self.clients_out_of_budget = bool(state["clients_out_of_budget"])
 
     @property
@@ -244,11 +261,17 @@ class ALIDPFL(DPRoundLoop):
     def client_train_config(self, server_round: int) -> dict:
         """tau, whether to release mu, and every client's spent budget as the server has charged it (a client
         whose own state was lost, e.g. after a restart, never spends it again)."""
-        pids = range(max([self.num_clients - 1, *self.steps_taken, *self.mu_releases], default=-1) + 1)
+        node_of = {pid: node for node, pid in self.partition_of.items()}
+        pids = range(max([self.partitions - 1, *node_of], default=-1) + 1)
         return {keys.SERVER_ROUND: server_round, keys.LOCAL_STEPS: self.round_local_steps(),
                 keys.RELEASE_MU: self.releases_mu(), keys.PRIVATIZE: False,
-                keys.SPENT_STEPS: [self.steps_taken.get(p, 0) for p in pids],
-                keys.SPENT_MU_RELEASES: [self.mu_releases.get(p, 0) for p in pids]}
+                keys.SPENT_STEPS: [self.steps_taken.get(node_of.get(p, -1), 0) for p in pids],
+                keys.SPENT_MU_RELEASES: [self.mu_releases.get(node_of.get(p, -1), 0) for p in pids]}
+
+    @property
+    def partitions(self) -> int:
+        """The number of partitions the public sizes are computed for."""
+        return self.num_partitions or self.num_clients
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -261,16 +284,17 @@ class ALIDPFL(DPRoundLoop):
         if self.releases_mu():
             self.mu_rounds += 1
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
-        rows, weights = [], []
-        for vector, metrics in accepted:
-            problem, weight = self.row_problem(metrics, tau, {m[keys.PARTITION_ID] for _, m in rows})
+        rows, weights, nodes = [], [], []
+        for (vector, metrics), node in zip(accepted, self.round_accepted_nodes):
+            problem, weight = self.row_problem(node, metrics, tau)
             if problem:
                 rejected += 1
-                self.note_problem(server_round, f"rejected the reply of partition {metrics.get(keys.PARTITION_ID)}: "
-                                                f"{problem}")
+                self.note_problem(server_round, f"rejected the reply of node {node} (partition "
+                                                f"{metrics.get(keys.PARTITION_ID)}): {problem}")
                 continue
             rows.append((vector, metrics))
             weights.append(weight)
+            nodes.append(node)
         weights = np.array(weights, dtype=np.float64)
         global_vector = flatten(global_arrays)
         if rows:
@@ -278,7 +302,7 @@ class ALIDPFL(DPRoundLoop):
             new_global = (global_vector + self.server_learning_rate * average).astype(np.float32)
         else:
             new_global = global_vector
-        self.update_ledgers(server_round, [m for _, m in rows])
+        self.update_ledgers(server_round, [m for _, m in rows], nodes)
         mu = self.estimate_mu(global_arrays, shapes, rows, weights) if self.needs_mu() else math.nan
         self.tau, tau_star = self.next_tau(mu, global_vector.size)
         self.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)
@@ -303,25 +327,47 @@ class ALIDPFL(DPRoundLoop):
         arrays, _ = self.release(server_round, new_global)
         return arrays, MetricRecord(metrics)
 
-    def row_problem(self, metrics: dict, tau: int, seen: set[int]) -> tuple[str | None, float]:
-        """(why a DP-SGD client's reply cannot be used, or None; its averaging weight p_i before normalising)."""
+    def row_problem(self, node: int, metrics: dict, tau: int) -> tuple[str | None, float]:
+        """(why a DP-SGD client's reply cannot be used, or None; its averaging weight p_i before normalising).
+
+        The node's partition id is the one it first reported (`bind_partition`); its public size, the weight."""
         problem = reply_metrics_problem(metrics)
-        pid, reported = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
+        pid, reported = int(metrics[keys.PARTITION_ID]), metrics[keys.NUM_EXAMPLES]
         if problem is None and metrics[keys.LOCAL_STEPS] > tau:
             problem = f"{metrics[keys.LOCAL_STEPS]} local steps taken, {tau} asked"
-        if problem is None and pid in seen:
-            problem = f"partition id {pid} already replied this round"
-        if problem or self.partition_size is None:
-            return problem, 1.0
-        try:
-            public = int(self.partition_size(pid, self.num_clients))
-        except ValueError as exc:
-            return f"partition id {pid}: {exc}", 0.0
-        if reported != public:
-            return f"num-examples {reported} differs from partition {pid}'s public size {public}", 0.0
-        return None, float(public)
+        if problem is None and self.partition_size is not None:
+            try:
+                public = int(self.partition_size(pid, self.partitions))
+            except Exception as exc:  # e.g. out of range: nothing a client sends may raise
+                return f"partition id {pid}: {exc}", 0.0
+            if reported != public:
+                return f"num-examples {reported} differs from partition {pid}'s public size {public}", 0.0
+        if problem is None:
+            problem = self.bind_partition(node, pid)
+        if problem:
+            return problem, 0.0
+        return None, float(public) if self.partition_size is not None else 1.0
 
-    def update_ledgers(self, server_round: int, replies: list[dict]) -> None:
+    def bind_partition(self, node: int, pid: int) -> str | None:
+        """Bind `node` to partition `pid` for the run (None), or why it cannot claim it: it is bound to another
+        one, or another node that is still connected holds it. A partition whose node is gone (a restarted
+        SuperNode gets a new id) passes to the new node with that node's ledger and counts."""
+        bound = self.partition_of.get(node)
+        if bound is not None:
+            return None if bound == pid else f"partition id {pid} reported, the node is bound to {bound}"
+        holder = next((n for n, p in self.partition_of.items() if p == pid), None)
+        if holder is not None:
+            if holder in self.round_population:
+                return f"partition id {pid} is bound to another node ({holder})"
+            del self.partition_of[holder]
+            assert self.ledger is not None
+            for table in (self.ledger.clients, self.steps_taken, self.mu_releases, self.dataset_sizes):
+                if holder in table:
+                    table[node] = table.pop(holder)
+        self.partition_of[node] = pid
+        return None
+
+    def update_ledgers(self, server_round: int, replies: list[dict], nodes: list[int]) -> None:
         """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts, never beyond
         what the server asked for (the sum of tau over the rounds so far; the rounds that asked for mu).
 
@@ -330,8 +376,7 @@ class ALIDPFL(DPRoundLoop):
         """
         assert self.ledger is not None
         asked_steps = sum(self.tau_list)
-        for m in replies:
-            pid = int(m[keys.PARTITION_ID])
+        for m, pid in zip(replies, nodes):  # pid: the node id the SuperLink gave the reply
             self.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
             known_steps, known_releases = self.steps_taken.get(pid, 0), self.mu_releases.get(pid, 0)
             steps = min(max(int(m[keys.DPSGD_STEPS]), known_steps), asked_steps)

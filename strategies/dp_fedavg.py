@@ -201,10 +201,9 @@ class DifferentialPrivacy(DPRoundLoop):
             return super().sample_clients(server_round, node_ids)
         if self.ledger is None:
             self.setup_population(len(node_ids))
-        return self.ftrl.select(self, server_round, node_ids)
-
-    def sender_problem(self, server_round: int, node_id: int) -> str | None:
-        return None if self.ftrl is None else self.ftrl.sender_problem(server_round, node_id)
+        chosen = self.ftrl.select(self, server_round, node_ids)
+        self.round_nodes = set(chosen)  # the reply gate takes replies from these nodes only, once each
+        return chosen
 
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""

@@ -12,8 +12,8 @@ DP-FTRL needs none; what it needs instead is a participation rule, which this pa
   wrapper sends to, `msg.metadata.src_node_id` of a reply, never an id a client sends) takes part in at most
   one round per epoch. Each round the server sends the train message to m = max(1, round(q M)) of the nodes
   that have not taken part in the epoch yet (fewer if fewer are eligible; which ones does not matter to the
-  guarantee), marks them as having taken part, and refuses any reply from a node it did not send this
-  round's message to, and a second reply from one it did;
+  guarantee) and marks them as having taken part; the round loop's reply gate refuses any reply from a node
+  it did not send this round's message to, and a second reply from one it did;
 - the server keeps the running sum of the rounds' sums of clipped updates (each client's update clipped to
   C), released through the binary-tree mechanism (`fl_app.privacy.tree_aggregation`), one tree per epoch,
   each node with noise N(0, sigma^2 C^2 I) from OS entropy; a completed epoch's noisy total is carried over;
@@ -56,8 +56,6 @@ class DPFTRL:
         self.epoch_rounds = 0  # b, fixed with the population
         self.clients_per_round = 0  # m
         self.last_epoch: dict[int, int] = {}  # node id -> the last epoch it was sent a train message in
-        self.round_nodes: set[int] = set()  # the nodes sent this round's train message
-        self.round_replied: set[int] = set()
         self.initial: np.ndarray | None = None  # w_0
         self.exact_sum: np.ndarray | None = None  # sum of every round's sum of clipped updates
         self.carried_noise: np.ndarray | None = None  # the released noise of the completed epochs' totals
@@ -104,19 +102,8 @@ class DPFTRL:
         chosen = sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
         for node in chosen:
             self.last_epoch[node] = epoch
-        self.round_nodes, self.round_replied = set(chosen), set()
         strategy.round_truncation_probability, strategy.round_sampled_from = 0.0, None
         return chosen
-
-    def sender_problem(self, server_round: int, node_id: int) -> str | None:
-        """Why the reply of `node_id` (the SuperLink's id of the sender) is refused, else None (and counted)."""
-        if node_id not in self.round_nodes:
-            return (f"node {node_id} was not sent round {server_round}'s train message (DP-FTRL: each node takes "
-                    f"part at most once per epoch of {self.epoch_rounds} rounds)")
-        if node_id in self.round_replied:
-            return f"a second reply from node {node_id} in round {server_round}"
-        self.round_replied.add(node_id)
-        return None
 
     # ------------------------------------------------------------------ the tree and the model
     def step(self, strategy, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray) -> np.ndarray:

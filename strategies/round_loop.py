@@ -151,6 +151,9 @@ class DPRoundLoop(Strategy):
         self.round_truncation_probability = 0.0  # P(this round's sample was truncated to n_s)
         self.round_sampled_from: tuple[int, int] | None = None  # fixed-size sampling: m of N nodes this round
         self.round_problems: list[str] = []  # failed and rejected replies of the round in flight (diagnostics)
+        self.round_nodes: set[int] | None = None  # the nodes sampled this round (None: not sampled here)
+        self.round_population: set[int] = set()  # the nodes connected when this round sampled
+        self.round_accepted_nodes: list[int] = []  # the node (SuperLink's id) of each accepted update, in order
         self.ledger = None
         self.stop_reason = ""
         self.history: list[dict] = []
@@ -218,15 +221,19 @@ class DPRoundLoop(Strategy):
             self.setup_population(len(node_ids))
         rng = make_rng(self.seed, 1, server_round, secure=self.secure_rng)
         nodes = sorted(node_ids)
+        self.round_population = set(nodes)
         if self.client_sampling == "fixed":
             self.round_truncation_probability = 0.0
             k = min(len(nodes), int(self.expected_clients))
             self.round_sampled_from = (len(nodes), k)  # (N, m): the ledger's sampling-without-replacement bound
-            return pick(rng, nodes, k)
-        self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
-        sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
-        if len(sampled) > self.noise_shares:
-            sampled = pick(rng, sampled, self.noise_shares)
+            sampled = pick(rng, nodes, k)
+        else:
+            self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate,
+                                                                       self.noise_shares)
+            sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
+            if len(sampled) > self.noise_shares:
+                sampled = pick(rng, sampled, self.noise_shares)
+        self.round_nodes = {int(n) for n in sampled}
         return sampled
 
     def next_truncation_probability(self) -> float:
@@ -243,6 +250,7 @@ class DPRoundLoop(Strategy):
         self.current_arrays = arrays
         self.float_positions = float_indices(arrays.to_numpy_ndarrays())
         self.round_problems = []
+        self.round_nodes = None
 
     def global_arrays(self) -> list[np.ndarray]:
         """The floating-point arrays of the round's global model: what DP trains, clips and noises."""
@@ -354,17 +362,28 @@ class DPRoundLoop(Strategy):
     def accepted_updates(self, server_round: int,
                          replies: Iterable[Message]) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
         """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
-        and the counts of failed and rejected replies. Nothing in a reply can raise here."""
+        and the counts of failed and rejected replies. Nothing in a reply can raise here.
+
+        Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
+        round did not sample, or a second reply from one node, is rejected. `round_accepted_nodes` lists the node of
+        each accepted update."""
         accepted, failures, rejected = [], 0, 0
+        self.round_accepted_nodes = []
+        seen: set[int] = set()
         for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            if not msg.has_error() and (self.round_nodes is not None and node not in self.round_nodes
+                                        or node in seen):
+                rejected += 1
+                self.note_problem(server_round, f"rejected a reply of node {node}: "
+                                                + ("a second reply" if node in seen else "not sampled this round"))
+                continue
             if msg.has_error():
                 failures += 1
                 self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
                 continue
             try:
-                problem = self.sender_problem(server_round, msg.metadata.src_node_id)
-                if problem is None:
-                    vector, problem = self.reply_update(msg.content)
+                vector, problem = self.reply_update(msg.content)
                 if problem is None:
                     metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
                 if problem is None:
@@ -375,7 +394,9 @@ class DPRoundLoop(Strategy):
                 rejected += 1
                 self.note_problem(server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
                 continue
+            seen.add(node)
             accepted.append((vector, metrics))
+            self.round_accepted_nodes.append(node)
         return accepted, failures, rejected
 
     def note_problem(self, server_round: int, problem: str) -> None:
@@ -383,10 +404,6 @@ class DPRoundLoop(Strategy):
         publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
         self.round_problems.append(problem)
         log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
-
-    def sender_problem(self, server_round: int, node_id: int) -> str | None:
-        """Why a reply from this node (the SuperLink's id of the sender) is refused whatever it holds, else None."""
-        return None
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
@@ -504,6 +521,10 @@ class DPRoundLoop(Strategy):
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
             record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
+            if missing := unanswered_nodes(replies, instructions):  # hung or gone at the timeout: failures too
+                record["failures"] = int(record.get("failures", 0)) + len(missing)
+                for node in missing:
+                    self.note_problem(rnd, f"node {node} failed: {NO_REPLY}")
             due = self.evaluation_due(rnd, eval_every, num_rounds)
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid) if due else []
             if eval_msgs:
@@ -561,14 +582,30 @@ class DPRoundLoop(Strategy):
                 "epsilon_is_guarantee": not caveats, "epsilon_caveats": caveats}
 
 
+NO_REPLY = "no reply before round-timeout"
+
+
+def unanswered_nodes(replies: Iterable[Message], instructions: Iterable[Message]) -> list:
+    """The nodes whose instruction got no reply at all (a hung node at the timeout: no error message comes); by
+    message id where the instructions have one, else as many '?' as instructions outnumber replies."""
+    replies, instructions = list(replies), list(instructions)
+    answered = {m.metadata.reply_to_message_id for m in replies}
+    if all(m.metadata.message_id for m in instructions):
+        return [m.metadata.dst_node_id for m in instructions if m.metadata.message_id not in answered]
+    return ["?"] * max(0, len(instructions) - len(replies))
+
+
 def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Message] = ()) -> dict:
-    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (empty if none).
+    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors and the instructions that
+    got no reply (empty if none).
 
     The node is the instruction's destination (the SuperLink itself answers for a node that went away).
     """
+    replies, instructions = list(replies), list(instructions)
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in instructions}
     failed = [f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
               for m in replies if m.has_error()]
+    failed += [f"node {node}: {NO_REPLY}" for node in unanswered_nodes(replies, instructions)]
     return {"failed_nodes": failed} if failed else {}
 
 

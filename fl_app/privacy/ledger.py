@@ -528,7 +528,7 @@ class ClientLevelLedger:
 class SampleLevelLedgers:
     """Sample-level DP of a federated run in which every client runs DP-SGD (ALI-DPFL).
 
-    One PrivacyLedger per client (keyed by partition id) of the sampled-Gaussian events
+    One PrivacyLedger per client (keyed by the SuperLink's node id) of the sampled-Gaussian events
     its data went through: DP-SGD steps (sigma, q_s, steps) and, if any, releases of
     statistics computed on its data. A client's data is protected by its own ledger;
     the run reports the maximum over clients.

@@ -1,0 +1,198 @@
+"""Integrity at the edges (issue 26, third part): ALI-DPFL trusts no number a client sends (its ledgers keyed by
+the SuperLink's node ids), runs that aggregated nothing say so, hung nodes count as failures."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fl_app.inprocess import InProcessGrid
+from fl_app.privacy.ledger import epsilon_of
+from fl_app.privacy.mechanisms import flatten
+from strategies.ali_dpfl import ALIDPFL
+from strategies.dp_fedavg import DPFedAvg
+
+SIZES = [10, 30, 60, 99]
+
+
+def public_size(pid: int, num_partitions: int) -> int:
+    """Public partition sizes that depend on the number of partitions, as a real partitioner's do."""
+    if not 0 <= pid < num_partitions:
+        raise ValueError(f"partition_id={pid} out of range for {num_partitions}")
+    return 100 * num_partitions + pid
+
+
+def honest_reply(msg: Message, context: Context, lie: dict | None = None) -> Message:
+    """Node of partition i uploads (i + 1) e_0, one DP-SGD step, its public size; `lie` overrides metrics."""
+    pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    arrays = msg.content["arrays"].to_numpy_ndarrays()
+    update = [np.zeros_like(a) for a in arrays]
+    update[0].flat[0] = pid + 1.0
+    steps = int(context.state["metrics"]["steps"]) + 1 if "metrics" in context.state else 1
+    context.state["metrics"] = MetricRecord({"steps": steps})
+    metrics = {"partition-id": pid, "local-steps": 1, "dpsgd-steps": steps, "num-examples": public_size(pid, n),
+               "epsilon": epsilon_of([(1.0, 0.1, steps)], 1e-5), **(lie or {})}
+    return Message(RecordDict({"arrays": ArrayRecord(update), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def app_with_liar(lie: dict, from_round: int = 1, liar_pid: int = 0) -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        lying = (int(context.node_config["partition-id"]) == liar_pid
+                 and int(msg.content["config"]["server-round"]) >= from_round)
+        return honest_reply(msg, context, lie if lying else None)
+
+    return app
+
+
+def ali(**kwargs) -> ALIDPFL:
+    settings = dict(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
+                    target_epsilon=5.0, adaptive=False, local_steps=1, partition_size=public_size, secure_rng=False)
+    return ALIDPFL(**{**settings, **kwargs})
+
+
+def initial() -> ArrayRecord:
+    return ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
+
+
+def test_a_client_mu_that_underflows_does_not_crash_the_server_app():
+    """mu = 1e-170 squares to 0: before, eq. (9)'s 4 / mu^2 raised ZeroDivisionError in the ServerApp; now tau* is
+    unbounded and tau is capped at R_c."""
+    strategy = ali(adaptive=True, mu_source="clients", mu_noise_multiplier=10.0)
+    grid = InProcessGrid(app_with_liar({"mu": 1e-170, "mu-releases": 1}), 3, {})
+    result = strategy.start(grid, initial(), num_rounds=2)
+    first = result.train_metrics_clientapp[1]
+    assert first["mu"] == pytest.approx(1e-170 / 3) and first["tau_next"] == strategy.steps_budget
+    assert math.isinf(first["tau_star"]) and strategy.completed_rounds == 2
+
+
+def test_a_client_lying_about_its_partition_id_charges_only_its_own_ledger_and_takes_no_weight():
+    """Node 100 (partition 0) claims partition 1 from round 2. Before: its reply was taken as partition 1's (weight
+    130 of partition 1), the honest owner's was rejected as a duplicate, and the liar's steps went to partition 1's
+    ledger. Now the ledgers are the SuperLink's node ids and node 100 stays bound to partition 0: refused."""
+    strategy = ali()
+    grid = InProcessGrid(app_with_liar({"partition-id": 1, "num-examples": public_size(1, 3)}, from_round=2), 3, {})
+    result = strategy.start(grid, initial(), num_rounds=2)
+    second = result.train_metrics_clientapp[2]
+    assert second["clients"] == 2 and second["rejected"] == 1
+    assert set(strategy.ledger.clients) == {100, 101, 102} and strategy.partition_of == {100: 0, 101: 1, 102: 2}
+    assert strategy.steps_taken == {100: 1, 101: 2, 102: 2}  # the liar's second step charged nobody's
+    assert any("node 100" in p and "bound to 0" in p for p in strategy.history[1]["problems"])
+    # round 2 averages the models of partitions 1 and 2 only (weights: first entry 2 and 3), on their public sizes
+    assert flatten(result.arrays.to_numpy_ndarrays())[0] == pytest.approx((301 * 2 + 302 * 3) / 603, rel=1e-6)
+
+
+def test_a_second_node_claiming_a_bound_partition_is_refused_and_resume_keeps_the_bindings():
+    """Node 100 claims partition 1 from round 1: it is bound to partition 1 and the honest node 101 is refused
+    (the first claim wins: what a client reports is not authenticated), but the liar's steps are charged to its
+    own ledger, 100, and it holds one weight only. The bindings and node-keyed ledgers survive a resume."""
+    app = app_with_liar({"partition-id": 1, "num-examples": public_size(1, 3)})
+    strategy, grid = ali(), InProcessGrid(app, 3, {})
+    strategy.start(grid, initial(), num_rounds=1)
+    assert strategy.partition_of == {100: 1, 102: 2} and set(strategy.steps_taken) == {100, 102}
+    state = json.loads(json.dumps(strategy.state_dict()))
+    resumed = ali()
+    resumed.load_state_dict(state)
+    assert resumed.partition_of == {100: 1, 102: 2} and resumed.steps_taken == {100: 1, 102: 1}
+    result = resumed.start(grid, initial(), num_rounds=2)  # the same SuperNodes (ServerApp restarted)
+    assert resumed.steps_taken == {100: 2, 102: 2} and result.train_metrics_clientapp[2]["rejected"] == 1
+    assert resumed.client_train_config(3)["spent-steps"] == [0, 2, 2]  # by partition id, for the clients
+
+
+def test_fewer_connected_nodes_than_partitions_are_weighted_by_the_deployments_partition_count():
+    """2 SuperNodes of a 4-partition deployment. Before: the server computed the public sizes for 2 partitions
+    (the connected count) and rejected every honest reply; with num_partitions = 4 (run config num-partitions)
+    they are accepted."""
+    grid = InProcessGrid(app_with_liar({}), 4, {})
+    grid.contexts = {node: ctx for node, ctx in grid.contexts.items() if node < 102}  # partitions 0, 1 of 4
+    strategy = ali(num_partitions=4, min_available_nodes=2)
+    metrics = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
+    assert metrics["clients"] == 2 and metrics["rejected"] == 0
+    default = ali(min_available_nodes=2)  # 0: the connected count, 2 here: both rejected, said why
+    grid.contexts = {node: Context(run_id=1, node_id=node, node_config=dict(ctx.node_config), state=RecordDict(),
+                                   run_config={}) for node, ctx in grid.contexts.items()}
+    metrics = default.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
+    assert metrics["clients"] == 0 and metrics["rejected"] == 2
+
+
+def test_a_reply_from_a_node_that_was_not_sampled_or_twice_from_one_node_is_rejected():
+    """Who replied is the SuperLink's src_node_id. Before: DP-FedAvg averaged a node's second reply and a reply
+    from a node it never sampled (5 clients of 3 nodes)."""
+    strategy = DPFedAvg(sample_rate=1.0, clipping_norm=10.0, noise_multiplier=0.0, noise_placement="central")
+    grid = InProcessGrid(app_with_liar({}), 3, {})
+    original = grid.send_and_receive
+
+    def duplicating(messages, *, timeout=None):
+        replies = list(original(messages, timeout=timeout))
+        stranger = Message(replies[0].content, reply_to=replies[0])  # a reply the SuperLink says came from node 1
+        return replies + [replies[1], stranger]
+
+    grid.send_and_receive = duplicating
+    metrics = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
+    assert metrics["clients"] == 3 and metrics["rejected"] == 2
+
+
+# ---------------------------------------------------------------- failed runs say so; hung nodes are failures
+
+NO_UPDATE_AGGREGATED = "no client update was aggregated in any round"
+
+
+def small_run_config(tmp_path, algorithm="ali-dpfl"):
+    from fl_app.config import validate
+
+    common = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "num-rounds": 2,
+              "local-steps": 1, "results-dir": str(tmp_path)}
+    if algorithm == "ali-dpfl":
+        common.update({"batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5, "sample-clipping-norm": 1.0,
+                       "target-epsilon": 3.0, "adaptive": False})
+    return validate({"algorithm": algorithm, **common})
+
+
+@pytest.mark.parametrize("algorithm", ["ali-dpfl", "dp-fedavg"])
+def test_a_run_in_which_every_client_fails_says_failed_and_the_launcher_exits_non_zero(tmp_path, algorithm):
+    """Before: status 'completed' (the launcher exited 0) though no client update was ever aggregated."""
+    from fl_app.client_app import app as client_app
+    from fl_app.launch import run_status
+    from fl_app.server_app import run_federated
+
+    cfg = small_run_config(tmp_path, algorithm=algorithm)
+    summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: True), cfg)
+    folder = Path(summary["results_dir"])
+    status = json.loads((folder / "status.json").read_text())
+    assert status["status"] == "failed" and status["reason"] == NO_UPDATE_AGGREGATED
+    assert run_status(folder) == "failed"  # what the launcher's exit code follows (non-zero unless completed)
+    written = json.loads((folder / "summary.json").read_text())
+    assert written["status"] == "failed" and written["failure_reason"] == NO_UPDATE_AGGREGATED
+    assert written["rounds_completed"] == 2
+
+
+def test_a_run_in_which_one_client_trains_completes(tmp_path):
+    from fl_app.client_app import app as client_app
+    from fl_app.server_app import run_federated
+
+    cfg = small_run_config(tmp_path)
+    summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: node != 101), cfg)
+    assert summary["status"] == "completed" and "failure_reason" not in summary
+
+
+class HangingGrid(InProcessGrid):
+    """Node 101 is SIGSTOPped: its replies never come (no error message either), as at a round-timeout."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return [r for r in super().send_and_receive(messages, timeout=timeout) if r.metadata.src_node_id != 101]
+
+
+def test_a_hung_node_whose_reply_never_comes_is_a_failure_in_the_round_diagnostics():
+    """Before: 'failures' 0 and no 'failed_nodes' entry: a reply missing at the timeout is no error message."""
+    strategy = ali()
+    strategy.start(HangingGrid(app_with_liar({}), 3, {}), initial(), num_rounds=1)
+    record = strategy.history[0]
+    assert record["clients"] == 2 and record["failures"] == 1
+    assert record["failed_nodes"] == ["node 101: no reply before round-timeout"]
+    assert "node 101 failed: no reply before round-timeout" in record["problems"]
