@@ -91,3 +91,24 @@ def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(
     text = out.stdout + out.stderr
     assert "run-config key 'min-nodes' = 3, but the simulation has 2 SuperNodes" in text, text[-3000:]
     assert 'num-supernodes=3' in text
+
+
+def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink, tmp_path):
+    """A legacy app (NumPyClient + mod, ServerApp(server_fn=...) with LegacyDPFedAvg) under `flwr run`: its own
+    evaluate metrics, aggregated by its own function, reach Flower's History; the fit metrics Flower's History
+    holds (and its [SUMMARY] prints) are the ledger's only; the model learns; epsilon is dp-accounting's."""
+    out = tmp_path / "legacy.json"
+    app = tmp_path / "legacy"
+    shutil.copytree(Path(__file__).parent / "legacy_app", app, ignore=shutil.ignore_patterns("__pycache__"))
+    run = subprocess.run([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", f"results-file='{out}'",
+                          "--federation-config", f"num-supernodes={NODES} client-resources-num-cpus=1"],
+                         env=superlink, timeout=300, capture_output=True, text=True)
+    assert out.exists(), (run.stdout + run.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    accuracy = result["metrics_distributed"]["mean_accuracy"]
+    assert [r for r, _ in accuracy] == list(range(1, 7)) and accuracy[-1][1] > 0.6, accuracy
+    assert set(result["metrics_distributed_fit"]) <= {"epsilon", "delta", "epsilon_against_server"}
+    pld_eps, rdp_eps = dp_accounting_epsilons(0.3, 1.0, 6, 1e-3)
+    assert 0.99 * pld_eps <= result["epsilon"] <= 1.01 * rdp_eps, (result["epsilon"], pld_eps, rdp_eps)
+    printed = run.stdout + run.stderr
+    assert "update_norm" not in printed and "clipped_fraction" not in printed
