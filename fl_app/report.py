@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fl_app.results import read_diagnostics, read_metrics, run_label
+from fl_app.run_files import RunFileError, read_json_object
 
 NOT_PRIVATE = "not private: not covered by epsilon"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
@@ -60,9 +61,9 @@ def number(value) -> bool:
 def load_run(path: Path | str, diagnostics: bool = False, color: str = COLORS[0]) -> Run:
     """A run folder's published files; its diagnostics too when it published them or `diagnostics`."""
     path = Path(path)
-    summary = json.loads((path / "summary.json").read_text())
+    summary = read_json_object(path / "summary.json")
     config_file = path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config = read_json_object(config_file) if config_file.exists() else {}
     shown = diagnostics or bool(config.get("publish-diagnostics"))
     return Run(path, run_label(summary), str(summary.get("strategy")), config, summary, read_metrics(path),
                read_diagnostics(path) if shown else [], color)
@@ -379,10 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action="store_true",
                         help=f"also show every run's non-private diagnostics ({NOT_PRIVATE})")
     args = parser.parse_args(argv)
-    missing = [r for r in args.runs if not Path(r, "summary.json").exists()]
+    missing = [r for r in args.runs if not Path(r, "summary.json").is_file()]
     if missing:
         parser.error("no summary.json (not a finished run folder): " + ", ".join(missing))
-    print("report written to", write_report(args.runs, args.output, args.diagnostics))
+    try:
+        print("report written to", write_report(args.runs, args.output, args.diagnostics))
+    except RunFileError as exc:
+        parser.exit(2, f"fl_app.report: {exc}\n")
+    except OSError as exc:
+        parser.exit(2, f"fl_app.report: cannot write {args.output}: {exc.strerror or exc}\n")
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:  # values of the wrong kind in a run's files
+        parser.exit(2, f"fl_app.report: the run folders {', '.join(args.runs)} hold values the report cannot "
+                       f"draw ({type(exc).__name__}: {exc})\n")
     return 0
 
 

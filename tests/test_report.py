@@ -18,6 +18,8 @@ from fl_app.report import NOT_PRIVATE, main, write_report
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 
+ROOT = Path(__file__).resolve().parents[1]
+
 SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "num-rounds": 3,
          "sample-rate": 1.0, "tensorboard": False}
 RUNS = {  # name: (overrides, clients)
@@ -164,3 +166,48 @@ def test_a_single_run_frontier_keeps_accuracy_within_0_and_1(tmp_path):
     assert 0.5 <= accuracy_ticks[0] <= 0.6 and 0.9 < accuracy_ticks[-1] <= 1.0
     top = write_report([fake_run(tmp_path / "top", [1.0])], tmp_path / "t.html").read_text()
     assert y_ticks(top, "frontier")[-1] == 1.0 and y_ticks(top, "frontier")[0] >= 0.9
+
+
+@pytest.mark.parametrize("damage", ["summary not json", "summary a list", "metrics line not json",
+                                    "metrics line a number", "config not json", "summary with wrong types",
+                                    "metrics binary", "output folder missing"])
+def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
+    """fl_app.report on damaged run folders: one line naming the file (or the output), exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"strategy": "dp-fedavg", "epsilon": 1.0, "final_accuracy": 0.5}))
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "accuracy": 0.5, "epsilon": 1.0}) + "\n")
+    output = tmp_path / "report.html"
+    named = "summary.json"
+    if damage == "summary not json":
+        (run / "summary.json").write_text("{bad")
+    elif damage == "summary a list":
+        (run / "summary.json").write_text("[1, 2]")
+    elif damage == "metrics line not json":
+        (run / "metrics.jsonl").write_text('{"round": 1}\n{oops\n')
+        named = "metrics.jsonl, line 2"
+    elif damage == "metrics line a number":
+        (run / "metrics.jsonl").write_text("7\n")
+        named = "metrics.jsonl, line 1"
+    elif damage == "config not json":
+        (run / "config.json").write_text("\x00\x01")
+        named = "config.json"
+    elif damage == "summary with wrong types":
+        (run / "summary.json").write_text(json.dumps({"strategy": ["x"], "epsilon": "high", "final_accuracy": {}}))
+        named = ""
+    elif damage == "metrics binary":
+        (run / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+        named = "metrics.jsonl, line 1"
+    else:
+        output = tmp_path / "missing" / "report.html"
+        named = "cannot write"
+    out = subprocess.run([sys.executable, "-m", "fl_app.report", str(run), "-o", str(output)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in out.stderr, out.stderr
+    if damage == "summary with wrong types" and out.returncode == 0:
+        return  # drawn anyway: nothing to refuse
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.startswith("fl_app.report: ") and named in out.stderr and len(out.stderr.splitlines()) == 1
