@@ -9,8 +9,8 @@ What it does, so that nothing is left behind:
    run's simulation connects to (RAY_ADDRESS), so no run pays Ray's start-up in its round 1
    (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does); either Ray takes only drivers
    with the launch's random token (`ray_token_auth`);
-2. `flwr run . --stream` with N simulated clients, one CPU each, and
-   results-dir = ./results/<name>;
+2. `flwr run . --stream` with N simulated clients, one CPU each (and a share of the GPUs where torch sees
+   any: `--gpus-per-client`, `fl_app.simulation_resources`), and results-dir = ./results/<name>;
 3. with --reference, a second run without clipping or noise (the non-private
    FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
    (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
@@ -42,6 +42,7 @@ import httpx
 
 from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
 from fl_app.plain_output import call_plain_when_piped
+from fl_app.simulation_resources import federation_config, gpus_per_client, run_device
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -200,9 +201,9 @@ def run_status(run_dir: Path) -> str:
     return json.loads(status.read_text()).get("status", "missing") if status.exists() else "missing"
 
 
-def flwr_run(env: dict, run_config: str, clients: int) -> int:
+def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
-           "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
+           "--federation-config", federation_config(clients, gpus_per_client)]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     return call_plain_when_piped(cmd, env)  # Flower's colour codes only on a terminal
 
@@ -252,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ray-head", dest="ray_head", action="store_false",
                         help="let each run start Ray itself (default: one Ray head for all runs of this launch, "
                              "unless RAY_ADDRESS already names a cluster)")
+    parser.add_argument("--gpus-per-client", type=float, default=None,
+                        help="GPUs each simulated client asks Ray for (default: the visible GPUs shared by the "
+                             "clients that run at once, 1 / min(clients, CPUs) of one GPU; none without a GPU "
+                             "or with device='cpu')")
     args = parser.parse_args(argv)
+    gpus = gpus_per_client(args.gpus_per_client, args.clients, run_device(args.run_config))
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop or a closed terminal: clean up as on Ctrl-C
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
         for name, overrides in runs:
             run_dir = Path(args.results, f"{stamp}-{name}").resolve()
-            rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients)
+            rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients, gpus)
             status = run_status(run_dir)
             if rc != 0 or status != "completed":
                 print(f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "
