@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .atomic import atomic_write
-from .mapped import memory_mapped
+from .mapped import memory_mapped, release_pages
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
 
@@ -532,4 +532,6 @@ def load_partition(name: str, partition_id: int, num_partitions: int, partitione
                               int(seed), float(validation_fraction))[partition_id]
     idx = np.random.default_rng([seed, partition_id]).permutation(idx)
     n_test = max(1, len(idx) // 10) if len(idx) >= 2 else 0
-    return pool.subset(idx[n_test:]), pool.subset(idx[:n_test])
+    train, test = pool.subset(idx[n_test:]), pool.subset(idx[:n_test])
+    release_pages(pool.x)  # copies taken: the pool's pages leave this process (fl_app.task.mapped)
+    return train, test

@@ -7,12 +7,19 @@ the datasets a builder returns once into a cache folder (atomically: a folder re
 maps them read-only in every later call: the pages a process touches are read from the page cache and
 shared, the rest never enter its memory. The arrays are read-only; indexing them with a list of samples
 (a client's partition) makes an ordinary in-memory copy of those samples.
+
+The kernel maps more than the pages a read touches (fault-around: the neighbouring pages already in the page
+cache, 64 KB here, whatever `madvise` says), so a process that copies a few scattered samples per client
+ends up mapping all of the file after a few thousand samples (measured: 3,000 random MNIST samples mapped
+168 of its 188 MB). `release_pages` drops the mapping's pages from the process after such a copy
+(MADV_DONTNEED: the page cache keeps them, the next read maps them again).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -89,3 +96,12 @@ def _read(folder: Path, cls: type[T]) -> tuple[T, ...]:
         return np.load(folder / spec["array"], mmap_mode="r", allow_pickle=False).view(np.ndarray)
 
     return tuple(cls(**{name: value(spec) for name, spec in fields.items()}) for fields in manifest)
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Unmap from this process the pages of the file map behind `array` (nothing for an in-memory array)."""
+    base = array
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is not None and getattr(base, "_mmap", None) is not None:
+        base._mmap.madvise(mmap.MADV_DONTNEED)
