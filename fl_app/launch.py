@@ -42,7 +42,7 @@ import httpx
 
 from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
 from fl_app.plain_output import call_plain_when_piped
-from fl_app.simulation_resources import federation_config, gpus_per_client, run_device
+from fl_app.simulation_resources import federation_config, gpus_per_client
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                              "clients that run at once, 1 / min(clients, CPUs) of one GPU; none without a GPU "
                              "or with device='cpu')")
     args = parser.parse_args(argv)
-    gpus = gpus_per_client(args.gpus_per_client, args.clients, run_device(args.run_config))
+    gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop or a closed terminal: clean up as on Ctrl-C

@@ -46,13 +46,14 @@ def gpu_share_problem(share: float, gpus: int) -> str | None:
     return None
 
 
-def gpus_per_client(requested: float | None, clients: int, run_device: str) -> float:
+def gpus_per_client(requested: float | None, clients: int, run_config: str) -> float:
     """The GPUs each simulated client asks for: `requested` (checked), else the default share when the run's
-    `device` may use CUDA ('cpu': none). Raises SystemExit with the reason for a share Ray cannot give."""
-    if run_device == "cpu" and requested is None:
-        return 0.0
+    `device` (in the launch's run-config overrides) may use CUDA ('cpu': none). Raises SystemExit with the
+    reason for a share Ray cannot give. Without a GPU and a request it reads nothing (no Flower import)."""
     gpus = visible_gpus()
     if requested is None:
+        if gpus == 0 or run_device(run_config) == "cpu":
+            return 0.0
         return default_gpus_per_client(clients, gpus, os.cpu_count() or 1)
     if problem := gpu_share_problem(requested, gpus):
         raise SystemExit(problem)

@@ -46,6 +46,20 @@ def test_the_launcher_asks_for_no_gpu_here_and_refuses_a_share_before_starting_a
     from fl_app.launch import main
     from fl_app.simulation_resources import gpus_per_client
 
-    assert gpus_per_client(None, 50, "auto") == 0.0 and gpus_per_client(None, 50, "cpu") == 0.0
+    assert gpus_per_client(None, 50, "") == 0.0 and gpus_per_client(None, 50, "device='cuda'") == 0.0
     with pytest.raises(SystemExit, match="--gpus-per-client 0.5: no GPU is visible here"):
         main(["--gpus-per-client", "0.5", "--clients", "4"])
+
+
+def test_with_a_gpu_the_launcher_shares_it_unless_the_run_is_on_the_cpu(monkeypatch):
+    """torch's answer faked to one GPU on 16 cores."""
+    import fl_app.simulation_resources as resources
+
+    monkeypatch.setattr(resources, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(resources.os, "cpu_count", lambda: 16)
+    assert resources.gpus_per_client(None, 10_000, "num-rounds=3") == 1 / 16
+    assert resources.gpus_per_client(None, 4, "") == 1 / 4
+    assert resources.gpus_per_client(None, 10_000, "device='cpu'") == 0.0
+    assert resources.gpus_per_client(0.25, 10_000, "device='cpu'") == 0.25  # asked for: given
+    with pytest.raises(SystemExit, match="whole GPUs"):
+        resources.gpus_per_client(1.5, 10, "")
