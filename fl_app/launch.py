@@ -9,8 +9,9 @@ What it does, so that nothing is left behind:
    run's simulation connects to (RAY_ADDRESS), so no run pays Ray's start-up in its round 1
    (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does); either Ray takes only drivers
    with the launch's random token (`ray_token_auth`);
-2. `flwr run . --stream` with N simulated clients, one CPU each (and a share of the GPUs where torch sees
-   any: `--gpus-per-client`, `fl_app.simulation_resources`), and results-dir = ./results/<name>;
+2. `flwr run . --stream` with N simulated clients, one CPU each (`--cpus-per-client`) and a share of the
+   GPUs where torch sees any (`--gpus-per-client`; `fl_app.simulation_resources`), and
+   results-dir = ./results/<name>;
 3. with --reference, a second run without clipping or noise (the non-private
    FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
    (e.g. noise multipliers: the points of the privacy-utility frontier in `python -m fl_app.report`);
@@ -201,9 +202,9 @@ def run_status(run_dir: Path) -> str:
     return json.loads(status.read_text()).get("status", "missing") if status.exists() else "missing"
 
 
-def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0) -> int:
+def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
-           "--federation-config", federation_config(clients, gpus_per_client)]
+           "--federation-config", federation_config(clients, gpus_per_client, cpus_per_client)]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     return call_plain_when_piped(cmd, env)  # Flower's colour codes only on a terminal
 
@@ -257,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPUs each simulated client asks Ray for (default: the visible GPUs shared by the "
                              "clients that run at once, 1 / min(clients, CPUs) of one GPU; none without a GPU "
                              "or with device='cpu')")
+    parser.add_argument("--cpus-per-client", type=int, default=1, choices=range(1, 1025), metavar="C",
+                        help="CPUs each simulated client asks Ray for: at most CPUs / C clients (Ray workers, about "
+                             "1 GB each) run at once (default 1)")
     args = parser.parse_args(argv)
-    gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config)
+    gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config, args.cpus_per_client)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop or a closed terminal: clean up as on Ctrl-C
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
         for name, overrides in runs:
             run_dir = Path(args.results, f"{stamp}-{name}").resolve()
-            rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients, gpus)
+            rc = flwr_run(env, f"{overrides} results-dir='{run_dir}'".strip(), args.clients, gpus, args.cpus_per_client)
             status = run_status(run_dir)
             if rc != 0 or status != "completed":
                 print(f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "

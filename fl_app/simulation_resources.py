@@ -2,8 +2,9 @@
 
 Flower's simulation runs a ClientApp in a Ray actor that holds `client-resources-num-cpus` CPUs and
 `client-resources-num-gpus` GPUs (a fraction shares one GPU between actors; Ray sets each actor's
-CUDA_VISIBLE_DEVICES to the GPU it got). With one CPU per client, at most min(clients, CPUs) clients run
-at once, so `gpus / that` per client lets all of them share the GPUs. `fl_app.launch` passes the result in
+CUDA_VISIBLE_DEVICES to the GPU it got). With c CPUs per client, at most min(clients, CPUs / c) clients run
+at once (one Ray worker process each, about 1 GB of resident memory with torch), so `gpus / that` per client
+lets all of them share the GPUs. `--cpus-per-client` (default 1) trades clients at once for memory. `fl_app.launch` passes the result in
 `--federation-config`, and `--gpus-per-client` overrides it; with plain `flwr run`, pass
 `--federation-config "num-supernodes=N client-resources-num-cpus=1 client-resources-num-gpus=0.25"`.
 """
@@ -23,12 +24,12 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def default_gpus_per_client(clients: int, gpus: int, cpus: int) -> float:
-    """GPUs per client so that the clients that run at once (one CPU each) share the `gpus` evenly; 0 without
-    GPUs. At most 1 (a client never holds more than one GPU)."""
+def default_gpus_per_client(clients: int, gpus: int, cpus: int, cpus_per_client: int = 1) -> float:
+    """GPUs per client so that the clients that run at once (`cpus_per_client` CPUs each) share the `gpus`
+    evenly; 0 without GPUs. At most 1 (a client never holds more than one GPU)."""
     if gpus <= 0 or clients <= 0:
         return 0.0
-    at_once = max(1, min(clients, cpus))
+    at_once = max(1, min(clients, cpus // max(1, cpus_per_client)))
     return min(1.0, gpus / at_once)
 
 
@@ -46,7 +47,7 @@ def gpu_share_problem(share: float, gpus: int) -> str | None:
     return None
 
 
-def gpus_per_client(requested: float | None, clients: int, run_config: str) -> float:
+def gpus_per_client(requested: float | None, clients: int, run_config: str, cpus_per_client: int = 1) -> float:
     """The GPUs each simulated client asks for: `requested` (checked), else the default share when the run's
     `device` (in the launch's run-config overrides) may use CUDA ('cpu': none). Raises SystemExit with the
     reason for a share Ray cannot give. Without a GPU and a request it reads nothing (no Flower import)."""
@@ -54,7 +55,7 @@ def gpus_per_client(requested: float | None, clients: int, run_config: str) -> f
     if requested is None:
         if gpus == 0 or run_device(run_config) == "cpu":
             return 0.0
-        return default_gpus_per_client(clients, gpus, os.cpu_count() or 1)
+        return default_gpus_per_client(clients, gpus, os.cpu_count() or 1, cpus_per_client)
     if problem := gpu_share_problem(requested, gpus):
         raise SystemExit(problem)
     return float(requested)
@@ -67,7 +68,7 @@ def run_device(run_config: str) -> str:
     return str(parse_config_args([run_config]).get("device", "auto")) if run_config.strip() else "auto"
 
 
-def federation_config(clients: int, gpus_per_client: float = 0.0) -> str:
-    """`flwr run --federation-config` for `clients` simulated clients with one CPU each and their GPU share."""
-    config = f"num-supernodes={clients} client-resources-num-cpus=1"
+def federation_config(clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> str:
+    """`flwr run --federation-config` for `clients` simulated clients with their CPUs and GPU share."""
+    config = f"num-supernodes={clients} client-resources-num-cpus={cpus_per_client}"
     return f"{config} client-resources-num-gpus={gpus_per_client:.6g}" if gpus_per_client > 0 else config

@@ -15,6 +15,7 @@ def test_default_gpu_share_splits_the_gpus_between_the_clients_that_run_at_once(
     assert default_gpus_per_client(10_000, gpus=2, cpus=16) == 1 / 8
     assert default_gpus_per_client(1, gpus=2, cpus=16) == 1.0
     assert default_gpus_per_client(50, gpus=0, cpus=2) == 0.0
+    assert default_gpus_per_client(10_000, gpus=1, cpus=16, cpus_per_client=4) == 1 / 4
 
 
 def test_gpu_shares_ray_cannot_give_are_refused():
@@ -34,6 +35,7 @@ def test_the_federation_config_is_what_flower_reads():
     from fl_app.simulation_resources import federation_config, run_device
 
     assert federation_config(50) == "num-supernodes=50 client-resources-num-cpus=1"
+    assert federation_config(50, cpus_per_client=2) == "num-supernodes=50 client-resources-num-cpus=2"
     text = federation_config(10_000, 1 / 16)
     parsed = simulation_config_from_json({k.replace("-", "_"): v for k, v in parse_config_args([text]).items()})
     assert (parsed.num_supernodes, parsed.client_resources_num_cpus) == (10_000, 1)
