@@ -25,7 +25,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 
 # Models whose SGD and SAM steps on the CPU were both > 1.1x faster in channels_last
 # (benchmarks/output/channels_last.txt; python -m benchmarks.channels_last).
-CHANNELS_LAST_MODELS = frozenset({"cnn-mnist", "cnn-emnist", "cnn-cifar10"})
+CHANNELS_LAST_MODELS = frozenset({"cnn-mnist", "cnn-emnist", "cnn-cifar10", "cnn-cifar10-dp2"})
 
 
 def device_problem(spec: str) -> str | None:
