@@ -10,12 +10,15 @@ messages of a round stay stored until their replies are taken: measured here 2.2
 take minutes per sweep, with the ServerApp and the clients waiting for the state's lock meanwhile.
 
 `install()` replaces that function, in the process that runs the simulation, with `add_messages_to_queue`
-below: the same loop, asking only for the nodes that have an undelivered message (read from the same
-store, under its lock, in the order the ServerApp stored them), one message per node per sweep as
-Flower does. A sweep then costs M x M checks while messages wait and M cheap reads when none does.
+below: the same loop and the same rule (each node's next undelivered message, one per node per sweep,
+marked delivered as Flower marks them, after Flower's own expiry check of that message), done in one pass
+over the stored messages under the state's lock, in the order the ServerApp stored them. A sweep then costs
+one check per undelivered message; Flower's own `get_message_ins` would check every stored message before
+each node's (with every client sampled, N messages: about N^2 / 2 checks per sweep even when asking only
+the nodes that have one).
 `fl_app.client_app` calls `install()` when it is imported, which Flower does in the simulation process (to
 test that the ClientApp loads) before it starts the thread that runs the loop; in any other process, or
-with a Flower whose loop takes other arguments, it changes nothing.
+with a Flower whose loop or in-memory state differs, it changes nothing.
 """
 
 from __future__ import annotations
@@ -31,22 +34,40 @@ SWEEP_SECONDS = 0.1  # Flower's wait between sweeps
 _flower_loop: Callable | None = None  # Flower's own loop, for a state that is not the in-memory one
 
 
-def nodes_with_undelivered_messages(state, nodes) -> list[int]:
-    """The destination nodes (among `nodes`) of the stored messages not delivered yet, in the order stored."""
+def in_memory_state(state) -> bool:
+    """Whether `state` is Flower's in-memory LinkState as this module knows it."""
+    return all(hasattr(state, name) for name in ("message_ins_store", "lock", "_check_stored_messages"))
+
+
+def take_undelivered(state, nodes) -> list:
+    """The next undelivered stored message of each node in `nodes`, in the order stored, marked delivered (what
+    Flower's `get_message_ins(node_id, limit=1)` returns for each of those nodes), in one pass."""
+    from flwr.supercore.date import now
+
+    taken, served = [], set()
     with state.lock:
-        pending = [m.metadata.dst_node_id for m in state.message_ins_store.values() if not m.metadata.delivered_at]
-    return [node for node in dict.fromkeys(pending) if node in nodes]
+        for message_id, message in list(state.message_ins_store.items()):
+            node = message.metadata.dst_node_id
+            if message.metadata.delivered_at or node in served or node not in nodes:
+                continue
+            state._check_stored_messages({message_id})  # Flower's check: expired or out-of-federation goes
+            if message_id in state.message_ins_store:
+                served.add(node)
+                taken.append(message)
+        delivered_at = now().isoformat()
+        for message in taken:
+            message.metadata.delivered_at = delivered_at
+    return taken
 
 
 def add_messages_to_queue(state, queue, nodes_mapping, f_stop) -> None:
     """Flower's message pickup loop (put each node's next undelivered message on `queue` every 0.1 s until
-    `f_stop`), over the nodes that have one instead of over every node."""
-    if not (hasattr(state, "message_ins_store") and hasattr(state, "lock")) and _flower_loop is not None:
+    `f_stop`), in one pass over the stored messages instead of one ask per node."""
+    if not in_memory_state(state) and _flower_loop is not None:
         return _flower_loop(state, queue, nodes_mapping, f_stop)
     while not f_stop.is_set():
-        for node_id in nodes_with_undelivered_messages(state, nodes_mapping):
-            for message in state.get_message_ins(node_id=node_id, limit=1):
-                queue.put(message)
+        for message in take_undelivered(state, nodes_mapping):
+            queue.put(message)
         f_stop.wait(SWEEP_SECONDS)
     return None
 

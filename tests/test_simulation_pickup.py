@@ -1,5 +1,5 @@
-"""The simulation's message pickup: Flower's loop asks every node for its message; ours only the nodes that
-have one (fl_app.simulation_pickup; docs/scale.md)."""
+"""The simulation's message pickup: Flower's loop asks every node for its message, and each ask checks the
+stored messages up to that node's; ours takes them in one pass (fl_app.simulation_pickup; docs/scale.md)."""
 
 import dataclasses
 import inspect
@@ -39,9 +39,11 @@ def state_with_messages(num_nodes: int, num_messages: int):
     return state, mapping
 
 
-def pick_up(loop, num_nodes: int, num_messages: int) -> tuple[list[str], int]:
-    """(ids of the messages `loop` queued, in order; how many stored-message checks it made until then)."""
+def pick_up(loop, num_nodes: int, num_messages: int) -> tuple[list[int], int]:
+    """(the messages `loop` queued, in the order queued, each as its place in the store; how many stored-message
+    checks it made until then)."""
     state, mapping = state_with_messages(num_nodes, num_messages)
+    place = {message_id: i for i, message_id in enumerate(state.message_ins_store)}
     checks = 0
     check = state._check_stored_messages
 
@@ -55,7 +57,7 @@ def pick_up(loop, num_nodes: int, num_messages: int) -> tuple[list[str], int]:
     thread = threading.Thread(target=loop, args=(state, queue, mapping, stop))
     thread.start()
     try:
-        got = [queue.get(timeout=60).metadata.message_id for _ in range(num_messages)]
+        got = [place[queue.get(timeout=60).metadata.message_id] for _ in range(num_messages)]
         made = checks
     finally:
         stop.set()
@@ -72,10 +74,28 @@ def flowers_loop():
 def test_the_pickup_delivers_flowers_messages_with_a_fraction_of_the_checks():
     flower_ids, flower_checks = pick_up(flowers_loop(), 2000, 20)
     ours_ids, ours_checks = pick_up(simulation_pickup.add_messages_to_queue, 2000, 20)
-    assert len(set(ours_ids)) == 20 and len(set(flower_ids)) == 20
+    assert sorted(ours_ids) == sorted(flower_ids) == list(range(20))
     assert flower_checks >= 1900 * 20  # every node asked, every stored message checked per ask
-    assert ours_checks <= 20 * 20  # only the 20 nodes with a message asked
+    assert ours_checks == 20  # one check per message
     print(f"stored-message checks to deliver 20 messages to 2000 nodes: Flower {flower_checks}, ours {ours_checks}")
+
+
+def test_with_every_node_sampled_the_pickup_stays_linear():
+    """A message for each of 400 nodes (q = 1): Flower's asks check the messages up to each node's, about
+    N^2 / 2 in all; ours one per message, and in the order the ServerApp stored them."""
+    flower_ids, flower_checks = pick_up(flowers_loop(), 400, 400)
+    ours_ids, ours_checks = pick_up(simulation_pickup.add_messages_to_queue, 400, 400)
+    assert flower_checks >= 400 * 401 // 2 and ours_checks == 400
+    assert ours_ids == flower_ids == list(range(400))  # the same messages in the same order
+
+
+def test_an_expired_message_is_dropped_as_flower_drops_it():
+    state, mapping = state_with_messages(100, 10)
+    expired = next(iter(state.message_ins_store.values()))
+    expired.metadata.__dict__["_created_at"] = time.time() - 7200  # its 3600 s TTL is over
+    taken = simulation_pickup.take_undelivered(state, mapping)
+    assert len(taken) == 9 and expired.metadata.message_id not in state.message_ins_store
+    assert all(m.metadata.delivered_at for m in taken) and simulation_pickup.take_undelivered(state, mapping) == []
 
 
 def test_the_client_app_installs_the_pickup_only_where_flowers_engine_is_loaded():
