@@ -4,6 +4,9 @@ Under `distributed` noise the client clips Delta to C and adds its noise share
 N(0, sigma^2 C^2 / m) before upload (docs/algorithms.md §0); the server sends C and
 the share's std in the train config. It always reports ||Delta||_2 before clipping, and marks the
 upload as an update (`protocol.UPLOAD_KIND`), which a Flower server strategy would otherwise take for weights.
+
+The model trains on `device` (`fl_app.task.device`; each minibatch is moved there) and, where asked,
+in channels_last; the weights and the update are CPU numpy arrays, and the noise share is drawn on the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.optim.sgd import sgd as functional_sgd
 
 from fl_app.privacy import protocol as keys
 from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
+from fl_app.task.device import place_input, place_model
 from fl_app.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
 
 
@@ -67,13 +71,17 @@ class TrainingClient(NumPyClient):
     Local work is `local_steps` steps if > 0, else `local_epochs` passes over the data;
     the train config may override either for a round. Subclasses change `local_step`.
     Learning rates decay per round: eta_t = eta * lr_decay^(t-1) (DP2-FedSAM: 0.99).
+    The model is moved to `device` (a torch.device or a name, e.g. "cpu", "cuda:0") and, with
+    `channels_last`, its 4-d parameters and the image batches use torch.channels_last.
     """
 
     def __init__(self, model: nn.Module, trainset, testset, *, batch_size: int = 32, lr: float = 0.1,
                  momentum: float = 0.5, weight_decay: float = 5e-4, local_epochs: int = 1,
                  local_steps: int = 0, partition_id: int = 0, seed: int = 0,
-                 secure_rng: bool = True, lr_decay: float = 1.0) -> None:
-        self.model = model
+                 secure_rng: bool = True, lr_decay: float = 1.0, device: torch.device | str = "cpu",
+                 channels_last: bool = False) -> None:
+        self.device, self.channels_last = torch.device(device), channels_last
+        self.model = place_model(model, self.device, channels_last)
         self.trainset, self.testset = trainset, testset
         self.batch_size, self.lr, self.momentum, self.weight_decay = batch_size, lr, momentum, weight_decay
         self.local_epochs, self.local_steps = local_epochs, local_steps
@@ -99,14 +107,14 @@ class TrainingClient(NumPyClient):
         return epochs * max(1, math.ceil(len(self.trainset) / self.batch_size))
 
     def batches(self, steps: int, rng: np.random.Generator):
-        """`steps` minibatches, reshuffling at every pass over the data."""
+        """`steps` minibatches on the client's device, reshuffling at every pass over the data."""
         x, y = as_tensors(self.trainset)
         order = np.empty(0, dtype=np.int64)
         for _ in range(steps):
             if order.size < self.batch_size:
                 order = np.concatenate([order, rng.permutation(len(y))])
             idx, order = torch.from_numpy(order[:self.batch_size]), order[self.batch_size:]
-            yield x[idx], y[idx]
+            yield place_input(x[idx], self.device, self.channels_last), y[idx].to(self.device, non_blocking=True)
 
     def local_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: Optimizer) -> float:
         """One local step (SGD here, SAM in SAMClient); returns the minibatch loss."""

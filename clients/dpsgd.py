@@ -54,6 +54,7 @@ from fl_app.privacy.mechanisms import (
     unflatten,
 )
 
+from fl_app.task.device import model_device
 from fl_app.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
 
 from .base import TrainingClient
@@ -61,10 +62,13 @@ from .base import TrainingClient
 LEDGER_KEY = "dpsgd-ledger"
 
 
-def torch_generator(seed: int, *stream: int, secure: bool = False) -> torch.Generator:
-    """A torch generator seeded from (seed, *stream), or from OS entropy when `secure`."""
+def torch_generator(seed: int, *stream: int, secure: bool = False,
+                    device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator on `device` (Opacus draws the DP-SGD noise where the gradients are: on a CUDA
+    device, from a CUDA generator), seeded from (seed, *stream), or, when `secure`, with 63 bits of OS
+    entropy (`secrets`) drawn anew for every generator, never from the run seed."""
     value = secrets.randbits(63) if secure else int(make_rng(seed, *stream).integers(2**63))
-    return torch.Generator().manual_seed(value)
+    return torch.Generator(device=device).manual_seed(value)
 
 
 class HaarDPOptimizer(DPOptimizer):
@@ -88,17 +92,18 @@ class HaarDPOptimizer(DPOptimizer):
         accumulation)."""
         grad_samples = self.grad_samples
         samples = torch.cat([g.flatten(1) for g in grad_samples], dim=1)  # (batch, d)
-        norms = torch.from_numpy(haar_coefficient_norms(samples.detach().numpy()))
+        norms = torch.from_numpy(haar_coefficient_norms(samples.detach().cpu().numpy())).to(samples.device)
         factors = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0).to(samples.dtype)
         for p, grad_sample in zip(self.params, grad_samples):
             grad = torch.einsum("i,i...", factors.to(p.dtype), grad_sample.to(p.dtype))
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
 
     def add_noise(self) -> None:
-        """p.grad = summed_grad + the paper's wavelet noise, over all parameters as one vector."""
-        total = torch.cat([p.summed_grad.reshape(-1) for p in self.params]).detach().numpy()
-        noisy = torch.from_numpy(haar_wavelet_noise(total, self.noise_multiplier * self.max_grad_norm,
-                                                    self.noise_rng))
+        """p.grad = summed_grad + the paper's wavelet noise, over all parameters as one vector (numpy noise,
+        drawn on the CPU)."""
+        summed = torch.cat([p.summed_grad.reshape(-1) for p in self.params]).detach()
+        noisy = torch.from_numpy(haar_wavelet_noise(summed.cpu().numpy(), self.noise_multiplier * self.max_grad_norm,
+                                                    self.noise_rng)).to(summed.device)
         for p, part in zip(self.params, torch.split(noisy, [p.numel() for p in self.params])):
             p.grad = part.reshape(p.shape).to(p.dtype)
 
@@ -116,7 +121,8 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     batches still take a noise-only step, as the sampled Gaussian mechanism requires.
     `noise = "wavelet"`: DP-SGD-WAV (`HaarDPOptimizer`; `noise_multiplier` is sigma_H,
     `wavelet_rng` draws its noise). Steps are counted by Opacus' optimizer step hook, the
-    hook its own accountants use.
+    hook its own accountants use. (x, y) stay where they are; each batch moves to the model's device,
+    where `noise_generator` must be.
     """
     check_dpsgd_clipping(grad_sample_mode, noise)
     ghost = grad_sample_mode == "ghost"
@@ -124,6 +130,7 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
         return 0
     extra = {"max_grad_norm": clipping_norm} if ghost else {}
     reduction = "mean" if ghost else "sum"  # per-sample gradients of l(w; s): see the module docstring
+    device = model_device(model)
     gsm = prepare_module(model, grad_sample_mode, True, batch_first=True, loss_reduction=reduction, **extra)
     gsm.forbid_grad_accumulation()
     params = [p for p in gsm.parameters() if p.requires_grad]
@@ -154,7 +161,7 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
                 optimizer.zero_grad()
                 if indices or ghost:  # ghost clipping handles empty batches itself
                     idx = torch.as_tensor(indices, dtype=torch.long)
-                    criterion(gsm(x[idx]), y[idx]).backward()
+                    criterion(gsm(x[idx].to(device)), y[idx].to(device)).backward()
                 else:  # no sample: the sum of clipped gradients is zero, only noise remains
                     for p in params:
                         p.grad_sample = p.new_zeros((0, *p.shape))
@@ -214,6 +221,7 @@ class DPSGDClient(TrainingClient):
                  accountant: str = DEFAULT_ACCOUNTANT, grad_sample_mode: str = "ew", mu_max: float = 1.0,
                  mu_noise_multiplier: float = 10.0, noise: str = "gaussian", wavelet_calibration: str = "exact",
                  **kwargs) -> None:
+        kwargs["channels_last"] = False  # Opacus' ew per-sample gradients fail on channels_last convolutions
         super().__init__(opacus_compatible(model), trainset, testset, **kwargs)
         if mu_max <= 0 or mu_noise_multiplier <= 0:
             raise ValueError(f"mu_max={mu_max!r} and mu_noise_multiplier={mu_noise_multiplier!r} must be > 0")
@@ -274,7 +282,8 @@ class DPSGDClient(TrainingClient):
             clipping_norm=self.clipping_norm, lr=float(config.get(keys.LEARNING_RATE, self.lr)), momentum=self.momentum,
             weight_decay=self.weight_decay, grad_sample_mode=self.grad_sample_mode,
             sampling_generator=torch_generator(self.seed, 6, rnd, self.partition_id, secure=self.secure_rng),
-            noise_generator=torch_generator(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng),
+            noise_generator=torch_generator(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng,
+                                            device=self.device),
             secure_mode=self.secure_rng, noise=self.noise,
             wavelet_rng=make_rng(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng))
         new = get_weights(self.model)

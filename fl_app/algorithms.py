@@ -48,12 +48,15 @@ class ClientSetup:
     model: Any
 
     def training_kwargs(self) -> dict:
-        """The local-training settings every TrainingClient takes."""
-        cfg = self.cfg
+        """The local-training settings every TrainingClient takes (device: fl_app.task.device)."""
+        from fl_app.task.device import resolve_device, use_channels_last
+
+        cfg, device = self.cfg, resolve_device(self.cfg["device"])
         return dict(batch_size=cfg["batch-size"], lr=cfg["lr"], momentum=cfg["momentum"],
                     weight_decay=cfg["weight-decay"], local_epochs=cfg["local-epochs"],
                     local_steps=cfg["local-steps"], partition_id=self.partition_id, seed=cfg["seed"],
-                    secure_rng=cfg["secure-rng"], lr_decay=cfg["lr-decay"])
+                    secure_rng=cfg["secure-rng"], lr_decay=cfg["lr-decay"], device=device,
+                    channels_last=use_channels_last(cfg["model"], device))
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ from clients.mods import uniform_weight_mod
 from fl_app.algorithms import ClientSetup, algorithm
 from fl_app.config import validate
 from fl_app.privacy import protocol as keys
+from fl_app.simulation_pickup import install as install_simulation_pickup
 from fl_app.task.data import load_partition
 from fl_app.task.models import build_model
 from fl_app.task.threads import one_thread_per_client
 
 app = ClientApp()
+install_simulation_pickup()  # in Flower's simulation process: a message pickup that scales (fl_app.simulation_pickup)
 
 
 def partition_of(context: Context) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from fl_app.privacy.settings import (
     TARGET_EPSILON_MODES,
 )
 from fl_app.task.data import DATASETS, PARTITIONERS
+from fl_app.task.device import DEVICE_CHOICES, device_problem
 from fl_app.task.models import MODELS
 
 FLOAT_MAX = 1e6  # no float key needs more; larger values overflow the accountants or the model
@@ -85,6 +86,8 @@ SPEC: dict[str, Key] = {
     "dirichlet-alpha": Key(0.5, "Dirichlet concentration (smaller = more non-IID)", low=0, low_open=True),
     "classes-per-client": Key(2, "labels per client for the pathological partitioner", low=1),
     "model": Key("cnn-mnist", "model architecture", MODELS),
+    "device": Key("auto", f"where torch trains and evaluates: {DEVICE_CHOICES} (auto: CUDA when torch sees one, "
+                          "else the CPU)"),
     "num-rounds": Key(30, "federated rounds", low=1),
     "eval-every": Key(1, "evaluation (the server's, and the clients' where the algorithm has it) every N rounds "
                          "and after the last", low=1),
@@ -290,6 +293,8 @@ def _check_combinations(cfg: dict[str, Any]) -> None:
         if cfg[key] and not os.path.isabs(os.path.expanduser(cfg[key])):
             raise ConfigError(f"run-config key '{key}' = {cfg[key]!r}: must be an absolute path "
                               "(relative paths resolve against the SuperLink's folder, not yours)")
+    if problem := device_problem(cfg["device"]):
+        raise ConfigError(f"run-config key 'device' = {cfg['device']!r}: {problem}")
     if cfg["data-dir"] and not os.path.isdir(os.path.expanduser(cfg["data-dir"])):
         raise ConfigError(f"run-config key 'data-dir' = {cfg['data-dir']!r}: must be an existing folder")
     if cfg["results-dir"]:

@@ -12,7 +12,8 @@ What it does, so that nothing is left behind:
    run's simulation connects to (RAY_ADDRESS), so no run pays Ray's start-up in its round 1
    (`--no-ray-head`: each run starts Ray itself, as plain `flwr run` does); either Ray takes only drivers
    with the launch's random token (`ray_token_auth`);
-2. `flwr run . --stream` with N simulated clients, one CPU each, and
+2. `flwr run . --stream` with N simulated clients, one CPU each (`--cpus-per-client`) and a share of the
+   GPUs where torch sees any (`--gpus-per-client`; `fl_app.simulation_resources`), and
    results-dir = ./results/<time>-<random>-<name> (or the results-dir given; --resume: the run folder);
 3. with --reference, a second run without clipping or noise (the non-private
    FedAvg reference) and one plot with both; with --sweep key=v1,v2,..., one run per value
@@ -48,6 +49,8 @@ import httpx
 
 from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
 from fl_app.plain_output import call_plain_when_piped
+from fl_app.pull_backoff import SPEED_PATCHES_ENV
+from fl_app.simulation_resources import federation_config, gpus_per_client
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -256,9 +259,9 @@ def run_status(run_dir: Path, since: float = 0.0) -> str:
     return record.get("status", "missing") if record.get("time", 0) >= since else "stale"
 
 
-def flwr_run(env: dict, run_config: str, clients: int) -> int:
+def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:
     cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
-           "--federation-config", f"num-supernodes={clients} client-resources-num-cpus=1"]
+           "--federation-config", federation_config(clients, gpus_per_client, cpus_per_client)]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     return call_plain_when_piped(cmd, env, preexec_fn=die_with_launcher())  # colour codes only on a terminal
 
@@ -401,7 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ray-head", dest="ray_head", action="store_false",
                         help="let each run start Ray itself (default: one Ray head for all runs of this launch, "
                              "unless RAY_ADDRESS already names a cluster)")
+    parser.add_argument("--gpus-per-client", type=float, default=None,
+                        help="GPUs each simulated client asks Ray for (default: the visible GPUs shared by the "
+                             "clients that run at once, 1 / min(clients, CPUs) of one GPU; none without a GPU "
+                             "or with device='cpu')")
+    parser.add_argument("--cpus-per-client", type=int, default=1, choices=range(1, 1025), metavar="C",
+                        help="CPUs each simulated client asks Ray for: at most CPUs / C clients (Ray workers, about "
+                             "1 GB each) run at once (default 1)")
     args = parser.parse_args(argv)
+    gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config, args.cpus_per_client)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop or a closed terminal: clean up as on Ctrl-C
@@ -410,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     base = {**os.environ, **QUIET_ENV}
     stamp = run_stamp()
     runs = plan_runs(args, stamp)  # every run's config checked before anything starts
+    if any(parse_overrides(overrides).get("flower-speed-patches") is True for _, overrides, _ in runs):
+        base[SPEED_PATCHES_ENV] = "1"  # the simulation's opt-in patches (fl_app.simulation_pickup)
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
@@ -431,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
         for name, overrides, run_dir in runs:
             started = time.time()
-            rc = flwr_run(env, overrides, args.clients)
+            rc = flwr_run(env, overrides, args.clients, gpus, args.cpus_per_client)
             status = run_status(run_dir, since=started)
             if rc != 0 or status != "completed":
                 print(f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "

@@ -33,6 +33,9 @@ from contextlib import contextmanager
 
 PULL_BACKOFF = 0.05  # seconds before the first retry (Flower: 1)
 PATCHED_FLOWER = ("1.41", "1.42")  # the Flower releases these patches were written for and are tested on
+# set (to 1) in the environment of the processes that run Flower's simulation, where `flower-speed-patches` is
+# true (the launcher does it; with plain `flwr run`, export it before the SuperLink starts)
+SPEED_PATCHES_ENV = "DPFL_FLOWER_SPEED_PATCHES"
 PULL_BACKOFF_RANGE = (0.01, 1.0)  # what the command-line options accept
 
 

@@ -18,6 +18,7 @@ from fl_app.dashboards import open_dashboards
 from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
 from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
+from fl_app.task.device import resolve_device
 from fl_app.task.models import build_model, count_parameters, split_state_keys
 from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
 from fl_app.task.threads import limit_blas_threads
@@ -101,7 +102,7 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     if not cfg["secure-rng"]:
         log(WARNING, "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
                      "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee")
-    model = build_global_model(cfg)
+    model = build_global_model(cfg).to(resolve_device(cfg["device"]))  # the server evaluates on the run's device
     _, server_testset = load_dataset(cfg["dataset"], cfg["data-dir"])
     validation = load_validation(cfg["dataset"], cfg["data-dir"], cfg["validation-fraction"])
     mu_set = None

@@ -106,6 +106,7 @@ BAD = [
     ({"run-name": "a\x00b"}, "run-name", "control characters"),
     ({"results-dir": str(ROOT / "pyproject.toml" / "results")}, "results-dir", "cannot be created"),  # under a file
     ({"data-dir": "/nonexistent/mnist"}, "data-dir", "existing folder"),
+    ({"device": "gpu"}, "device", "auto, cpu, cuda, cuda:N"),
     ({"resume": "yes"}, "resume", "true or false"),
     ({"resume": True}, "resume", "results-dir"),
     ({"resume": True, "run-name": "x", "secure-aggregation": True}, "resume", "secure-aggregation"),

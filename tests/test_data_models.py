@@ -24,8 +24,10 @@ MNIST_DIR = Path(os.environ.get("DPFL_MNIST_DIR", "") or "/nonexistent-dpfl-mnis
 
 
 @pytest.fixture
-def fresh_cache(monkeypatch):
-    """Empty dataset and partition caches for a test that fakes a source; the real caches stay as they are."""
+def fresh_cache(monkeypatch, tmp_path_factory):
+    """Empty dataset and partition caches for a test that fakes a source; the real caches stay as they are
+    (in memory and on disk: the decoded arrays are cached on disk too, fl_app.task.mapped)."""
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path_factory.mktemp("fresh-cache")))
     for cached in ("_load_dataset", "_dataset_partitions"):
         monkeypatch.setattr(data, cached, functools.lru_cache(getattr(data, cached).__wrapped__))
 

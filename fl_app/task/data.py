@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .atomic import atomic_write
+from .mapped import memory_mapped, release_pages
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
 
@@ -142,7 +143,7 @@ def dataset_info(name: str) -> dict:
 def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayDataset]:
     """(train pool that gets partitioned across clients, server-held test set); cached per process.
 
-    The arrays are shared between callers: do not modify them in place.
+    The arrays are shared between callers and memory-mapped read-only.
     """
     _check_dataset(name)
     return _load_dataset(name, data_dir)
@@ -150,6 +151,13 @@ def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayData
 
 @functools.lru_cache(maxsize=4)
 def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
+    """Decoded once into the cache, then memory-mapped (fl_app.task.mapped): a process holds only what it reads."""
+    spec_digest = hashlib.sha256(repr(_SPECS[name]).encode()).hexdigest()[:8]
+    folder = cache_dir() / f"normalized-{source_digest(name, data_dir)}-{spec_digest}"
+    return memory_mapped(folder, lambda: _decode_dataset(name, data_dir), ArrayDataset)
+
+
+def _decode_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
     spec = _SPECS[name]
     if name in _EMBEDDED:
         x, y = _embedded_images(name)
@@ -601,4 +609,6 @@ def load_partition(name: str, partition_id: int, num_partitions: int, partitione
                               int(seed), float(validation_fraction))[partition_id]
     idx = np.random.default_rng([seed, partition_id]).permutation(idx)
     n_test = max(1, len(idx) // 10) if len(idx) >= 2 else 0
-    return pool.subset(idx[n_test:]), pool.subset(idx[:n_test])
+    train, test = pool.subset(idx[n_test:]), pool.subset(idx[:n_test])
+    release_pages(pool.x)  # copies taken: the pool's pages leave this process (fl_app.task.mapped)
+    return train, test

@@ -1,6 +1,9 @@
 """Torch helpers that the ServerApp and the clients share: model weights in and out,
 evaluation, the loss gradient (ALI-DPFL's mu), and Opacus' layer fixes (imported lazily:
 only DP-SGD needs Opacus).
+
+Models may live on any device and in any memory layout (`fl_app.task.device`): weights come out as
+C-contiguous CPU numpy arrays in state_dict order, and evaluation moves each batch to the model's device.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from fl_app.task.device import model_device
 from fl_app.task.opacus_import import import_opacus
 
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:
-    """The model's state as numpy arrays, in state_dict order."""
+    """The model's state as C-contiguous CPU numpy arrays, in state_dict order (whatever its device and layout)."""
     return [v.detach().cpu().numpy().copy() for v in model.state_dict().values()]
 
 
@@ -26,23 +30,33 @@ def set_weights(model: nn.Module, arrays: list[np.ndarray]) -> None:
     model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, arrays)}, strict=True)
 
 
-def as_tensors(dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.from_numpy(np.asarray(dataset.x, dtype=np.float32)), torch.from_numpy(np.asarray(dataset.y, dtype=np.int64))
+def as_tensors(dataset, index: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of `dataset[index]` as float32 and int64 CPU tensors; they share memory with writable arrays (a
+    read-only, memory-mapped array is copied: only the slice asked for)."""
+    return _tensor(dataset.x[index], np.float32), _tensor(dataset.y[index], np.int64)
+
+
+def _tensor(array: np.ndarray, dtype) -> torch.Tensor:
+    array = np.asarray(array, dtype=dtype)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 @torch.no_grad()
 def evaluate_model(model: nn.Module, dataset, batch_size: int = 512) -> tuple[float, float]:
     """(mean cross-entropy loss, accuracy) of `model` on `dataset`."""
     model.eval()
-    x, y = as_tensors(dataset)
-    if len(y) == 0:
+    device = model_device(model)
+    n = len(dataset.y)
+    if n == 0:
         return math.nan, math.nan
     loss, correct = 0.0, 0
-    for i in range(0, len(y), batch_size):
-        out = model(x[i:i + batch_size])
-        loss += nn.functional.cross_entropy(out, y[i:i + batch_size], reduction="sum").item()
-        correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
-    return loss / len(y), correct / len(y)
+    for i in range(0, n, batch_size):
+        x, y = as_tensors(dataset, slice(i, i + batch_size))
+        labels = y.to(device)
+        out = model(x.to(device))
+        loss += nn.functional.cross_entropy(out, labels, reduction="sum").item()
+        correct += (out.argmax(1) == labels).sum().item()
+    return loss / n, correct / n
 
 
 def opacus_compatible(model: nn.Module) -> nn.Module:
@@ -64,15 +78,15 @@ def opacus_compatible(model: nn.Module) -> nn.Module:
 
 def loss_gradient(model: nn.Module, dataset, max_samples: int = 0, batch_size: int = 512) -> np.ndarray:
     """grad F(w) = gradient of the mean cross-entropy on `dataset` (its first `max_samples`), flat float64."""
-    x, y = as_tensors(dataset)
-    if max_samples > 0:
-        x, y = x[:max_samples], y[:max_samples]
+    x, y = as_tensors(dataset, slice(0, max_samples if max_samples > 0 else None))
     model.eval()
     model.zero_grad(set_to_none=True)
+    device = model_device(model)
     for i in range(0, len(y), batch_size):
-        loss = nn.functional.cross_entropy(model(x[i:i + batch_size]), y[i:i + batch_size], reduction="sum")
+        out = model(x[i:i + batch_size].to(device))
+        loss = nn.functional.cross_entropy(out, y[i:i + batch_size].to(device), reduction="sum")
         (loss / len(y)).backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    out = torch.cat([g.reshape(-1) for g in grads]).double().numpy()
+    out = torch.cat([g.reshape(-1) for g in grads]).double().cpu().numpy()
     model.zero_grad(set_to_none=True)
     return out
