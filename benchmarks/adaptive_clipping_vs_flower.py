@@ -24,14 +24,14 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping, FedAvg
 
+from dpcore.task.data import load_dataset
+from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
 from fl_app.client_app import app as our_client_app
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import build_global_model, run_federated
-from fl_app.task.data import load_dataset
-from fl_app.task.torch_helpers import evaluate_model, get_weights, set_weights
 
 JOB = {"algorithm": "dp-fedavg", "dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 5,
        "batch-size": 16, "sample-rate": 1.0, "noise-placement": "central", "clipping-norm": 0.1,

@@ -2,13 +2,13 @@
 
     python -m benchmarks.channels_last [--batch-size 32] [--repeats 100] [--out FILE]
 
-Per model of `fl_app.task.models` with convolutions, on its dataset's input shape (MNIST 1x28x28 for the
+Per model of `dpcore.task.models` with convolutions, on its dataset's input shape (MNIST 1x28x28 for the
 MNIST/EMNIST CNNs, CIFAR 3x32x32 for the others), batch 32, one torch thread (one simulated client per
 core): the median time of an SGD step (`clients.base.sgd_step` with `LocalSGD`) and of a SAM step
 (`clients.sam.sam_step`), with model and input in the plain layout and in channels_last, the two layouts'
 steps alternating one by one so that a change in the machine's load hits both. Prints plain / channels_last
 per model and step (> 1: channels_last is faster) and whether both exceed 1.1x, the rule that
-`fl_app.task.device.CHANNELS_LAST_MODELS` follows.
+`dpcore.task.device.CHANNELS_LAST_MODELS` follows.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from torch import nn
 
 from clients.base import LocalSGD, sgd_step
 from clients.sam import sam_step
-from fl_app.task.data import dataset_info
-from fl_app.task.device import CHANNELS_LAST_MODELS, place_input, place_model
-from fl_app.task.models import MODELS, build_model
+from dpcore.task.data import dataset_info
+from dpcore.task.device import CHANNELS_LAST_MODELS, place_input, place_model
+from dpcore.task.models import MODELS, build_model
 
 THRESHOLD = 1.1  # channels_last is taken where both steps are faster by more than this
 DATASET_OF = {"cnn-mnist": "mnist", "cnn-emnist": "emnist", "cnn-cifar10": "cifar10", "cnn-cifar10-dp2": "cifar10",

@@ -22,10 +22,10 @@ import statistics
 import tempfile
 import time
 
+from dpcore.privacy.ledger import calibrate_noise_multiplier, epsilon_of
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.ledger import calibrate_noise_multiplier, epsilon_of
 from fl_app.server_app import run_federated
 
 JOB = {"dataset": "mnist", "model": "cnn-mnist", "partitioner": "iid", "local-steps": 10, "batch-size": 32,

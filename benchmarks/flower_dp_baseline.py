@@ -29,14 +29,14 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
+from dpcore.task.data import load_dataset
+from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
 from fl_app.client_app import app as our_client_app
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_rounds
 from fl_app.server_app import build_global_model, run_federated
-from fl_app.task.data import load_dataset
-from fl_app.task.torch_helpers import evaluate_model, get_weights, set_weights
 
 JOB = {"algorithm": "dp-fedavg", "noise-placement": "central", "clipping-norm": 0.5, "noise-multiplier": 1.0,
        "delta": 1e-5, "tensorboard": False}  # both accountants at the same delta

@@ -19,7 +19,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy.mechanisms import (
     clip_and_noise,
     haar_padded_size,
     haar_wavelet_noise,

@@ -140,7 +140,7 @@ class TreeSampler(threading.Thread):
 
 def warm_caches(data_dir: str, clients: list[int], seed: int) -> float:
     """Build the dataset and partition caches the runs read (seconds taken)."""
-    from fl_app.task.data import load_dataset, load_partition
+    from dpcore.task.data import load_dataset, load_partition
 
     start = time.perf_counter()
     load_dataset("mnist", data_dir)
@@ -196,7 +196,7 @@ def per_node_costs(num_nodes: int, run_config: dict, checkout: Path) -> dict:
     from flwr.superlink.federation import NoOpFederationManager
 
     from clients.personalized import ContextHeadStore
-    from fl_app.task.models import build_model, split_state_keys
+    from dpcore.task.models import build_model, split_state_keys
 
     run = dataclasses.replace(Run.create_empty(1), federation_id=NOOP_FEDERATION_ID, override_config=run_config)
     factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())

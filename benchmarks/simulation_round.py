@@ -62,7 +62,7 @@ torch.set_num_threads(1)
 from flwr.app import Context, RecordDict
 from fl_app.client_app import build_client
 from fl_app.config import validate
-from fl_app.task.torch_helpers import get_weights
+from dpcore.task.torch_helpers import get_weights
 ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50}, state=RecordDict(),
               run_config=validate({}))
 times = []

@@ -34,10 +34,10 @@ from benchmarks import deployment_round, flower_dp_baseline, simulation_round
 from benchmarks.dpsgd_bench import sgd_steps, time_per_step
 from benchmarks.round_overhead import bare_rounds, product_rounds, steady_ratio, step_seconds
 from clients.dpsgd import dpsgd_steps
+from dpcore.task.models import build_model
 from fl_app.config import validate
-from fl_app.task.models import build_model
 
-READY = ("import fl_app.client_app; from fl_app.task.data import load_partition; "
+READY = ("import fl_app.client_app; from dpcore.task.data import load_partition; "
          "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)")
 
 

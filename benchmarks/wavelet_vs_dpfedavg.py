@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fl_app.privacy.ledger import PrivacyLedger
-from fl_app.privacy.mechanisms import haar_padded_size
+from dpcore.privacy.ledger import PrivacyLedger
+from dpcore.privacy.mechanisms import haar_padded_size
 
 
 def pld_epsilon(sigma: float, q: float, rounds: int, delta: float) -> float:

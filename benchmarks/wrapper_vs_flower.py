@@ -22,12 +22,12 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
+from dpcore.task.data import load_dataset
+from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import build_global_model
-from fl_app.task.data import load_dataset
-from fl_app.task.torch_helpers import evaluate_model, get_weights, set_weights
 from strategies import DifferentialPrivacy
 
 C, SIGMA = 0.5, 1.0

@@ -5,7 +5,7 @@ N(0, sigma^2 C^2 / m) before upload (docs/algorithms.md §0); the server sends C
 the share's std in the train config. It always reports ||Delta||_2 before clipping, and marks the
 upload as an update (`protocol.UPLOAD_KIND`), which a Flower server strategy would otherwise take for weights.
 
-The model trains on `device` (`fl_app.task.device`; each minibatch is moved there) and, where asked,
+The model trains on `device` (`dpcore.task.device`; each minibatch is moved there) and, where asked,
 in channels_last; the weights and the update are CPU numpy arrays, and the noise share is drawn on the CPU.
 """
 
@@ -19,10 +19,10 @@ from flwr.client import NumPyClient
 from torch import nn
 from torch.optim.sgd import sgd as functional_sgd
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
-from fl_app.task.device import place_input, place_model
-from fl_app.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
+from dpcore.task.device import place_input, place_model
+from dpcore.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
 
 
 class LocalSGD:

@@ -32,19 +32,18 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from fl_app.task.opacus_import import import_opacus
+from dpcore.task.opacus_import import import_opacus
 
-import_opacus()  # first: Opacus' own import would give the root logger a handler (fl_app/task/opacus_import.py)
+import_opacus()  # first: Opacus' own import would give the root logger a handler (dpcore/task/opacus_import.py)
 from opacus.grad_sample.utils import prepare_module  # noqa: E402
 from opacus.optimizers import DPOptimizer, get_optimizer_class  # noqa: E402
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping  # noqa: E402
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, epsilon_of
-from fl_app.privacy.dpsgd_noise import dpsgd_multipliers
-from fl_app.privacy.settings import check_dpsgd_clipping
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.dpsgd_noise import dpsgd_multipliers
+from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, epsilon_of
+from dpcore.privacy.mechanisms import (
     flatten,
     gaussian_noise,
     haar_coefficient_norms,
@@ -53,9 +52,9 @@ from fl_app.privacy.mechanisms import (
     make_rng,
     unflatten,
 )
-
-from fl_app.task.device import model_device
-from fl_app.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
+from dpcore.privacy.settings import check_dpsgd_clipping
+from dpcore.task.device import model_device
+from dpcore.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
 
 from .base import TrainingClient
 

@@ -8,7 +8,7 @@ client replying with its new weights, or this project's clients replying with th
 
 Neighbouring relation: replace-one (the client's data replaced by any other), so two clipped updates differ by up
 to 2C and the upload is the Gaussian mechanism with multiplier sigma C / (2C) = sigma / 2, no sampling
-amplification (the client knows it took part). Its ledger (`fl_app.privacy.ledger.PrivacyLedger`, one
+amplification (the client knows it took part). Its ledger (`dpcore.privacy.ledger.PrivacyLedger`, one
 (sigma / 2, 1) event per round it took part in) lives in the client's `Context.state` and survives across rounds;
 the reply carries `local-epsilon-round` (one release), `local-epsilon` (composed), `local-rounds` and
 `local-noise-multiplier`, and nothing else computed from the data: the wrapped client's own metrics (loss, norm)
@@ -27,9 +27,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, default_client_delta
-from fl_app.privacy.mechanisms import clip_and_noise, flatten, float_indices, make_rng, unflatten, update_problem
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, default_client_delta
+from dpcore.privacy.mechanisms import clip_and_noise, flatten, float_indices, make_rng, unflatten, update_problem
 
 STATE_KEY = "local-dp-ledger"  # the ConfigRecord in Context.state holding the client's ledger (JSON)
 

@@ -7,7 +7,7 @@ new weights, as Flower clients do; the mod turns them into the update
 Delta = w_local - w_global over the floating-point arrays (the others go back as the server sent them),
 marks the reply as an update (`protocol.UPLOAD_KIND`), and when the strategy asks for it ("privatize" in the train
 config) clips Delta to C ("clipping-norm") and adds the noise share N(0, s^2 I)
-("noise-std"), docs/algorithms.md §0, with the functions of fl_app.privacy.mechanisms.
+("noise-std"), docs/algorithms.md §0, with the functions of dpcore.privacy.mechanisms.
 It reports ||Delta||_2 before clipping as "update-norm" (the strategy's clipping
 statistics), except under secure aggregation.
 
@@ -26,15 +26,14 @@ ClientApps (FitIns / FitRes records).
 
 from __future__ import annotations
 
-
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import (
     clip_and_noise,
     flatten,
     float_indices,

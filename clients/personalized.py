@@ -27,11 +27,10 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 from torch import nn
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import flatten, make_rng, unflatten
-
-from fl_app.task.atomic import atomic_write
-from fl_app.task.torch_helpers import evaluate_model, set_weights
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import flatten, make_rng, unflatten
+from dpcore.task.atomic import atomic_write
+from dpcore.task.torch_helpers import evaluate_model, set_weights
 
 from .base import LocalSGD, TrainingClient, sgd_step
 from .sam import sam_step

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import sparse_encode, topk_sparsify
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import sparse_encode, topk_sparsify
 
 from .sam import SAMClient
 

@@ -25,7 +25,7 @@ from flwr.app import Context
 from flwr.client import NumPyClient
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
-from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
@@ -48,8 +48,8 @@ class ClientSetup:
     model: Any
 
     def training_kwargs(self) -> dict:
-        """The local-training settings every TrainingClient takes (device: fl_app.task.device)."""
-        from fl_app.task.device import resolve_device, use_channels_last
+        """The local-training settings every TrainingClient takes (device: dpcore.task.device)."""
+        from dpcore.task.device import resolve_device, use_channels_last
 
         cfg, device = self.cfg, resolve_device(self.cfg["device"])
         return dict(batch_size=cfg["batch-size"], lr=cfg["lr"], momentum=cfg["momentum"],
@@ -224,7 +224,7 @@ def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
 
     def build(setup: ClientSetup) -> NumPyClient:
         from clients.personalized import DP2FedSAMClient, PartialSharingClient
-        from fl_app.task.models import split_state_keys
+        from dpcore.task.models import split_state_keys
 
         cfg = setup.cfg
         _, head_keys = split_state_keys(setup.model, cfg["head-prefix"])
@@ -254,8 +254,8 @@ def dpsgd_client(setup: ClientSetup) -> NumPyClient:
 # ---------------------------------------------------------------------------- extra config rules
 def check_head_prefix(cfg: dict) -> None:
     """The head prefix must name some but not all of the model's parameters."""
-    from fl_app.task.data import dataset_info
-    from fl_app.task.models import build_model, split_state_keys
+    from dpcore.task.data import dataset_info
+    from dpcore.task.models import build_model, split_state_keys
 
     if not cfg["head-prefix"]:
         return

@@ -9,13 +9,13 @@ from flwr.clientapp import ClientApp
 
 from clients.adapter import evaluate_reply, train_reply
 from clients.mods import uniform_weight_mod
+from dpcore.privacy import protocol as keys
+from dpcore.task.data import load_partition
+from dpcore.task.models import build_model
+from dpcore.task.threads import one_thread_per_client
 from fl_app.algorithms import ClientSetup, algorithm
 from fl_app.config import validate
-from fl_app.privacy import protocol as keys
 from fl_app.simulation_pickup import install as install_simulation_pickup
-from fl_app.task.data import load_partition
-from fl_app.task.models import build_model
-from fl_app.task.threads import one_thread_per_client
 
 app = ClientApp()
 install_simulation_pickup()  # in Flower's simulation process: a message pickup that scales (fl_app.simulation_pickup)

@@ -15,19 +15,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, SERVER_STRATEGIES, check_config
-from fl_app.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
-from fl_app.privacy.mechanisms import TOPK_MODES
-from fl_app.privacy.settings import (
+from dpcore.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
+from dpcore.privacy.mechanisms import TOPK_MODES
+from dpcore.privacy.settings import (
     ACCOUNTANT_NAMES,
     CLIENT_SAMPLINGS,
     MU_SOURCES,
     NOISE_PLACEMENTS,
     TARGET_EPSILON_MODES,
 )
-from fl_app.task.data import DATASETS, PARTITIONERS
-from fl_app.task.device import DEVICE_CHOICES, device_problem
-from fl_app.task.models import MODELS
+from dpcore.task.data import DATASETS, PARTITIONERS
+from dpcore.task.device import DEVICE_CHOICES, device_problem
+from dpcore.task.models import MODELS
+from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, SERVER_STRATEGIES, check_config
 
 FLOAT_MAX = 1e6  # no float key needs more; larger values overflow the accountants or the model
 INT_MAX = 10**7  # rounds, steps, epochs, sizes

@@ -19,7 +19,7 @@ import math
 from logging import INFO
 from pathlib import Path
 
-from flwr.supercore import log
+from flwr.common import log
 
 from fl_app.run_files import read_diagnostics, read_metrics
 

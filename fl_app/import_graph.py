@@ -18,7 +18,7 @@ from fl_app import PROJECT_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {  # subgraph title -> module prefixes, from the bottom layer up
-    "neutral core": ("fl_app.privacy", "fl_app.task"),
+    "neutral core": ("dpcore",),
     "server strategies": ("strategies",),
     "clients": ("clients",),
     "app wiring": ("fl_app",),
@@ -108,7 +108,7 @@ def layer_of(module: str) -> str:
 def mermaid() -> str:
     """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy imports)."""
     modules = [m for m in project_modules() if not m.endswith("__init__") and m not in PROJECT_PACKAGES
-               and m not in ("fl_app.privacy", "fl_app.task")]
+               and m not in ("dpcore.privacy", "dpcore.task")]
     node_id = {m: m.replace(".", "_") for m in modules}
     lines = ["flowchart BT"]
     for layer in LAYERS:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpcore.task.atomic import atomic_write
 from fl_app.run_files import read_diagnostics, read_metrics
-from fl_app.task.atomic import atomic_write
 
 
 def json_safe(obj):

@@ -8,20 +8,20 @@ from logging import ERROR, INFO, WARNING
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
+from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
-from flwr.supercore import log
 
+from dpcore.task.data import dataset_info, load_dataset, load_partition, load_validation
+from dpcore.task.device import resolve_device
+from dpcore.task.models import build_model, count_parameters, split_state_keys
+from dpcore.task.threads import limit_blas_threads
+from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
 from fl_app.algorithms import algorithm
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
 from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
-from fl_app.task.data import dataset_info, load_dataset, load_partition, load_validation
-from fl_app.task.device import resolve_device
-from fl_app.task.models import build_model, count_parameters, split_state_keys
-from fl_app.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from fl_app.task.threads import limit_blas_threads
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
 

@@ -27,9 +27,9 @@ import math
 
 import numpy as np
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import make_rng
-from fl_app.privacy.settings import require
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import make_rng
+from dpcore.privacy.settings import require
 
 HONEST_BIT_BOUND_SIGMAS = math.sqrt(2 * math.log(1e12))  # an honest share exceeds 1/2 + this many stds w.p. <= 1e-12
 

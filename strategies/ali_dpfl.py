@@ -35,18 +35,17 @@ from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common import log
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore import log
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
-from fl_app.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers, epsilon_of
-from fl_app.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
-from fl_app.privacy.settings import check_dpsgd, require
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
+from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers, epsilon_of
+from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
+from dpcore.privacy.settings import check_dpsgd, require
 
 from .reply_gate import MetricRule
 from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
-
 
 GradientFn = Callable[[list[np.ndarray]], np.ndarray]
 PartitionSizeFn = Callable[[int, int], int]
@@ -189,7 +188,7 @@ class ALIDPFL(DPRoundLoop):
 
     @property
     def accounted_multiplier(self) -> float:
-        """The true DP-SGD noise multiplier the ledgers charge (`fl_app.privacy.dpsgd_noise`)."""
+        """The true DP-SGD noise multiplier the ledgers charge (`dpcore.privacy.dpsgd_noise`)."""
         return self.noise.accounted
 
     # ------------------------------------------------------------------ set-up

@@ -29,25 +29,25 @@ from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common import log
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore import log
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
-from fl_app.privacy.ledger import (
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
+from dpcore.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
     ClientLevelLedger,
     calibrate_noise_multiplier,
     default_client_delta,
 )
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy.mechanisms import (
     TRUNCATION_PROBABILITY,
     flatten,
     gaussian_noise,
     l2_norm,
     make_rng,
 )
-from fl_app.privacy.settings import check_client_level_dp, check_secure_aggregation, one_of, require
+from dpcore.privacy.settings import check_client_level_dp, check_secure_aggregation, one_of, require
 
 from .noise_placement import noise_placement as make_noise_placement
 from .reply_gate import MetricRule
@@ -72,7 +72,7 @@ class DifferentialPrivacy(DPRoundLoop):
     secure_aggregation : the server only ever sees the sum (SecAgg+, `strategies.secagg`);
         changes the "against the server" figure only.
     audit_canaries : K canary clients for the one-shot empirical privacy estimate
-        (`fl_app.privacy.audit`): each, sampled with probability q per round, adds C * u_i to the sum;
+        (`dpcore.privacy.audit`): each, sampled with probability q per round, adds C * u_i to the sum;
         K more directions are never inserted; the estimate is in `describe()["audit"]`.
     audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
     adaptive_clipping : a `strategies.adaptive_clipping.AdaptiveClipping` (Andrew et al.): C moves toward a
@@ -81,7 +81,7 @@ class DifferentialPrivacy(DPRoundLoop):
         the running sum of clipped updates released by the binary-tree mechanism (docs/dp-toolbox.md §4).
 
     Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
-    of the bounds without amplification and with sampling without replacement (`fl_app.privacy.ledger.ClientLevelLedger`).
+    of the bounds without amplification and with sampling without replacement (`dpcore.privacy.ledger.ClientLevelLedger`).
     """
 
     clients_clip_under_central_noise = False

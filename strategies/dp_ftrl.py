@@ -15,7 +15,7 @@ DP-FTRL needs none; what it needs instead is a participation rule, which this pa
   guarantee) and marks them as having taken part; the round loop's reply gate refuses any reply from a node
   it did not send this round's message to, and a second reply from one it did;
 - the server keeps the running sum of the rounds' sums of clipped updates (each client's update clipped to
-  C), released through the binary-tree mechanism (`fl_app.privacy.tree_aggregation`), one tree per epoch,
+  C), released through the binary-tree mechanism (`dpcore.privacy.tree_aggregation`), one tree per epoch,
   each node with noise N(0, sigma^2 C^2 I) from OS entropy; a completed epoch's noisy total is carried over;
 - the model is w_t = w_0 + eta (noisy prefix sum of the updates) / m (FTRL; eta: the wrapper's
   server_learning_rate), or with server momentum gamma (the paper's DP-FTRLM): g_t = P_t - P_{t-1} of the noisy
@@ -23,17 +23,17 @@ DP-FTRL needs none; what it needs instead is a participation rule, which this pa
   the released prefix sums.
 
 Each epoch's tree is one `SingleEpochTreeAggregationDpEvent(sigma, steps)` in the ledger
-(`fl_app.privacy.ledger.TreeAggregationLedger`).
+(`dpcore.privacy.ledger.TreeAggregationLedger`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from fl_app.privacy.ledger import TreeAggregationLedger
-from fl_app.privacy.mechanisms import make_rng
-from fl_app.privacy.settings import require
-from fl_app.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
+from dpcore.privacy.ledger import TreeAggregationLedger
+from dpcore.privacy.mechanisms import make_rng
+from dpcore.privacy.settings import require
+from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 
 NOISE_STREAM = 21  # make_rng stream of the tree nodes' noise (seeded runs only)
 SELECTION_STREAM = 22

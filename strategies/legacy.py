@@ -18,7 +18,7 @@ from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Error, MetricRecord, RecordDict
-from flwr.common import FitIns, FitRes, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import FitIns, FitRes, Parameters, Scalar, log, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
@@ -26,9 +26,8 @@ from flwr.server.strategy import FedAvg as LegacyFedAvg
 from flwr.server.workflow import DefaultWorkflow
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
-from flwr.supercore import log
 
-from fl_app.privacy import protocol as keys
+from dpcore.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
 from .round_loop import filtered_flower_log, reply_message

@@ -6,7 +6,7 @@ fixed-clipping DP wrappers.
 - `DistributedNoise`: each client clips and adds its share N(0, sigma^2 C^2 / n_s I); the server
   adds the top-up N(0, sigma^2 C^2 (n_s - k)/n_s I) for the n_s - k shares that did not arrive, so
   the sum carries sigma^2 C^2 whatever the number k of participants (n_s: the round loop's
-  `noise_shares`, `fl_app.privacy.mechanisms.noise_share_count`).
+  `noise_shares`, `dpcore.privacy.mechanisms.noise_share_count`).
 - `LocalNoise`: local DP, each client adds N(0, sigma^2 C^2 I) to its own clipped update; no server noise.
 """
 
@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
 
 from .reply_gate import upload_norm_bound
 

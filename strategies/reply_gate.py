@@ -6,7 +6,7 @@ checks; a reply that fails one is rejected (logged with the node and the reason,
 in the ServerApp: metric values are read only through `read_metrics`.
 
 - arrays: the count and shapes of the global model, a float dtype, and finite after the cast
-  to float32, the dtype they are aggregated in (`fl_app.privacy.mechanisms.update_problem`);
+  to float32, the dtype they are aggregated in (`dpcore.privacy.mechanisms.update_problem`);
 - metrics: one metric record (`metrics`, or the only one), each expected key a finite real
   scalar in its range (`MetricRule`); other keys are ignored;
 - norms: under distributed noise an upload may not exceed `upload_norm_bound` (below).

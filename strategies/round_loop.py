@@ -50,12 +50,12 @@ from logging import DEBUG, INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
-from flwr.supercore import log
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import (
     TRUNCATION_PROBABILITY,
     flatten,
     float_indices,
@@ -65,7 +65,7 @@ from fl_app.privacy.mechanisms import (
     unflatten,
     update_problem,
 )
-from fl_app.privacy.settings import CLIENT_SAMPLINGS, one_of, require
+from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .reply_gate import MetricRule, read_metrics
 

@@ -29,9 +29,9 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
-from fl_app.privacy.settings import check_secure_aggregation
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
+from dpcore.privacy.settings import check_secure_aggregation
 
 from .dp_fedavg import DPFedAvg
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn

@@ -2,7 +2,7 @@
 
 Clients clip, add their noise share, then keep the k = ceil(p * size) largest-magnitude
 coordinates (post-processing: no privacy cost) and upload them in sparse form
-(`fl_app.privacy.mechanisms.sparse_encode`). The server decodes and checks every upload, rejecting
+(`dpcore.privacy.mechanisms.sparse_encode`). The server decodes and checks every upload, rejecting
 malformed ones (indices out of range or duplicated, wrong counts), and averages the
 dense sums with the fixed denominator m, not the number of non-zeros. It measures the
 bytes it received next to what dense float32 uploads would have cost.
@@ -15,12 +15,12 @@ from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore import log
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
-from fl_app.privacy.settings import one_of, require
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
+from dpcore.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg
 from .reply_gate import MetricRule

@@ -1,7 +1,7 @@
 """DP-FedAvg-WAV (the wavelet paper's Algorithm 2; docs/algorithms.md §6).
 
 Clients clip their update to C; the server sums the clipped updates, adds the paper's
-Haar-wavelet noise with scale sigma_H * C (`fl_app.privacy.mechanisms.haar_wavelet_noise`, on the whole
+Haar-wavelet noise with scale sigma_H * C (`dpcore.privacy.mechanisms.haar_wavelet_noise`, on the whole
 model as one vector zero-padded to n = 2^L >= d), divides by m and steps.
 
 The paper's privacy claim does not hold: the noise along the all-ones direction has std
@@ -21,14 +21,14 @@ from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.supercore import log
 
-from fl_app.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
-from fl_app.privacy.ledger import PrivacyLedger
-from fl_app.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
-from fl_app.privacy.settings import one_of, require_noise_placement
+from dpcore.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
+from dpcore.privacy.ledger import PrivacyLedger
+from dpcore.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
+from dpcore.privacy.settings import one_of, require_noise_placement
 
 from .dp_fedavg import DPFedAvg
 

@@ -10,8 +10,8 @@ from torch import nn
 
 from clients.adapter import train_reply
 from clients.base import TrainingClient
-from fl_app.privacy.mechanisms import flatten, unflatten
-from fl_app.task.torch_helpers import get_weights, set_weights
+from dpcore.privacy.mechanisms import flatten, unflatten
+from dpcore.task.torch_helpers import get_weights, set_weights
 
 
 class FixedUpdateClient(TrainingClient):

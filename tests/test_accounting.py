@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fl_app.privacy.ledger import (
+from dpcore.privacy.ledger import (
     DEFAULT_ACCOUNTANT,
     ClientLevelLedger,
     PrivacyLedger,
@@ -13,7 +13,7 @@ from fl_app.privacy.ledger import (
     epsilon_of,
     per_update_noise_multiplier,
 )
-from fl_app.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
+from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
 from tests.independent_accountant import dp_accounting_epsilons
 
 # (sigma, q, rounds, delta): epsilons from about 0.5 to 20
@@ -209,7 +209,7 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
     """dp-accounting's epsilon-for-delta can overflow near eps ~ 700 and return inf for one round between
     finite ones (seen in a run's log: epsilon_against_server 706, inf, inf, 727): the ledger prints RDP's
     bound instead, valid and finite."""
-    from fl_app.privacy import ledger
+    from dpcore.privacy import ledger
 
     events = [(0.3, 1.0, 40)]
     expected = ledger.epsilon_of(events, 1e-5, "rdp")
@@ -229,7 +229,7 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
 def test_an_accountant_is_one_registered_class():
     """The registry (as Opacus' accountants/registry.py): the three accountants are classes in it, and a new
     class registered under a name is what `epsilon_of` uses for that name, with RDP standing in as for PLD."""
-    from fl_app.privacy import ledger as ledger_module
+    from dpcore.privacy import ledger as ledger_module
 
     assert set(ledger_module.ACCOUNTANT_REGISTRY) == {"pld", "rdp", "prv"} == set(ledger_module.ACCOUNTANTS)
     events = [(1.1, 0.3, 40)]

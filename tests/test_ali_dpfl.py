@@ -11,18 +11,18 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.dpsgd import DPSGDClient, dpsgd_steps, load_ledger
+from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
+from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
+from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.mechanisms import flatten
+from dpcore.task.data import ArrayDataset
+from dpcore.task.models import build_model
+from dpcore.task.torch_helpers import get_weights
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
-from fl_app.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
-from fl_app.privacy.ledger import epsilon_of
-from fl_app.privacy.mechanisms import flatten
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
-from fl_app.task.data import ArrayDataset
-from fl_app.task.models import build_model
-from fl_app.task.torch_helpers import get_weights
 from strategies.ali_dpfl import ALIDPFL, next_local_steps, optimal_local_steps
 from tests.independent_accountant import dp_accounting_epsilons
 

@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md hold in the code, and the project stands on its own.
 
-- the neutral core (fl_app.privacy, fl_app.task) imports no strategy, client or app module;
+- the neutral core (dpcore.privacy, dpcore.task) imports no strategy, client or app module;
 - no module under clients/ imports a server strategy, and no strategy imports a client;
 - no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one);
 - no file of the project points outside the repository;
@@ -26,7 +26,7 @@ EDGES = import_edges()
 
 def test_the_graph_sees_the_known_imports():
     assert ("strategies.dp_fedavg", "strategies.round_loop", False) in EDGES
-    assert ("clients.base", "fl_app.privacy.mechanisms", False) in EDGES
+    assert ("clients.base", "dpcore.privacy.mechanisms", False) in EDGES
     assert ("fl_app.algorithms", "clients.dpsgd", True) in EDGES  # lazy: only DP-SGD needs Opacus
     assert len(EDGES) > 60
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord
 
+from dpcore.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
 from strategies.dp_fedavg import DPFedAvg
 from strategies.wavelet import DPFedAvgWavelet
 from tests.stub_clients import stub_app, zero_update

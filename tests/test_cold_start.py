@@ -8,12 +8,12 @@ import sys
 
 import numpy as np
 
-from fl_app.task import data
+from dpcore.task import data
 
 PROBE = """
 import sys, json
 import fl_app.client_app
-from fl_app.task.data import load_partition
+from dpcore.task.data import load_partition
 train, test = load_partition("mnist-embedded", 3, 50, "dirichlet", alpha=0.5, seed=42)
 print(json.dumps({"n": len(train), "loaded": [m for m in ("opacus", "flwr_datasets", "datasets") if m in sys.modules]}))
 """
@@ -84,7 +84,7 @@ from flwr.app import Context, RecordDict
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.server_app import shared_weights
-from fl_app.task.torch_helpers import get_weights
+from dpcore.task.torch_helpers import get_weights
 out = {}
 for algorithm in ("dp-fedsam", "dp2-fedsam"):
     cfg = validate({"algorithm": algorithm, "local-steps": 2})
@@ -151,7 +151,7 @@ print(json.dumps({"before": before, "after": after}))
 
 def test_a_run_puts_numpy_blas_on_one_thread(tmp_path):
     """OpenBLAS' worker threads busy-wait after each call and, on a loaded machine, take the core training needs
-    (fl_app.task.threads): the ServerApp and every ClientApp call limit it to one thread."""
+    (dpcore.task.threads): the ServerApp and every ClientApp call limit it to one thread."""
     code = BLAS_THREADS.replace("RESULTS", repr(str(tmp_path / "run")))
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_NUM_THREADS": "2",

@@ -6,8 +6,8 @@ import math
 import random
 import time
 
+from dpcore.privacy.ledger import epsilon_of
 from fl_app.config import SPEC, ConfigError, validate
-from fl_app.privacy.ledger import epsilon_of
 
 CONFIGS = 1200
 WEIRD = [float("inf"), -float("inf"), float("nan"), 1e-310, 1e308, -1.0, 0, 1, 10**400, 2**63, True, "x",

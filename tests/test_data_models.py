@@ -12,9 +12,9 @@ import torch
 from opacus import GradSampleModule
 from opacus.validators import ModuleValidator
 
-from fl_app.task import data
-from fl_app.task.data import dataset_info, load_dataset, load_partition, partition_indices
-from fl_app.task.models import MODELS, build_model, count_parameters, head_parameter_names
+from dpcore.task import data
+from dpcore.task.data import dataset_info, load_dataset, load_partition, partition_indices
+from dpcore.task.models import MODELS, build_model, count_parameters, head_parameter_names
 
 torch.set_num_threads(1)
 
@@ -26,7 +26,7 @@ MNIST_DIR = Path(os.environ.get("DPFL_MNIST_DIR", "") or "/nonexistent-dpfl-mnis
 @pytest.fixture
 def fresh_cache(monkeypatch, tmp_path_factory):
     """Empty dataset and partition caches for a test that fakes a source; the real caches stay as they are
-    (in memory and on disk: the decoded arrays are cached on disk too, fl_app.task.mapped)."""
+    (in memory and on disk: the decoded arrays are cached on disk too, dpcore.task.mapped)."""
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path_factory.mktemp("fresh-cache")))
     for cached in ("_load_dataset", "_dataset_partitions"):
         monkeypatch.setattr(data, cached, functools.lru_cache(getattr(data, cached).__wrapped__))
@@ -275,7 +275,7 @@ def test_head_prefix():
 def test_validation_split_is_held_out_from_every_client():
     """validation-fraction 0.1: the server's validation set is 10% of the pool, no client partition touches it,
     and the partitions cover the rest exactly once."""
-    from fl_app.task.data import _dataset_partitions, load_validation, validation_split
+    from dpcore.task.data import _dataset_partitions, load_validation, validation_split
 
     pool, _ = load_dataset("digits")
     clients, held = validation_split(len(pool), 0.1)

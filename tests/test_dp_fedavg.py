@@ -8,10 +8,10 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.mechanisms import flatten
+from dpcore.task.torch_helpers import get_weights
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.ledger import epsilon_of
-from fl_app.privacy.mechanisms import flatten
-from fl_app.task.torch_helpers import get_weights
 from strategies.dp_fedavg import DPFedAvg
 from tests.stub_clients import stub_app, zero_update
 
@@ -197,7 +197,7 @@ def test_regenerating_the_noise_from_the_seed_recovers_nothing_by_default(secure
     and subtract it. With the default (OS entropy) the residual is the full noise; seeded noise
     (secure_rng=False, which the summary marks as no guarantee) gives the clipped update away."""
     from clients.base import TrainingClient
-    from fl_app.privacy.mechanisms import clip_to_norm, gaussian_noise, make_rng
+    from dpcore.privacy.mechanisms import clip_to_norm, gaussian_noise, make_rng
 
     update = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
     client = TrainingClient(torch.nn.Linear(2, 2), [], [], seed=42, partition_id=3, secure_rng=secure_rng)

@@ -8,12 +8,9 @@ import torch
 from flwr.app import RecordDict
 
 from clients.dpsgd import DPSGDClient, dpsgd_steps
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.dpsgd_noise import dpsgd_multipliers, max_local_steps
-from fl_app.privacy.ledger import epsilon_of
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy.dpsgd_noise import dpsgd_multipliers, max_local_steps
+from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.mechanisms import (
     coefficient_clipping_noise_multiplier,
     flatten,
     haar_coefficient_norm,
@@ -24,8 +21,11 @@ from fl_app.privacy.mechanisms import (
     haar_weights,
     make_rng,
 )
+from dpcore.task.torch_helpers import get_weights
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
-from fl_app.task.torch_helpers import get_weights
 from tests.test_ali_dpfl import tensors, tiny_data, tiny_model
 
 torch.set_num_threads(1)

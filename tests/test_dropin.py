@@ -16,9 +16,9 @@ from flwr.server.workflow import DefaultWorkflow
 from sklearn.datasets import load_digits
 
 from clients.mods import make_dp_privatize_mod, uniform_weight_mod
+from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.mechanisms import flatten
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.ledger import epsilon_of
-from fl_app.privacy.mechanisms import flatten
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg

@@ -359,7 +359,7 @@ def mnist_folder(folder: Path, train: int = 20, test: int = 10, train_labels: in
 
 
 def data_error(folder: Path) -> str:
-    from fl_app.task.data import DataFileError, load_dataset
+    from dpcore.task.data import DataFileError, load_dataset
 
     with pytest.raises(DataFileError) as err:
         load_dataset("mnist", str(folder))
@@ -368,7 +368,7 @@ def data_error(folder: Path) -> str:
 
 
 def test_good_idx_files_load(tmp_path):
-    from fl_app.task.data import load_dataset
+    from dpcore.task.data import load_dataset
 
     pool, test = load_dataset("mnist", str(mnist_folder(tmp_path / "mnist")))
     assert (len(pool), len(test), pool.x.shape[1:]) == (20, 10, (1, 28, 28))
@@ -422,7 +422,7 @@ def test_a_corrupted_cache_file_is_rebuilt_with_a_warning_naming_it(tmp_path, mo
 
     import numpy as np
 
-    from fl_app.task import data
+    from dpcore.task import data
 
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     x, y = data._embedded_images("digits")
@@ -443,7 +443,7 @@ def test_a_full_disk_leaves_no_half_written_cache_file(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from fl_app.task import data
+    from dpcore.task import data
 
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
 

@@ -10,9 +10,9 @@ import pytest
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.mechanisms import flatten
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.ledger import epsilon_of
-from fl_app.privacy.mechanisms import flatten
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 

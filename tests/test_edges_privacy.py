@@ -267,7 +267,7 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     import dp_accounting
     from dp_accounting import pld
 
-    from fl_app.privacy.ledger import ClientLevelLedger
+    from dpcore.privacy.ledger import ClientLevelLedger
 
     ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True,
                                client_sampling=sampling)
@@ -288,7 +288,7 @@ def test_secagg_refuses_a_sum_above_what_honest_clients_can_produce():
     from flwr.app import ArrayRecord
     from flwr.common import Code, FitRes, Status, parameters_to_ndarrays
 
-    from fl_app.privacy.mechanisms import flatten, l2_norm
+    from dpcore.privacy.mechanisms import flatten, l2_norm
 
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=0.0, noise_placement="distributed")
     strategy = SecAggPlusDPFedAvg(dp)

@@ -10,8 +10,8 @@ import pytest
 from dp_accounting import pld, rdp
 from flwr.app import Array, ArrayRecord
 
+from dpcore.privacy.ledger import ClientLevelLedger
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.ledger import ClientLevelLedger
 from strategies import DifferentialPrivacy
 from tests.test_accounting import worst_pair_lower_bound
 from tests.test_wrapper import weights_client

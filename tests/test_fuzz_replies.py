@@ -15,8 +15,8 @@ import pytest
 from flwr.app import ArrayRecord, Error, MetricRecord, RecordDict
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
 
-from fl_app.privacy import protocol as keys
-from fl_app.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg, reply_message

@@ -1,7 +1,7 @@
 """The ServerApp log (`flwr log`): one parseable line per round, printed once, and a final `Finished:` line.
 
 Each run is a plain Python process (what a user runs, and where the bug showed): Opacus' import used to give
-the root logger a handler, so every Flower line was printed twice (fl_app/task/opacus_import.py).
+the root logger a handler, so every Flower line was printed twice (dpcore/task/opacus_import.py).
 """
 
 import json
@@ -85,7 +85,7 @@ def test_the_line_format_reads_back():
 OPACUS_ROOT_HANDLERS = """
 import logging, sys
 if sys.argv[1] == "guarded":
-    from fl_app.task.opacus_import import import_opacus
+    from dpcore.task.opacus_import import import_opacus
     import_opacus()
 import opacus
 print(len(logging.getLogger().handlers))

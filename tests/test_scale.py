@@ -7,10 +7,10 @@ import warnings
 import numpy as np
 import torch
 
-from fl_app.task.data import ArrayDataset, load_dataset, load_partition
-from fl_app.task.mapped import memory_mapped
-from fl_app.task.models import build_model
-from fl_app.task.torch_helpers import as_tensors, evaluate_model
+from dpcore.task.data import ArrayDataset, load_dataset, load_partition
+from dpcore.task.mapped import memory_mapped
+from dpcore.task.models import build_model
+from dpcore.task.torch_helpers import as_tensors, evaluate_model
 
 
 # ---------------------------------------------------------------- memory-mapped datasets

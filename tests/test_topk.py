@@ -8,10 +8,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
-from fl_app.privacy.mechanisms import (
+from dpcore.privacy.mechanisms import (
     flatten,
     sparse_decode,
     sparse_encode,
@@ -19,9 +16,12 @@ from fl_app.privacy.mechanisms import (
     topk_mask,
     topk_sparsify,
 )
+from dpcore.task.torch_helpers import get_weights
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import build_global_model, build_strategy, run_federated
-from fl_app.task.torch_helpers import get_weights
 from strategies.topk import DPFedSAMTopK, payload_bytes
 from tests.stub_clients import stub_app
 
@@ -277,7 +277,7 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
     """Exact zeros in the released aggregate when `present` of m = 5 sampled clients' uploads arrive."""
     from flwr.app import Error, MetricRecord, RecordDict
 
-    from fl_app.privacy import protocol as keys
+    from dpcore.privacy import protocol as keys
     from strategies.legacy import reply_message
 
     # The server's noise is seeded, one stream per trial (the trial is the round): numpy's float32 normals are

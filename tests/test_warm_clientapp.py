@@ -80,7 +80,7 @@ def test_a_forked_task_imports_fl_app_from_the_runs_fab_not_the_executors(tmp_pa
 
 def test_executor_preloads_libraries_only():
     """Only libraries are preloaded: nothing of this repository (the FAB's copy is what a task runs)."""
-    assert set(clientapp_executor.PROJECT_PACKAGES) == {"fl_app", "clients", "strategies"}
+    assert set(clientapp_executor.PROJECT_PACKAGES) == {"dpcore", "fl_app", "clients", "strategies"}
     assert not [m for m in clientapp_executor.PRELOAD if m.split(".")[0] in clientapp_executor.PROJECT_PACKAGES]
 
 

@@ -9,8 +9,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
 from clients.mods import make_dp_privatize_mod
+from dpcore.privacy import protocol as keys
 from fl_app.inprocess import InProcessGrid
-from fl_app.privacy import protocol as keys
 from strategies import DifferentialPrivacy
 from strategies.round_loop import reply_message
 

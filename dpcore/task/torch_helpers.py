@@ -2,7 +2,7 @@
 evaluation, the loss gradient (ALI-DPFL's mu), and Opacus' layer fixes (imported lazily:
 only DP-SGD needs Opacus).
 
-Models may live on any device and in any memory layout (`fl_app.task.device`): weights come out as
+Models may live on any device and in any memory layout (`dpcore.task.device`): weights come out as
 C-contiguous CPU numpy arrays in state_dict order, and evaluation moves each batch to the model's device.
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fl_app.task.device import model_device
-from fl_app.task.opacus_import import import_opacus
+from dpcore.task.device import model_device
+from dpcore.task.opacus_import import import_opacus
 
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:

@@ -3,7 +3,7 @@
 `device` is `auto` (CUDA when torch sees a CUDA device, else the CPU), `cpu`, `cuda` (torch's current CUDA
 device) or `cuda:N`. `device_problem` says why a value cannot be used in this process (the run config is
 checked with it at start-up); `resolve_device` turns a value into a `torch.device`. Models train and evaluate
-there; what goes on the wire stays CPU numpy arrays (`fl_app.task.torch_helpers.get_weights`).
+there; what goes on the wire stays CPU numpy arrays (`dpcore.task.torch_helpers.get_weights`).
 
 channels_last: on the CPU, convolutions of the MNIST and CIFAR CNNs run faster with the model and the
 input in torch's channels_last memory format (`python -m benchmarks.channels_last` measures the ratio per

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fl_app.task.opacus_import import import_opacus
+from dpcore.task.opacus_import import import_opacus
 
 DEFAULT_ACCOUNTANT = "pld"
 MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)

@@ -151,7 +151,7 @@ def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayData
 
 @functools.lru_cache(maxsize=4)
 def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
-    """Decoded once into the cache, then memory-mapped (fl_app.task.mapped): a process holds only what it reads."""
+    """Decoded once into the cache, then memory-mapped (dpcore.task.mapped): a process holds only what it reads."""
     spec_digest = hashlib.sha256(repr(_SPECS[name]).encode()).hexdigest()[:8]
     folder = cache_dir() / f"normalized-{source_digest(name, data_dir)}-{spec_digest}"
     return memory_mapped(folder, lambda: _decode_dataset(name, data_dir), ArrayDataset)
@@ -610,5 +610,5 @@ def load_partition(name: str, partition_id: int, num_partitions: int, partitione
     idx = np.random.default_rng([seed, partition_id]).permutation(idx)
     n_test = max(1, len(idx) // 10) if len(idx) >= 2 else 0
     train, test = pool.subset(idx[n_test:]), pool.subset(idx[:n_test])
-    release_pages(pool.x)  # copies taken: the pool's pages leave this process (fl_app.task.mapped)
+    release_pages(pool.x)  # copies taken: the pool's pages leave this process (dpcore.task.mapped)
     return train, test
