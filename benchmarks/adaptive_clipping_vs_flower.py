@@ -16,41 +16,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping, FedAvg
 
-from dpcore.task.data import load_dataset
-from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
 from fl_app.client_app import app as our_client_app
-from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics, read_rounds
-from fl_app.server_app import build_global_model, run_federated
+from fl_app.server_app import run_federated
+
+from .flower_side import timed_run, weights_client_app
 
 JOB = {"algorithm": "dp-fedavg", "dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 5,
        "batch-size": 16, "sample-rate": 1.0, "noise-placement": "central", "clipping-norm": 0.1,
        "noise-multiplier": 1.0, "adaptive-clipping": True, "target-quantile": 0.5, "clip-learning-rate": 0.2,
        "clip-count-noise-multiplier": 2.0, "delta": 1e-5, "secure-rng": False, "seed": 7, "tensorboard": False}
-
-
-flower_client_app = ClientApp()
-
-
-@flower_client_app.train()
-def flower_train(msg: Message, context: Context) -> Message:
-    """Local SGD with our TrainingClient; reply with the new weights (the server-side wrapper clips)."""
-    torch.set_num_threads(1)
-    client = build_client(context)
-    set_weights(client.model, msg.content["arrays"].to_numpy_ndarrays())
-    loss, _ = client.train(dict(msg.content["config"]))
-    return Message(RecordDict({"arrays": ArrayRecord(get_weights(client.model)),
-                               "metrics": MetricRecord({"num-examples": 1, "train-loss": loss})}), reply_to=msg)
 
 
 def flower_run(cfg: dict, clients: int) -> dict:
@@ -60,21 +42,8 @@ def flower_run(cfg: dict, clients: int) -> dict:
         noise_multiplier=cfg["noise-multiplier"], num_sampled_clients=clients,
         initial_clipping_norm=cfg["clipping-norm"], target_clipped_quantile=cfg["target-quantile"],
         clip_norm_lr=cfg["clip-learning-rate"], clipped_count_stddev=cfg["clip-count-noise-multiplier"])
-    model = build_global_model(cfg)
-    _, testset = load_dataset(cfg["dataset"], cfg["data-dir"])
-    marks, accuracies = [], []
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        set_weights(model, arrays.to_numpy_ndarrays())
-        loss, accuracy = evaluate_model(model, testset)
-        marks.append(time.perf_counter())
-        accuracies.append(accuracy)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
-
-    strategy.start(InProcessGrid(flower_client_app, clients, cfg), ArrayRecord(get_weights(model)),
-                   num_rounds=cfg["num-rounds"], evaluate_fn=evaluate_fn)
-    return {"seconds": [b - a for a, b in zip(marks, marks[1:])], "accuracy": accuracies[-1],
-            "clipping_norm": strategy.clipping_norm, "epsilon": None}
+    seconds, accuracies = timed_run(strategy, cfg, clients, weights_client_app())  # the wrapper clips
+    return {"seconds": seconds, "accuracy": accuracies[-1], "clipping_norm": strategy.clipping_norm, "epsilon": None}
 
 
 def our_run(cfg: dict, clients: int) -> dict:

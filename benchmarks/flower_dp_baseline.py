@@ -20,40 +20,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
-from dpcore.task.data import load_dataset
-from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
 from fl_app.client_app import app as our_client_app
-from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_rounds
-from fl_app.server_app import build_global_model, run_federated
+from fl_app.server_app import run_federated
+
+from .flower_side import timed_run, weights_client_app
 
 JOB = {"algorithm": "dp-fedavg", "noise-placement": "central", "clipping-norm": 0.5, "noise-multiplier": 1.0,
        "delta": 1e-5, "tensorboard": False}  # both accountants at the same delta
-
-flower_client_app = ClientApp()
-
-
-@flower_client_app.train(mods=[fixedclipping_mod])
-def flower_train(msg: Message, context: Context) -> Message:
-    """Local SGD with our TrainingClient; reply with the new weights (fixedclipping_mod clips the update)."""
-    torch.set_num_threads(1)
-    client = build_client(context)
-    set_weights(client.model, msg.content["arrays"].to_numpy_ndarrays())
-    loss, _ = client.train(dict(msg.content["config"]))
-    return Message(RecordDict({"arrays": ArrayRecord(get_weights(client.model)),
-                               "metrics": MetricRecord({"num-examples": 1, "train-loss": loss})}), reply_to=msg)
-
 
 def flower_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, float]:
     """(seconds per round, clients per round, epsilon, delta) of Flower's DP-FedAvg."""
@@ -66,21 +48,9 @@ def flower_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, 
                min_available_nodes=clients),
         noise_multiplier=cfg["noise-multiplier"], clipping_norm=cfg["clipping-norm"], num_sampled_clients=sampled,
         accountant=accountant)
-    model = build_global_model(cfg)
-    _, testset = load_dataset(cfg["dataset"], cfg["data-dir"])
-    marks, accuracies = [], []
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:  # the same server evaluation as ours
-        set_weights(model, arrays.to_numpy_ndarrays())
-        loss, accuracy = evaluate_model(model, testset)
-        marks.append(time.perf_counter())
-        accuracies.append(accuracy)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
-
-    strategy.start(InProcessGrid(flower_client_app, clients, cfg), ArrayRecord(get_weights(model)),
-                   num_rounds=cfg["num-rounds"], evaluate_fn=evaluate_fn)
+    # the same server evaluation as ours; fixedclipping_mod on train clips the update on the client
+    seconds, accuracies = timed_run(strategy, cfg, clients, weights_client_app([fixedclipping_mod]))
     spent = strategy.privacy_spent()
-    seconds = [b - a for a, b in zip(marks, marks[1:])]
     return seconds, [sampled] * len(seconds), spent.epsilon, spent.delta, accuracies[-1]
 
 

@@ -15,36 +15,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
-from dpcore.task.data import load_dataset
-from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
-from fl_app.client_app import build_client
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
-from fl_app.server_app import build_global_model
 from strategies import DifferentialPrivacy
 
+from .flower_side import timed_run, weights_client_app
+
 C, SIGMA = 0.5, 1.0
-weights_client = ClientApp()
-
-
-@weights_client.train()
-def train(msg: Message, context: Context) -> Message:
-    """Local SGD with our TrainingClient; reply with the new weights, unmodified."""
-    torch.set_num_threads(1)
-    client = build_client(context)
-    set_weights(client.model, msg.content["arrays"].to_numpy_ndarrays())
-    client.train(dict(msg.content["config"]))
-    return Message(RecordDict({"arrays": ArrayRecord(get_weights(client.model)),
-                               "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
-
-
 def strategies(clients: int) -> dict:
     return {
         "flower": lambda: DifferentialPrivacyServerSideFixedClipping(
@@ -57,21 +37,9 @@ def strategies(clients: int) -> dict:
 
 
 def run(make, cfg: dict, clients: int) -> tuple[list[float], float]:
-    """(seconds of rounds 2.., final accuracy) of one run."""
-    model = build_global_model(cfg)
-    _, testset = load_dataset(cfg["dataset"], cfg["data-dir"])
-    marks, accuracies = [], []
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        set_weights(model, arrays.to_numpy_ndarrays())
-        loss, accuracy = evaluate_model(model, testset)
-        marks.append(time.perf_counter())
-        accuracies.append(accuracy)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
-
-    make().start(InProcessGrid(weights_client, clients, cfg), ArrayRecord(get_weights(model)),
-                 num_rounds=cfg["num-rounds"], evaluate_fn=evaluate_fn)
-    return [b - a for a, b in zip(marks[1:], marks[2:])], accuracies[-1]
+    """(seconds of rounds 2.., final accuracy) of one run; clients reply with weights, unmodified."""
+    seconds, accuracies = timed_run(make(), cfg, clients, weights_client_app())
+    return seconds[1:], accuracies[-1]
 
 
 def main() -> None:
