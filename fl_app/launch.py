@@ -455,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_ray_head(head)  # first, as a group (its agents, signalled one by one by stop(), linger 20 s)
         stop(proc, env["FLWR_HOME"])
         release_watchdog(guard)
+        shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)  # its SuperLink's state (about 3 MB): gone with it
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
         d = json.loads((run_dir / "diagnostics-summary.json").read_text())

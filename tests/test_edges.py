@@ -516,6 +516,7 @@ def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
 
     first = launch("-c", "num-rounds=1 dataset='digits' model='mlp' partitioner='iid' local-steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert list(results.glob(".flwr-home-*")) == []  # the launch's private FLWR_HOME goes with its SuperLink
     [run] = results.glob("*-dp")
     resumed = launch("--resume", str(run), "-c", "num-rounds=2")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
