@@ -514,7 +514,7 @@ def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
         return subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
                                *argv], cwd=ROOT, capture_output=True, text=True, timeout=400)
 
-    first = launch("-c", "num-rounds=1 dataset='digits' model='mlp' partitioner='iid' local-steps=2")
+    first = launch("-c", "num-rounds=1 sample-rate=1.0 dataset='digits' model='mlp' partitioner='iid' local-steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert list(results.glob(".flwr-home-*")) == []  # the launch's private FLWR_HOME goes with its SuperLink
     [run] = results.glob("*-dp")
