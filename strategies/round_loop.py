@@ -160,6 +160,8 @@ class DPRoundLoop(Strategy):
         self.num_rounds = 0
         self.current_arrays: ArrayRecord | None = None  # the global arrays of the round in flight
         self.latest_arrays: ArrayRecord | None = None  # the global arrays after the last completed round
+        self.round_global: list[np.ndarray] = []  # the current arrays, decoded (begin_round)
+        self.round_global_vector = np.zeros(0, np.float32)  # their floating-point part, flat
         self.float_positions: list[int] = []  # which of the current arrays DP trains and noises (floating point)
 
     # ------------------------------------------------------------------ the wrapped strategy's keys
@@ -248,15 +250,16 @@ class DPRoundLoop(Strategy):
     def begin_round(self, arrays: ArrayRecord) -> None:
         """The global arrays that this round's updates are measured against (a new round: no problems yet)."""
         self.current_arrays = arrays
-        self.float_positions = float_indices(arrays.to_numpy_ndarrays())
+        self.round_global = arrays.to_numpy_ndarrays()  # decoded once a round, not once per reply
+        self.float_positions = float_indices(self.round_global)
+        self.round_global_vector = flatten(self.global_arrays())  # what a weights reply's update is taken from
         self.round_problems = []
         self.round_nodes = None
 
     def global_arrays(self) -> list[np.ndarray]:
         """The floating-point arrays of the round's global model: what DP trains, clips and noises."""
         assert self.current_arrays is not None
-        everything = self.current_arrays.to_numpy_ndarrays()
-        return [everything[i] for i in self.float_positions]
+        return [self.round_global[i] for i in self.float_positions]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -288,7 +291,8 @@ class DPRoundLoop(Strategy):
         FedAdam steps on w' - w. Keys, order, shapes and dtypes are those the server sent; other arrays come
         back unchanged."""
         assert self.current_arrays is not None
-        proposal = conform(self.current_arrays, self.float_positions, new_global)
+        names = list(self.current_arrays.keys())
+        proposal = conform(names, self.round_global, self.float_positions, new_global)
         reply = reply_message(0, RecordDict({self.arrayrecord_key: proposal,
                                              "metrics": MetricRecord({self.weighted_by_key: 1})}))
         with quiet_flower_info():
@@ -297,11 +301,11 @@ class DPRoundLoop(Strategy):
             return proposal, metrics
         returned = [arrays[k].numpy() for k in arrays.keys()]
         if list(arrays.keys()) != list(proposal.keys()) or \
-                [a.shape for a in returned] != [a.shape for a in proposal.to_numpy_ndarrays()]:
+                [a.shape for a in returned] != [a.shape for a in self.round_global]:
             log(WARNING, "Round %d: %s returned arrays that do not match the model; the DP average is kept",
                 server_round, type(self.strategy).__name__)
             return proposal, metrics
-        return conform(self.current_arrays, self.float_positions,
+        return conform(names, self.round_global, self.float_positions,
                        flatten([returned[i] for i in self.float_positions])), metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -339,7 +343,7 @@ class DPRoundLoop(Strategy):
         """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used)."""
         assert self.current_arrays is not None
         arrays, is_update = self.decode_update(content)
-        everything = self.current_arrays.to_numpy_ndarrays()
+        everything = self.round_global
         if len(arrays) != len(everything):
             return None, f"expected {len(everything)} arrays, got {len(arrays)}"
         if not is_update and self.needs_marked_updates():
@@ -353,7 +357,7 @@ class DPRoundLoop(Strategy):
         if problem:
             return None, problem
         vector = flatten(floats)
-        return (vector if is_update else vector - flatten(global_floats)), None
+        return (vector if is_update else vector - self.round_global_vector), None
 
     def needs_marked_updates(self) -> bool:
         """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
@@ -656,11 +660,10 @@ def pick(rng: np.random.Generator, node_ids: list[int], k: int) -> list[int]:
     return sorted(node_ids[i] for i in rng.choice(len(node_ids), size=k, replace=False))
 
 
-def conform(template: ArrayRecord, positions: list[int], vector: np.ndarray) -> ArrayRecord:
-    """`template` with the arrays at `positions` replaced by consecutive slices of `vector`, in their own dtype:
-    same keys in the same order, same shapes and dtypes."""
-    names = list(template.keys())
-    everything = template.to_numpy_ndarrays()
+def conform(names: list[str], template: list[np.ndarray], positions: list[int], vector: np.ndarray) -> ArrayRecord:
+    """The arrays `template` (named `names`) with those at `positions` replaced by consecutive slices of `vector`,
+    in their own dtype: same keys in the same order, same shapes and dtypes."""
+    everything = list(template)
     parts = unflatten(np.asarray(vector), [everything[i].shape for i in positions])
     for i, part in zip(positions, parts):
         everything[i] = part.astype(everything[i].dtype, copy=False)
