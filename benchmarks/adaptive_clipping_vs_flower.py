@@ -26,6 +26,7 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import run_federated
+from fl_app.settings import Settings
 
 from .flower_side import timed_run, weights_client_app
 
@@ -35,18 +36,18 @@ JOB = {"algorithm": "dp-fedavg", "dataset": "digits", "model": "mlp", "partition
        "clip-count-noise-multiplier": 2.0, "delta": 1e-5, "secure-rng": False, "seed": 7, "tensorboard": False}
 
 
-def flower_run(cfg: dict, clients: int) -> dict:
-    np.random.seed(cfg["seed"])  # Flower draws its noise from numpy's global generator
+def flower_run(cfg: Settings, clients: int) -> dict:
+    np.random.seed(cfg.run.seed)  # Flower draws its noise from numpy's global generator
     strategy = DifferentialPrivacyServerSideAdaptiveClipping(
         FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients),
-        noise_multiplier=cfg["noise-multiplier"], num_sampled_clients=clients,
-        initial_clipping_norm=cfg["clipping-norm"], target_clipped_quantile=cfg["target-quantile"],
-        clip_norm_lr=cfg["clip-learning-rate"], clipped_count_stddev=cfg["clip-count-noise-multiplier"])
+        noise_multiplier=cfg.privacy.noise_multiplier, num_sampled_clients=clients,
+        initial_clipping_norm=cfg.privacy.clipping_norm, target_clipped_quantile=cfg.adaptive_clipping.target_quantile,
+        clip_norm_lr=cfg.adaptive_clipping.learning_rate, clipped_count_stddev=cfg.adaptive_clipping.count_noise_multiplier)
     seconds, accuracies = timed_run(strategy, cfg, clients, weights_client_app())  # the wrapper clips
     return {"seconds": seconds, "accuracy": accuracies[-1], "clipping_norm": strategy.clipping_norm, "epsilon": None}
 
 
-def our_run(cfg: dict, clients: int) -> dict:
+def our_run(cfg: Settings, clients: int) -> dict:
     summary = run_federated(InProcessGrid(our_client_app, clients, cfg), cfg)
     rounds = read_metrics(summary["results_dir"])
     return {"seconds": [r["seconds"] for r in read_rounds(summary["results_dir"])],

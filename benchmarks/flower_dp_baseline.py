@@ -31,22 +31,23 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_rounds
 from fl_app.server_app import run_federated
+from fl_app.settings import Settings
 
 from .flower_side import timed_run, weights_client_app
 
 JOB = {"algorithm": "dp-fedavg", "noise-placement": "central", "clipping-norm": 0.5, "noise-multiplier": 1.0,
        "delta": 1e-5, "tensorboard": False}  # both accountants at the same delta
 
-def flower_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, float]:
+def flower_run(cfg: Settings, clients: int) -> tuple[list[float], list[int], float, float]:
     """(seconds per round, clients per round, epsilon, delta) of Flower's DP-FedAvg."""
-    sampled = max(1, int(clients * cfg["sample-rate"]))
+    sampled = max(1, int(clients * cfg.federation.sample_rate))
     accountant = RdpAccountant(PrivacyConfig(
-        target_delta=cfg["delta"], population_size=clients, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        target_delta=cfg.privacy.delta, population_size=clients, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
         sampling_method=SamplingMethod.NO_AMPLIFICATION))
     strategy = DifferentialPrivacyClientSideFixedClipping(
-        FedAvg(fraction_train=cfg["sample-rate"], fraction_evaluate=0.0, min_train_nodes=sampled,
+        FedAvg(fraction_train=cfg.federation.sample_rate, fraction_evaluate=0.0, min_train_nodes=sampled,
                min_available_nodes=clients),
-        noise_multiplier=cfg["noise-multiplier"], clipping_norm=cfg["clipping-norm"], num_sampled_clients=sampled,
+        noise_multiplier=cfg.privacy.noise_multiplier, clipping_norm=cfg.privacy.clipping_norm, num_sampled_clients=sampled,
         accountant=accountant)
     # the same server evaluation as ours; fixedclipping_mod on train clips the update on the client
     seconds, accuracies = timed_run(strategy, cfg, clients, weights_client_app([fixedclipping_mod]))
@@ -54,7 +55,7 @@ def flower_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, 
     return seconds, [sampled] * len(seconds), spent.epsilon, spent.delta, accuracies[-1]
 
 
-def our_run(cfg: dict, clients: int) -> tuple[list[float], list[int], float, float, float]:
+def our_run(cfg: Settings, clients: int) -> tuple[list[float], list[int], float, float, float]:
     summary = run_federated(InProcessGrid(our_client_app, clients, cfg), cfg)
     rows = read_rounds(summary["results_dir"])  # seconds and clients are diagnostics
     return ([r["seconds"] for r in rows], [r["clients"] for r in rows], summary["epsilon"], summary["delta"],

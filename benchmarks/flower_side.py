@@ -15,6 +15,7 @@ from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
 from fl_app.client_app import build_client
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import build_global_model
+from fl_app.settings import Settings
 
 
 def weights_client_app(mods=()) -> ClientApp:
@@ -34,11 +35,11 @@ def weights_client_app(mods=()) -> ClientApp:
     return app
 
 
-def timed_run(strategy, cfg: dict, clients: int, client_app: ClientApp) -> tuple[list[float], list[float]]:
+def timed_run(strategy, cfg: Settings, clients: int, client_app: ClientApp) -> tuple[list[float], list[float]]:
     """(seconds between consecutive server evaluations, i.e. per round after the first; accuracy after each
     round) of `strategy.start` on an in-process grid of `clients` nodes, from the run config's model."""
     model = build_global_model(cfg)
-    _, testset = load_dataset(cfg["dataset"], cfg["data-dir"])
+    _, testset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     marks, accuracies = [], []
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -49,5 +50,5 @@ def timed_run(strategy, cfg: dict, clients: int, client_app: ClientApp) -> tuple
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     strategy.start(InProcessGrid(client_app, clients, cfg), ArrayRecord(get_weights(model)),
-                   num_rounds=cfg["num-rounds"], evaluate_fn=evaluate_fn)
+                   num_rounds=cfg.run.num_rounds, evaluate_fn=evaluate_fn)
     return [b - a for a, b in zip(marks, marks[1:])], accuracies

@@ -58,7 +58,7 @@ def main() -> None:
     cfg = validate({"algorithm": "dp2-fedsam", "model": args.model, "partitioner": "iid", "num-rounds": 1,
                     "sample-rate": 1.0, "local-steps": 1, "head-steps": 1, "batch-size": 4,
                     "head-prefix": args.head_prefix, "results-dir": str(out)})
-    load_partition(cfg["dataset"], 0, args.clients, cfg["partitioner"], seed=cfg["seed"])  # data and partitions
+    load_partition(cfg.data.dataset, 0, args.clients, cfg.data.partitioner, seed=cfg.run.seed)  # data and partitions
     grid = InProcessGrid(client_app, args.clients, cfg)
     grid.sent, grid.received = _Discard(), _Discard()
     before = rss_mib()

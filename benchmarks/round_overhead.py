@@ -31,9 +31,10 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_rounds
 from fl_app.server_app import run_federated
+from fl_app.settings import Settings
 
 
-def product_rounds(cfg: dict, clients: int) -> tuple[list[float], list[list[int]]]:
+def product_rounds(cfg: Settings, clients: int) -> tuple[list[float], list[list[int]]]:
     """Seconds of each round (from the run's diagnostics) and the partitions trained in each round."""
     trained: dict[int, list[int]] = {}
 
@@ -48,24 +49,24 @@ def product_rounds(cfg: dict, clients: int) -> tuple[list[float], list[list[int]
     return [r["seconds"] for r in rows], [trained[r["round"]] for r in rows]
 
 
-def partition_seconds(cfg: dict, clients: int, partition_id: int, seed: int) -> float:
+def partition_seconds(cfg: Settings, clients: int, partition_id: int, seed: int) -> float:
     """Seconds for one client's local SAM steps on its partition in a plain PyTorch loop (model, data and
     batches made here, no DP, no messages)."""
     t0 = time.perf_counter()
-    train, _ = load_partition(cfg["dataset"], partition_id, clients, cfg["partitioner"],
-                              alpha=cfg["dirichlet-alpha"], seed=cfg["seed"])
-    model = build_model(cfg["model"], train.x.shape[1:], train.num_classes, seed=cfg["seed"])
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight-decay"])
+    train, _ = load_partition(cfg.data.dataset, partition_id, clients, cfg.data.partitioner,
+                              alpha=cfg.data.dirichlet_alpha, seed=cfg.run.seed)
+    model = build_model(cfg.training.model, train.x.shape[1:], train.num_classes, seed=cfg.run.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.training.lr, momentum=cfg.training.momentum, weight_decay=cfg.training.weight_decay)
     x, y = torch.from_numpy(train.x), torch.from_numpy(train.y)
-    steps = cfg["local-epochs"] * -(-len(y) // cfg["batch-size"])
+    steps = cfg.training.local_epochs * -(-len(y) // cfg.training.batch_size)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        idx = torch.randint(0, len(y), (min(cfg["batch-size"], len(y)),), generator=g)
-        sam_step(model, torch.nn.functional.cross_entropy, x[idx], y[idx], opt, cfg["sam-rho"])
+        idx = torch.randint(0, len(y), (min(cfg.training.batch_size, len(y)),), generator=g)
+        sam_step(model, torch.nn.functional.cross_entropy, x[idx], y[idx], opt, cfg.training.sam_rho)
     return time.perf_counter() - t0
 
 
-def bare_rounds(cfg: dict, clients: int, rounds: list[list[int]]) -> list[float]:
+def bare_rounds(cfg: Settings, clients: int, rounds: list[list[int]]) -> list[float]:
     """For each round, the bare loop's seconds for that round's partitions, one after the other."""
     partition_seconds(cfg, clients, 0, seed=0)  # warm-up
     return [sum(partition_seconds(cfg, clients, pid, seed=r * 1000 + pid) for pid in partitions)
@@ -78,7 +79,7 @@ def steady_ratio(product: list[float], bare: list[float]) -> float:
     return statistics.median(p / b for p, b in zip(product[1:], bare[1:]))
 
 
-def expected_bare_loop_seconds(cfg: dict, clients: int, counts: list[int]) -> float:
+def expected_bare_loop_seconds(cfg: Settings, clients: int, counts: list[int]) -> float:
     """Median over rounds of count x the mean bare seconds of a partition (each timed once): the expected
     bare round for `count` clients drawn uniformly, where which clients trained is not known (`flwr run`)."""
     partition_seconds(cfg, clients, 0, seed=0)  # warm-up

@@ -20,6 +20,7 @@ import torch
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from fl_app.config import validate
+from fl_app.settings import Settings
 from strategies import DifferentialPrivacy
 
 from .flower_side import timed_run, weights_client_app
@@ -36,7 +37,7 @@ def strategies(clients: int) -> dict:
     }
 
 
-def run(make, cfg: dict, clients: int) -> tuple[list[float], float]:
+def run(make, cfg: Settings, clients: int) -> tuple[list[float], float]:
     """(seconds of rounds 2.., final accuracy) of one run; clients reply with weights, unmodified."""
     seconds, accuracies = timed_run(make(), cfg, clients, weights_client_app())
     return seconds[1:], accuracies[-1]

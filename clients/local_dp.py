@@ -28,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, default_client_delta
+from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger
 from dpcore.privacy.mechanisms import clip_and_noise, flatten, float_indices, make_rng, unflatten, update_problem
 
 STATE_KEY = "local-dp-ledger"  # the ConfigRecord in Context.state holding the client's ledger (JSON)
@@ -107,15 +107,4 @@ def make_local_dp_mod(clipping_norm: float, noise_multiplier: float, delta: floa
     return local_dp_mod
 
 
-def local_dp_mod_from_run_config(cfg: dict, context: Context) -> Mod | None:
-    """The app's route: `noise-placement = "local"` puts this mod on every client's train, with the run config's
-    clipping-norm, noise-multiplier and delta (0: min(1e-5, 0.01 / num-partitions)); None otherwise."""
-    if cfg.get("noise-placement") != "local":
-        return None
-    population = int(context.node_config.get("num-partitions", 1))
-    delta = cfg["delta"] or default_client_delta(population)
-    return make_local_dp_mod(cfg["clipping-norm"], cfg["noise-multiplier"], delta, cfg["accountant"],
-                             seed=None if cfg["secure-rng"] else int(cfg["seed"]))
-
-
-__all__ = ["local_dp_mod_from_run_config", "make_local_dp_mod"]
+__all__ = ["make_local_dp_mod"]

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context
 from flwr.client import NumPyClient
@@ -35,12 +35,15 @@ from strategies.round_loop import DPRoundLoop
 from strategies.topk import DPFedSAMTopK
 from strategies.wavelet import DPFedAvgWavelet
 
+if TYPE_CHECKING:
+    from fl_app.settings import Settings
+
 
 @dataclass(frozen=True)
 class ClientSetup:
-    """What every client builder gets: the validated config, the node's Context, its data and model."""
+    """What every client builder gets: the run's settings, the node's Context, its data and model."""
 
-    cfg: dict
+    settings: Settings
     context: Context
     partition_id: int
     trainset: Any
@@ -51,20 +54,30 @@ class ClientSetup:
         """The local-training settings every TrainingClient takes (device: dpcore.task.device)."""
         from dpcore.task.device import resolve_device, use_channels_last
 
-        cfg, device = self.cfg, resolve_device(self.cfg["device"])
-        return dict(batch_size=cfg["batch-size"], lr=cfg["lr"], momentum=cfg["momentum"],
-                    weight_decay=cfg["weight-decay"], local_epochs=cfg["local-epochs"],
-                    local_steps=cfg["local-steps"], partition_id=self.partition_id, seed=cfg["seed"],
-                    secure_rng=cfg["secure-rng"], lr_decay=cfg["lr-decay"], device=device,
-                    channels_last=use_channels_last(cfg["model"], device))
+        training, device = self.settings.training, resolve_device(self.settings.training.device)
+        return dict(batch_size=training.batch_size, lr=training.lr, momentum=training.momentum,
+                    weight_decay=training.weight_decay, local_epochs=training.local_epochs,
+                    local_steps=training.local_steps, partition_id=self.partition_id, seed=self.settings.run.seed,
+                    secure_rng=self.settings.privacy.secure_rng, lr_decay=training.lr_decay, device=device,
+                    channels_last=use_channels_last(training.model, device))
+
+
+def load_client_partition(s: Settings, partition_id: int, num_partitions: int) -> tuple[Any, Any]:
+    """(train, test) of one client: the run's data and partitioner (the ClientApp's, and the server's sizes)."""
+    from dpcore.task.data import load_partition
+
+    d = s.data
+    return load_partition(d.dataset, partition_id, num_partitions, d.partitioner, alpha=d.dirichlet_alpha,
+                          classes_per_client=d.classes_per_client, seed=s.run.seed, data_dir=d.data_dir,
+                          validation_fraction=d.validation_fraction)
 
 
 @dataclass(frozen=True)
 class Algorithm:
     """One algorithm of the product.
 
-    strategy_class, strategy_settings : the server strategy and its keyword arguments from a run
-        config (the round-loop ones are added by `strategy_kwargs`); `strategy_class.check_settings`
+    strategy_class, strategy_settings : the server strategy and its keyword arguments from the run's
+        Settings (the round-loop ones are added by `strategy_kwargs`); `strategy_class.check_settings`
         checks them.
     build_client : ClientSetup -> the NumPyClient that trains on a node.
     owned_keys : run-config keys that only this algorithm (and others listing them) may change.
@@ -74,13 +87,13 @@ class Algorithm:
     shares_body_only : the server holds and broadcasts the body; heads stay on the clients.
     opacus_model : the model is made Opacus-compatible (the server's copy too).
     secure_aggregation : can run under SecAgg+ (sums of dense client-level updates).
-    check_config : extra run-config rules of this algorithm (raise ValueError naming the key).
+    check_config : extra rules of this algorithm on the Settings (raise ValueError naming the key).
     """
 
     name: str
     description: str
     strategy_class: type[DPRoundLoop]
-    strategy_settings: Callable[[dict], dict]
+    strategy_settings: Callable[[Settings], dict]
     build_client: Callable[[ClientSetup], NumPyClient]
     owned_keys: tuple[str, ...] = ()
     unused_keys: dict[str, str | None] = field(default_factory=dict)
@@ -90,21 +103,21 @@ class Algorithm:
     shares_body_only: bool = False
     opacus_model: bool = False
     secure_aggregation: bool = False
-    check_config: Callable[[dict], None] | None = None
+    check_config: Callable[[Settings], None] | None = None
 
-    def strategy_kwargs(self, cfg: dict) -> dict:
-        """Every DP keyword argument of the strategy, from a validated run config (the wrapped Flower strategy
+    def strategy_kwargs(self, s: Settings) -> dict:
+        """Every DP keyword argument of the strategy, from the run's settings (the wrapped Flower strategy
         comes from `wrapped_strategy`)."""
-        fedavg_step = cfg["server-lr"] if cfg["server-strategy"] == "fedavg" else 1.0  # else the optimizer's eta
-        return dict(sample_rate=cfg["sample-rate"], client_sampling=cfg["client-sampling"],
-                    server_learning_rate=fedavg_step, delta=cfg["delta"], accountant=cfg["accountant"],
-                    target_epsilon=cfg["target-epsilon"], seed=cfg["seed"], secure_rng=cfg["secure-rng"],
-                    min_available_nodes=cfg["min-nodes"], publish_diagnostics=cfg["publish-diagnostics"],
-                    **self.strategy_settings(cfg))
+        fedavg_step = s.server.lr if s.server.strategy == "fedavg" else 1.0  # else the optimizer's eta
+        return dict(sample_rate=s.federation.sample_rate, client_sampling=s.federation.client_sampling,
+                    server_learning_rate=fedavg_step, delta=s.privacy.delta, accountant=s.privacy.accountant,
+                    target_epsilon=s.privacy.target_epsilon, seed=s.run.seed, secure_rng=s.privacy.secure_rng,
+                    min_available_nodes=s.federation.min_nodes,
+                    publish_diagnostics=s.output.publish_diagnostics, **self.strategy_settings(s))
 
-    def build_strategy(self, cfg: dict, **hooks) -> DPRoundLoop:
+    def build_strategy(self, s: Settings, **hooks) -> DPRoundLoop:
         """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`)."""
-        return self.strategy_class(wrapped_strategy(cfg), **self.strategy_kwargs(cfg), **hooks)
+        return self.strategy_class(wrapped_strategy(s), **self.strategy_kwargs(s), **hooks)
 
     def run_label(self, summary: dict) -> str:
         """How a run of this algorithm is labelled in plots and reports."""
@@ -118,60 +131,61 @@ class Algorithm:
 SERVER_STRATEGIES = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedavgm")
 
 
-def wrapped_strategy(cfg: dict) -> Strategy:
+def wrapped_strategy(s: Settings) -> Strategy:
     """The Flower strategy the DP wrapper runs around (`server-strategy`): its aggregation and server optimizer
     act on the privatized average. eta = server-lr for FedAdam/FedYogi/FedAdagrad (eta_l = lr, what clients
     use), FedAvgM's server_learning_rate = server-lr with momentum server-momentum; FedAvg: the wrapper's own
     step w + server-lr * average. Evaluation: fraction-evaluate of the clients."""
-    common = dict(fraction_train=1.0, fraction_evaluate=cfg["fraction-evaluate"], min_train_nodes=0,
-                  min_evaluate_nodes=0, min_available_nodes=cfg["min-nodes"])
-    name = cfg["server-strategy"]
+    common = dict(fraction_train=1.0, fraction_evaluate=s.federation.fraction_evaluate, min_train_nodes=0,
+                  min_evaluate_nodes=0, min_available_nodes=s.federation.min_nodes)
+    name = s.server.strategy
     if name in ("fedadam", "fedyogi", "fedadagrad"):
         optimizer = {"fedadam": FedAdam, "fedyogi": FedYogi, "fedadagrad": FedAdagrad}[name]
-        return optimizer(eta=cfg["server-lr"], eta_l=cfg["lr"], **common)
+        return optimizer(eta=s.server.lr, eta_l=s.training.lr, **common)
     if name == "fedavgm":
-        return FedAvgM(server_learning_rate=cfg["server-lr"], server_momentum=cfg["server-momentum"], **common)
+        return FedAvgM(server_learning_rate=s.server.lr, server_momentum=s.server.momentum, **common)
     return FedAvg(**common)
 
 
 # ---------------------------------------------------------------------------- strategy settings
-def adaptive_clipping(cfg: dict) -> AdaptiveClipping | None:
+def adaptive_clipping(s: Settings) -> AdaptiveClipping | None:
     """`adaptive-clipping = true`: the part the DP wrapper is composed with (docs/dp-toolbox.md §3)."""
-    if not cfg["adaptive-clipping"]:
+    if not s.adaptive_clipping.enabled:
         return None
-    return AdaptiveClipping(target_quantile=cfg["target-quantile"], learning_rate=cfg["clip-learning-rate"],
-                            count_noise_multiplier=cfg["clip-count-noise-multiplier"])
+    return AdaptiveClipping(target_quantile=s.adaptive_clipping.target_quantile,
+                            learning_rate=s.adaptive_clipping.learning_rate,
+                            count_noise_multiplier=s.adaptive_clipping.count_noise_multiplier)
 
 
-def client_level(cfg: dict) -> dict:
-    return dict(clipping_norm=cfg["clipping-norm"], noise_multiplier=cfg["noise-multiplier"],
-                noise_placement=cfg["noise-placement"], target_epsilon_mode=cfg["target-epsilon-mode"],
-                secure_aggregation=cfg["secure-aggregation"], audit_canaries=cfg["audit-canaries"],
-                audit_canary_kind=cfg["audit-canary-kind"], adaptive_clipping=adaptive_clipping(cfg))
+def client_level(s: Settings) -> dict:
+    return dict(clipping_norm=s.privacy.clipping_norm, noise_multiplier=s.privacy.noise_multiplier,
+                noise_placement=s.privacy.noise_placement, target_epsilon_mode=s.privacy.target_epsilon_mode,
+                secure_aggregation=s.secagg.enabled, audit_canaries=s.audit.canaries,
+                audit_canary_kind=s.audit.canary_kind, adaptive_clipping=adaptive_clipping(s))
 
 
-def ftrl_settings(cfg: dict) -> dict:
+def ftrl_settings(s: Settings) -> dict:
     """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise (the noise-placement default, distributed,
     does not apply: the tree is noised at the server) and the DPFTRL part."""
-    return {**client_level(cfg), "noise_placement": "central",
-            "ftrl": DPFTRL(epoch_rounds=cfg["ftrl-epoch-rounds"], momentum=cfg["ftrl-momentum"])}
+    return {**client_level(s), "noise_placement": "central",
+            "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum)}
 
 
-def topk_settings(cfg: dict) -> dict:
-    return {**client_level(cfg), "sparsity": cfg["sparsity"], "topk_mode": cfg["topk-mode"]}
+def topk_settings(s: Settings) -> dict:
+    return {**client_level(s), "sparsity": s.topk.sparsity, "topk_mode": s.topk.mode}
 
 
-def wavelet_settings(cfg: dict) -> dict:
-    return {**client_level(cfg), "wavelet_calibration": cfg["wavelet-calibration"]}
+def wavelet_settings(s: Settings) -> dict:
+    return {**client_level(s), "wavelet_calibration": s.wavelet.calibration}
 
 
-def dpsgd_settings(cfg: dict) -> dict:
-    return dict(batch_sample_rate=cfg["batch-sample-rate"], sample_noise_multiplier=cfg["sample-noise-multiplier"],
-                sample_clipping_norm=cfg["sample-clipping-norm"], adaptive=cfg["adaptive"],
-                local_steps=cfg["local-steps"], gamma=cfg["gamma"], mu_source=cfg["mu-source"],
-                mu_noise_multiplier=cfg["mu-noise-multiplier"], mu_max=cfg["mu-max"], dpsgd_noise=cfg["dpsgd-noise"],
-                wavelet_calibration=cfg["wavelet-calibration"], grad_sample_mode=cfg["grad-sample-mode"],
-                num_partitions=cfg["num-partitions"])
+def dpsgd_settings(s: Settings) -> dict:
+    d = s.dpsgd
+    return dict(batch_sample_rate=d.sample_rate, sample_noise_multiplier=d.noise_multiplier,
+                sample_clipping_norm=d.clipping_norm, adaptive=d.adaptive, local_steps=s.training.local_steps,
+                gamma=d.gamma, mu_source=d.mu_source, mu_noise_multiplier=d.mu_noise_multiplier, mu_max=d.mu_max,
+                dpsgd_noise=d.noise, wavelet_calibration=s.wavelet.calibration, grad_sample_mode=d.grad_sample_mode,
+                num_partitions=d.num_partitions)
 
 
 # ---------------------------------------------------------------------------- clients
@@ -184,13 +198,14 @@ def sgd_client(setup: ClientSetup) -> NumPyClient:
 def sam_client(setup: ClientSetup) -> NumPyClient:
     from clients.sam import SAMClient
 
-    return SAMClient(setup.model, setup.trainset, setup.testset, rho=setup.cfg["sam-rho"], **setup.training_kwargs())
+    return SAMClient(setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho,
+                     **setup.training_kwargs())
 
 
 def topk_sam_client(setup: ClientSetup) -> NumPyClient:
     from clients.topk import TopKSAMClient
 
-    return TopKSAMClient(setup.model, setup.trainset, setup.testset, rho=setup.cfg["sam-rho"],
+    return TopKSAMClient(setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho,
                          **setup.training_kwargs())
 
 
@@ -200,7 +215,7 @@ def fine_tuned(inner: Callable[[ClientSetup], NumPyClient]) -> Callable[[ClientS
     def build(setup: ClientSetup) -> NumPyClient:
         from clients.personalized import FineTuneClient
 
-        return FineTuneClient(inner(setup), setup.cfg["fine-tune-steps"])
+        return FineTuneClient(inner(setup), setup.settings.personalization.fine_tune_steps)
 
     return build
 
@@ -226,13 +241,13 @@ def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
         from clients.personalized import DP2FedSAMClient, PartialSharingClient
         from dpcore.task.models import split_state_keys
 
-        cfg = setup.cfg
-        _, head_keys = split_state_keys(setup.model, cfg["head-prefix"])
+        p, training = setup.settings.personalization, setup.settings.training
+        _, head_keys = split_state_keys(setup.model, p.head_prefix)
         personal = dict(head_keys=head_keys, head_store=head_store(setup.context, setup.partition_id),
-                        head_epochs=cfg["head-epochs"], head_steps=cfg["head-steps"],
-                        head_lr=cfg["head-lr"] or cfg["lr"], **setup.training_kwargs())
+                        head_epochs=p.head_epochs, head_steps=p.head_steps, head_lr=p.head_lr or training.lr,
+                        **setup.training_kwargs())
         if sam:
-            return DP2FedSAMClient(setup.model, setup.trainset, setup.testset, rho=cfg["sam-rho"], **personal)
+            return DP2FedSAMClient(setup.model, setup.trainset, setup.testset, rho=training.sam_rho, **personal)
         return PartialSharingClient(setup.model, setup.trainset, setup.testset, **personal)
 
     return build
@@ -241,49 +256,49 @@ def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
 def dpsgd_client(setup: ClientSetup) -> NumPyClient:
     from clients.dpsgd import DPSGDClient
 
-    cfg = setup.cfg
+    d, privacy = setup.settings.dpsgd, setup.settings.privacy
     return DPSGDClient(setup.model, setup.trainset, setup.testset, state=setup.context.state,
-                       sample_rate=cfg["batch-sample-rate"], noise_multiplier=cfg["sample-noise-multiplier"],
-                       clipping_norm=cfg["sample-clipping-norm"], target_epsilon=cfg["target-epsilon"],
-                       delta=cfg["delta"] or DEFAULT_SAMPLE_DELTA, accountant=cfg["accountant"],
-                       grad_sample_mode=cfg["grad-sample-mode"], mu_max=cfg["mu-max"],
-                       mu_noise_multiplier=cfg["mu-noise-multiplier"], noise=cfg["dpsgd-noise"],
-                       wavelet_calibration=cfg["wavelet-calibration"], **setup.training_kwargs())
+                       sample_rate=d.sample_rate, noise_multiplier=d.noise_multiplier,
+                       clipping_norm=d.clipping_norm, target_epsilon=privacy.target_epsilon,
+                       delta=privacy.delta or DEFAULT_SAMPLE_DELTA, accountant=privacy.accountant,
+                       grad_sample_mode=d.grad_sample_mode, mu_max=d.mu_max, mu_noise_multiplier=d.mu_noise_multiplier,
+                       noise=d.noise, wavelet_calibration=setup.settings.wavelet.calibration,
+                       **setup.training_kwargs())
 
 
 # ---------------------------------------------------------------------------- extra config rules
-def check_head_prefix(cfg: dict) -> None:
+def check_head_prefix(s: Settings) -> None:
     """The head prefix must name some but not all of the model's parameters."""
     from dpcore.task.data import dataset_info
     from dpcore.task.models import build_model, split_state_keys
 
-    if not cfg["head-prefix"]:
+    prefix, model = s.personalization.head_prefix, s.training.model
+    if not prefix:
         return
-    info = dataset_info(cfg["dataset"])
+    info = dataset_info(s.data.dataset)
     try:
-        split_state_keys(build_model(cfg["model"], info["input_shape"], info["num_classes"]), cfg["head-prefix"])
+        split_state_keys(build_model(model, info["input_shape"], info["num_classes"]), prefix)
     except ValueError as exc:
-        raise ValueError(f"run-config key 'head-prefix' = {cfg['head-prefix']!r} does not fit model "
-                         f"{cfg['model']!r}: {exc}") from None
+        raise ValueError(f"run-config key 'head-prefix' = {prefix!r} does not fit model {model!r}: {exc}") from None
 
 
-def check_dpsgd_config(cfg: dict) -> None:
-    if cfg["target-epsilon-mode"] != "stop":
-        raise ValueError(f"run-config key 'target-epsilon-mode' = {cfg['target-epsilon-mode']!r}: only 'stop' is "
+def check_dpsgd_config(s: Settings) -> None:
+    if s.privacy.target_epsilon_mode != "stop":
+        raise ValueError(f"run-config key 'target-epsilon-mode' = {s.privacy.target_epsilon_mode!r}: only 'stop' is "
                          "allowed (clients stop at R_c steps)")
-    if cfg["wavelet-calibration"] != "exact" and cfg["dpsgd-noise"] != "wavelet":
-        raise ValueError(f"run-config key 'wavelet-calibration' = {cfg['wavelet-calibration']!r} applies only with "
+    if s.wavelet.calibration != "exact" and s.dpsgd.noise != "wavelet":
+        raise ValueError(f"run-config key 'wavelet-calibration' = {s.wavelet.calibration!r} applies only with "
                          "dpsgd-noise = 'wavelet'")
 
 
-def check_ftrl_config(cfg: dict) -> None:
-    if cfg["server-strategy"] != "fedavg":
-        raise ValueError(f"run-config key 'server-strategy' = {cfg['server-strategy']!r}: DP-FTRL is its own server "
+def check_ftrl_config(s: Settings) -> None:
+    if s.server.strategy != "fedavg":
+        raise ValueError(f"run-config key 'server-strategy' = {s.server.strategy!r}: DP-FTRL is its own server "
                          "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'")
-    if cfg["noise-placement"] == "local":
+    if s.privacy.noise_placement == "local":
         raise ValueError("run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
                          "('central', which it uses whatever the key says otherwise)")
-    if cfg["resume"]:
+    if s.output.resume:
         raise ValueError("run-config key 'resume' = True is not supported with DP-FTRL (its tree's noise is not "
                          "checkpointed, and redrawing it would release the same nodes twice)")
 
@@ -346,35 +361,36 @@ def owners(key: str) -> list[str]:
     return [a.name for a in ALGORITHMS.values() if key in a.owned_keys]
 
 
-def check_config(cfg: dict, defaults: dict) -> None:
-    """The run-config rules of cfg['algorithm']: owned and unused keys, the strategy's settings
-    (the very `check_settings` a strategy built from Python runs), SecAgg+ support and the
-    algorithm's own rules. Raises ValueError naming the key, the value and what is allowed."""
-    algo = ALGORITHMS[cfg["algorithm"]]
+def check_config(s: Settings) -> None:
+    """The rules of the run's algorithm: owned and unused keys, the strategy's settings (the very
+    `check_settings` a strategy built from Python runs), SecAgg+ support and the algorithm's own
+    rules. Raises ValueError naming the key, the value and what is allowed."""
+    algo = ALGORITHMS[s.run.algorithm]
+    values, defaults = s.run_config(), type(s)().run_config()  # by key: the owned and unused keys are named
     for key in {k for a in ALGORITHMS.values() for k in a.owned_keys}:
-        if cfg[key] != defaults[key] and key not in algo.owned_keys:
+        if values[key] != defaults[key] and key not in algo.owned_keys:
             allowed = " or ".join(owners(key))
-            raise ValueError(f"run-config key '{key}' = {cfg[key]!r} applies only to algorithm = {allowed}, "
+            raise ValueError(f"run-config key '{key}' = {values[key]!r} applies only to algorithm = {allowed}, "
                              f"but 'algorithm' = {algo.name!r}; remove {key} or change the algorithm")
     for key, instead in algo.unused_keys.items():
-        if cfg[key] != defaults[key]:
+        if values[key] != defaults[key]:
             hint = f"; use '{instead}'" if instead else ""
-            raise ValueError(f"run-config key '{key}' = {cfg[key]!r} is a client-level DP setting that algorithm "
+            raise ValueError(f"run-config key '{key}' = {values[key]!r} is a client-level DP setting that algorithm "
                              f"{algo.name!r} ({algo.privacy_unit}-level DP) does not use: leave it at "
                              f"{defaults[key]!r}{hint}")
-    if cfg["secure-aggregation"] and cfg["server-strategy"] != "fedavg":
-        raise ValueError(f"run-config key 'server-strategy' = {cfg['server-strategy']!r} does not run under "
+    if s.secagg.enabled and s.server.strategy != "fedavg":
+        raise ValueError(f"run-config key 'server-strategy' = {s.server.strategy!r} does not run under "
                          "'secure-aggregation' = True (SecAgg+ runs Flower's legacy FedAvg workflow): use 'fedavg'")
-    if cfg["secure-aggregation"] and not algo.secure_aggregation:
+    if s.secagg.enabled and not algo.secure_aggregation:
         supported = ", ".join(a.name for a in ALGORITHMS.values() if a.secure_aggregation)
         raise ValueError(f"run-config key 'secure-aggregation' = True works with algorithm {supported} "
                          f"(sums of dense updates), not {algo.name!r}")
     try:
-        algo.strategy_class.check_settings(**algo.strategy_kwargs(cfg))
+        algo.strategy_class.check_settings(**algo.strategy_kwargs(s))
     except ValueError as exc:
         raise ValueError(f"algorithm {algo.name!r}: {exc}") from None
     if algo.check_config:
-        algo.check_config(cfg)
+        algo.check_config(s)
 
 
 def reference_overrides(overrides: dict, defaults: dict) -> dict:

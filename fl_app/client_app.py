@@ -10,10 +10,9 @@ from flwr.clientapp import ClientApp
 from clients.adapter import evaluate_reply, train_reply
 from clients.mods import uniform_weight_mod
 from dpcore.privacy import protocol as keys
-from dpcore.task.data import load_partition
 from dpcore.task.models import build_model
 from dpcore.task.threads import one_thread_per_client
-from fl_app.algorithms import ClientSetup, algorithm
+from fl_app.algorithms import ClientSetup, algorithm, load_client_partition
 from fl_app.config import validate
 from fl_app.simulation_pickup import install as install_simulation_pickup
 
@@ -37,14 +36,12 @@ def partition_of(context: Context) -> tuple[int, int]:
 
 def build_client(context: Context) -> NumPyClient:
     """The NumPyClient of the run's algorithm (from the registry) on this node's partition."""
-    cfg = validate(context.run_config)
+    settings = validate(context.run_config)
     pid, n = partition_of(context)
-    trainset, testset = load_partition(cfg["dataset"], pid, n, cfg["partitioner"],
-                                       alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
-                                       seed=cfg["seed"], data_dir=cfg["data-dir"],
-                                       validation_fraction=cfg["validation-fraction"])
-    model = build_model(cfg["model"], trainset.x.shape[1:], trainset.num_classes, seed=cfg["seed"])
-    return algorithm(cfg["algorithm"]).build_client(ClientSetup(cfg, context, pid, trainset, testset, model))
+    trainset, testset = load_client_partition(settings, pid, n)
+    model = build_model(settings.training.model, trainset.x.shape[1:], trainset.num_classes, seed=settings.run.seed)
+    return algorithm(settings.run.algorithm).build_client(ClientSetup(settings, context, pid, trainset, testset,
+                                                                      model))
 
 
 # secure-aggregation = true: SecAgg+ speaks Flower's legacy protocol, so the same NumPyClient answers
@@ -64,12 +61,18 @@ def train_mods(context: Context) -> list:
     """The run config's client mods on train (`noise-placement = "local"`: the local-DP mod; adaptive clipping
     under distributed noise: the noisy clipped bit)."""
     from clients.adaptive_clipping import make_clip_bit_mod
-    from clients.local_dp import local_dp_mod_from_run_config
+    from clients.local_dp import make_local_dp_mod
+    from dpcore.privacy.ledger import default_client_delta
 
-    cfg = validate(context.run_config)
-    mods = [mod for mod in (local_dp_mod_from_run_config(cfg, context),) if mod is not None]
-    if cfg["adaptive-clipping"] and cfg["noise-placement"] == "distributed":
-        mods.append(make_clip_bit_mod(None if cfg["secure-rng"] else int(cfg["seed"])))
+    s = validate(context.run_config)
+    privacy, seed = s.privacy, None if s.privacy.secure_rng else s.run.seed
+    mods = []
+    if privacy.noise_placement == "local":  # delta 0: min(1e-5, 0.01 / num-partitions)
+        delta = privacy.delta or default_client_delta(int(context.node_config.get("num-partitions", 1)))
+        mods.append(make_local_dp_mod(privacy.clipping_norm, privacy.noise_multiplier, delta, privacy.accountant,
+                                      seed=seed))
+    if s.adaptive_clipping.enabled and privacy.noise_placement == "distributed":
+        mods.append(make_clip_bit_mod(seed))
     return mods
 
 

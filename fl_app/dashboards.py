@@ -18,10 +18,14 @@ import json
 import math
 from logging import INFO
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flwr.common import log
 
 from fl_app.run_files import read_diagnostics, read_metrics
+
+if TYPE_CHECKING:
+    from fl_app.settings import Settings
 
 TAGS = {
     "accuracy": "eval/accuracy",
@@ -88,7 +92,7 @@ class TensorBoardWriter:
     """Writes a run's round records as TensorBoard scalars into `run_dir` (events.out.tfevents.*);
     the diagnostics too when `publish_diagnostics`."""
 
-    def __init__(self, run_dir: Path | str, cfg: dict | None = None, publish_diagnostics: bool = False) -> None:
+    def __init__(self, run_dir: Path | str, run_config: dict | None = None, publish_diagnostics: bool = False) -> None:
         from torch.utils.tensorboard import SummaryWriter  # the tensorboard package writes the files
 
         self.writer = SummaryWriter(log_dir=str(run_dir))
@@ -96,8 +100,8 @@ class TensorBoardWriter:
         self.wall_time = 0.0  # every event's: an event's wall_time would tell when its round ended (its timing)
         if publish_diagnostics:
             self.writer.add_text("notes/diagnostics", DIAGNOSTICS_NOTE, 0, walltime=self.wall_time)
-        if cfg is not None:
-            self.writer.add_text("config", "    " + json.dumps(cfg, indent=2, sort_keys=True, default=str)
+        if run_config is not None:
+            self.writer.add_text("config", "    " + json.dumps(run_config, indent=2, sort_keys=True, default=str)
                                  .replace("\n", "\n    "), 0, walltime=self.wall_time)
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
@@ -131,22 +135,22 @@ class WandbWriter:
     and git metadata are off: the W&B run holds what the run folder publishes and nothing about the machine.
     """
 
-    def __init__(self, run_dir: Path | str, cfg: dict, publish_diagnostics: bool = False,
-                 group: str | None = None) -> None:
+    def __init__(self, run_dir: Path | str, settings: Settings, group: str | None = None) -> None:
         try:
             import wandb
         except ImportError:
             raise RuntimeError("run-config key 'wandb' = true needs the wandb package: "
                                "pip install 'dpfl[wandb]' (or wandb = false)") from None
         run_dir = Path(run_dir)
-        self.publish_diagnostics = publish_diagnostics
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+        output = settings.output
+        self.publish_diagnostics = publish_diagnostics = output.publish_diagnostics
+        wandb_settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                                   x_disable_machine_info=True, x_save_requirements=False, disable_git=True,
                                   save_code=False, disable_job_creation=True)
-        self.run = wandb.init(mode=cfg["wandb-mode"], dir=str(run_dir), project=cfg["wandb-project"],
-                              group=group or run_dir.name, name=run_dir.name, config=cfg, settings=settings,
-                              notes=DIAGNOSTICS_NOTE if publish_diagnostics else None)
-        log(INFO, "%s", wandb_location(self.run, cfg["wandb-mode"]))
+        self.run = wandb.init(mode=output.wandb_mode, dir=str(run_dir), project=output.wandb_project,
+                              group=group or run_dir.name, name=run_dir.name, config=settings.run_config(),
+                              settings=wandb_settings, notes=DIAGNOSTICS_NOTE if publish_diagnostics else None)
+        log(INFO, "%s", wandb_location(self.run, output.wandb_mode))
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
         self.run.log(round_scalars(published, diagnostics, self.publish_diagnostics), step=int(published["round"]))
@@ -161,14 +165,14 @@ class WandbWriter:
         self.run.finish()
 
 
-def open_dashboards(run_dir: Path | str, cfg: dict, flower_run_id: int | None = None) -> list:
-    """The dashboards a run config asks for (TensorBoard, W&B), each with on_round and on_finish."""
+def open_dashboards(run_dir: Path | str, s: Settings, flower_run_id: int | None = None) -> list:
+    """The dashboards the run's settings ask for (TensorBoard, W&B), each with on_round and on_finish."""
     dashboards: list = []
-    if cfg["tensorboard"]:
-        dashboards.append(TensorBoardWriter(run_dir, cfg, cfg["publish-diagnostics"]))
-    if cfg["wandb"]:
+    if s.output.tensorboard:
+        dashboards.append(TensorBoardWriter(run_dir, s.run_config(), s.output.publish_diagnostics))
+    if s.output.wandb:
         group = f"flwr-run-{flower_run_id}" if flower_run_id else None
-        dashboards.append(WandbWriter(run_dir, cfg, cfg["publish-diagnostics"], group))
+        dashboards.append(WandbWriter(run_dir, s, group))
     return dashboards
 
 

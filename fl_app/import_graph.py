@@ -4,7 +4,8 @@
     python -m fl_app.import_graph --write    # ... written into docs/architecture.md
 
 `import_edges()` lists (importer, imported, lazy) for every import of a project module by
-another; `lazy` marks imports inside a function (made only when that code runs).
+another; `lazy` marks imports inside a function (made only when that code runs). Imports under
+`if TYPE_CHECKING:` are for annotations only, never run, and are not edges.
 tests/test_architecture.py checks the layer rules on these edges and that the diagram in
 docs/architecture.md is the current one.
 """
@@ -46,6 +47,15 @@ def _resolve(importer: str, node: ast.ImportFrom | ast.Import, is_package: bool)
     return [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
 
 
+def _is_type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def import_edges() -> list[tuple[str, str, bool]]:
     """(importer, imported project module, lazy) for every import between project modules."""
     modules = project_modules()
@@ -54,8 +64,9 @@ def import_edges() -> list[tuple[str, str, bool]]:
         tree = ast.parse(path.read_text(), str(path))
         functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         lazy_nodes = {id(n) for f in functions for n in ast.walk(f)}
+        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block) for n in ast.walk(block)}
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
                 continue
             for target in _resolve(name, node, path.name == "__init__.py"):
                 if target in modules and target != name:

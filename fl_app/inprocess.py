@@ -7,9 +7,10 @@ without a SuperLink. `flwr run` is the way to run the app for real.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from itertools import count
+from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -17,14 +18,20 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fl_app.settings import Settings
+
 SERVER_NODE_ID = 1
 
 
 class InProcessGrid(Grid):
-    """Nodes 100..100+N-1, each with node config partition-id / num-partitions."""
+    """Nodes 100..100+N-1, each with node config partition-id / num-partitions, and the run config (a dict, or
+    the Settings of one)."""
 
     def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int,
-                 run_config: dict, *, fail: Callable[[int, Message], bool] | None = None) -> None:
+                 run_config: Mapping[str, Any] | Settings, *,
+                 fail: Callable[[int, Message], bool] | None = None) -> None:
+        if isinstance(run_config, Settings):
+            run_config = run_config.run_config()
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1
         self.client_app = client_app
         self.fail = fail  # fail(node_id, msg) -> True: the node "crashes" on this message

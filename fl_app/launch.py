@@ -373,16 +373,17 @@ def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, c
         given["results-dir"] = str(Path(args.results, f"{stamp}-{name}").resolve())
         overrides = f"{overrides} results-dir='{given['results-dir']}'".strip()
     try:
-        cfg = validate({**app_defaults(), **given})
-        if cfg["resume"]:
-            check_resumable(Path(cfg["results-dir"]), cfg)
+        settings = validate({**app_defaults(), **given})
+        if settings.output.resume:
+            check_resumable(Path(settings.output.results_dir), settings)
     except (ConfigError, PreviousRunError) as exc:
         raise SystemExit(str(exc)) from None
-    if args.clients < cfg["min-nodes"]:
-        raise SystemExit(f"--clients {args.clients} is fewer than run-config key 'min-nodes' = {cfg['min-nodes']}: "
-                         f"the run would wait for nodes that never come; pass --clients {cfg['min-nodes']} (or more), "
+    min_nodes = settings.federation.min_nodes
+    if args.clients < min_nodes:
+        raise SystemExit(f"--clients {args.clients} is fewer than run-config key 'min-nodes' = {min_nodes}: "
+                         f"the run would wait for nodes that never come; pass --clients {min_nodes} (or more), "
                          f"or -c \"min-nodes={max(args.clients, 1)}\"")
-    return name, overrides, Path(cfg["results-dir"])
+    return name, overrides, Path(settings.output.results_dir)
 
 
 def exit_on_signal(signum: int, _frame) -> None:

@@ -21,11 +21,15 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpcore.task.atomic import atomic_write
 from fl_app.run_files import read_diagnostics, read_metrics
+
+if TYPE_CHECKING:
+    from fl_app.settings import Settings
 
 
 def json_safe(obj):
@@ -57,12 +61,12 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def resolve_run_dir(cfg: dict) -> Path:
+def resolve_run_dir(s: Settings) -> Path:
     """results-dir if given, else ~/dpfl-results/<run-name or time-random-algorithm-dataset> (4 random hex
     digits: two runs started in the same second get different folders)."""
-    name = cfg["run-name"] or (f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}-{cfg['algorithm']}-"
-                               f"{cfg['dataset']}")
-    base = Path(os.path.expanduser(cfg["results-dir"])) if cfg["results-dir"] else Path.home() / "dpfl-results" / name
+    output = s.output
+    name = output.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}-{s.run.algorithm}-{s.data.dataset}"
+    base = Path(os.path.expanduser(output.results_dir)) if output.results_dir else Path.home() / "dpfl-results" / name
     return base.resolve()
 
 
@@ -86,22 +90,22 @@ def no_checkpoint_error(path: Path) -> PreviousRunError:
                             "completed no round, or this is not its folder): set resume = false to start afresh")
 
 
-def config_differences(path: Path, cfg: dict) -> list[str]:
-    """What differs, but for RESUMABLE_KEYS, between `cfg` and the config.json of the run in `path`."""
+def config_differences(path: Path, s: Settings) -> list[str]:
+    """What differs, but for RESUMABLE_KEYS, between the settings and the config.json of the run in `path`."""
     previous_file = path / "config.json"
     if not previous_file.exists():
         return []
-    previous = json.loads(previous_file.read_text())
+    previous, cfg = json.loads(previous_file.read_text()), s.run_config()
     return [f"'{k}' = {previous.get(k)!r} there, {cfg.get(k)!r} now" for k in sorted(set(previous) | set(cfg))
             if k not in RESUMABLE_KEYS and json_safe(previous.get(k)) != json_safe(cfg.get(k))]
 
 
-def check_resumable(path: Path, cfg: dict) -> None:
-    """Can the run in `path` be continued with `cfg` (a checkpoint, the same settings)? PreviousRunError if not;
-    the launcher asks before it starts anything."""
+def check_resumable(path: Path, s: Settings) -> None:
+    """Can the run in `path` be continued with settings `s` (a checkpoint, the same settings)? PreviousRunError
+    if not; the launcher asks before it starts anything."""
     if not (path / "checkpoint.npz").is_file():
         raise no_checkpoint_error(path)
-    differ = config_differences(path, cfg)
+    differ = config_differences(path, s)
     if differ:
         raise PreviousRunError(f"resume = true, but the run in {path} was made with other settings: "
                                + ", ".join(differ))
@@ -173,14 +177,14 @@ class RunDirectory:
         text = json.dumps(json_safe(obj), indent=2, sort_keys=True) + "\n"
         atomic_write(self.path / name, lambda f: f.write(text.encode()))
 
-    def write_config(self, cfg: dict) -> None:
-        """config.json; resuming, the previous run's config must agree (but for RESUMABLE_KEYS)."""
-        differ = config_differences(self.path, cfg) if self.checkpoint is not None else []
+    def write_config(self, s: Settings) -> None:
+        """config.json (the flat run config); resuming, the previous run's must agree (but for RESUMABLE_KEYS)."""
+        differ = config_differences(self.path, s) if self.checkpoint is not None else []
         if differ:
             self.close()
             raise PreviousRunError(f"resume = true, but the run in {self.path} was made with other settings: "
                                    + ", ".join(differ))
-        self._write_json("config.json", cfg)
+        self._write_json("config.json", s.run_config())
 
     def write_status(self, status: str, **details) -> None:
         """status.json: running (also what a killed run leaves), completed or failed (these two release the

@@ -12,16 +12,17 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
-from dpcore.task.data import dataset_info, load_dataset, load_partition, load_validation
+from dpcore.task.data import dataset_info, load_dataset, load_validation
 from dpcore.task.device import resolve_device
 from dpcore.task.models import build_model, count_parameters, split_state_keys
 from dpcore.task.threads import limit_blas_threads
 from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from fl_app.algorithms import algorithm
+from fl_app.algorithms import algorithm, load_client_partition
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
 from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
+from fl_app.settings import Settings
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
 
@@ -41,52 +42,49 @@ def mu_split(testset, validation):
     return testset.subset(np.arange(held, len(testset))), testset.subset(np.arange(held))
 
 
-def build_strategy(cfg: dict, on_round_end=None, gradient_fn=None,
+def build_strategy(s: Settings, on_round_end=None, gradient_fn=None,
                    on_checkpoint=None) -> DPRoundLoop | SecAggPlusDPFedAvg:
-    """The server strategy of cfg['algorithm'] (from the registry); under secure-aggregation the same
+    """The server strategy of the run's algorithm (from the registry); under secure-aggregation the same
     strategy run through Flower's SecAgg+ workflow."""
-    algo = algorithm(cfg["algorithm"])
+    algo = algorithm(s.run.algorithm)
     hooks = {"on_round_end": on_round_end, "on_checkpoint": on_checkpoint}
     if algo.privacy_unit == "sample":
-        hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(cfg))
-    strategy = algo.build_strategy(cfg, **hooks)
-    if cfg["secure-aggregation"]:
-        return SecAggPlusDPFedAvg(strategy, num_shares=cfg["secagg-num-shares"],
-                                  reconstruction_threshold=cfg["secagg-reconstruction-threshold"])
+        hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(s))
+    strategy = algo.build_strategy(s, **hooks)
+    if s.secagg.enabled:
+        return SecAggPlusDPFedAvg(strategy, num_shares=s.secagg.num_shares,
+                                  reconstruction_threshold=s.secagg.reconstruction_threshold)
     return strategy
 
 
-def partition_size_fn(cfg: dict):
+def partition_size_fn(s: Settings):
     """(partition id, number of partitions) -> |D_i|: the public partition sizes, computed on the server
     from the same data and partitioner as the clients (ALI-DPFL's averaging weights)."""
 
     def size(partition_id: int, num_partitions: int) -> int:
-        trainset, _ = load_partition(cfg["dataset"], partition_id, num_partitions, cfg["partitioner"],
-                                     alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
-                                     seed=cfg["seed"], data_dir=cfg["data-dir"],
-                                     validation_fraction=cfg["validation-fraction"])
+        trainset, _ = load_client_partition(s, partition_id, num_partitions)
         return len(trainset)
 
     return size
 
 
-def build_global_model(cfg: dict) -> torch.nn.Module:
-    info = dataset_info(cfg["dataset"])
-    model = build_model(cfg["model"], info["input_shape"], info["num_classes"], seed=cfg["seed"])
-    return opacus_compatible(model) if algorithm(cfg["algorithm"]).opacus_model else model
+def build_global_model(s: Settings) -> torch.nn.Module:
+    info = dataset_info(s.data.dataset)
+    model = build_model(s.training.model, info["input_shape"], info["num_classes"], seed=s.run.seed)
+    return opacus_compatible(model) if algorithm(s.run.algorithm).opacus_model else model
 
 
-def shared_weights(model: torch.nn.Module, cfg: dict) -> list:
+def shared_weights(model: torch.nn.Module, s: Settings) -> list:
     """What the server holds and broadcasts: the body under partial sharing, else the whole model."""
-    if not algorithm(cfg["algorithm"]).shares_body_only:
+    if not algorithm(s.run.algorithm).shares_body_only:
         return get_weights(model)
-    body_keys, _ = split_state_keys(model, cfg["head-prefix"])
+    body_keys, _ = split_state_keys(model, s.personalization.head_prefix)
     state = model.state_dict()
     return [state[k].detach().cpu().numpy().copy() for k in body_keys]
 
 
-def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> dict:
-    """Train with the validated config `cfg` on `grid`; write the run directory; return the summary.
+def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> dict:
+    """Train with the run's settings `s` on `grid`; write the run directory; return the summary.
     `flower_run_id` (the ServerApp's Context.run_id) groups the run's W&B runs.
 
     With `resume`, continue the run in the results folder from its last checkpoint: the global
@@ -94,19 +92,19 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     """
     t0 = time.perf_counter()
     limit_blas_threads()
-    run_dir = RunDirectory(resolve_run_dir(cfg), resume=cfg["resume"])
-    run_dir.write_config(cfg)
-    dashboards = open_dashboards(run_dir.path, cfg, flower_run_id)  # e.g. wandb missing: fails before "running"
+    run_dir = RunDirectory(resolve_run_dir(s), resume=s.output.resume)
+    run_dir.write_config(s)
+    dashboards = open_dashboards(run_dir.path, s, flower_run_id)  # e.g. wandb missing: fails before "running"
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
-    if not cfg["secure-rng"]:
+    if not s.privacy.secure_rng:
         log(WARNING, "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
                      "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee")
-    model = build_global_model(cfg).to(resolve_device(cfg["device"]))  # the server evaluates on the run's device
-    _, server_testset = load_dataset(cfg["dataset"], cfg["data-dir"])
-    validation = load_validation(cfg["dataset"], cfg["data-dir"], cfg["validation-fraction"])
+    model = build_global_model(s).to(resolve_device(s.training.device))  # the server evaluates on the run's device
+    _, server_testset = load_dataset(s.data.dataset, s.data.data_dir)
+    validation = load_validation(s.data.dataset, s.data.data_dir, s.data.validation_fraction)
     mu_set = None
-    if algorithm(cfg["algorithm"]).privacy_unit == "sample" and cfg["mu-source"] == "server":
+    if algorithm(s.run.algorithm).privacy_unit == "sample" and s.dpsgd.mu_source == "server":
         server_testset, mu_set = mu_split(server_testset, validation)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -123,16 +121,16 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
         return loss_gradient(model, mu_set, MU_SAMPLES)  # held out: never the evaluation data (`mu_split`)
 
     # Partial sharing: the server holds the body only and has no head to evaluate a model with.
-    partial = algorithm(cfg["algorithm"]).shares_body_only
+    partial = algorithm(s.run.algorithm).shares_body_only
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)
         for dashboard in dashboards:
             dashboard.on_round(published, diagnostics)
 
-    strategy = build_strategy(cfg, on_round_end=on_round_end, gradient_fn=gradient_fn,
+    strategy = build_strategy(s, on_round_end=on_round_end, gradient_fn=gradient_fn,
                               on_checkpoint=run_dir.write_checkpoint)
-    initial = ArrayRecord(shared_weights(model, cfg))
+    initial = ArrayRecord(shared_weights(model, s))
     resumed_from = 0
     if run_dir.checkpoint is not None:
         state, arrays = run_dir.checkpoint
@@ -140,8 +138,8 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
         initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
-        result = strategy.start(grid, initial, num_rounds=cfg["num-rounds"], timeout=cfg["round-timeout"],
-                                evaluate_fn=None if partial else evaluate_fn, eval_every=cfg["eval-every"])
+        result = strategy.start(grid, initial, num_rounds=s.run.num_rounds, timeout=s.federation.round_timeout,
+                                evaluate_fn=None if partial else evaluate_fn, eval_every=s.run.eval_every)
     except BaseException as exc:
         run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
         raise
@@ -151,9 +149,9 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
     summary = {
         "status": "failed" if failure else "completed",
         **({"failure_reason": failure} if failure else {}),
-        "strategy": cfg["algorithm"],
-        "dataset": cfg["dataset"],
-        "model": cfg["model"],
+        "strategy": s.run.algorithm,
+        "dataset": s.data.dataset,
+        "model": s.training.model,
         "num_parameters": count_parameters(model),
         "rounds_completed": len(strategy.history),
         "resumed_after_round": resumed_from or None,
@@ -171,8 +169,8 @@ def run_federated(grid: Grid, cfg: dict, flower_run_id: int | None = None) -> di
         run_dir.write_status("failed", reason=failure, rounds_completed=summary["rounds_completed"])
     else:
         run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
-    plot_runs([run_dir.path], run_dir.path / "plot.png", cfg["publish-diagnostics"])
-    log_finish(summary, diagnostics, cfg["publish-diagnostics"], run_dir.path)
+    plot_runs([run_dir.path], run_dir.path / "plot.png", s.output.publish_diagnostics)
+    log_finish(summary, diagnostics, s.output.publish_diagnostics, run_dir.path)
     if failure:
         log(ERROR, "The run failed: %s (no client trained the model; see %s/diagnostics.jsonl)",
             failure, run_dir.path)
@@ -317,8 +315,9 @@ def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *, simulation: bo
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = validate(context.run_config)
-    if cfg["flower-speed-patches"]:  # opt-in: patches of Flower internals (fl_app.pull_backoff), version-checked
+    settings = validate(context.run_config)
+    federation = settings.federation
+    if federation.flower_speed_patches:  # opt-in: patches of Flower internals (fl_app.pull_backoff), version-checked
         log(INFO, apply_server_patches())
-    wait_for_nodes(grid, cfg["min-nodes"], cfg["node-wait-timeout"], simulation=is_simulation(grid))
-    run_federated(PromptGrid(grid), cfg, context.run_id)
+    wait_for_nodes(grid, federation.min_nodes, federation.node_wait_timeout, simulation=is_simulation(grid))
+    run_federated(PromptGrid(grid), settings, context.run_id)

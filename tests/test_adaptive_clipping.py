@@ -143,11 +143,11 @@ def test_the_app_publishes_the_clipping_norm_per_round(tmp_path):
                     "adaptive-clipping": True, "clip-count-noise-multiplier": 2.0, "results-dir": str(tmp_path)})
     summary = run_federated(InProcessGrid(client_app, 4, cfg), cfg)
     rounds = read_metrics(tmp_path)
-    assert [r["clipping_norm"] for r in rounds][0] == cfg["clipping-norm"]
+    assert [r["clipping_norm"] for r in rounds][0] == cfg.privacy.clipping_norm
     for before, after in zip(rounds, rounds[1:]):
         assert after["clipping_norm"] == pytest.approx(before["clipping_norm_next"])
     # charged at sigma, as the same run without adaptive clipping: q = 1, 3 rounds (dp-accounting's PLD)
     exact = pld.PLDAccountant(value_discretization_interval=1e-4)
-    exact.compose(dp_accounting.GaussianDpEvent(cfg["noise-multiplier"]), 3)
+    exact.compose(dp_accounting.GaussianDpEvent(cfg.privacy.noise_multiplier), 3)
     assert summary["epsilon"] == pytest.approx(exact.get_epsilon(summary["delta"]), rel=0.02)
     assert summary["adaptive_clipping"]["clip_count_noise_multiplier"] == 2.0

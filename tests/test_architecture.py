@@ -51,6 +51,53 @@ def test_an_import_cycle_would_be_caught():
     assert import_cycles([("a", "b", False), ("b", "a", True)]) == [["a", "b"]]
 
 
+RAW_CONFIG_READERS = {"fl_app.config", "fl_app.launch", "fl_app.simulation_resources", "fl_app.report"}  # start-up
+
+
+def test_after_start_up_no_module_reads_a_run_config_key_from_a_dict():
+    """Validation turns the run config into typed Settings; the code after it reads their fields
+    (settings.privacy.noise_multiplier), never cfg["noise-multiplier"]. Only the start-up modules (validation,
+    the launcher and the registry's `reference_overrides` of its override dicts) and the report (which reads
+    saved config.json files) see run configs as dicts. (Node configs and the ledger's own state record share
+    some key names: not run configs.)"""
+    from fl_app.config import SPEC
+
+    start_up_functions = {"reference_overrides"}
+    not_run_configs = ("node", "state")
+
+    def config_reads(path: Path) -> list[str]:
+        tree = ast.parse(path.read_text())
+        skipped = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in start_up_functions
+                   for n in ast.walk(f)}
+        reads = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript):
+                target, key = node.value, node.slice
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                target, key = node.func.value, node.args[0] if node.args else None
+            else:
+                continue
+            if (isinstance(key, ast.Constant) and key.value in SPEC and id(node) not in skipped
+                    and not any(word in ast.unparse(target) for word in not_run_configs)):
+                reads.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+        return reads
+
+    assert [r for name, path in project_modules().items() if name not in RAW_CONFIG_READERS
+            for r in config_reads(path)] == []
+
+
+def test_the_run_config_read_check_can_fail(tmp_path, monkeypatch):
+    """A module reading cfg["noise-multiplier"] after start-up is found."""
+    import fl_app.import_graph
+
+    module = tmp_path / "fl_app" / "late_reader.py"
+    module.parent.mkdir()
+    module.write_text("def f(cfg):\n    return cfg['noise-multiplier'] * 2\n")
+    monkeypatch.setattr(fl_app.import_graph, "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="late_reader.py:2"):
+        test_after_start_up_no_module_reads_a_run_config_key_from_a_dict()
+
+
 def string_constants(path: Path) -> list[tuple[int, str]]:
     return [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
             if isinstance(n, ast.Constant) and isinstance(n.value, str)]

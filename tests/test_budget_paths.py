@@ -28,9 +28,9 @@ def test_every_path_stops_at_its_target(path, tmp_path):
     cfg = validate({**SMALL, **PATHS[path], "target-epsilon": TARGET, "results-dir": str(tmp_path)})
     summary = run_federated(InProcessGrid(client_app, 4, cfg), cfg)
     printed = [r["epsilon"] for r in read_metrics(tmp_path)]
-    assert 0 < summary["rounds_completed"] < cfg["num-rounds"], summary["stop_reason"]
+    assert 0 < summary["rounds_completed"] < cfg.run.num_rounds, summary["stop_reason"]
     assert max(printed) <= TARGET and summary["epsilon"] <= TARGET
     assert str(TARGET) in summary["stop_reason"]
     if path != "ali-dpfl":  # one more round would have exceeded the target
-        sigma, rounds = cfg["noise-multiplier"], summary["rounds_completed"]
+        sigma, rounds = cfg.privacy.noise_multiplier, summary["rounds_completed"]
         assert epsilon_of([(sigma, 1.0, rounds + 1)], summary["delta"]) > TARGET

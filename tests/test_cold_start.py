@@ -89,7 +89,7 @@ out = {}
 for algorithm in ("dp-fedsam", "dp2-fedsam"):
     cfg = validate({"algorithm": algorithm, "local-steps": 2})
     client = build_client(Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50},
-                                  state=RecordDict(), run_config=cfg))
+                                  state=RecordDict(), run_config=cfg.run_config()))
     before = [w.copy() for w in get_weights(client.model)]
     client.fit(shared_weights(client.model, cfg), {"server-round": 1})
     out[algorithm] = any((a != b).any() for a, b in zip(get_weights(client.model), before))

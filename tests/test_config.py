@@ -16,13 +16,50 @@ def test_pyproject_defaults_equal_spec():
     assert app_config == {k: s.default for k, s in SPEC.items()}
 
 
+def test_each_key_is_one_typed_field_of_one_concern():
+    """fl_app.settings declares every key once: a field of one concern's dataclass, whose annotation is the type
+    of its default; SPEC is drawn from those fields."""
+    import dataclasses
+    import typing
+
+    from fl_app.settings import KEYS, Settings
+
+    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 76
+    assert len({k.attribute for k in KEYS}) == len(KEYS)
+    defaults = Settings()
+    for spec in KEYS:
+        concern, attribute = spec.attribute.split(".")
+        hints = typing.get_type_hints(type(getattr(defaults, concern)))
+        assert hints[attribute] is type(spec.default), spec.name
+        assert getattr(getattr(defaults, concern), attribute) == spec.default, spec.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        defaults.privacy.noise_multiplier = 2.0
+
+
+def test_validate_gives_typed_settings_that_round_trip():
+    from fl_app.settings import Settings
+
+    given = {"noise-multiplier": 2.5, "secure-aggregation": True, "algorithm": "dp-fedavg", "topk-mode": "global",
+             "sparsity": 0.2}
+    with pytest.raises(ConfigError):  # topk keys belong to dp-fedsam-topk
+        validate(given)
+    given["algorithm"] = "dp-fedsam-topk"
+    given.pop("secure-aggregation")
+    settings = validate(given)
+    assert isinstance(settings, Settings)
+    assert (settings.privacy.noise_multiplier, settings.topk.mode, settings.topk.sparsity) == (2.5, "global", 0.2)
+    assert settings.run_config() == {**{k: s.default for k, s in SPEC.items()}, **given}
+    assert Settings.from_run_config(settings.run_config()) == settings
+    assert validate({"secure-aggregation": True, "algorithm": "dp-fedavg"}).secagg.enabled is True
+
+
 def test_defaults_validate():
     cfg = validate({})
-    assert cfg["algorithm"] == "dp-fedsam" and cfg["dataset"] == "mnist-embedded"
+    assert cfg.run.algorithm == "dp-fedsam" and cfg.data.dataset == "mnist-embedded"
 
 
 def test_int_accepted_for_float_key():
-    assert validate({"lr": 1})["lr"] == 1.0 and isinstance(validate({"lr": 1})["lr"], float)
+    assert validate({"lr": 1}).training.lr == 1.0 and isinstance(validate({"lr": 1}).training.lr, float)
 
 
 BAD = [

@@ -42,9 +42,9 @@ def test_fuzzed_configs_are_valid_or_refused_and_the_ledger_stays_finite():
             assert any(f"'{k}'" in str(exc) for k in list(config) + list(SPEC)), exc
             continue
         valid += 1
-        sigma = cfg["noise-multiplier"]
+        sigma = cfg.privacy.noise_multiplier
         start = time.perf_counter()
-        eps = epsilon_of([(sigma, cfg["sample-rate"], min(cfg["num-rounds"], 10_000))], cfg["delta"] or 1e-5)
+        eps = epsilon_of([(sigma, cfg.federation.sample_rate, min(cfg.run.num_rounds, 10_000))], cfg.privacy.delta or 1e-5)
         assert not math.isnan(eps) and eps >= 0
         assert time.perf_counter() - start < 30
     print(f"config fuzz: {CONFIGS} configs, {valid} valid, {refused} refused with ConfigError, 0 other exceptions")

@@ -58,7 +58,7 @@ def test_auto_and_cpu_resolve_here():
     assert device_problem("auto") is None and device_problem("cpu") is None
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda" if CUDA else "cpu")
-    assert validate({})["device"] == "auto" and validate({"device": "cpu"})["device"] == "cpu"
+    assert validate({}).training.device == "auto" and validate({"device": "cpu"}).training.device == "cpu"
 
 
 @no_cuda

@@ -180,7 +180,7 @@ def test_heads_persist_in_node_state_dir(tmp_path):
 def test_relative_state_dir_is_refused(tmp_path):
     cfg = small_cfg(tmp_path)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2, "state-dir": "heads"},
-                  state=RecordDict(), run_config=cfg)
+                  state=RecordDict(), run_config=cfg.run_config())
     with pytest.raises(ValueError, match="state-dir='heads'.*absolute"):
         build_client(ctx)
 
@@ -219,7 +219,7 @@ def test_head_file_survives_a_crash_during_the_next_write(tmp_path, monkeypatch)
 def client_for(tmp_path, m_clients=20, **overrides):
     cfg = small_cfg(tmp_path, **{"lr": 0.5, "local-steps": 4, **overrides})
     ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 3, "num-partitions": m_clients},
-                  state=RecordDict(), run_config=cfg)
+                  state=RecordDict(), run_config=cfg.run_config())
     return build_client(ctx), cfg
 
 

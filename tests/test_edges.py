@@ -27,8 +27,8 @@ def test_values_that_crashed_later_are_refused_at_validation(key, value, message
 
 def test_the_bounds_themselves_are_allowed():
     cfg = validate({"audit-canaries": 10_000, "sample-rate": 1e-6})
-    assert (cfg["audit-canaries"], cfg["sample-rate"]) == (10_000, 1e-6)
-    assert validate({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "mu-max": 1e-6})["mu-max"] == 1e-6
+    assert (cfg.audit.canaries, cfg.federation.sample_rate) == (10_000, 1e-6)
+    assert validate({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "mu-max": 1e-6}).dpsgd.mu_max == 1e-6
 
 
 @pytest.mark.parametrize("path,where", [
@@ -54,7 +54,7 @@ def test_results_dir_holding_other_files_is_refused_but_a_run_folder_or_empty_on
         f"run-config key 'results-dir' = {str(tmp_path)!r}: must be a new or empty folder, or a dpfl run folder "
         "(one holding config.json or status.json or metrics.jsonl or checkpoint.npz or .dpfl-run.lock); "
         "it holds 2 other entries ('data', 'thesis.tex')")
-    assert validate({"results-dir": str(tmp_path / "data")})["results-dir"] == str(tmp_path / "data")  # empty
+    assert validate({"results-dir": str(tmp_path / "data")}).output.results_dir == str(tmp_path / "data")  # empty
     assert validate({"results-dir": str(tmp_path / "new" / "run")})  # not there yet
     (tmp_path / "status.json").write_text('{"status": "failed"}')  # a run folder: resumed or refused by the run
     assert validate({"results-dir": str(tmp_path)})
@@ -160,9 +160,10 @@ def test_run_folder_files_are_the_owners_only(tmp_path):
     from flwr.app import ArrayRecord
 
     from fl_app.results import RunDirectory, plot_runs
+    from fl_app.settings import Settings
 
     run = RunDirectory(tmp_path / "run")
-    run.write_config({"a": 1})
+    run.write_config(Settings())
     run.write_status("running")
     run.append_round({"round": 1, "accuracy": 0.5}, {"round": 1})
     run.write_checkpoint({"rounds": 1}, ArrayRecord([np.zeros(3, np.float32)]))

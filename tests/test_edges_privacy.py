@@ -133,7 +133,7 @@ def run_small(tmp_path, name, caplog, **overrides):
                     "sample-rate": 0.5, "results-dir": str(tmp_path / name), **overrides})
     with caplog.at_level(logging.INFO, logger="flwr"):
         run_federated(InProcessGrid(client_app, 4, cfg), cfg)
-    run = Path(cfg["results-dir"])
+    run = Path(cfg.output.results_dir)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Round ")]
     caplog.clear()
     return (read_metrics(run), lines, json.loads((run / "summary.json").read_text()),

@@ -32,13 +32,13 @@ def default_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_dp_fedsam_learns_with_growing_epsilon(default_runs):
     (cfg, summary, run_dir), _ = default_runs
-    assert summary["strategy"] == "dp-fedsam" and summary["rounds_completed"] == cfg["num-rounds"]
+    assert summary["strategy"] == "dp-fedsam" and summary["rounds_completed"] == cfg.run.num_rounds
     assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]  # chance is 0.1
     rows = read_metrics(run_dir)
     eps = [r["epsilon"] for r in rows]
     assert all(b > a for a, b in zip(eps, eps[1:]))
-    q, rounds, delta = cfg["sample-rate"], cfg["num-rounds"], 1e-5  # min(1e-5, 0.01 / M)
-    assert summary["epsilon"] == pytest.approx(epsilon_of([(cfg["noise-multiplier"], q, rounds)], delta), rel=1e-6)
+    q, rounds, delta = cfg.federation.sample_rate, cfg.run.num_rounds, 1e-5  # min(1e-5, 0.01 / M)
+    assert summary["epsilon"] == pytest.approx(epsilon_of([(cfg.privacy.noise_multiplier, q, rounds)], delta), rel=1e-6)
     assert summary["delta"] == pytest.approx(delta)
     assert math.isfinite(summary["epsilon_against_server"]) and summary["epsilon_against_server"] > summary["epsilon"]
 
@@ -54,9 +54,9 @@ def test_non_private_reference_scores_higher(default_runs):
 @pytest.mark.slow
 def test_run_directory_contents(default_runs):
     (cfg, summary, run_dir), _ = default_runs
-    assert json.loads((run_dir / "config.json").read_text()) == cfg
+    assert json.loads((run_dir / "config.json").read_text()) == cfg.run_config()
     rows, diagnostics = read_metrics(run_dir), read_diagnostics(run_dir)
-    assert [r["round"] for r in rows] == [r["round"] for r in diagnostics] == list(range(1, cfg["num-rounds"] + 1))
+    assert [r["round"] for r in rows] == [r["round"] for r in diagnostics] == list(range(1, cfg.run.num_rounds + 1))
     for key in ("round", "accuracy", "loss", "epsilon", "delta", "epsilon_against_server"):
         assert all(key in r for r in rows), key
     for key in ("clipped_fraction", "update_norm_mean", "update_norm_std", "clients", "rejected", "failures",
@@ -67,7 +67,7 @@ def test_run_directory_contents(default_runs):
     for key in ("strategy", "dataset", "rounds_completed", "final_accuracy", "epsilon", "delta",
                 "noise_multiplier", "client_sampling_rate", "num_clients", "accountant"):
         assert key in on_disk, key
-    assert on_disk["num_clients"] == NUM_CLIENTS and on_disk["client_sampling_rate"] == cfg["sample-rate"]
+    assert on_disk["num_clients"] == NUM_CLIENTS and on_disk["client_sampling_rate"] == cfg.federation.sample_rate
     assert (run_dir / "plot.png").stat().st_size > 10_000
     assert "not_private" in json.loads((run_dir / "diagnostics-summary.json").read_text())
 

@@ -89,7 +89,7 @@ def test_uploads_without_local_noise_or_with_less_are_refused():
 
 
 def test_run_config_route_rules():
-    assert validate({"noise-placement": "local", "algorithm": "dp-fedavg"})["noise-placement"] == "local"
+    assert validate({"noise-placement": "local", "algorithm": "dp-fedavg"}).privacy.noise_placement == "local"
     with pytest.raises(ConfigError, match="calibrate"):
         validate({"noise-placement": "local", "algorithm": "dp-fedavg", "target-epsilon": 5.0,
                   "target-epsilon-mode": "calibrate"})

@@ -103,7 +103,7 @@ def test_published_outputs_carry_no_raw_statistic(family, tmp_path, caplog):
     assert not RAW_KEYS & set(summary) and "epsilon_against_server" not in summary if family == "secagg+" else True
     shown = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
     round_lines = [line for line in shown.splitlines() if line.startswith("Round ")]
-    assert len(round_lines) == cfg["num-rounds"]
+    assert len(round_lines) == cfg.run.num_rounds
     assert not [k for k in RAW_KEYS if f"{k}=" in shown]
     assert "node 104" not in shown and "sampled" not in shown
     diagnostics = read_diagnostics(tmp_path / "run")

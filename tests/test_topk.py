@@ -236,7 +236,7 @@ def tiny_config(tmp_path, name, **overrides):
 def final_arrays(cfg, clients=6):
     strategy = build_strategy(cfg)
     result = strategy.start(InProcessGrid(client_app, clients, cfg), ArrayRecord(get_weights(build_global_model(cfg))),
-                            num_rounds=cfg["num-rounds"])
+                            num_rounds=cfg.run.num_rounds)
     return flatten(result.arrays.to_numpy_ndarrays()), strategy
 
 
