@@ -161,13 +161,35 @@ def _check_combinations(s: Settings) -> None:
 
 # ---------------------------------------------------------------------------- the key reference, drawn from SPEC
 KEYS_DOC = "docs/run-config.md"
+APP_CONFIG_TABLE = "[tool.flwr.app.config]"  # pyproject.toml's, the last table of the file
+
+
+def literal(value: Any) -> str:
+    """A value as TOML writes it (and as `flwr run --run-config` reads it)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def app_config_table() -> str:
+    """pyproject.toml's [tool.flwr.app.config]: every key with its default and help, concern by concern."""
+    lines = [APP_CONFIG_TABLE, "# drawn from fl_app/settings.py: regenerate with `python -m fl_app.config --write`"]
+    for concern in fields(Settings):
+        lines.append(f"# -- {concern.name}: {concern.default_factory.__doc__.strip()}")
+        lines += [f"{f'{spec.name} = {literal(spec.default)}':<40}# {spec.help}" for spec in KEYS
+                  if spec.attribute.startswith(concern.name + ".")]
+    return "\n".join(lines) + "\n"
+
+
+def with_app_config_table(pyproject: str) -> str:
+    """pyproject.toml's text with its [tool.flwr.app.config] table (the file's last) redrawn."""
+    return pyproject[: pyproject.index(APP_CONFIG_TABLE)] + app_config_table()
 
 
 def key_reference() -> str:
     """docs/run-config.md: every key with its default, what is allowed and what it does, from SPEC."""
-    def literal(value: Any) -> str:
-        return ("true" if value else "false") if isinstance(value, bool) else (
-            f'"{value}"' if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value))
 
     def section(concern) -> list[str]:
         rows = [f"| `{spec.name}` | `{literal(spec.default)}` | {spec.allowed()} | {spec.help} | "
@@ -189,7 +211,11 @@ def key_reference() -> str:
 if __name__ == "__main__":
     from pathlib import Path
 
-    target = Path(__file__).resolve().parents[1] / KEYS_DOC
+    root = Path(__file__).resolve().parents[1]
     if "--write" in sys.argv:
-        target.write_text(key_reference())
-    print(key_reference() if "--write" not in sys.argv else f"wrote {target}")
+        (root / KEYS_DOC).write_text(key_reference())
+        pyproject = root / "pyproject.toml"
+        pyproject.write_text(with_app_config_table(pyproject.read_text()))
+        print(f"wrote {root / KEYS_DOC} and the {APP_CONFIG_TABLE} table of {pyproject}")
+    else:
+        print(key_reference())

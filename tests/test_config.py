@@ -11,9 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_defaults_equal_spec():
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    app_config = pyproject["tool"]["flwr"]["app"]["config"]
+    """pyproject's [tool.flwr.app.config] is drawn from fl_app/settings.py: the same keys and defaults (typed as
+    the settings are: 600.0 a float, 2 an int), and the text `python -m fl_app.config --write` writes."""
+    from fl_app.config import with_app_config_table
+
+    text = (ROOT / "pyproject.toml").read_text()
+    app_config = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
     assert app_config == {k: s.default for k, s in SPEC.items()}
+    assert {k: type(v) for k, v in app_config.items()} == {k: type(s.default) for k, s in SPEC.items()}
+    assert text == with_app_config_table(text), "regenerate it: python -m fl_app.config --write"
 
 
 def test_each_key_is_one_typed_field_of_one_concern():
