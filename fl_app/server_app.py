@@ -101,27 +101,7 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         log(WARNING, "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
                      "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee")
     model = build_global_model(s).to(resolve_device(s.training.device))  # the server evaluates on the run's device
-    _, server_testset = load_dataset(s.data.dataset, s.data.data_dir)
-    validation = load_validation(s.data.dataset, s.data.data_dir, s.data.validation_fraction)
-    mu_set = None
-    if algorithm(s.run.algorithm).privacy_unit == "sample" and s.dpsgd.mu_source == "server":
-        server_testset, mu_set = mu_split(server_testset, validation)
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """The global model on the server's test set (and its validation set, held out of the training data)."""
-        set_weights(model, arrays.to_numpy_ndarrays())
-        loss, accuracy = evaluate_model(model, server_testset)
-        metrics = {"accuracy": accuracy, "loss": loss}
-        if validation is not None:
-            metrics["val_loss"], metrics["val_accuracy"] = evaluate_model(model, validation)
-        return MetricRecord(metrics)
-
-    def gradient_fn(arrays: list) -> np.ndarray:  # ali-dpfl's mu on held-out server data (no client data)
-        set_weights(model, arrays)
-        return loss_gradient(model, mu_set, MU_SAMPLES)  # held out: never the evaluation data (`mu_split`)
-
-    # Partial sharing: the server holds the body only and has no head to evaluate a model with.
-    partial = algorithm(s.run.algorithm).shares_body_only
+    evaluate_fn, gradient_fn = server_functions(model, s)
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)
@@ -130,8 +110,7 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
 
     strategy = build_strategy(s, on_round_end=on_round_end, gradient_fn=gradient_fn,
                               on_checkpoint=run_dir.write_checkpoint)
-    initial = ArrayRecord(shared_weights(model, s))
-    resumed_from = 0
+    initial, resumed_from = ArrayRecord(shared_weights(model, s)), 0
     if run_dir.checkpoint is not None:
         state, arrays = run_dir.checkpoint
         strategy.load_state_dict(state)
@@ -139,16 +118,13 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
         result = strategy.start(grid, initial, num_rounds=s.run.num_rounds, timeout=s.federation.round_timeout,
-                                evaluate_fn=None if partial else evaluate_fn, eval_every=s.run.eval_every)
+                                evaluate_fn=evaluate_fn, eval_every=s.run.eval_every)
     except BaseException as exc:
         run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
         raise
     server_eval = result.evaluate_metrics_serverapp
     final = server_eval[max(server_eval)] if server_eval else (strategy.history[-1] if strategy.history else {})
-    failure = run_failure(strategy.history)
     summary = {
-        "status": "failed" if failure else "completed",
-        **({"failure_reason": failure} if failure else {}),
         "strategy": s.run.algorithm,
         "dataset": s.data.dataset,
         "model": s.training.model,
@@ -162,6 +138,41 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     }
     diagnostics = {"not_private": DIAGNOSTICS_NOTICE, "seconds": time.perf_counter() - t0,
                    **strategy.describe_diagnostics()}
+    return finish_run(run_dir, dashboards, summary, diagnostics, run_failure(strategy.history),
+                      s.output.publish_diagnostics)
+
+
+def server_functions(model: torch.nn.Module, s: Settings):
+    """(evaluate_fn, gradient_fn) of the server: the global model on the server's test set (and validation set,
+    held out of the training data), None under partial sharing (the server holds no head); ALI-DPFL's gradient
+    on held-out server data (`mu_split`: never the evaluation data)."""
+    _, testset = load_dataset(s.data.dataset, s.data.data_dir)
+    validation = load_validation(s.data.dataset, s.data.data_dir, s.data.validation_fraction)
+    mu_set = None
+    if algorithm(s.run.algorithm).privacy_unit == "sample" and s.dpsgd.mu_source == "server":
+        testset, mu_set = mu_split(testset, validation)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        set_weights(model, arrays.to_numpy_ndarrays())
+        loss, accuracy = evaluate_model(model, testset)
+        metrics = {"accuracy": accuracy, "loss": loss}
+        if validation is not None:
+            metrics["val_loss"], metrics["val_accuracy"] = evaluate_model(model, validation)
+        return MetricRecord(metrics)
+
+    def gradient_fn(arrays: list) -> np.ndarray:
+        set_weights(model, arrays)
+        return loss_gradient(model, mu_set, MU_SAMPLES)
+
+    return (None if algorithm(s.run.algorithm).shares_body_only else evaluate_fn), gradient_fn
+
+
+def finish_run(run_dir: RunDirectory, dashboards: list, summary: dict, diagnostics: dict, failure: str | None,
+               publish_diagnostics: bool) -> dict:
+    """summary.json and diagnostics-summary.json, the dashboards' last entries, status.json (completed, or failed
+    with the reason), the plot and the last log lines; the summary, with its status."""
+    summary = {"status": "failed" if failure else "completed", **({"failure_reason": failure} if failure else {}),
+               **summary}
     run_dir.write_summary(summary, diagnostics)
     for dashboard in dashboards:
         dashboard.on_finish(summary)
@@ -169,8 +180,8 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         run_dir.write_status("failed", reason=failure, rounds_completed=summary["rounds_completed"])
     else:
         run_dir.write_status("completed", rounds_completed=summary["rounds_completed"])
-    plot_runs([run_dir.path], run_dir.path / "plot.png", s.output.publish_diagnostics)
-    log_finish(summary, diagnostics, s.output.publish_diagnostics, run_dir.path)
+    plot_runs([run_dir.path], run_dir.path / "plot.png", publish_diagnostics)
+    log_finish(summary, diagnostics, publish_diagnostics, run_dir.path)
     if failure:
         log(ERROR, "The run failed: %s (no client trained the model; see %s/diagnostics.jsonl)",
             failure, run_dir.path)
