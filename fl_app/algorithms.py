@@ -366,7 +366,7 @@ def check_config(s: Settings) -> None:
     `check_settings` a strategy built from Python runs), SecAgg+ support and the algorithm's own
     rules. Raises ValueError naming the key, the value and what is allowed."""
     algo = ALGORITHMS[s.run.algorithm]
-    values, defaults = s.run_config(), type(s)().run_config()  # by key: the owned and unused keys are named
+    values, defaults = s.run_config(), s.DEFAULTS  # by key: the owned and unused keys are named
     for key in {k for a in ALGORITHMS.values() for k in a.owned_keys}:
         if values[key] != defaults[key] and key not in algo.owned_keys:
             allowed = " or ".join(owners(key))

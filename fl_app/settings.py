@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from dpcore.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
 from dpcore.privacy.mechanisms import TOPK_MODES
@@ -328,21 +328,21 @@ class Settings:
     audit: AuditSettings = field(default_factory=AuditSettings)
     secagg: SecAggSettings = field(default_factory=SecAggSettings)
     output: OutputSettings = field(default_factory=OutputSettings)
+    DEFAULTS: ClassVar[dict[str, Any]]  # the run config of Settings(), key -> default (set below)
 
     @classmethod
     def from_run_config(cls, values: Mapping[str, Any]) -> Settings:
-        """From a run config already checked key by key (`fl_app.config.validate`); missing keys: defaults."""
-        given: dict[str, dict[str, Any]] = {concern.name: {} for concern in fields(cls)}
-        for spec in KEYS:
-            if spec.name in values:
-                concern, attribute = spec.attribute.split(".")
-                given[concern][attribute] = values[spec.name]
-        return cls(**{concern.name: concern.default_factory(**given[concern.name]) for concern in fields(cls)})
+        """From a run config already checked key by key (`fl_app.config.validate`); missing keys: defaults.
+        KeyError for a key that is not a setting."""
+        given: dict[str, dict[str, Any]] = {concern: {} for concern in CONCERNS}
+        for key, value in values.items():
+            concern, attribute = WHERE[key]
+            given[concern][attribute] = value
+        return cls(**{concern: CONCERNS[concern](**given[concern]) for concern in CONCERNS})
 
     def run_config(self) -> dict[str, Any]:
         """The flat run config (key -> value), as config.json, the dashboards and `flwr run` hold it."""
-        return {spec.name: getattr(getattr(self, concern), attribute)
-                for spec in KEYS for concern, attribute in [spec.attribute.split(".")]}
+        return {key: getattr(getattr(self, concern), attribute) for key, (concern, attribute) in WHERE.items()}
 
 
 def _keys() -> Iterator[Key]:
@@ -355,3 +355,6 @@ def _keys() -> Iterator[Key]:
 
 
 KEYS: tuple[Key, ...] = tuple(_keys())
+WHERE: dict[str, tuple[str, str]] = {spec.name: tuple(spec.attribute.split(".")) for spec in KEYS}  # key -> field
+CONCERNS: dict[str, type] = {concern.name: concern.default_factory for concern in fields(Settings)}
+Settings.DEFAULTS = {spec.name: spec.default for spec in KEYS}
