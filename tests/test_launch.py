@@ -3,6 +3,7 @@ a non-zero exit when the run did not complete."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -334,6 +335,24 @@ def test_another_account_cannot_reach_a_running_launchs_superlink(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+def test_a_launcher_without_cap_sys_admin_isolates_itself_through_a_user_namespace(tmp_path):
+    """A non-root user's path (here root without CAP_SYS_ADMIN, as `setpriv` leaves it): the launcher makes its
+    user namespace before validating the config (whose numpy import starts threads, after which the kernel
+    refuses one), then its network namespace, and the run completes in it."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv, to drop CAP_SYS_ADMIN")
+    out = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m", "fl_app.launch",
+         "--clients", "2", "--results", str(tmp_path / "results"), "--network-isolation", "require",
+         "-c", "num-rounds=1 dataset='digits' model='mlp' partitioner='iid' local-steps=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if "[Errno 1]" in out.stderr or "[Errno 28]" in out.stderr:  # EPERM, ENOSPC: user namespaces refused
+        pytest.skip(f"this kernel gives no user namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "--user --net --preserve-credentials" in hint_commands(out.stdout)["ls"], out.stdout[:2000]
 
 
 def test_stop_never_hangs_it_prints_where_and_exits():
