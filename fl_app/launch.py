@@ -240,14 +240,15 @@ class RayHead(NamedTuple):
     join_env: dict[str, str]
 
 
-def start_ray_head(env: dict, log_file: Path) -> RayHead:
+def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> RayHead:
     """A Ray head of this launch's own, shared by its runs: each run's simulation joins it (`join_env` in the
     SuperLink's environment) instead of starting Ray (2.4-3.5 s of `ray.init` per run, in round 1).
     `ray start --head --block` in its own process group, on free ports, with a private temp folder
     (short: Ray's socket paths must fit in 107 characters), taking only drivers that show its token
     (`ray_token_auth`; without it anyone who can reach its port runs code as this user). `wait_ray_head`
-    waits for it, `stop_ray_head` ends it by PID and group."""
-    taken: set[int] = set()
+    waits for it, `stop_ray_head` ends it by PID and group. `taken`: ports it must not use (the SuperLink's,
+    free until it starts)."""
+    taken = set(taken)
     temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
     port = free_port(taken)
     auth = ray_token_auth()
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
     guard = start_watchdog(Path(env["FLWR_HOME"]))  # ends what the launcher started should it be SIGKILLed
     own_ray = not env.get("RAY_ADDRESS")  # a cluster the user named keeps its own settings
-    head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and own_ray else None
+    head = start_ray_head(env, log_dir / "ray-head.log", {http_port, control_port}) if args.ray_head and own_ray else None
     if head is not None:
         env.update(head.join_env)  # the SuperLink's simulations join it
     elif own_ray:

@@ -200,6 +200,16 @@ def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_p
     assert not head.temp.exists()
 
 
+def test_the_ray_head_never_picks_the_superlinks_ports(tmp_path, monkeypatch):
+    """Both are picked free before either process binds them: the head avoids the ports it is given (a Ray
+    client server on the SuperLink's HTTP port once killed the head)."""
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kwargs: cmd)  # the command, not started
+    free = {19001, 19002, 19003, 19004}
+    head = start_ray_head({}, tmp_path / "ray-head.log", set(range(19000, 20000)) - free)
+    assert {int(a) for a in head.proc if a.isdigit() and 19000 <= int(a) < 20000} == free
+    shutil.rmtree(head.temp)
+
+
 def idle_workers_after_a_flower_like_driver_joins(env: dict, head, text: str) -> list[int]:
     """The Ray worker processes (`ray::IDLE`) that exist 3 s after a driver joined `head` with a runtime_env
     as Flower's RayBackend gives it (the driver's sys.path as PYTHONPATH), before it asked for anything."""
