@@ -5,7 +5,10 @@
 
 What it does, so that nothing is left behind:
 0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will) and --clients
-   against min-nodes, and exits with the one-line reason before it starts anything;
+   against min-nodes, and exits with the one-line reason before it starts anything; then moves itself into a
+   private network namespace (`--network-isolation`, fl_app.netns), so that what it starts listens on a
+   loopback no other local account can reach (Flower's SuperLink takes runs from anyone who reaches it),
+   after downloading the runs' datasets into the cache;
 1. starts its own local simulation SuperLink on free ports with a private FLWR_HOME (never one
    that is already running: `flwr run` is pointed at this one), with runtime dependency
    installation and telemetry off, and remembers its PID; next to it, a Ray head of its own that every
@@ -47,6 +50,7 @@ from typing import NamedTuple
 
 import httpx
 
+from fl_app import netns
 from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_home, free_port
 from fl_app.plain_output import call_plain_when_piped
 from fl_app.pull_backoff import SPEED_PATCHES_ENV
@@ -89,16 +93,87 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     return env, http_port, control_port
 
 
-def superlink_hint(env: dict, http_port: int, control_port: int) -> str:
+def superlink_hint(env: dict, http_port: int, control_port: int, enter: list[str] | None = None) -> str:
     """Where this launch's SuperLink listens, and the `flwr ls` / `flwr log` commands that reach it from another
     shell while the launch runs: `flwr` finds a local SuperLink only through FLWR_HOME and the two port
-    variables (without them it starts a SuperLink of its own on Flower's default ports)."""
+    variables (without them it starts a SuperLink of its own on Flower's default ports). `enter`: the
+    `nsenter` command into the launcher's private network namespace (`isolate`), which the commands go through."""
     prefix = " ".join(f"{key}={shlex.quote(env[key])}" for key in
                       ("FLWR_HOME", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"))
-    flwr = shlex.quote(str(BIN / "flwr"))
-    return (f"SuperLink of this launch: 127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}. "
-            f"While it runs, from another shell (flwr log follows the run; --show prints what is there):"
+    flwr = " ".join(shlex.quote(c) for c in [*(enter or []), str(BIN / "flwr")])
+    where = (" in the launcher's private network namespace (no other local account can reach it; the commands "
+             "enter it with nsenter)" if enter else "")
+    return (f"SuperLink of this launch: 127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}"
+            f"{where}. While it runs, from another shell (flwr log follows the run; --show prints what is there):"
             f"\n  {prefix} {flwr} ls\n  {prefix} {flwr} log <run-id>")
+
+
+def own_user_namespace(mode: str) -> bool | OSError:
+    """The user namespace that a non-root launcher needs for its network namespace (`isolate`), made first: the
+    kernel makes one only for a single-threaded process, and validating the config imports numpy, whose
+    OpenBLAS starts threads. It changes nothing of the network by itself. True when made, False when not
+    needed (root, --network-isolation off), the kernel's OSError when refused (`isolate` reports it)."""
+    try:
+        if mode == "off" or not netns.needs_user_namespace():
+            return False
+        netns.enter_user_namespace()
+    except OSError as exc:
+        return exc
+    return True
+
+
+def network_need(settings: list[dict], env: dict) -> str | None:
+    """Why runs with these configs (`run_settings`) need the machine's network after the launch has started,
+    if they do (then no network namespace): a Ray cluster named in RAY_ADDRESS, or W&B online mode, which
+    the ServerApp logs through."""
+    if env.get("RAY_ADDRESS"):
+        return f"RAY_ADDRESS={env['RAY_ADDRESS']} names a Ray cluster outside this launch, which it must reach"
+    if any(cfg["wandb"] and cfg["wandb-mode"] == "online" for cfg in settings):
+        return ("run-config wandb-mode='online' needs the network from the ServerApp; with wandb-mode='offline' "
+                "the run logs to its folder, and `wandb sync <run folder>/wandb/offline-run-*` uploads it after")
+    return None
+
+
+def prefetch_datasets(settings: list[dict]) -> None:
+    """Download the runs' datasets that come from the network (`dpcore.task.data.downloads`) into the cache
+    now, while the launcher still has the network; the ServerApp and ClientApps read the cache. Exits with
+    the data-dir instructions when offline."""
+    from dpcore.task.data import downloads, load_dataset
+
+    for name, data_dir in dict.fromkeys((cfg["dataset"], cfg["data-dir"]) for cfg in settings):
+        if downloads(name, data_dir):
+            print(f"Downloading dataset {name!r} into the cache before the network namespace closes", flush=True)
+            try:
+                load_dataset(name, data_dir)
+            except RuntimeError as exc:
+                raise SystemExit(str(exc)) from None
+
+
+def isolate(mode: str, runs: list[tuple[str, str, Path]], env: dict, user_namespace: bool | OSError) -> list[str] | None:
+    """Move the launcher into a private network namespace (`netns.isolate_network`) before it starts anything,
+    so that no other local account can reach its SuperLink and run code as this user; returns the `nsenter`
+    command into it (for `superlink_hint`), None when not isolated. --network-isolation auto: where the
+    runs need the network or the kernel refuses, one line on stderr says so and why, and the launch goes on;
+    require: exits with that reason instead; off: nothing."""
+    if mode == "off":
+        return None
+    settings = [run_settings(overrides) for _, overrides, _ in runs]
+    if need := network_need(settings, env):
+        problem = f"not isolated because {need}"
+    elif isinstance(user_namespace, OSError):
+        problem = f"no private network namespace ({user_namespace})"
+    else:
+        prefetch_datasets(settings)
+        try:
+            netns.isolate_network(user_namespace=False)  # root, or in its own user namespace already
+            return netns.nsenter_prefix(os.getpid(), user_namespace is True)
+        except OSError as exc:
+            problem = f"no private network namespace ({exc})"
+    if mode == "require":
+        raise SystemExit(f"--network-isolation require: {problem}")
+    print(f"Network isolation: {problem}; this launch's SuperLink is reachable by every local account on this "
+          "machine, and runs submitted to it execute as you", file=sys.stderr, flush=True)
+    return None
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -165,14 +240,15 @@ class RayHead(NamedTuple):
     join_env: dict[str, str]
 
 
-def start_ray_head(env: dict, log_file: Path) -> RayHead:
+def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> RayHead:
     """A Ray head of this launch's own, shared by its runs: each run's simulation joins it (`join_env` in the
     SuperLink's environment) instead of starting Ray (2.4-3.5 s of `ray.init` per run, in round 1).
     `ray start --head --block` in its own process group, on free ports, with a private temp folder
     (short: Ray's socket paths must fit in 107 characters), taking only drivers that show its token
     (`ray_token_auth`; without it anyone who can reach its port runs code as this user). `wait_ray_head`
-    waits for it, `stop_ray_head` ends it by PID and group."""
-    taken: set[int] = set()
+    waits for it, `stop_ray_head` ends it by PID and group. `taken`: ports it must not use (the SuperLink's,
+    free until it starts)."""
+    taken = set(taken)
     temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
     port = free_port(taken)
     auth = ray_token_auth()
@@ -308,6 +384,11 @@ def app_defaults() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 
 
+def run_settings(overrides: str) -> dict:
+    """A planned run's config (`plan_runs`): the app's defaults with its overrides."""
+    return {**app_defaults(), **parse_overrides(overrides)}
+
+
 CONFIG_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")  # flwr.common.config.parse_config_args' pattern
 
 
@@ -412,7 +493,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-client", type=int, default=1, choices=range(1, 1025), metavar="C",
                         help="CPUs each simulated client asks Ray for: at most CPUs / C clients (Ray workers, about "
                              "1 GB each) run at once (default 1)")
+    parser.add_argument("--network-isolation", choices=("auto", "require", "off"), default="auto",
+                        help="run the SuperLink and everything else in a private network namespace, which no other "
+                             "local account can reach (Flower's SuperLink runs whatever app reaches its port, as "
+                             "you). auto (default): where the kernel allows it and the runs need no network (W&B "
+                             "online, a RAY_ADDRESS cluster), else a warning; require: exit instead; off: other "
+                             "local accounts can submit runs that execute as you")
     args = parser.parse_args(argv)
+    user_namespace = own_user_namespace(args.network_isolation)  # first: the process must be single-threaded
     gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config, args.cpus_per_client)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -424,12 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = plan_runs(args, stamp)  # every run's config checked before anything starts
     if any(parse_overrides(overrides).get("flower-speed-patches") is True for _, overrides, _ in runs):
         base[SPEED_PATCHES_ENV] = "1"  # the simulation's opt-in patches (fl_app.simulation_pickup)
+    enter = isolate(args.network_isolation, runs, base, user_namespace)  # before anything starts
     log_dir = Path(args.results)
     log_dir.mkdir(parents=True, exist_ok=True)
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
     guard = start_watchdog(Path(env["FLWR_HOME"]))  # ends what the launcher started should it be SIGKILLed
     own_ray = not env.get("RAY_ADDRESS")  # a cluster the user named keeps its own settings
-    head = start_ray_head(env, log_dir / "ray-head.log") if args.ray_head and own_ray else None
+    head = start_ray_head(env, log_dir / "ray-head.log", {http_port, control_port}) if args.ray_head and own_ray else None
     if head is not None:
         env.update(head.join_env)  # the SuperLink's simulations join it
     elif own_ray:
@@ -438,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dirs = []
     try:
         proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")  # while the head starts
-        print(superlink_hint(env, http_port, control_port), flush=True)
+        print(superlink_hint(env, http_port, control_port, enter), flush=True)
         if head is not None and not wait_ray_head(head.proc, log_dir / "ray-head.log"):
             stop(proc, env["FLWR_HOME"])
             del env["RAY_ADDRESS"]  # each run's own Ray, with the head's token

@@ -3,6 +3,7 @@ a non-zero exit when the run did not complete."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,10 +20,7 @@ from fl_app.launch import (
     own_superlink_env,
     reference_run_config,
     start_ray_head,
-    start_superlink,
-    stop,
     stop_ray_head,
-    superlink_hint,
     sweep_runs,
     wait_ray_head,
 )
@@ -106,23 +104,45 @@ def hint_commands(text: str) -> dict[str, str]:
                                                                 re.MULTILINE)}
 
 
+# a launcher's first steps: its network namespace, its SuperLink there, the hint; then waits for stdin
+ISOLATED_SUPERLINK = """
+import os, sys
+from pathlib import Path
+from fl_app import netns
+from fl_app.launch import QUIET_ENV, own_superlink_env, start_superlink, stop, superlink_hint
+user_namespace = netns.needs_user_namespace()
+netns.isolate_network()
+env, http_port, control_port = own_superlink_env({**os.environ, **QUIET_ENV}, Path(sys.argv[1]))
+proc = start_superlink(env, http_port, control_port, Path(sys.argv[2]))
+print(superlink_hint(env, http_port, control_port, netns.nsenter_prefix(os.getpid(), user_namespace)), flush=True)
+try:
+    sys.stdin.read()
+finally:
+    stop(proc, env["FLWR_HOME"])
+"""
+
+
 def test_the_printed_flwr_ls_reaches_the_launchers_superlink(tmp_path):
-    """The hint names both ports and FLWR_HOME; its `flwr ls`, run from a shell with none of them set, talks to
-    the launcher's SuperLink instead of starting one on Flower's default port."""
-    env, http_port, control_port = own_superlink_env({**os.environ, **QUIET_ENV}, tmp_path / "home")
-    hint = superlink_hint(env, http_port, control_port)
-    assert f"127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}" in hint
-    commands = hint_commands(hint)
-    assert set(commands) == {"ls", "log"} and commands["log"].endswith("flwr log <run-id>")
-    assert f"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT={http_port}" in commands["ls"]
-    shell_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_LOCAL")}
-    shell_env.update(QUIET_ENV, FLWR_HOME=str(tmp_path / "elsewhere"))
-    proc = start_superlink(env, http_port, control_port, tmp_path / "superlink.log")
+    """The hint names both ports and FLWR_HOME; its `flwr ls`, run from a shell with none of them set and
+    outside the launcher's network namespace (which it enters with nsenter), talks to the launcher's
+    SuperLink instead of starting one on Flower's default port."""
+    linker = subprocess.Popen([sys.executable, "-c", ISOLATED_SUPERLINK, str(tmp_path / "home"),
+                               str(tmp_path / "superlink.log")], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
+        hint = "".join(linker.stdout.readline() for _ in range(3))
+        http_port, control_port = map(int, re.search(r"127.0.0.1:(\d+) \(HTTP API\), control API 127.0.0.1:(\d+) "
+                                                     r"in the launcher's private network namespace", hint).groups())
+        commands = hint_commands(hint)
+        assert set(commands) == {"ls", "log"} and commands["log"].endswith("flwr log <run-id>")
+        assert f"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT={http_port}" in commands["ls"]
+        assert f"nsenter --target={linker.pid} --net" in commands["ls"], hint
+        shell_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_LOCAL")}
+        shell_env.update(QUIET_ENV, FLWR_HOME=str(tmp_path / "elsewhere"))
         listed = subprocess.run(commands["ls"], shell=True, env=shell_env, capture_output=True, text=True,
                                 timeout=120)
     finally:
-        stop(proc, env["FLWR_HOME"])
+        linker.communicate("")
     assert listed.returncode == 0, listed.stdout + listed.stderr
     assert "Starting local SuperLink" not in listed.stdout + listed.stderr
     assert not (tmp_path / "elsewhere").exists()  # nothing of flwr's own defaults was used
@@ -178,6 +198,16 @@ def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_p
     time.sleep(0.5)
     assert processes_mentioning(str(tmp_path)) == [], describe(processes_mentioning(str(tmp_path)))
     assert not head.temp.exists()
+
+
+def test_the_ray_head_never_picks_the_superlinks_ports(tmp_path, monkeypatch):
+    """Both are picked free before either process binds them: the head avoids the ports it is given (a Ray
+    client server on the SuperLink's HTTP port once killed the head)."""
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kwargs: cmd)  # the command, not started
+    free = {19001, 19002, 19003, 19004}
+    head = start_ray_head({}, tmp_path / "ray-head.log", set(range(19000, 20000)) - free)
+    assert {int(a) for a in head.proc if a.isdigit() and 19000 <= int(a) < 20000} == free
+    shutil.rmtree(head.temp)
 
 
 def idle_workers_after_a_flower_like_driver_joins(env: dict, head, text: str) -> list[int]:
@@ -272,6 +302,67 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+def test_another_account_cannot_reach_a_running_launchs_superlink(tmp_path):
+    """While a launch runs (as root), uid 65534 cannot connect to its SuperLink's ports (where it could submit
+    a run of its own app, executed as the launcher's user) nor enter its network namespace; the ports are
+    not on the machine's loopback at all, and the launcher's owner reaches them with the printed commands."""
+    from tests.test_network_isolation import as_nobody, can_connect, nobody_python
+
+    python = nobody_python()
+    results, log_path = tmp_path / "results", tmp_path / "launch.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
+             "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(f.read_text() for f in results.glob("*-dp/metrics.jsonl")):  # round 1 done
+            assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        ports = re.search(r"127.0.0.1:(\d+) \(HTTP API\), control API 127.0.0.1:(\d+)", log_path.read_text()).groups()
+        for port in map(int, ports):
+            assert not can_connect(port, python=python, preexec=as_nobody), f"uid 65534 reached port {port}"
+            assert not can_connect(port), f"port {port} is on the machine's loopback"
+        entered = subprocess.run(["nsenter", f"--target={launcher.pid}", "--net", "true"], capture_output=True,
+                                 text=True, preexec_fn=as_nobody)
+        assert entered.returncode != 0, "uid 65534 entered the launcher's network namespace"
+        check_the_printed_flwr_commands(log_path.read_text())
+        os.killpg(launcher.pid, signal.SIGINT)
+        assert launcher.wait(timeout=120) != 0
+        deadline = time.monotonic() + 30
+        while processes_mentioning(str(results)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert processes_mentioning(str(results)) == [], describe(processes_mentioning(str(results)))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in processes_mentioning(str(results)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_launcher_without_cap_sys_admin_isolates_itself_through_a_user_namespace(tmp_path):
+    """A non-root user's path (here root without CAP_SYS_ADMIN, as `setpriv` leaves it): the launcher makes its
+    user namespace before validating the config (whose numpy import starts threads, after which the kernel
+    refuses one), then its network namespace, and the run completes in it."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv, to drop CAP_SYS_ADMIN")
+    out = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m", "fl_app.launch",
+         "--clients", "2", "--results", str(tmp_path / "results"), "--network-isolation", "require",
+         "-c", "num-rounds=1 sample-rate=1.0 dataset='digits' model='mlp' partitioner='iid' local-steps=1"],  # every client: a round that samples none fails the run
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if "[Errno 1]" in out.stderr or "[Errno 28]" in out.stderr:  # EPERM, ENOSPC: user namespaces refused
+        pytest.skip(f"this kernel gives no user namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "--user --net --preserve-credentials" in hint_commands(out.stdout)["ls"], out.stdout[:2000]
 
 
 def test_stop_never_hangs_it_prints_where_and_exits():

@@ -149,6 +149,12 @@ def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayData
     return _load_dataset(name, data_dir)
 
 
+def downloads(name: str, data_dir: str = "") -> bool:
+    """Does `load_dataset(name, data_dir)` download (no local files given, not embedded data)? The first call
+    then fills the cache that later calls, in any process with the same cache folder, read offline."""
+    return not data_dir and name not in _EMBEDDED
+
+
 @functools.lru_cache(maxsize=4)
 def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
     """Decoded once into the cache, then memory-mapped (dpcore.task.mapped): a process holds only what it reads."""
