@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import httpx
 
@@ -55,6 +55,9 @@ from fl_app.local_deployment import BIN, end_process_tree, end_processes_with_ho
 from fl_app.plain_output import call_plain_when_piped
 from fl_app.pull_backoff import SPEED_PATCHES_ENV
 from fl_app.simulation_resources import federation_config, gpus_per_client
+
+if TYPE_CHECKING:  # not imported at start: the user namespace needs a process without threads (numpy starts some)
+    from fl_app.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
@@ -122,25 +125,25 @@ def own_user_namespace(mode: str) -> bool | OSError:
     return True
 
 
-def network_need(settings: list[dict], env: dict) -> str | None:
+def network_need(settings: list[Settings], env: dict) -> str | None:
     """Why runs with these configs (`run_settings`) need the machine's network after the launch has started,
     if they do (then no network namespace): a Ray cluster named in RAY_ADDRESS, or W&B online mode, which
     the ServerApp logs through."""
     if env.get("RAY_ADDRESS"):
         return f"RAY_ADDRESS={env['RAY_ADDRESS']} names a Ray cluster outside this launch, which it must reach"
-    if any(cfg["wandb"] and cfg["wandb-mode"] == "online" for cfg in settings):
+    if any(s.output.wandb and s.output.wandb_mode == "online" for s in settings):
         return ("run-config wandb-mode='online' needs the network from the ServerApp; with wandb-mode='offline' "
                 "the run logs to its folder, and `wandb sync <run folder>/wandb/offline-run-*` uploads it after")
     return None
 
 
-def prefetch_datasets(settings: list[dict]) -> None:
+def prefetch_datasets(settings: list[Settings]) -> None:
     """Download the runs' datasets that come from the network (`dpcore.task.data.downloads`) into the cache
     now, while the launcher still has the network; the ServerApp and ClientApps read the cache. Exits with
     the data-dir instructions when offline."""
     from dpcore.task.data import downloads, load_dataset
 
-    for name, data_dir in dict.fromkeys((cfg["dataset"], cfg["data-dir"]) for cfg in settings):
+    for name, data_dir in dict.fromkeys((s.data.dataset, s.data.data_dir) for s in settings):
         if downloads(name, data_dir):
             print(f"Downloading dataset {name!r} into the cache before the network namespace closes", flush=True)
             try:
@@ -384,9 +387,11 @@ def app_defaults() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 
 
-def run_settings(overrides: str) -> dict:
-    """A planned run's config (`plan_runs`): the app's defaults with its overrides."""
-    return {**app_defaults(), **parse_overrides(overrides)}
+def run_settings(overrides: str) -> Settings:
+    """A planned run's settings (`plan_runs` has validated them): the app's defaults with its overrides."""
+    from fl_app.config import validate
+
+    return validate({**app_defaults(), **parse_overrides(overrides)})
 
 
 CONFIG_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")  # flwr.common.config.parse_config_args' pattern
