@@ -21,10 +21,22 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 
-BASE = {"algorithm": "ali-dpfl", "dataset": "mnist-embedded", "partitioner": "dirichlet", "dirichlet-alpha": 0.05,
-        "num-rounds": 20, "sample-rate": 1.0, "batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5,
-        "sample-clipping-norm": 0.1, "lr": 5.0, "momentum": 0.0, "weight-decay": 0.0, "gamma": 10.0,
-        "target-epsilon": 4.0}
+BASE = {
+    "algorithm": "ali-dpfl",
+    "dataset": "mnist-embedded",
+    "partitioner": "dirichlet",
+    "dirichlet-alpha": 0.05,
+    "num-rounds": 20,
+    "sample-rate": 1.0,
+    "batch-sample-rate": 0.1,
+    "sample-noise-multiplier": 1.5,
+    "sample-clipping-norm": 0.1,
+    "lr": 5.0,
+    "momentum": 0.0,
+    "weight-decay": 0.0,
+    "gamma": 10.0,
+    "target-epsilon": 4.0,
+}
 RUNS = {
     "ALI-DPFL (mu on server data)": {},
     "ALI-DPFL (mu from clients, z=10)": {"mu-source": "clients", "mu-max": 20.0, "mu-noise-multiplier": 10.0},
@@ -53,8 +65,10 @@ def main() -> None:
             accs.append(summary["final_accuracy"])
             first = first or summary
         acc = f"{statistics.mean(accs):.3f}" + (f"±{statistics.stdev(accs):.3f}" if len(accs) > 1 else "")
-        print(f"{name:<34} {acc:>9} {first['rounds_completed']:>6} {first['local_steps_total']:>5} "
-              f"{first['epsilon']:>7.3f}  {first['tau_list']}")
+        print(
+            f"{name:<34} {acc:>9} {first['rounds_completed']:>6} {first['local_steps_total']:>5} "
+            f"{first['epsilon']:>7.3f}  {first['tau_list']}"
+        )
 
 
 if __name__ == "__main__":

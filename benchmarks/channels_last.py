@@ -29,12 +29,18 @@ from dpcore.task.device import CHANNELS_LAST_MODELS, place_input, place_model
 from dpcore.task.models import MODELS, build_model
 
 THRESHOLD = 1.1  # channels_last is taken where both steps are faster by more than this
-DATASET_OF = {"cnn-mnist": "mnist", "cnn-emnist": "emnist", "cnn-cifar10": "cifar10", "cnn-cifar10-dp2": "cifar10",
-              "resnet18-gn": "cifar10"}
+DATASET_OF = {
+    "cnn-mnist": "mnist",
+    "cnn-emnist": "emnist",
+    "cnn-cifar10": "cifar10",
+    "cnn-cifar10-dp2": "cifar10",
+    "resnet18-gn": "cifar10",
+}
 
 
 def conv_models() -> list[str]:
     """The models of the zoo that have a convolution."""
+
     def has_conv(name: str) -> bool:
         info = dataset_info(DATASET_OF.get(name, "mnist"))
         model = build_model(name, info["input_shape"], info["num_classes"])
@@ -86,17 +92,21 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the table to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lines = [f"machine: {platform.machine()}, torch {torch.__version__} (1 thread), batch {args.batch_size}, "
-             f"median of {args.repeats} alternating steps per layout (resnet18-gn: 5); ratio = plain / channels_last (> 1: channels_last faster)",
-             f"{'model':<16} {'SGD plain ms':>12} {'SGD cl ms':>10} {'SGD ratio':>9} {'SAM plain ms':>12} "
-             f"{'SAM cl ms':>10} {'SAM ratio':>9}  take (> {THRESHOLD}x both)  in CHANNELS_LAST_MODELS"]
+    lines = [
+        f"machine: {platform.machine()}, torch {torch.__version__} (1 thread), batch {args.batch_size}, "
+        f"median of {args.repeats} alternating steps per layout (resnet18-gn: 5); ratio = plain / channels_last (> 1: channels_last faster)",
+        f"{'model':<16} {'SGD plain ms':>12} {'SGD cl ms':>10} {'SGD ratio':>9} {'SAM plain ms':>12} "
+        f"{'SAM cl ms':>10} {'SAM ratio':>9}  take (> {THRESHOLD}x both)  in CHANNELS_LAST_MODELS",
+    ]
     print("\n".join(lines), flush=True)
     for name in args.models or conv_models():
         r = measure(name, args.batch_size, min(args.repeats, 5) if name == "resnet18-gn" else args.repeats)
         take = r["sgd"] > THRESHOLD and r["sam"] > THRESHOLD
-        lines.append(f"{name:<16} {r['sgd_ms'][0]:12.2f} {r['sgd_ms'][1]:10.2f} {r['sgd']:8.2f}x "
-                     f"{r['sam_ms'][0]:12.2f} {r['sam_ms'][1]:10.2f} {r['sam']:8.2f}x  {'yes' if take else 'no':<19}"
-                     f" {'yes' if name in CHANNELS_LAST_MODELS else 'no'}")
+        lines.append(
+            f"{name:<16} {r['sgd_ms'][0]:12.2f} {r['sgd_ms'][1]:10.2f} {r['sgd']:8.2f}x "
+            f"{r['sam_ms'][0]:12.2f} {r['sam_ms'][1]:10.2f} {r['sam']:8.2f}x  {'yes' if take else 'no':<19}"
+            f" {'yes' if name in CHANNELS_LAST_MODELS else 'no'}"
+        )
         print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

@@ -28,7 +28,12 @@ from fl_app.local_deployment import Deployment
 from fl_app.results import read_diagnostics
 
 IDLE_POLL = 0.2  # fl_app.supernode --idle-poll
-JOB = {"sample-rate": 1.0, "noise-multiplier": 0.0, "tensorboard": False, "flower-speed-patches": True}  # sigma 0: 3 clients would diverge
+JOB = {
+    "sample-rate": 1.0,
+    "noise-multiplier": 0.0,
+    "tensorboard": False,
+    "flower-speed-patches": True,
+}  # sigma 0: 3 clients would diverge
 
 
 def round_seconds(folder: Path) -> list[float]:
@@ -43,12 +48,13 @@ def clientapp_busy(tasks: list[tuple[float, float]], nodes: int, stages: int) ->
     the nodes' tasks (fork to exit; tasks in start order, one per node per exchange), summed. The rest of a
     round is waiting: the nodes pick a message up when their polling wakes (Flower's SuperNode sleeps 3 s
     when it finds none), not when it is sent."""
-    spans = [max(end - start for start, end in g) for g in (tasks[i:i + nodes] for i in range(0, len(tasks), nodes))]
-    return [sum(spans[i:i + stages]) for i in range(0, len(spans) - stages + 1, stages)]
+    spans = [max(end - start for start, end in g) for g in (tasks[i : i + nodes] for i in range(0, len(tasks), nodes))]
+    return [sum(spans[i : i + stages]) for i in range(0, len(spans) - stages + 1, stages)]
 
 
-def deployed_round_seconds(nodes: int, rounds: int, runs: dict[str, dict], *, warm: bool,
-                           idle_poll: float | None = None) -> dict[str, tuple[list[float], list[float]]]:
+def deployed_round_seconds(
+    nodes: int, rounds: int, runs: dict[str, dict], *, warm: bool, idle_poll: float | None = None
+) -> dict[str, tuple[list[float], list[float]]]:
     """{name: (seconds of each round, ClientApp busy seconds of each round)} for each run config in `runs`,
     one after the other on one deployment (busy: warm nodes only, from the executors' logs)."""
     out, seen = {}, 0
@@ -62,12 +68,12 @@ def deployed_round_seconds(nodes: int, rounds: int, runs: dict[str, dict], *, wa
                 d.wait_connected(f"n{i}")
             for name, overrides in runs.items():
                 folder = Path(tmp) / name
-                cli = d.run_app({**JOB, **overrides, "num-rounds": rounds, "min-nodes": nodes,
-                                 "results-dir": str(folder)}, log=name)
+                cli = d.run_app(
+                    {**JOB, **overrides, "num-rounds": rounds, "min-nodes": nodes, "results-dir": str(folder)}, log=name
+                )
                 if cli.wait(timeout=1800) != 0 or not (folder / "summary.json").exists():
                     raise SystemExit(f"deployed run {name} failed:\n{d.log(name)[-3000:]}")
-                tasks = [(float(a), float(b)) for i in range(nodes)
-                         for a, b in TASK.findall(d.log(f"n{i}-executor"))]
+                tasks = [(float(a), float(b)) for i in range(nodes) for a, b in TASK.findall(d.log(f"n{i}-executor"))]
                 stages = 4 if overrides.get("secure-aggregation") else 1  # SecAgg+: 4 messages per round
                 out[name] = (round_seconds(folder), clientapp_busy(sorted(tasks)[seen:], nodes, stages))
                 seen = len(tasks)
@@ -98,11 +104,15 @@ def measure(nodes: int, rounds: int, cold: bool) -> dict[str, float]:
     t0 = time.perf_counter()
     result = {"inprocess": statistics.median(inprocess_round_seconds(nodes, rounds))}
     warm = deployed_round_seconds(nodes, rounds, {"plain": {}, "secagg": {"secure-aggregation": True}}, warm=True)
-    result.update(deployed=statistics.median(warm["plain"][0]), secagg=statistics.median(warm["secagg"][0]),
-                  deployed_clientapps_busy=statistics.median(warm["plain"][1]),
-                  secagg_clientapps_busy=statistics.median(warm["secagg"][1]))
-    fast = deployed_round_seconds(nodes, rounds, {"plain": {}, "secagg": {"secure-aggregation": True}}, warm=True,
-                                  idle_poll=IDLE_POLL)
+    result.update(
+        deployed=statistics.median(warm["plain"][0]),
+        secagg=statistics.median(warm["secagg"][0]),
+        deployed_clientapps_busy=statistics.median(warm["plain"][1]),
+        secagg_clientapps_busy=statistics.median(warm["secagg"][1]),
+    )
+    fast = deployed_round_seconds(
+        nodes, rounds, {"plain": {}, "secagg": {"secure-aggregation": True}}, warm=True, idle_poll=IDLE_POLL
+    )
     result.update(deployed_fast=statistics.median(fast["plain"][0]), secagg_fast=statistics.median(fast["secagg"][0]))
     if cold:
         plain, _ = deployed_round_seconds(nodes, rounds, {"plain": {}}, warm=False)["plain"]
@@ -119,10 +129,14 @@ def main() -> None:
     args = parser.parse_args()
     r = measure(args.nodes, args.rounds, args.cold)
     print(json.dumps({k: round(v, 2) for k, v in r.items()}))
-    print(f"deployed / in-process: {r['deployed'] / r['inprocess']:.2f}x; "
-          f"SecAgg+ / plain deployed: {r['secagg'] / r['deployed']:.2f}x")
-    print(f"with fl_app.supernode --idle-poll {IDLE_POLL}: deployed / in-process {r['deployed_fast'] / r['inprocess']:.2f}x; "
-          f"SecAgg+ / plain deployed: {r['secagg_fast'] / r['deployed_fast']:.2f}x")
+    print(
+        f"deployed / in-process: {r['deployed'] / r['inprocess']:.2f}x; "
+        f"SecAgg+ / plain deployed: {r['secagg'] / r['deployed']:.2f}x"
+    )
+    print(
+        f"with fl_app.supernode --idle-poll {IDLE_POLL}: deployed / in-process {r['deployed_fast'] / r['inprocess']:.2f}x; "
+        f"SecAgg+ / plain deployed: {r['secagg_fast'] / r['deployed_fast']:.2f}x"
+    )
     if "deployed_cold" in r:
         print(f"cold deployed / in-process: {r['deployed_cold'] / r['inprocess']:.2f}x")
 

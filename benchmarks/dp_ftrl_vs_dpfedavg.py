@@ -28,9 +28,19 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 
-JOB = {"dataset": "mnist", "model": "cnn-mnist", "partitioner": "iid", "local-steps": 10, "batch-size": 32,
-       "lr": 0.05, "momentum": 0.5, "clipping-norm": 0.5, "noise-placement": "central", "delta": 1e-5,
-       "tensorboard": False}
+JOB = {
+    "dataset": "mnist",
+    "model": "cnn-mnist",
+    "partitioner": "iid",
+    "local-steps": 10,
+    "batch-size": 32,
+    "lr": 0.05,
+    "momentum": 0.5,
+    "clipping-norm": 0.5,
+    "noise-placement": "central",
+    "delta": 1e-5,
+    "tensorboard": False,
+}
 
 
 def one_run(cfg_overrides: dict, clients: int) -> tuple[dict, float]:
@@ -58,32 +68,52 @@ def main() -> None:
     releases = sum(steps.bit_length() for steps in tree_steps)  # sum_j ceil(log2(b_j + 1))
     sigma_ftrl = calibrate_noise_multiplier(args.epsilon, delta, 1.0, releases)
     sigma_fedavg = calibrate_noise_multiplier(args.epsilon, delta, 1.0, rounds)
-    common = {"data-dir": args.data_dir, "num-rounds": rounds, "sample-rate": args.per_round / args.clients,
-              "eval-every": args.eval_every}
-    methods = {
-        "dp-ftrl": ({**common, "algorithm": "dp-ftrl", "noise-multiplier": sigma_ftrl,
-                     "ftrl-epoch-rounds": epoch_rounds}, sigma_ftrl, releases),
-        "dp-fedavg (no amplification)": ({**common, "algorithm": "dp-fedavg", "noise-multiplier": sigma_fedavg,
-                                          "client-sampling": "fixed"}, sigma_fedavg, rounds),
+    common = {
+        "data-dir": args.data_dir,
+        "num-rounds": rounds,
+        "sample-rate": args.per_round / args.clients,
+        "eval-every": args.eval_every,
     }
-    print(f"M={args.clients} m={args.per_round} T={rounds} b={epoch_rounds} trees={tree_steps} target "
-          f"epsilon={args.epsilon} delta={delta}: sigma dp-ftrl={sigma_ftrl:.4f} ({releases} releases), "
-          f"dp-fedavg={sigma_fedavg:.4f} ({rounds} releases)", flush=True)
+    methods = {
+        "dp-ftrl": (
+            {**common, "algorithm": "dp-ftrl", "noise-multiplier": sigma_ftrl, "ftrl-epoch-rounds": epoch_rounds},
+            sigma_ftrl,
+            releases,
+        ),
+        "dp-fedavg (no amplification)": (
+            {**common, "algorithm": "dp-fedavg", "noise-multiplier": sigma_fedavg, "client-sampling": "fixed"},
+            sigma_fedavg,
+            rounds,
+        ),
+    }
+    print(
+        f"M={args.clients} m={args.per_round} T={rounds} b={epoch_rounds} trees={tree_steps} target "
+        f"epsilon={args.epsilon} delta={delta}: sigma dp-ftrl={sigma_ftrl:.4f} ({releases} releases), "
+        f"dp-fedavg={sigma_fedavg:.4f} ({rounds} releases)",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {name: [] for name in methods}
     for seed in args.seeds:
         for name, (overrides, sigma, count) in methods.items():
             summary, seconds = one_run({**overrides, "seed": seed}, args.clients)
             honest = epsilon_of([(sigma, 1.0, count)], delta)  # q = 1: no amplification
-            row = {"seed": seed, "accuracy": summary["final_accuracy"], "epsilon_honest": honest,
-                   "epsilon_printed": summary["epsilon"], "seconds": seconds}
+            row = {
+                "seed": seed,
+                "accuracy": summary["final_accuracy"],
+                "epsilon_honest": honest,
+                "epsilon_printed": summary["epsilon"],
+                "seconds": seconds,
+            }
             results[name].append(row)
             print(name, json.dumps(row), flush=True)
     print("\n| method | sigma | accuracy (seeds " + ", ".join(map(str, args.seeds)) + ") | mean | epsilon |")
     print("|---|---|---|---|---|")
     for name, rows in results.items():
         accs = [r["accuracy"] for r in rows]
-        print(f"| {name} | {methods[name][1]:.3f} | {', '.join(f'{a:.3f}' for a in accs)} | "
-              f"{statistics.mean(accs):.3f} | {rows[0]['epsilon_honest']:.2f} |")
+        print(
+            f"| {name} | {methods[name][1]:.3f} | {', '.join(f'{a:.3f}' for a in accs)} | "
+            f"{statistics.mean(accs):.3f} | {rows[0]['epsilon_honest']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,14 @@ from dpcore.task.models import build_model
 MODELS = {"cnn-mnist": ((1, 28, 28), 30), "cnn-cifar10": ((3, 32, 32), 8)}  # input, steps per repeat
 
 
-def sgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, sample_rate: float,
-              generator: torch.Generator) -> None:
+def sgd_steps(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, sample_rate: float, generator: torch.Generator
+) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model.train()
-    for indices in UniformWithReplacementSampler(num_samples=len(y), sample_rate=sample_rate,
-                                                 generator=generator, steps=steps):
+    for indices in UniformWithReplacementSampler(
+        num_samples=len(y), sample_rate=sample_rate, generator=generator, steps=steps
+    ):
         idx = torch.as_tensor(indices, dtype=torch.long)
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
@@ -54,20 +56,45 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     n, q = 20 * args.batch, 0.05
-    print(f"torch {torch.__version__}, {args.threads} thread(s), expected batch {args.batch} (q = {q}, n = {n}), "
-          f"median of {args.repeats} repeats")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), expected batch {args.batch} (q = {q}, n = {n}), "
+        f"median of {args.repeats} repeats"
+    )
     print(f"{'model':<12} {'mode':<10} {'ms/step':>9} {'x SGD':>7}")
     for name in args.models:
         shape, steps = MODELS[name]
         x, y = torch.randn(n, *shape), torch.randint(0, 10, (n,))
         runs = {"sgd": lambda m, g: sgd_steps(m, x, y, steps, q, g)}
         for mode in GRAD_SAMPLE_MODES:
-            runs[mode] = (lambda mode: lambda m, g: dpsgd_steps(
-                m, x, y, steps=steps, sample_rate=q, noise_multiplier=1.0, clipping_norm=1.0, lr=0.01,
-                grad_sample_mode=mode, sampling_generator=g))(mode)
+            runs[mode] = (
+                lambda mode: (
+                    lambda m, g: dpsgd_steps(
+                        m,
+                        x,
+                        y,
+                        steps=steps,
+                        sample_rate=q,
+                        noise_multiplier=1.0,
+                        clipping_norm=1.0,
+                        lr=0.01,
+                        grad_sample_mode=mode,
+                        sampling_generator=g,
+                    )
+                )
+            )(mode)
         runs["wavelet"] = lambda m, g: dpsgd_steps(  # DP-SGD-WAV: Haar-domain clipping and noise, hooks
-            m, x, y, steps=steps, sample_rate=q, noise_multiplier=1.0, clipping_norm=1.0, lr=0.01,
-            grad_sample_mode="hooks", sampling_generator=g, noise="wavelet")
+            m,
+            x,
+            y,
+            steps=steps,
+            sample_rate=q,
+            noise_multiplier=1.0,
+            clipping_norm=1.0,
+            lr=0.01,
+            grad_sample_mode="hooks",
+            sampling_generator=g,
+            noise="wavelet",
+        )
         times: dict[str, list[float]] = {k: [] for k in runs}
         for repeat in range(args.repeats + 1):  # the first repeat warms up
             for key, run in runs.items():

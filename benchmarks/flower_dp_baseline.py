@@ -35,20 +35,39 @@ from fl_app.settings import Settings
 
 from .flower_side import timed_run, weights_client_app
 
-JOB = {"algorithm": "dp-fedavg", "noise-placement": "central", "clipping-norm": 0.5, "noise-multiplier": 1.0,
-       "delta": 1e-5, "tensorboard": False}  # both accountants at the same delta
+JOB = {
+    "algorithm": "dp-fedavg",
+    "noise-placement": "central",
+    "clipping-norm": 0.5,
+    "noise-multiplier": 1.0,
+    "delta": 1e-5,
+    "tensorboard": False,
+}  # both accountants at the same delta
+
 
 def flower_run(cfg: Settings, clients: int) -> tuple[list[float], list[int], float, float]:
     """(seconds per round, clients per round, epsilon, delta) of Flower's DP-FedAvg."""
     sampled = max(1, int(clients * cfg.federation.sample_rate))
-    accountant = RdpAccountant(PrivacyConfig(
-        target_delta=cfg.privacy.delta, population_size=clients, neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-        sampling_method=SamplingMethod.NO_AMPLIFICATION))
+    accountant = RdpAccountant(
+        PrivacyConfig(
+            target_delta=cfg.privacy.delta,
+            population_size=clients,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.NO_AMPLIFICATION,
+        )
+    )
     strategy = DifferentialPrivacyClientSideFixedClipping(
-        FedAvg(fraction_train=cfg.federation.sample_rate, fraction_evaluate=0.0, min_train_nodes=sampled,
-               min_available_nodes=clients),
-        noise_multiplier=cfg.privacy.noise_multiplier, clipping_norm=cfg.privacy.clipping_norm, num_sampled_clients=sampled,
-        accountant=accountant)
+        FedAvg(
+            fraction_train=cfg.federation.sample_rate,
+            fraction_evaluate=0.0,
+            min_train_nodes=sampled,
+            min_available_nodes=clients,
+        ),
+        noise_multiplier=cfg.privacy.noise_multiplier,
+        clipping_norm=cfg.privacy.clipping_norm,
+        num_sampled_clients=sampled,
+        accountant=accountant,
+    )
     # the same server evaluation as ours; fixedclipping_mod on train clips the update on the client
     seconds, accuracies = timed_run(strategy, cfg, clients, weights_client_app([fixedclipping_mod]))
     spent = strategy.privacy_spent()
@@ -58,8 +77,13 @@ def flower_run(cfg: Settings, clients: int) -> tuple[list[float], list[int], flo
 def our_run(cfg: Settings, clients: int) -> tuple[list[float], list[int], float, float, float]:
     summary = run_federated(InProcessGrid(our_client_app, clients, cfg), cfg)
     rows = read_rounds(summary["results_dir"])  # seconds and clients are diagnostics
-    return ([r["seconds"] for r in rows], [r["clients"] for r in rows], summary["epsilon"], summary["delta"],
-            summary["final_accuracy"])
+    return (
+        [r["seconds"] for r in rows],
+        [r["clients"] for r in rows],
+        summary["epsilon"],
+        summary["delta"],
+        summary["final_accuracy"],
+    )
 
 
 def compare(clients: int, rounds: int, sample_rate: float, repeats: int = 2) -> dict:
@@ -75,8 +99,7 @@ def compare(clients: int, rounds: int, sample_rate: float, repeats: int = 2) -> 
                 seconds[name] += per_round
                 updates[name] += [s / c for s, c in zip(per_round, counts) if c]
             last[name] = (epsilon, delta, accuracy)
-    return {name: (statistics.median(seconds[name]), statistics.median(updates[name]), *last[name])
-            for name in seconds}
+    return {name: (statistics.median(seconds[name]), statistics.median(updates[name]), *last[name]) for name in seconds}
 
 
 def main() -> None:
@@ -88,10 +111,14 @@ def main() -> None:
     for q in (1.0, 0.5):
         r = compare(args.clients, args.rounds, q)
         for name, (per_round, per_update, epsilon, delta, accuracy) in r.items():
-            print(f"q={q} {name:6}  s/round {per_round:.3f}  s/update {per_update:.3f}  "
-                  f"epsilon {epsilon:.3f} (delta {delta:.3g})  accuracy {accuracy:.3f}")
-        print(f"q={q} ours/Flower seconds per round {r['ours'][0] / r['flower'][0]:.2f}x, "
-              f"per update {r['ours'][1] / r['flower'][1]:.2f}x")
+            print(
+                f"q={q} {name:6}  s/round {per_round:.3f}  s/update {per_update:.3f}  "
+                f"epsilon {epsilon:.3f} (delta {delta:.3g})  accuracy {accuracy:.3f}"
+            )
+        print(
+            f"q={q} ours/Flower seconds per round {r['ours'][0] / r['flower'][0]:.2f}x, "
+            f"per update {r['ours'][1] / r['flower'][1]:.2f}x"
+        )
 
 
 if __name__ == "__main__":

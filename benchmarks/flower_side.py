@@ -29,8 +29,15 @@ def weights_client_app(mods=()) -> ClientApp:
         client = build_client(context)
         set_weights(client.model, msg.content["arrays"].to_numpy_ndarrays())
         loss, _ = client.train(dict(msg.content["config"]))
-        return Message(RecordDict({"arrays": ArrayRecord(get_weights(client.model)),
-                                   "metrics": MetricRecord({"num-examples": 1, "train-loss": loss})}), reply_to=msg)
+        return Message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord(get_weights(client.model)),
+                    "metrics": MetricRecord({"num-examples": 1, "train-loss": loss}),
+                }
+            ),
+            reply_to=msg,
+        )
 
     return app
 
@@ -49,6 +56,10 @@ def timed_run(strategy, cfg: Settings, clients: int, client_app: ClientApp) -> t
         accuracies.append(accuracy)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy.start(InProcessGrid(client_app, clients, cfg), ArrayRecord(get_weights(model)),
-                   num_rounds=cfg.run.num_rounds, evaluate_fn=evaluate_fn)
+    strategy.start(
+        InProcessGrid(client_app, clients, cfg),
+        ArrayRecord(get_weights(model)),
+        num_rounds=cfg.run.num_rounds,
+        evaluate_fn=evaluate_fn,
+    )
     return [b - a for a, b in zip(marks, marks[1:])], accuracies

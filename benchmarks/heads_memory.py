@@ -55,9 +55,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(tempfile.mkdtemp(prefix="heads-memory-"))
-    cfg = validate({"algorithm": "dp2-fedsam", "model": args.model, "partitioner": "iid", "num-rounds": 1,
-                    "sample-rate": 1.0, "local-steps": 1, "head-steps": 1, "batch-size": 4,
-                    "head-prefix": args.head_prefix, "results-dir": str(out)})
+    cfg = validate(
+        {
+            "algorithm": "dp2-fedsam",
+            "model": args.model,
+            "partitioner": "iid",
+            "num-rounds": 1,
+            "sample-rate": 1.0,
+            "local-steps": 1,
+            "head-steps": 1,
+            "batch-size": 4,
+            "head-prefix": args.head_prefix,
+            "results-dir": str(out),
+        }
+    )
     load_partition(cfg.data.dataset, 0, args.clients, cfg.data.partitioner, seed=cfg.run.seed)  # data and partitions
     grid = InProcessGrid(client_app, args.clients, cfg)
     grid.sent, grid.received = _Discard(), _Discard()
@@ -69,13 +80,19 @@ def main() -> None:
     heads = [ContextHeadStore(ctx.state).load() for ctx in grid.contexts.values()]
     held = [h for h in heads if h is not None]
     head_bytes = sum(a.nbytes for h in held for a in h.values())
-    print(f"clients: {args.clients}  model: {args.model}  heads held: {len(held)}  "
-          f"bytes per head: {head_bytes // max(1, len(held))}  shared body parameters: {summary['shared_parameters']}")
+    print(
+        f"clients: {args.clients}  model: {args.model}  heads held: {len(held)}  "
+        f"bytes per head: {head_bytes // max(1, len(held))}  shared body parameters: {summary['shared_parameters']}"
+    )
     print(f"heads in Context.state: {head_bytes / 2**20:.2f} MiB")
-    print(f"RSS before the run: {before:.0f} MiB  after: {after:.0f} MiB  (+{after - before:.0f} MiB)  "
-          f"peak: {peak_rss_mib():.0f} MiB  (target: < 4096 MiB)")
-    print(f"round + evaluation of all clients: {seconds:.1f} s; personalized accuracy "
-          f"{read_summary(summary['results_dir'])['personalized_accuracy']:.3f} (not private)")
+    print(
+        f"RSS before the run: {before:.0f} MiB  after: {after:.0f} MiB  (+{after - before:.0f} MiB)  "
+        f"peak: {peak_rss_mib():.0f} MiB  (target: < 4096 MiB)"
+    )
+    print(
+        f"round + evaluation of all clients: {seconds:.1f} s; personalized accuracy "
+        f"{read_summary(summary['results_dir'])['personalized_accuracy']:.3f} (not private)"
+    )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ def main() -> None:
     print(f"update: {d:,} parameters in {len(shapes)} tensors (ResNet-18 size), {args.repeats} repeats, median")
 
     for mode in ("per-layer", "global"):
+
         def client_path():
-            noisy, _ = clip_and_noise(update, clip, sigma * clip / m ** 0.5, make_rng(0, 3, 1, 0))
+            noisy, _ = clip_and_noise(update, clip, sigma * clip / m**0.5, make_rng(0, 3, 1, 0))
             arrays = unflatten(noisy, shapes)
             return sparse_encode(arrays, topk_sparsify(arrays, args.sparsity, mode))
 
@@ -78,16 +79,19 @@ def main() -> None:
         upload = payload_bytes(ArrayRecord(encoded))
         dense = payload_bytes(ArrayRecord(unflatten(update, shapes)))
         decode_s, _ = timed(lambda: sparse_decode(encoded, shapes, args.sparsity, mode), args.repeats)
-        print(f"clip + noise + top-k ({mode}, p={args.sparsity}): {seconds:.3f} s (target < 0.3 s); "
-              f"upload {upload / 2**20:.1f} MiB vs dense {dense / 2**20:.1f} MiB = {upload / dense:.3f}; "
-              f"server decode + checks {decode_s:.3f} s")
+        print(
+            f"clip + noise + top-k ({mode}, p={args.sparsity}): {seconds:.3f} s (target < 0.3 s); "
+            f"upload {upload / 2**20:.1f} MiB vs dense {dense / 2**20:.1f} MiB = {upload / dense:.3f}; "
+            f"server decode + checks {decode_s:.3f} s"
+        )
 
-    clip_noise_s, _ = timed(lambda: clip_and_noise(update, clip, sigma * clip / m ** 0.5, make_rng(0, 3, 1, 0)),
-                            args.repeats)
+    clip_noise_s, _ = timed(
+        lambda: clip_and_noise(update, clip, sigma * clip / m**0.5, make_rng(0, 3, 1, 0)), args.repeats
+    )
     print(f"  of which clip + noise alone: {clip_noise_s:.3f} s")
 
     n = haar_padded_size(d)
-    seconds, _ = timed(lambda: haar_wavelet_noise(update, sigma * n ** 0.5 * clip, make_rng(0, 2, 1)), args.repeats)
+    seconds, _ = timed(lambda: haar_wavelet_noise(update, sigma * n**0.5 * clip, make_rng(0, 2, 1)), args.repeats)
     print(f"Haar-wavelet noise (pad {d:,} -> n = 2^{n.bit_length() - 1} = {n:,}): {seconds:.3f} s (target < 2 s)")
 
 

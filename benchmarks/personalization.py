@@ -40,20 +40,42 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="personalization-"))
     rows = []
     for algorithm in args.algorithms.split(","):
-        cfg = validate({"algorithm": algorithm, "partitioner": "pathological", "classes-per-client": 2,
-                        "num-rounds": args.rounds, "sample-rate": args.sample_rate,
-                        "noise-multiplier": args.noise_multiplier, "clipping-norm": args.clipping_norm,
-                        "local-epochs": 1, "head-epochs": 1, "results-dir": str(out / algorithm)})
+        cfg = validate(
+            {
+                "algorithm": algorithm,
+                "partitioner": "pathological",
+                "classes-per-client": 2,
+                "num-rounds": args.rounds,
+                "sample-rate": args.sample_rate,
+                "noise-multiplier": args.noise_multiplier,
+                "clipping-norm": args.clipping_norm,
+                "local-epochs": 1,
+                "head-epochs": 1,
+                "results-dir": str(out / algorithm),
+            }
+        )
         t0 = time.perf_counter()
         s = read_summary(run_federated(InProcessGrid(client_app, args.clients, cfg), cfg)["results_dir"])
-        rows.append((algorithm, s["final_accuracy"], s.get("personalized_accuracy"), s["epsilon"], s["delta"],
-                     time.perf_counter() - t0))
-    print(f"\n{args.clients} clients, 2 labels each, q={args.sample_rate}, sigma={args.noise_multiplier}, "
-          f"C={args.clipping_norm}, {args.rounds} rounds, 1 local epoch (+1 head epoch)\n")
-    print("| algorithm | global accuracy (server test set) | personalized accuracy (client mean) | epsilon | delta | seconds |")
+        rows.append(
+            (
+                algorithm,
+                s["final_accuracy"],
+                s.get("personalized_accuracy"),
+                s["epsilon"],
+                s["delta"],
+                time.perf_counter() - t0,
+            )
+        )
+    print(
+        f"\n{args.clients} clients, 2 labels each, q={args.sample_rate}, sigma={args.noise_multiplier}, "
+        f"C={args.clipping_norm}, {args.rounds} rounds, 1 local epoch (+1 head epoch)\n"
+    )
+    print(
+        "| algorithm | global accuracy (server test set) | personalized accuracy (client mean) | epsilon | delta | seconds |"
+    )
     print("|---|---|---|---|---|---|")
     for algorithm, acc, pers, eps, delta, sec in rows:
-        fmt = (lambda v: "-" if v is None else f"{v:.3f}")
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"
         print(f"| {algorithm} | {fmt(acc)} | {fmt(pers)} | {eps:.3f} | {delta:.3g} | {sec:.0f} |")
 
 

@@ -53,10 +53,13 @@ def partition_seconds(cfg: Settings, clients: int, partition_id: int, seed: int)
     """Seconds for one client's local SAM steps on its partition in a plain PyTorch loop (model, data and
     batches made here, no DP, no messages)."""
     t0 = time.perf_counter()
-    train, _ = load_partition(cfg.data.dataset, partition_id, clients, cfg.data.partitioner,
-                              alpha=cfg.data.dirichlet_alpha, seed=cfg.run.seed)
+    train, _ = load_partition(
+        cfg.data.dataset, partition_id, clients, cfg.data.partitioner, alpha=cfg.data.dirichlet_alpha, seed=cfg.run.seed
+    )
     model = build_model(cfg.training.model, train.x.shape[1:], train.num_classes, seed=cfg.run.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.training.lr, momentum=cfg.training.momentum, weight_decay=cfg.training.weight_decay)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=cfg.training.lr, momentum=cfg.training.momentum, weight_decay=cfg.training.weight_decay
+    )
     x, y = torch.from_numpy(train.x), torch.from_numpy(train.y)
     steps = cfg.training.local_epochs * -(-len(y) // cfg.training.batch_size)
     g = torch.Generator().manual_seed(seed)
@@ -69,8 +72,10 @@ def partition_seconds(cfg: Settings, clients: int, partition_id: int, seed: int)
 def bare_rounds(cfg: Settings, clients: int, rounds: list[list[int]]) -> list[float]:
     """For each round, the bare loop's seconds for that round's partitions, one after the other."""
     partition_seconds(cfg, clients, 0, seed=0)  # warm-up
-    return [sum(partition_seconds(cfg, clients, pid, seed=r * 1000 + pid) for pid in partitions)
-            for r, partitions in enumerate(rounds)]
+    return [
+        sum(partition_seconds(cfg, clients, pid, seed=r * 1000 + pid) for pid in partitions)
+        for r, partitions in enumerate(rounds)
+    ]
 
 
 def steady_ratio(product: list[float], bare: list[float]) -> float:

@@ -78,10 +78,16 @@ def cpu_seconds(pid: int) -> float:
 def memory_kib(pid: int) -> tuple[int, int]:
     """(RSS, PSS) of a process in KiB; (0, 0) once it is gone."""
     try:
-        rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if line.startswith("VmRSS:"))
-        pss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
-                   if line.startswith("Pss:"))
+        rss = next(
+            int(line.split()[1])
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("VmRSS:")
+        )
+        pss = next(
+            int(line.split()[1])
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+            if line.startswith("Pss:")
+        )
         return rss, pss
     except (OSError, StopIteration):
         return 0, 0
@@ -152,8 +158,18 @@ def warm_caches(data_dir: str, clients: list[int], seed: int) -> float:
 def launch(clients: int, run_config: str, checkout: Path, interval: float, launcher_args: str = "") -> dict:
     """One launcher run under the sampler: its memory peaks, seconds per round and wall time."""
     with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
-        cmd = [sys.executable, "-m", "fl_app.launch", "--clients", str(clients), "--results", tmp, "-c", run_config,
-               *launcher_args.split()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fl_app.launch",
+            "--clients",
+            str(clients),
+            "--results",
+            tmp,
+            "-c",
+            run_config,
+            *launcher_args.split(),
+        ]
         start = time.perf_counter()
         with open(Path(tmp) / "launch.log", "wb") as log:
             proc = subprocess.Popen(cmd, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
@@ -168,17 +184,25 @@ def launch(clients: int, run_config: str, checkout: Path, interval: float, launc
             tail = (Path(tmp) / "launch.log").read_text(errors="replace")[-3000:]
             raise SystemExit(f"the launch with {clients} clients failed (exit code {rc}):\n{tail}")
     seconds = [r["seconds"] for r in rows]
-    return {"clients": clients, "rss_peak_mib": sampler.peak_rss / 1024, "pss_peak_mib": sampler.peak_pss / 1024,
-            "groups_at_rss_peak_mib": {k: round(v / 1024) for k, v in sorted(sampler.groups_at_peak.items())},
-            "processes_at_peak": sampler.processes_at_peak, "samples": sampler.samples,
-            "cpu_s_by_group": {k: round(v, 1) for k, v in sorted(sampler.cpu_by_group().items())},
-            "round1_s": seconds[0], "later_rounds_median_s": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
-            "clients_per_round": [r.get("clients") for r in rows], "wall_s": wall}
+    return {
+        "clients": clients,
+        "rss_peak_mib": sampler.peak_rss / 1024,
+        "pss_peak_mib": sampler.peak_pss / 1024,
+        "groups_at_rss_peak_mib": {k: round(v / 1024) for k, v in sorted(sampler.groups_at_peak.items())},
+        "processes_at_peak": sampler.processes_at_peak,
+        "samples": sampler.samples,
+        "cpu_s_by_group": {k: round(v, 1) for k, v in sorted(sampler.cpu_by_group().items())},
+        "round1_s": seconds[0],
+        "later_rounds_median_s": statistics.median(seconds[1:]) if len(seconds) > 1 else None,
+        "clients_per_round": [r.get("clients") for r in rows],
+        "wall_s": wall,
+    }
 
 
 def own_rss_kib() -> int:
-    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmRSS:"))
+    return next(
+        int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:")
+    )
 
 
 def per_node_costs(num_nodes: int, run_config: dict, checkout: Path) -> dict:
@@ -209,54 +233,87 @@ def per_node_costs(num_nodes: int, run_config: dict, checkout: Path) -> dict:
     before = own_rss_kib()
     for store in stores.values():
         ContextHeadStore(store.retrieve_context(1).state).save(head)
-    return {"nodes": num_nodes, "flower_node_kib": round(node_kib, 2), "flower_node_ms": round(node_ms, 3),
-            "head_parameters": int(sum(a.size for a in head.values())),
-            "head_kib_in_context": round((own_rss_kib() - before) / num_nodes, 2)}
+    return {
+        "nodes": num_nodes,
+        "flower_node_kib": round(node_kib, 2),
+        "flower_node_ms": round(node_ms, 3),
+        "head_parameters": int(sum(a.size for a in head.values())),
+        "head_kib_in_context": round((own_rss_kib() - before) / num_nodes, 2),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", default=os.environ.get("DPFL_MNIST_DIR", ""),
-                        help="folder with the four MNIST IDX .gz files (default: $DPFL_MNIST_DIR)")
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("DPFL_MNIST_DIR", ""),
+        help="folder with the four MNIST IDX .gz files (default: $DPFL_MNIST_DIR)",
+    )
     parser.add_argument("--clients", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--algorithm", default="dp-fedsam")
     parser.add_argument("--sample-rate", type=float, default=0.01)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--extra", default="", help="more run-config, 'key=value ...'")
-    parser.add_argument("--checkout", default=str(Path(__file__).resolve().parents[1]),
-                        help="the project checkout whose launcher runs (default: this one)")
+    parser.add_argument(
+        "--checkout",
+        default=str(Path(__file__).resolve().parents[1]),
+        help="the project checkout whose launcher runs (default: this one)",
+    )
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between memory samples")
     parser.add_argument("--launcher-args", default="", help="more arguments of fl_app.launch, e.g. --no-ray-head")
     parser.add_argument("--out", default="", help="append the results (one JSON line per run) to this file")
-    parser.add_argument("--per-node", action="store_true",
-                        help="instead of runs: Flower's memory per simulated node and a DP²-FedSAM head's, in process")
+    parser.add_argument(
+        "--per-node",
+        action="store_true",
+        help="instead of runs: Flower's memory per simulated node and a DP²-FedSAM head's, in process",
+    )
     args = parser.parse_args()
     if args.per_node:
         from flwr.common.config import parse_config_args
 
-        overrides = parse_config_args([f"dataset='mnist' partitioner='iid' sample-rate={args.sample_rate} {args.extra}"])
+        overrides = parse_config_args(
+            [f"dataset='mnist' partitioner='iid' sample-rate={args.sample_rate} {args.extra}"]
+        )
         for n in args.clients:
             print(json.dumps(per_node_costs(n, overrides, Path(args.checkout))), flush=True)
         return
     if not args.data_dir:
         raise SystemExit("--data-dir (or DPFL_MNIST_DIR) must name a folder with the four MNIST IDX .gz files")
     os.environ.setdefault("DPFL_CACHE_DIR", str(Path(tempfile.gettempdir()) / "dpfl-scale-cache"))
-    print(f"caches in {os.environ['DPFL_CACHE_DIR']}: built or found in "
-          f"{warm_caches(args.data_dir, args.clients, 42):.1f} s", flush=True)
-    run_config = (f"dataset='mnist' data-dir='{args.data_dir}' partitioner='iid' sample-rate={args.sample_rate} "
-                  "flower-speed-patches=true "
-                  f"num-rounds={args.rounds} algorithm='{args.algorithm}' tensorboard=false {args.extra}").strip()
+    print(
+        f"caches in {os.environ['DPFL_CACHE_DIR']}: built or found in "
+        f"{warm_caches(args.data_dir, args.clients, 42):.1f} s",
+        flush=True,
+    )
+    run_config = (
+        f"dataset='mnist' data-dir='{args.data_dir}' partitioner='iid' sample-rate={args.sample_rate} "
+        "flower-speed-patches=true "
+        f"num-rounds={args.rounds} algorithm='{args.algorithm}' tensorboard=false {args.extra}"
+    ).strip()
     for clients in args.clients:
         r = launch(clients, run_config, Path(args.checkout), args.interval, args.launcher_args)
-        r.update(algorithm=args.algorithm, sample_rate=args.sample_rate, rounds=args.rounds, extra=args.extra,
-                 launcher_args=args.launcher_args, checkout=Path(args.checkout).name, load_average=os.getloadavg()[0])
+        r.update(
+            algorithm=args.algorithm,
+            sample_rate=args.sample_rate,
+            rounds=args.rounds,
+            extra=args.extra,
+            launcher_args=args.launcher_args,
+            checkout=Path(args.checkout).name,
+            load_average=os.getloadavg()[0],
+        )
         setting = ", ".join(x for x in (args.extra, args.launcher_args) if x)
-        print(f"{args.algorithm} {clients} clients (q={args.sample_rate}, {args.rounds} rounds{', ' + setting if setting else ''}): "
-              f"peak RSS {r['rss_peak_mib']:.0f} MiB (target <= 4096), peak PSS {r['pss_peak_mib']:.0f} MiB; "
-              f"round 1 {r['round1_s']:.1f} s, later rounds {r['later_rounds_median_s'] or float('nan'):.2f} s "
-              f"(median; clients per round {r['clients_per_round']}); wall {r['wall_s']:.0f} s", flush=True)
-        print("  at the RSS peak (MiB):", ", ".join(f"{k} {v}" for k, v in r["groups_at_rss_peak_mib"].items()),
-              flush=True)
+        print(
+            f"{args.algorithm} {clients} clients (q={args.sample_rate}, {args.rounds} rounds{', ' + setting if setting else ''}): "
+            f"peak RSS {r['rss_peak_mib']:.0f} MiB (target <= 4096), peak PSS {r['pss_peak_mib']:.0f} MiB; "
+            f"round 1 {r['round1_s']:.1f} s, later rounds {r['later_rounds_median_s'] or float('nan'):.2f} s "
+            f"(median; clients per round {r['clients_per_round']}); wall {r['wall_s']:.0f} s",
+            flush=True,
+        )
+        print(
+            "  at the RSS peak (MiB):",
+            ", ".join(f"{k} {v}" for k, v in r["groups_at_rss_peak_mib"].items()),
+            flush=True,
+        )
         print("  CPU seconds:", ", ".join(f"{k} {v}" for k, v in r["cpu_s_by_group"].items()), flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -19,8 +19,14 @@ from pathlib import Path
 from fl_app.local_deployment import Deployment
 from fl_app.results import read_rounds, read_summary
 
-RUN = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1,
-       "flower-speed-patches": True}
+RUN = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "sample-rate": 1.0,
+    "local-epochs": 1,
+    "flower-speed-patches": True,
+}
 
 
 def main() -> None:
@@ -40,8 +46,16 @@ def main() -> None:
             for secure in (True, False):
                 folder = Path(tmp) / f"secure-{secure}"
                 t0 = time.perf_counter()
-                cli = d.run_app({**RUN, "num-rounds": args.rounds, "min-nodes": args.nodes,
-                                 "secure-aggregation": secure, "results-dir": str(folder)}, log=f"cli-{secure}")
+                cli = d.run_app(
+                    {
+                        **RUN,
+                        "num-rounds": args.rounds,
+                        "min-nodes": args.nodes,
+                        "secure-aggregation": secure,
+                        "results-dir": str(folder),
+                    },
+                    log=f"cli-{secure}",
+                )
                 if cli.wait(timeout=3600) != 0 or not (folder / "summary.json").exists():
                     raise SystemExit(f"run failed:\n{d.log(f'cli-{secure}')[-3000:]}")
                 summary, rounds = read_summary(folder), read_rounds(folder)  # with the diagnostics
@@ -50,17 +64,25 @@ def main() -> None:
             d.close()
     for secure, (s, rounds, wall) in results.items():
         per_round = sum(r["seconds"] for r in rounds) / len(rounds)
-        print(f"secure-aggregation={str(secure).lower():5}  accuracy={s['final_accuracy']:.4f}  "
-              f"epsilon={s['epsilon']:.4f}  epsilon_against_server={s['epsilon_against_server']:.4f}  "
-              f"seconds/round={per_round:.1f}  wall={wall:.0f}s")
+        print(
+            f"secure-aggregation={str(secure).lower():5}  accuracy={s['final_accuracy']:.4f}  "
+            f"epsilon={s['epsilon']:.4f}  epsilon_against_server={s['epsilon_against_server']:.4f}  "
+            f"seconds/round={per_round:.1f}  wall={wall:.0f}s"
+        )
     (on, on_rounds, _), (off, off_rounds, _) = results[True], results[False]
     max_loss_gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(on_rounds, off_rounds))
-    print(f"accuracy difference: {abs(on['final_accuracy'] - off['final_accuracy']):.4f}; "
-          f"largest per-round loss difference: {max_loss_gap:.2e}")
-    print(f"epsilon against the server, without / with SecAgg+: "
-          f"{off['epsilon_against_server'] / on['epsilon_against_server']:.1f}x")
-    print(f"time per round, with / without SecAgg+: "
-          f"{sum(r['seconds'] for r in on_rounds) / sum(r['seconds'] for r in off_rounds):.1f}x")
+    print(
+        f"accuracy difference: {abs(on['final_accuracy'] - off['final_accuracy']):.4f}; "
+        f"largest per-round loss difference: {max_loss_gap:.2e}"
+    )
+    print(
+        f"epsilon against the server, without / with SecAgg+: "
+        f"{off['epsilon_against_server'] / on['epsilon_against_server']:.1f}x"
+    )
+    print(
+        f"time per round, with / without SecAgg+: "
+        f"{sum(r['seconds'] for r in on_rounds) / sum(r['seconds'] for r in off_rounds):.1f}x"
+    )
     print("SecAgg+ settings:", json.dumps(on["secagg"]))
 
 

@@ -75,8 +75,9 @@ print(json.dumps({"first_fit": times[0], "second_fit": times[1]}))
 """
 
 
-def launch_rounds(clients: int, rounds: int, ray_head: bool = True,
-                  overrides: str = "") -> tuple[list[float], list[int], float]:
+def launch_rounds(
+    clients: int, rounds: int, ray_head: bool = True, overrides: str = ""
+) -> tuple[list[float], list[int], float]:
     """(seconds per round, clients per round, wall seconds) of one `python -m fl_app.launch` run; `ray_head`
     False: `--no-ray-head` (the simulation starts Ray itself, as under a plain `flwr run`); `overrides`: more
     run-config, 'key=value ...'."""
@@ -84,9 +85,22 @@ def launch_rounds(clients: int, rounds: int, ray_head: bool = True,
 
     with tempfile.TemporaryDirectory(prefix="sim-bench-") as tmp:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", str(clients), "--results", tmp,
-                        *([] if ray_head else ["--no-ray-head"]),
-                        "-c", f"num-rounds={rounds} tensorboard=false {overrides}"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fl_app.launch",
+                "--clients",
+                str(clients),
+                "--results",
+                tmp,
+                *([] if ray_head else ["--no-ray-head"]),
+                "-c",
+                f"num-rounds={rounds} tensorboard=false {overrides}",
+            ],
+            check=True,
+            capture_output=True,
+        )
         wall = time.perf_counter() - t0
         (run,) = Path(tmp).glob("*-dp")
         rows = read_rounds(run)  # seconds and clients are diagnostics
@@ -94,8 +108,13 @@ def launch_rounds(clients: int, rounds: int, ray_head: bool = True,
 
 
 def fresh_json(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env={**os.environ, **QUIET_ENV, "RAY_DEDUP_LOGS": "0"})  # Ray set as the launcher sets it
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **QUIET_ENV, "RAY_DEDUP_LOGS": "0"},
+    )  # Ray set as the launcher sets it
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -114,10 +133,20 @@ def measure(clients: int, rounds: int) -> dict:
     steady = statistics.median(seconds[1:])
     cfg = validate({"num-rounds": rounds})
     bare = expected_bare_loop_seconds(cfg, clients, counts[1:])
-    return {"round1": seconds[0], "steady": steady, "bare": bare, "wall": wall, "counts": counts,
-            "round1_own_ray": own_seconds[0], "steady_own_ray": statistics.median(own_seconds[1:]),
-            "wall_own_ray": own_wall, "round1_heavy": heavy_seconds[0],
-            "steady_heavy": statistics.median(heavy_seconds[1:]), **fresh_json(PARTS), **fresh_json(FIRST_FIT)}
+    return {
+        "round1": seconds[0],
+        "steady": steady,
+        "bare": bare,
+        "wall": wall,
+        "counts": counts,
+        "round1_own_ray": own_seconds[0],
+        "steady_own_ray": statistics.median(own_seconds[1:]),
+        "wall_own_ray": own_wall,
+        "round1_heavy": heavy_seconds[0],
+        "steady_heavy": statistics.median(heavy_seconds[1:]),
+        **fresh_json(PARTS),
+        **fresh_json(FIRST_FIT),
+    }
 
 
 def main() -> None:
@@ -130,10 +159,12 @@ def main() -> None:
     torch.set_num_threads(1)
     r = measure(args.clients, args.rounds)
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
-    print(f"round 1 / steady round: {r['round1'] / r['steady']:.2f}x ({r['round1_own_ray'] / r['steady_own_ray']:.2f}x "
-          f"with --no-ray-head; {r['round1_heavy'] / r['steady_heavy']:.2f}x with local-epochs={HEAVY_EPOCHS}); "
-          f"round 1 - steady round: {r['round1'] - r['steady']:.2f} s ({r['round1_heavy'] - r['steady_heavy']:.2f} s "
-          f"with local-epochs={HEAVY_EPOCHS}); steady round / bare loop: {r['steady'] / r['bare']:.2f}x")
+    print(
+        f"round 1 / steady round: {r['round1'] / r['steady']:.2f}x ({r['round1_own_ray'] / r['steady_own_ray']:.2f}x "
+        f"with --no-ray-head; {r['round1_heavy'] / r['steady_heavy']:.2f}x with local-epochs={HEAVY_EPOCHS}); "
+        f"round 1 - steady round: {r['round1'] - r['steady']:.2f} s ({r['round1_heavy'] - r['steady_heavy']:.2f} s "
+        f"with local-epochs={HEAVY_EPOCHS}); steady round / bare loop: {r['steady'] / r['bare']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

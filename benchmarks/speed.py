@@ -37,8 +37,10 @@ from clients.dpsgd import dpsgd_steps
 from dpcore.task.models import build_model
 from fl_app.config import validate
 
-READY = ("import fl_app.client_app; from dpcore.task.data import load_partition; "
-         "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)")
+READY = (
+    "import fl_app.client_app; from dpcore.task.data import load_partition; "
+    "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)"
+)
 
 
 def process_seconds(code: str, repeats: int) -> float:
@@ -55,9 +57,21 @@ def dpsgd_ratio(batch: int, repeats: int) -> float:
     """Opacus DP-SGD (ew) step time / plain SGD step time on the MNIST CNN at expected batch `batch`."""
     n, q, steps = 20 * batch, 0.05, 20
     x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
-    runs = {"sgd": lambda m, g: sgd_steps(m, x, y, steps, q, g),
-            "ew": lambda m, g: dpsgd_steps(m, x, y, steps=steps, sample_rate=q, noise_multiplier=1.0,
-                                            clipping_norm=1.0, lr=0.01, grad_sample_mode="ew", sampling_generator=g)}
+    runs = {
+        "sgd": lambda m, g: sgd_steps(m, x, y, steps, q, g),
+        "ew": lambda m, g: dpsgd_steps(
+            m,
+            x,
+            y,
+            steps=steps,
+            sample_rate=q,
+            noise_multiplier=1.0,
+            clipping_norm=1.0,
+            lr=0.01,
+            grad_sample_mode="ew",
+            sampling_generator=g,
+        ),
+    }
     times = {k: [] for k in runs}
     for repeat in range(repeats + 1):  # the first one warms up
         for key, run in runs.items():
@@ -78,8 +92,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python "
-          f"{platform.python_version()}, torch {torch.__version__} (1 thread)")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python "
+        f"{platform.python_version()}, torch {torch.__version__} (1 thread)"
+    )
     process_seconds(READY, 1)  # fills the data and partition cache
     ready, bare_torch = process_seconds(READY, args.repeats), process_seconds("import torch", args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,55 +103,109 @@ def main() -> None:
         product, rounds = product_rounds(cfg, args.clients)
     bare = bare_rounds(cfg, args.clients, rounds)
     sgd, sam = step_seconds(False), step_seconds(True)
-    rows = [("cold start: ClientApp import to partition ready / import torch", ready / bare_torch, 1.3),
-            ("in-process round of the default job / bare PyTorch loop, same partitions and SAM steps (rounds 2..)",
-             steady_ratio(product, bare), 1.10),
-            ("SAM step / SGD step (MNIST CNN, batch 32)", sam / sgd, 2.05)]
-    rows += [(f"DP-SGD step (Opacus ew) / SGD step, batch {b}", dpsgd_ratio(b, args.repeats), 1.8) for b in (16, 32, 64)]
-    print(f"cold start {ready:.2f} s, import torch {bare_torch:.2f} s; in-process rounds "
-          f"{' '.join(f'{t:.2f}' for t in product)} s, bare {' '.join(f'{t:.2f}' for t in bare)} s "
-          f"({args.clients} clients, sampled {[len(r) for r in rounds]})")
+    rows = [
+        ("cold start: ClientApp import to partition ready / import torch", ready / bare_torch, 1.3),
+        (
+            "in-process round of the default job / bare PyTorch loop, same partitions and SAM steps (rounds 2..)",
+            steady_ratio(product, bare),
+            1.10,
+        ),
+        ("SAM step / SGD step (MNIST CNN, batch 32)", sam / sgd, 2.05),
+    ]
+    rows += [
+        (f"DP-SGD step (Opacus ew) / SGD step, batch {b}", dpsgd_ratio(b, args.repeats), 1.8) for b in (16, 32, 64)
+    ]
+    print(
+        f"cold start {ready:.2f} s, import torch {bare_torch:.2f} s; in-process rounds "
+        f"{' '.join(f'{t:.2f}' for t in product)} s, bare {' '.join(f'{t:.2f}' for t in bare)} s "
+        f"({args.clients} clients, sampled {[len(r) for r in rounds]})"
+    )
     sim = simulation_round.measure(50, 6)
-    rows += [("`flwr run` (Ray, 50 clients, the launcher's Ray head): round 1 / median of rounds 2-6",
-              sim["round1"] / sim["steady"], 2.0),
-             ("`flwr run` (50 clients, `--no-ray-head`: Ray started by the run): round 1 / median of rounds 2-6",
-              sim["round1_own_ray"] / sim["steady_own_ray"], 2.0),
-             (f"`flwr run` (the launcher's Ray head), local-epochs = {simulation_round.HEAVY_EPOCHS} (5x the local "
-              "work): round 1 / median of rounds 2-4", sim["round1_heavy"] / sim["steady_heavy"], 2.0),
-             ("`flwr run`: steady round / bare PyTorch loop, same SAM steps (Ray: 2 clients at once)",
-              sim["steady"] / sim["bare"], 1.10)]
-    print(f"flwr run: round 1 {sim['round1']:.2f} s, steady {sim['steady']:.2f} s, bare {sim['bare']:.2f} s, "
-          f"whole job {sim['wall']:.1f} s; with --no-ray-head round 1 {sim['round1_own_ray']:.2f} s, steady "
-          f"{sim['steady_own_ray']:.2f} s, whole job {sim['wall_own_ray']:.1f} s; with local-epochs="
-          f"{simulation_round.HEAVY_EPOCHS} round 1 {sim['round1_heavy']:.2f} s, steady {sim['steady_heavy']:.2f} s; "
-          f"round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
-          f"Ray actor ready {sim['actor_ready']:.2f} s, import fl_app.client_app in the actor "
-          f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
-          f"(second {sim['second_fit']:.2f} s)")
+    rows += [
+        (
+            "`flwr run` (Ray, 50 clients, the launcher's Ray head): round 1 / median of rounds 2-6",
+            sim["round1"] / sim["steady"],
+            2.0,
+        ),
+        (
+            "`flwr run` (50 clients, `--no-ray-head`: Ray started by the run): round 1 / median of rounds 2-6",
+            sim["round1_own_ray"] / sim["steady_own_ray"],
+            2.0,
+        ),
+        (
+            f"`flwr run` (the launcher's Ray head), local-epochs = {simulation_round.HEAVY_EPOCHS} (5x the local "
+            "work): round 1 / median of rounds 2-4",
+            sim["round1_heavy"] / sim["steady_heavy"],
+            2.0,
+        ),
+        (
+            "`flwr run`: steady round / bare PyTorch loop, same SAM steps (Ray: 2 clients at once)",
+            sim["steady"] / sim["bare"],
+            1.10,
+        ),
+    ]
+    print(
+        f"flwr run: round 1 {sim['round1']:.2f} s, steady {sim['steady']:.2f} s, bare {sim['bare']:.2f} s, "
+        f"whole job {sim['wall']:.1f} s; with --no-ray-head round 1 {sim['round1_own_ray']:.2f} s, steady "
+        f"{sim['steady_own_ray']:.2f} s, whole job {sim['wall_own_ray']:.1f} s; with local-epochs="
+        f"{simulation_round.HEAVY_EPOCHS} round 1 {sim['round1_heavy']:.2f} s, steady {sim['steady_heavy']:.2f} s; "
+        f"round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
+        f"Ray actor ready {sim['actor_ready']:.2f} s, import fl_app.client_app in the actor "
+        f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
+        f"(second {sim['second_fit']:.2f} s)"
+    )
     for q in (1.0, 0.5):
         flower = flower_dp_baseline.compare(50, 4, q)  # 4 rounds: 2 read 0.99-1.13x at q = 0.5
-        rows.append((f"DP-FedAvg, 50 clients, q = {q:g}: our seconds per round / Flower's DP wrapper + fixedclipping_mod",
-                     flower["ours"][0] / flower["flower"][0], 1.0))
+        rows.append(
+            (
+                f"DP-FedAvg, 50 clients, q = {q:g}: our seconds per round / Flower's DP wrapper + fixedclipping_mod",
+                flower["ours"][0] / flower["flower"][0],
+                1.0,
+            )
+        )
         for name, (per_round, _, epsilon, delta, accuracy) in flower.items():
-            print(f"DP-FedAvg q={q:g} {name}: {per_round:.3f} s/round, epsilon {epsilon:.3f} (delta {delta:.3g}), "
-                  f"accuracy {accuracy:.3f}")
+            print(
+                f"DP-FedAvg q={q:g} {name}: {per_round:.3f} s/round, epsilon {epsilon:.3f} (delta {delta:.3g}), "
+                f"accuracy {accuracy:.3f}"
+            )
     if args.deployment:
         dep = deployment_round.measure(3, 3, args.cold)
-        rows += [("deployed round (3 SuperNodes, warm ClientApps) / in-process round, same clients and steps",
-                  dep["deployed"] / dep["inprocess"], 1.5),
-                 ("SecAgg+ deployed round / plain deployed round", dep["secagg"] / dep["deployed"], 2.0)]
-        rows += [(f"deployed round on fl_app.supernode (idle poll {deployment_round.IDLE_POLL} s) / in-process round",
-                  dep["deployed_fast"] / dep["inprocess"], 1.5),
-                 ("SecAgg+ / plain deployed round, both on fl_app.supernode", dep["secagg_fast"] / dep["deployed_fast"],
-                  2.0)]
+        rows += [
+            (
+                "deployed round (3 SuperNodes, warm ClientApps) / in-process round, same clients and steps",
+                dep["deployed"] / dep["inprocess"],
+                1.5,
+            ),
+            ("SecAgg+ deployed round / plain deployed round", dep["secagg"] / dep["deployed"], 2.0),
+        ]
+        rows += [
+            (
+                f"deployed round on fl_app.supernode (idle poll {deployment_round.IDLE_POLL} s) / in-process round",
+                dep["deployed_fast"] / dep["inprocess"],
+                1.5,
+            ),
+            (
+                "SecAgg+ / plain deployed round, both on fl_app.supernode",
+                dep["secagg_fast"] / dep["deployed_fast"],
+                2.0,
+            ),
+        ]
         if args.cold:
-            rows.append(("deployed round, Flower's default isolation (a flwr-clientapp process per message) / "
-                         "in-process round", dep["deployed_cold"] / dep["inprocess"], 1.5))
-        print(f"deployment: in-process round {dep['inprocess']:.2f} s, deployed {dep['deployed']:.2f} s "
-              f"(its ClientApp tasks {dep['deployed_clientapps_busy']:.2f} s), SecAgg+ {dep['secagg']:.2f} s "
-              f"(its 4 exchanges' ClientApp tasks {dep['secagg_clientapps_busy']:.2f} s)"
-              + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else "")
-              + f"; on fl_app.supernode: deployed {dep['deployed_fast']:.2f} s, SecAgg+ {dep['secagg_fast']:.2f} s")
+            rows.append(
+                (
+                    "deployed round, Flower's default isolation (a flwr-clientapp process per message) / "
+                    "in-process round",
+                    dep["deployed_cold"] / dep["inprocess"],
+                    1.5,
+                )
+            )
+        print(
+            f"deployment: in-process round {dep['inprocess']:.2f} s, deployed {dep['deployed']:.2f} s "
+            f"(its ClientApp tasks {dep['deployed_clientapps_busy']:.2f} s), SecAgg+ {dep['secagg']:.2f} s "
+            f"(its 4 exchanges' ClientApp tasks {dep['secagg_clientapps_busy']:.2f} s)"
+            + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else "")
+            + f"; on fl_app.supernode: deployed {dep['deployed_fast']:.2f} s, SecAgg+ {dep['secagg_fast']:.2f} s"
+        )
     print("| ratio | measured | target |\n|---|---|---|")
     for name, value, target in rows:
         print(f"| {name} | {value:.2f}x | <= {target}x |")

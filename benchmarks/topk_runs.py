@@ -45,16 +45,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RUNS:
             for seed in args.seeds:
-                cfg = validate({"num-rounds": args.rounds, "seed": seed,
-                                "results-dir": str(Path(tmp, f"{name.replace(' ', '-')}-{seed}")), **overrides})
+                cfg = validate(
+                    {
+                        "num-rounds": args.rounds,
+                        "seed": seed,
+                        "results-dir": str(Path(tmp, f"{name.replace(' ', '-')}-{seed}")),
+                        **overrides,
+                    }
+                )
                 s = read_summary(run_federated(InProcessGrid(client_app, args.clients, cfg), cfg)["results_dir"])
                 # dense runs upload float32 arrays: what the top-k runs call dense
                 dense = s.get("dense_bytes_total")
                 up = s.get("upload_bytes_total", dense)
-                mib = (lambda b: f"{b / 2**20:>8.2f}" if b else f"{'-':>8}")
+                mib = lambda b: f"{b / 2**20:>8.2f}" if b else f"{'-':>8}"
                 ratio = f"{up / dense:>9.3f}" if dense else f"{'1 (dense)':>9}"
-                print(f"{name:<24} {seed:>5} {s['final_accuracy']:>9.4f} {s['epsilon']:>8.3f} {mib(up)} "
-                      f"{mib(dense):>10} {ratio}", flush=True)
+                print(
+                    f"{name:<24} {seed:>5} {s['final_accuracy']:>9.4f} {s['epsilon']:>8.3f} {mib(up)} "
+                    f"{mib(dense):>10} {ratio}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def pld_epsilon(sigma: float, q: float, rounds: int, delta: float) -> float:
     except ImportError:
         return math.nan
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds
+    )
     accountant = pld.PLDAccountant(value_discretization_interval=1e-1 if sigma < 0.1 else 1e-3)
     accountant.compose(event)
     return accountant.get_epsilon(delta)
@@ -48,8 +49,10 @@ def pld_epsilon(sigma: float, q: float, rounds: int, delta: float) -> float:
 def epsilon_table() -> None:
     print("Paper's client-level setting: T = 300 rounds, q = 0.1 (assumed), delta = 1e-5.")
     print("eps: the project's ledger (Opacus RDP); PLD: dp-accounting's PLD accountant as a cross-check")
-    print(f"{'model size d':>12} {'n':>7} {'sigma_H':>7} {'claimed eps':>11} {'(PLD)':>7} {'sigma_eff':>9} "
-          f"{'true eps':>10} {'(PLD)':>9}")
+    print(
+        f"{'model size d':>12} {'n':>7} {'sigma_H':>7} {'claimed eps':>11} {'(PLD)':>7} {'sigma_eff':>9} "
+        f"{'true eps':>10} {'(PLD)':>9}"
+    )
     for d in (1024, 26010):
         n = haar_padded_size(d)
         for sigma in (1.0, 1.5, 3.0):
@@ -57,8 +60,11 @@ def epsilon_table() -> None:
             sigma_eff = sigma / math.sqrt(n)
             claimed = ledger.epsilon_after(sigma, 0.1, 300)
             true = ledger.epsilon_after(sigma_eff, 0.1, 300)
-            print(f"{d:>12,} {n:>7,} {sigma:>7.2f} {claimed:>11.3f} {pld_epsilon(sigma, 0.1, 300, 1e-5):>7.3f} "
-                  f"{sigma_eff:>9.4f} {true:>10.4g} {pld_epsilon(sigma_eff, 0.1, 300, 1e-5):>9.3g}", flush=True)
+            print(
+                f"{d:>12,} {n:>7,} {sigma:>7.2f} {claimed:>11.3f} {pld_epsilon(sigma, 0.1, 300, 1e-5):>7.3f} "
+                f"{sigma_eff:>9.4f} {true:>10.4g} {pld_epsilon(sigma_eff, 0.1, 300, 1e-5):>9.3g}",
+                flush=True,
+            )
 
 
 RUNS = [
@@ -77,21 +83,35 @@ def accuracy_runs(rounds: int, clients: int, seeds: list[int]) -> None:
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)
-    print(f"\nmnist-embedded, cnn-mnist, {clients} clients, q = 0.5 (Poisson), sigma = 1.0, C = 0.5, "
-          f"{rounds} rounds, central noise")
+    print(
+        f"\nmnist-embedded, cnn-mnist, {clients} clients, q = 0.5 (Poisson), sigma = 1.0, C = 0.5, "
+        f"{rounds} rounds, central noise"
+    )
     print(f"{'run':<22} {'seed':>5} {'accuracy':>9} {'epsilon':>10} {'claimed eps':>12} {'sigma_eff':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RUNS:
             for seed in seeds:
-                cfg = validate({"num-rounds": rounds, "sample-rate": 0.5, "noise-multiplier": 1.0,
-                                "clipping-norm": 0.5, "noise-placement": "central", "seed": seed,
-                                "results-dir": str(Path(tmp, f"{name.replace(' ', '-')}-{seed}")), **overrides})
+                cfg = validate(
+                    {
+                        "num-rounds": rounds,
+                        "sample-rate": 0.5,
+                        "noise-multiplier": 1.0,
+                        "clipping-norm": 0.5,
+                        "noise-placement": "central",
+                        "seed": seed,
+                        "results-dir": str(Path(tmp, f"{name.replace(' ', '-')}-{seed}")),
+                        **overrides,
+                    }
+                )
                 s = run_federated(InProcessGrid(client_app, clients, cfg), cfg)
                 claimed = s.get("claimed_epsilon", s["epsilon"])
                 sigma_eff = s.get("effective_noise_multiplier", s["noise_multiplier"])
                 eps = s["epsilon"] if s["epsilon"] is not None else math.inf
-                print(f"{name:<22} {seed:>5} {s['final_accuracy']:>9.4f} {eps:>10.4g} "
-                      f"{(claimed if claimed is not None else math.inf):>12.4g} {sigma_eff:>10.4g}", flush=True)
+                print(
+                    f"{name:<22} {seed:>5} {s['final_accuracy']:>9.4f} {eps:>10.4g} "
+                    f"{(claimed if claimed is not None else math.inf):>12.4g} {sigma_eff:>10.4g}",
+                    flush=True,
+                )
 
 
 def main() -> None:

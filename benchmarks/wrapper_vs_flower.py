@@ -26,14 +26,25 @@ from strategies import DifferentialPrivacy
 from .flower_side import timed_run, weights_client_app
 
 C, SIGMA = 0.5, 1.0
+
+
 def strategies(clients: int) -> dict:
     return {
         "flower": lambda: DifferentialPrivacyServerSideFixedClipping(
-            FedAvg(fraction_evaluate=0.0, min_available_nodes=clients), noise_multiplier=SIGMA, clipping_norm=C,
-            num_sampled_clients=clients),
-        "ours": lambda: DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), clipping_norm=C, noise_multiplier=SIGMA,
-                                            sample_rate=1.0, noise_placement="central", min_available_nodes=clients,
-                                            delta=1e-5),
+            FedAvg(fraction_evaluate=0.0, min_available_nodes=clients),
+            noise_multiplier=SIGMA,
+            clipping_norm=C,
+            num_sampled_clients=clients,
+        ),
+        "ours": lambda: DifferentialPrivacy(
+            FedAvg(fraction_evaluate=0.0),
+            clipping_norm=C,
+            noise_multiplier=SIGMA,
+            sample_rate=1.0,
+            noise_placement="central",
+            min_available_nodes=clients,
+            delta=1e-5,
+        ),
     }
 
 
@@ -60,8 +71,10 @@ def main() -> None:
                     seconds[name] += per_round
     for name in seconds:
         print(f"{name:6}  s/round {statistics.median(seconds[name]):.3f}  accuracy {accuracy[name]:.3f}")
-    print(f"wrapper / Flower's server-side fixed clipping: "
-          f"{statistics.median(seconds['ours']) / statistics.median(seconds['flower']):.2f}x seconds per round")
+    print(
+        f"wrapper / Flower's server-side fixed clipping: "
+        f"{statistics.median(seconds['ours']) / statistics.median(seconds['flower']):.2f}x seconds per round"
+    )
 
 
 if __name__ == "__main__":

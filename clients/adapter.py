@@ -36,8 +36,9 @@ def train_reply(client: NumPyClient, msg: Message) -> Message:
     """Call client.fit on the message's arrays and config; reply with arrays + metrics."""
     parameters = msg.content["arrays"].to_numpy_ndarrays()
     arrays, num_examples, metrics = client.fit(parameters, _config(msg))
-    content = RecordDict({"arrays": ArrayRecord(arrays),
-                          "metrics": _metric_record({**metrics, keys.NUM_EXAMPLES: num_examples})})
+    content = RecordDict(
+        {"arrays": ArrayRecord(arrays), "metrics": _metric_record({**metrics, keys.NUM_EXAMPLES: num_examples})}
+    )
     return Message(content, reply_to=msg)
 
 
@@ -47,6 +48,3 @@ def evaluate_reply(client: NumPyClient, msg: Message) -> Message:
     loss, num_examples, metrics = client.evaluate(parameters, _config(msg))
     content = RecordDict({"metrics": _metric_record({keys.LOSS: loss, **metrics, keys.NUM_EXAMPLES: num_examples})})
     return Message(content, reply_to=msg)
-
-
-

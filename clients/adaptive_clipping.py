@@ -34,11 +34,18 @@ def make_clip_bit_mod(seed: int | None = None) -> Mod:
         name = "metrics" if "metrics" in records else next(iter(records), "metrics")
         metrics = dict(records.get(name, {}))
         if keys.UPDATE_NORM not in metrics:
-            raise ValueError("clip_bit_mod: the reply has no 'update-norm' (the norm before clipping): put the mod "
-                             "outside dp_privatize_mod, or use a client of this package")
+            raise ValueError(
+                "clip_bit_mod: the reply has no 'update-norm' (the norm before clipping): put the mod "
+                "outside dp_privatize_mod, or use a client of this package"
+            )
         bit = (1.0 if float(metrics[keys.UPDATE_NORM]) <= float(config[keys.CLIPPING_NORM]) else 0.0) - 0.5
-        rng = make_rng(0 if seed is None else seed, 13, int(config.get(keys.SERVER_ROUND, 0)),
-                       msg.metadata.dst_node_id, secure=seed is None)
+        rng = make_rng(
+            0 if seed is None else seed,
+            13,
+            int(config.get(keys.SERVER_ROUND, 0)),
+            msg.metadata.dst_node_id,
+            secure=seed is None,
+        )
         bit += float(rng.normal(0.0, float(config[keys.CLIP_COUNT_NOISE_STD])))
         content = RecordDict(dict(reply.content.items()))
         content[name] = MetricRecord({**metrics, keys.CLIP_BIT: float(np.float64(bit))})

@@ -46,9 +46,18 @@ class LocalSGD:
     def step(self) -> None:
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
         buffers = [self.momentum_buffers[i] for i in live]
-        functional_sgd([self.params[i] for i in live], [self.params[i].grad for i in live], buffers,
-                       foreach=False, weight_decay=self.weight_decay, momentum=self.momentum, lr=self.lr,
-                       dampening=0.0, nesterov=False, maximize=False)
+        functional_sgd(
+            [self.params[i] for i in live],
+            [self.params[i].grad for i in live],
+            buffers,
+            foreach=False,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            lr=self.lr,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+        )
         for i, buffer in zip(live, buffers):  # created at the first step when momentum > 0
             self.momentum_buffers[i] = buffer
 
@@ -75,11 +84,25 @@ class TrainingClient(NumPyClient):
     `channels_last`, its 4-d parameters and the image batches use torch.channels_last.
     """
 
-    def __init__(self, model: nn.Module, trainset, testset, *, batch_size: int = 32, lr: float = 0.1,
-                 momentum: float = 0.5, weight_decay: float = 5e-4, local_epochs: int = 1,
-                 local_steps: int = 0, partition_id: int = 0, seed: int = 0,
-                 secure_rng: bool = True, lr_decay: float = 1.0, device: torch.device | str = "cpu",
-                 channels_last: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        trainset,
+        testset,
+        *,
+        batch_size: int = 32,
+        lr: float = 0.1,
+        momentum: float = 0.5,
+        weight_decay: float = 5e-4,
+        local_epochs: int = 1,
+        local_steps: int = 0,
+        partition_id: int = 0,
+        seed: int = 0,
+        secure_rng: bool = True,
+        lr_decay: float = 1.0,
+        device: torch.device | str = "cpu",
+        channels_last: bool = False,
+    ) -> None:
         self.device, self.channels_last = torch.device(device), channels_last
         self.model = place_model(model, self.device, channels_last)
         self.trainset, self.testset = trainset, testset
@@ -96,8 +119,12 @@ class TrainingClient(NumPyClient):
 
     def make_optimizer(self, config: dict) -> Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return LocalSGD(params, lr=self.round_lr(float(config.get(keys.LEARNING_RATE, self.lr)), config),
-                        momentum=self.momentum, weight_decay=self.weight_decay)
+        return LocalSGD(
+            params,
+            lr=self.round_lr(float(config.get(keys.LEARNING_RATE, self.lr)), config),
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+        )
 
     def num_steps(self, config: dict) -> int:
         steps = int(config.get(keys.LOCAL_STEPS, self.local_steps))
@@ -113,7 +140,7 @@ class TrainingClient(NumPyClient):
         for _ in range(steps):
             if order.size < self.batch_size:
                 order = np.concatenate([order, rng.permutation(len(y))])
-            idx, order = torch.from_numpy(order[:self.batch_size]), order[self.batch_size:]
+            idx, order = torch.from_numpy(order[: self.batch_size]), order[self.batch_size :]
             yield place_input(x[idx], self.device, self.channels_last), y[idx].to(self.device, non_blocking=True)
 
     def local_step(self, x: torch.Tensor, y: torch.Tensor, optimizer: Optimizer) -> float:
@@ -135,8 +162,7 @@ class TrainingClient(NumPyClient):
         """Clip + noise share when the server asks for it; returns (upload, norm before clipping)."""
         if not bool(config.get(keys.PRIVATIZE, False)):
             return update, l2_norm(update)
-        rng = make_rng(self.seed, 3, int(config.get(keys.SERVER_ROUND, 0)), self.partition_id,
-                       secure=self.secure_rng)
+        rng = make_rng(self.seed, 3, int(config.get(keys.SERVER_ROUND, 0)), self.partition_id, secure=self.secure_rng)
         return clip_and_noise(update, float(config[keys.CLIPPING_NORM]), float(config[keys.NOISE_STD]), rng)
 
     def fit(self, parameters: list[np.ndarray], config: dict):
@@ -146,9 +172,17 @@ class TrainingClient(NumPyClient):
         update = flatten(new) - flatten(parameters)
         upload, norm = self.privatize(update, config)
         n = len(self.trainset)
-        return unflatten(upload, [a.shape for a in new]), n, {
-            keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.LOCAL_STEPS: steps, keys.NUM_EXAMPLES: n,
-            keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
+        return (
+            unflatten(upload, [a.shape for a in new]),
+            n,
+            {
+                keys.UPDATE_NORM: norm,
+                keys.TRAIN_LOSS: loss,
+                keys.LOCAL_STEPS: steps,
+                keys.NUM_EXAMPLES: n,
+                keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
+            },
+        )
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.model, parameters)

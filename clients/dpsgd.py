@@ -61,8 +61,9 @@ from .base import TrainingClient
 LEDGER_KEY = "dpsgd-ledger"
 
 
-def torch_generator(seed: int, *stream: int, secure: bool = False,
-                    device: torch.device | str = "cpu") -> torch.Generator:
+def torch_generator(
+    seed: int, *stream: int, secure: bool = False, device: torch.device | str = "cpu"
+) -> torch.Generator:
     """A torch generator on `device` (Opacus draws the DP-SGD noise where the gradients are: on a CUDA
     device, from a CUDA generator), seeded from (seed, *stream), or, when `secure`, with 63 bits of OS
     entropy (`secrets`) drawn anew for every generator, never from the run seed."""
@@ -80,8 +81,14 @@ class HaarDPOptimizer(DPOptimizer):
     multiplier is `coefficient_clipping_noise_multiplier(sigma_H, n)` = sigma_H / n.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, wavelet_noise_multiplier: float,
-                 noise_rng: np.random.Generator, **kwargs) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        wavelet_noise_multiplier: float,
+        noise_rng: np.random.Generator,
+        **kwargs,
+    ) -> None:
         super().__init__(optimizer, noise_multiplier=wavelet_noise_multiplier, **kwargs)
         self.noise_rng = noise_rng
 
@@ -101,18 +108,32 @@ class HaarDPOptimizer(DPOptimizer):
         """p.grad = summed_grad + the paper's wavelet noise, over all parameters as one vector (numpy noise,
         drawn on the CPU)."""
         summed = torch.cat([p.summed_grad.reshape(-1) for p in self.params]).detach()
-        noisy = torch.from_numpy(haar_wavelet_noise(summed.cpu().numpy(), self.noise_multiplier * self.max_grad_norm,
-                                                    self.noise_rng)).to(summed.device)
+        noisy = torch.from_numpy(
+            haar_wavelet_noise(summed.cpu().numpy(), self.noise_multiplier * self.max_grad_norm, self.noise_rng)
+        ).to(summed.device)
         for p, part in zip(self.params, torch.split(noisy, [p.numel() for p in self.params])):
             p.grad = part.reshape(p.shape).to(p.dtype)
 
 
-def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, sample_rate: float,
-                noise_multiplier: float, clipping_norm: float, lr: float, momentum: float = 0.0,
-                weight_decay: float = 0.0, grad_sample_mode: str = "ew",
-                sampling_generator: torch.Generator | None = None,
-                noise_generator: torch.Generator | None = None, secure_mode: bool = False,
-                noise: str = "gaussian", wavelet_rng: np.random.Generator | None = None) -> int:
+def dpsgd_steps(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    sample_rate: float,
+    noise_multiplier: float,
+    clipping_norm: float,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    grad_sample_mode: str = "ew",
+    sampling_generator: torch.Generator | None = None,
+    noise_generator: torch.Generator | None = None,
+    secure_mode: bool = False,
+    noise: str = "gaussian",
+    wavelet_rng: np.random.Generator | None = None,
+) -> int:
     """Run `steps` DP-SGD steps on (x, y) in place; returns the number of noisy steps taken.
 
     Per step: batch B ~ Poisson(q) over the data; g = (sum_{s in B} clip_C(grad l(w; s))
@@ -136,11 +157,13 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     common = dict(max_grad_norm=clipping_norm, expected_batch_size=sample_rate * len(y), loss_reduction="mean")
     if noise == "wavelet":
-        optimizer = HaarDPOptimizer(sgd, wavelet_noise_multiplier=noise_multiplier,
-                                    noise_rng=wavelet_rng or np.random.default_rng(), **common)
+        optimizer = HaarDPOptimizer(
+            sgd, wavelet_noise_multiplier=noise_multiplier, noise_rng=wavelet_rng or np.random.default_rng(), **common
+        )
     else:
         optimizer = get_optimizer_class("flat", False, grad_sample_mode)(
-            sgd, noise_multiplier=noise_multiplier, generator=noise_generator, secure_mode=secure_mode, **common)
+            sgd, noise_multiplier=noise_multiplier, generator=noise_generator, secure_mode=secure_mode, **common
+        )
     taken = 0
 
     def count(_optimizer) -> None:
@@ -148,10 +171,14 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
         taken += 1
 
     optimizer.attach_step_hook(count)
-    criterion = (DPLossFastGradientClipping(gsm, optimizer, nn.CrossEntropyLoss(), "mean") if ghost
-                 else nn.CrossEntropyLoss(reduction="sum"))
-    sampler = UniformWithReplacementSampler(num_samples=len(y), sample_rate=sample_rate,
-                                            generator=sampling_generator, steps=steps)
+    criterion = (
+        DPLossFastGradientClipping(gsm, optimizer, nn.CrossEntropyLoss(), "mean")
+        if ghost
+        else nn.CrossEntropyLoss(reduction="sum")
+    )
+    sampler = UniformWithReplacementSampler(
+        num_samples=len(y), sample_rate=sample_rate, generator=sampling_generator, steps=steps
+    )
     gsm.train()
     try:
         with warnings.catch_warnings():  # torch warns that the inputs do not require grad: harmless here
@@ -170,8 +197,9 @@ def dpsgd_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     return taken
 
 
-def strong_convexity_ratio(model: nn.Module, dataset, global_weights: list[np.ndarray],
-                           local_weights: list[np.ndarray], max_samples: int = 0) -> float:
+def strong_convexity_ratio(
+    model: nn.Module, dataset, global_weights: list[np.ndarray], local_weights: list[np.ndarray], max_samples: int = 0
+) -> float:
     """||grad F(w_i) - grad F(w)|| / ||w_i - w|| on `dataset` (ALI-DPFL's mu term; nan when w_i = w)."""
     distance = l2_norm(flatten(local_weights) - flatten(global_weights))
     if distance == 0:
@@ -193,8 +221,13 @@ def load_ledger(state: RecordDict, delta: float, accountant: str) -> tuple[Priva
 
 
 def save_ledger(state: RecordDict, ledger: PrivacyLedger, counts: dict) -> None:
-    state[LEDGER_KEY] = ConfigRecord({"ledger": json.dumps(ledger.state_dict()), "steps": int(counts["steps"]),
-                                      "mu-releases": int(counts["mu-releases"])})
+    state[LEDGER_KEY] = ConfigRecord(
+        {
+            "ledger": json.dumps(ledger.state_dict()),
+            "steps": int(counts["steps"]),
+            "mu-releases": int(counts["mu-releases"]),
+        }
+    )
 
 
 class DPSGDClient(TrainingClient):
@@ -215,19 +248,36 @@ class DPSGDClient(TrainingClient):
     unaccounted release.
     """
 
-    def __init__(self, model: nn.Module, trainset, testset, *, state: RecordDict, sample_rate: float,
-                 noise_multiplier: float, clipping_norm: float, target_epsilon: float, delta: float,
-                 accountant: str = DEFAULT_ACCOUNTANT, grad_sample_mode: str = "ew", mu_max: float = 1.0,
-                 mu_noise_multiplier: float = 10.0, noise: str = "gaussian", wavelet_calibration: str = "exact",
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        trainset,
+        testset,
+        *,
+        state: RecordDict,
+        sample_rate: float,
+        noise_multiplier: float,
+        clipping_norm: float,
+        target_epsilon: float,
+        delta: float,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        grad_sample_mode: str = "ew",
+        mu_max: float = 1.0,
+        mu_noise_multiplier: float = 10.0,
+        noise: str = "gaussian",
+        wavelet_calibration: str = "exact",
+        **kwargs,
+    ) -> None:
         kwargs["channels_last"] = False  # Opacus' ew per-sample gradients fail on channels_last convolutions
         super().__init__(opacus_compatible(model), trainset, testset, **kwargs)
         if mu_max <= 0 or mu_noise_multiplier <= 0:
             raise ValueError(f"mu_max={mu_max!r} and mu_noise_multiplier={mu_noise_multiplier!r} must be > 0")
         if not 0 < sample_rate <= 1 or noise_multiplier <= 0 or clipping_norm <= 0 or target_epsilon <= 0:
-            raise ValueError(f"DP-SGD needs 0 < sample_rate <= 1 (got {sample_rate}), noise_multiplier > 0 "
-                             f"(got {noise_multiplier}), clipping_norm > 0 (got {clipping_norm}) and "
-                             f"target_epsilon > 0 (got {target_epsilon})")
+            raise ValueError(
+                f"DP-SGD needs 0 < sample_rate <= 1 (got {sample_rate}), noise_multiplier > 0 "
+                f"(got {noise_multiplier}), clipping_norm > 0 (got {clipping_norm}) and "
+                f"target_epsilon > 0 (got {target_epsilon})"
+            )
         self.state, self.sample_rate = state, sample_rate
         self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
         self.target_epsilon, self.delta, self.accountant = target_epsilon, delta, accountant
@@ -235,7 +285,8 @@ class DPSGDClient(TrainingClient):
         self.mu_max, self.mu_noise_multiplier = mu_max, mu_noise_multiplier
         dim = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.mechanism_multiplier, self.accounted_multiplier, self.budget_multiplier = dpsgd_multipliers(
-            noise_multiplier, noise, wavelet_calibration, dim)
+            noise_multiplier, noise, wavelet_calibration, dim
+        )
 
     # -- budget ---------------------------------------------------------------
     def budget_events(self, counts: dict, steps: int = 0, release_mu: bool = False) -> list:
@@ -244,12 +295,16 @@ class DPSGDClient(TrainingClient):
         Equal to the ledger's events, except for DP-SGD-WAV with `paper` calibration, whose
         budget follows the paper's claim (sigma_H) so that the published mechanism runs.
         """
-        return [(self.budget_multiplier, self.sample_rate, counts["steps"] + steps),
-                (self.mu_noise_multiplier, 1.0, counts["mu-releases"] + int(release_mu))]
+        return [
+            (self.budget_multiplier, self.sample_rate, counts["steps"] + steps),
+            (self.mu_noise_multiplier, 1.0, counts["mu-releases"] + int(release_mu)),
+        ]
 
     def fits(self, counts: dict, steps: int, release_mu: bool) -> bool:
-        return epsilon_of(self.budget_events(counts, steps, release_mu), self.delta, self.accountant) \
+        return (
+            epsilon_of(self.budget_events(counts, steps, release_mu), self.delta, self.accountant)
             <= self.target_epsilon
+        )
 
     def allowed_steps(self, counts: dict, requested: int, release_mu: bool = False) -> int:
         """Largest n <= requested whose round keeps epsilon <= target (R_c minus steps already taken)."""
@@ -276,15 +331,25 @@ class DPSGDClient(TrainingClient):
         steps = self.allowed_steps(counts, int(config.get(keys.LOCAL_STEPS, 1)), release_mu)
         x, y = as_tensors(self.trainset)
         taken = dpsgd_steps(
-            self.model, x, y, steps=steps, sample_rate=self.sample_rate,
+            self.model,
+            x,
+            y,
+            steps=steps,
+            sample_rate=self.sample_rate,
             noise_multiplier=self.mechanism_multiplier,
-            clipping_norm=self.clipping_norm, lr=float(config.get(keys.LEARNING_RATE, self.lr)), momentum=self.momentum,
-            weight_decay=self.weight_decay, grad_sample_mode=self.grad_sample_mode,
+            clipping_norm=self.clipping_norm,
+            lr=float(config.get(keys.LEARNING_RATE, self.lr)),
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            grad_sample_mode=self.grad_sample_mode,
             sampling_generator=torch_generator(self.seed, 6, rnd, self.partition_id, secure=self.secure_rng),
-            noise_generator=torch_generator(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng,
-                                            device=self.device),
-            secure_mode=self.secure_rng, noise=self.noise,
-            wavelet_rng=make_rng(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng))
+            noise_generator=torch_generator(
+                self.seed, 5, rnd, self.partition_id, secure=self.secure_rng, device=self.device
+            ),
+            secure_mode=self.secure_rng,
+            noise=self.noise,
+            wavelet_rng=make_rng(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng),
+        )
         new = get_weights(self.model)
         metrics = {keys.PARTITION_ID: self.partition_id, keys.LOCAL_STEPS: taken}
         if taken > 0:
@@ -299,16 +364,25 @@ class DPSGDClient(TrainingClient):
             metrics[keys.EPSILON_CLAIMED] = epsilon_of(self.budget_events(counts), self.delta, self.accountant)
         update = flatten(new) - flatten(parameters)
         n = len(self.trainset)
-        metrics.update({keys.DPSGD_STEPS: counts["steps"], keys.MU_RELEASES: counts["mu-releases"],
-                        keys.EPSILON: ledger.epsilon(), keys.BUDGET_LEFT: int(self.fits(counts, 1, release_mu)),
-                        keys.UPDATE_NORM: l2_norm(update), keys.NUM_EXAMPLES: n,
-                        keys.UPLOAD_KIND: keys.UPLOAD_UPDATE})
+        metrics.update(
+            {
+                keys.DPSGD_STEPS: counts["steps"],
+                keys.MU_RELEASES: counts["mu-releases"],
+                keys.EPSILON: ledger.epsilon(),
+                keys.BUDGET_LEFT: int(self.fits(counts, 1, release_mu)),
+                keys.UPDATE_NORM: l2_norm(update),
+                keys.NUM_EXAMPLES: n,
+                keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
+            }
+        )
         return unflatten(update, [a.shape for a in new]), n, metrics
 
     def adopt_server_counts(self, ledger: PrivacyLedger, counts: dict, config: dict) -> None:
         """Charge what the server has charged this client beyond its own counts (its state was lost)."""
-        for key, count, multiplier, rate in ((keys.SPENT_STEPS, "steps", self.accounted_multiplier, self.sample_rate),
-                                             (keys.SPENT_MU_RELEASES, "mu-releases", self.mu_noise_multiplier, 1.0)):
+        for key, count, multiplier, rate in (
+            (keys.SPENT_STEPS, "steps", self.accounted_multiplier, self.sample_rate),
+            (keys.SPENT_MU_RELEASES, "mu-releases", self.mu_noise_multiplier, 1.0),
+        ):
             spent = list(config.get(key, []))
             server = int(spent[self.partition_id]) if self.partition_id < len(spent) else 0
             if server > counts[count]:

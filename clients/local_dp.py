@@ -51,8 +51,13 @@ def save_ledger(context: Context, ledger: PrivacyLedger) -> None:
     context.state[STATE_KEY] = ConfigRecord({"state": json.dumps(ledger.state_dict())})
 
 
-def make_local_dp_mod(clipping_norm: float, noise_multiplier: float, delta: float,
-                      accountant: str = DEFAULT_ACCOUNTANT, seed: int | None = None) -> Mod:
+def make_local_dp_mod(
+    clipping_norm: float,
+    noise_multiplier: float,
+    delta: float,
+    accountant: str = DEFAULT_ACCOUNTANT,
+    seed: int | None = None,
+) -> Mod:
     """The local-DP mod. `seed=None`: noise from OS entropy (a seed makes it reproducible and removable)."""
     if not clipping_norm > 0:
         raise ValueError(f"make_local_dp_mod: clipping_norm={clipping_norm!r} must be > 0")
@@ -65,14 +70,17 @@ def make_local_dp_mod(clipping_norm: float, noise_multiplier: float, delta: floa
     epsilon_round = one_release.epsilon()
 
     def local_dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        if msg.metadata.message_type != MessageType.TRAIN or not msg.has_content() \
-                or len(msg.content.array_records) != 1:
+        if (
+            msg.metadata.message_type != MessageType.TRAIN
+            or not msg.has_content()
+            or len(msg.content.array_records) != 1
+        ):
             return call_next(msg, context)
         global_arrays = next(iter(msg.content.array_records.values())).to_numpy_ndarrays()
         reply = call_next(msg, context)
         if reply.has_error():
             return reply
-        (array_key, array_record), = reply.content.array_records.items()
+        ((array_key, array_record),) = reply.content.array_records.items()
         arrays = [np.asarray(a) for a in array_record.to_numpy_ndarrays()]
         is_update = any(r.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE for r in reply.content.metric_records.values())
         floats = float_indices(global_arrays)
@@ -82,9 +90,13 @@ def make_local_dp_mod(clipping_norm: float, noise_multiplier: float, delta: floa
         update = flatten([arrays[i] for i in floats])
         if not is_update:
             update = update - flatten([global_arrays[i] for i in floats])
-        rng = make_rng(0 if seed is None else seed, 11, msg.metadata.dst_node_id,
-                       int(dict(next(iter(msg.content.config_records.values()), {})).get(keys.SERVER_ROUND, 0)),
-                       secure=seed is None)
+        rng = make_rng(
+            0 if seed is None else seed,
+            11,
+            msg.metadata.dst_node_id,
+            int(dict(next(iter(msg.content.config_records.values()), {})).get(keys.SERVER_ROUND, 0)),
+            secure=seed is None,
+        )
         update, _ = clip_and_noise(update, clipping_norm, noise_multiplier * clipping_norm, rng)
         ledger = client_ledger(context, delta, accountant)
         ledger.record(local_release_multiplier(noise_multiplier), 1.0)
@@ -93,15 +105,23 @@ def make_local_dp_mod(clipping_norm: float, noise_multiplier: float, delta: floa
         for i, part in zip(floats, unflatten(update, [global_arrays[i].shape for i in floats])):
             upload[i] = part.astype(global_arrays[i].dtype, copy=False)
         names = list(array_record.keys())
-        metrics = MetricRecord({keys.UPLOAD_KIND: keys.UPLOAD_UPDATE, keys.NUM_EXAMPLES: 1,
-                                keys.LOCAL_NOISE_MULTIPLIER: float(noise_multiplier),
-                                keys.LOCAL_EPSILON_ROUND: float(epsilon_round),
-                                keys.LOCAL_EPSILON: float(ledger.epsilon()),
-                                keys.LOCAL_ROUNDS: int(sum(n for _, _, n in ledger.history)),
-                                keys.LOCAL_DELTA: float(delta)})
-        content = RecordDict({array_key: ArrayRecord({k: Array(np.asarray(a, order="C"))
-                                                      for k, a in zip(names, upload)}),
-                              "metrics": metrics})
+        metrics = MetricRecord(
+            {
+                keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
+                keys.NUM_EXAMPLES: 1,
+                keys.LOCAL_NOISE_MULTIPLIER: float(noise_multiplier),
+                keys.LOCAL_EPSILON_ROUND: float(epsilon_round),
+                keys.LOCAL_EPSILON: float(ledger.epsilon()),
+                keys.LOCAL_ROUNDS: int(sum(n for _, _, n in ledger.history)),
+                keys.LOCAL_DELTA: float(delta),
+            }
+        )
+        content = RecordDict(
+            {
+                array_key: ArrayRecord({k: Array(np.asarray(a, order="C")) for k, a in zip(names, upload)}),
+                "metrics": metrics,
+            }
+        )
         return Message(content, reply_to=msg)
 
     return local_dp_mod

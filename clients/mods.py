@@ -83,9 +83,11 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
             return call_next(msg, context)
         api, global_arrays, config = instruction
         if keys.CLIPPING_NORM not in config:
-            raise ValueError("dp_privatize_mod: the train config has no 'clipping-norm' (nor 'privatize', "
-                             "'noise-std'); use it with a DP strategy of this package (DPFedAvg, LegacyDPFedAvg), "
-                             f"which sends them; config keys received: {sorted(config)}")
+            raise ValueError(
+                "dp_privatize_mod: the train config has no 'clipping-norm' (nor 'privatize', "
+                "'noise-std'); use it with a DP strategy of this package (DPFedAvg, LegacyDPFedAvg), "
+                f"which sends them; config keys received: {sorted(config)}"
+            )
         reply = call_next(msg, context)
         if reply.has_error():
             return reply
@@ -93,7 +95,7 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
             fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
             weights = parameters_to_ndarrays(fitres.parameters)
         else:
-            (array_key, array_record), = reply.content.array_records.items()
+            ((array_key, array_record),) = reply.content.array_records.items()
             weights = array_record.to_numpy_ndarrays()
         weights = [np.asarray(w) for w in weights]
         floats = float_indices(global_arrays)
@@ -104,8 +106,13 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
             raise ValueError(f"dp_privatize_mod: the client's model does not match the global model: {problem}")
         update = flatten([weights[i] for i in floats]) - flatten([global_arrays[i] for i in floats])
         if bool(config.get(keys.PRIVATIZE, False)):
-            rng = make_rng(0 if seed is None else seed, 3, int(config.get(keys.SERVER_ROUND, 0)),
-                           msg.metadata.dst_node_id, secure=seed is None)
+            rng = make_rng(
+                0 if seed is None else seed,
+                3,
+                int(config.get(keys.SERVER_ROUND, 0)),
+                msg.metadata.dst_node_id,
+                secure=seed is None,
+            )
             update, norm = clip_and_noise(update, float(config[keys.CLIPPING_NORM]), float(config[keys.NOISE_STD]), rng)
         else:
             norm = l2_norm(update)
@@ -121,7 +128,9 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
                 fitres.metrics = {**fitres.metrics, **marks}
             return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
         names = list(array_record.keys())
-        content = RecordDict({array_key: ArrayRecord({k: Array(np.asarray(a, order="C")) for k, a in zip(names, upload)})})
+        content = RecordDict(
+            {array_key: ArrayRecord({k: Array(np.asarray(a, order="C")) for k, a in zip(names, upload)})}
+        )
         for key, record in reply.content.metric_records.items():
             content[key] = MetricRecord({**record, **marks})
         if not reply.content.metric_records:

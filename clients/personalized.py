@@ -112,14 +112,27 @@ class PartialSharingClient(TrainingClient):
     client's local-steps / local-epochs with lr.
     """
 
-    def __init__(self, model: nn.Module, trainset, testset, *, head_keys: Sequence[str], head_store: HeadStore,
-                 head_epochs: int = 2, head_steps: int = 0, head_lr: float = 0.1, **kwargs) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        trainset,
+        testset,
+        *,
+        head_keys: Sequence[str],
+        head_store: HeadStore,
+        head_epochs: int = 2,
+        head_steps: int = 0,
+        head_lr: float = 0.1,
+        **kwargs,
+    ) -> None:
         super().__init__(model, trainset, testset, **kwargs)
         state = model.state_dict()
         unknown = [k for k in head_keys if k not in state]
         if unknown or not head_keys:
-            raise ValueError(f"head_keys={list(head_keys)!r} must be a non-empty list of the model's "
-                             f"state_dict keys (unknown: {unknown})")
+            raise ValueError(
+                f"head_keys={list(head_keys)!r} must be a non-empty list of the model's "
+                f"state_dict keys (unknown: {unknown})"
+            )
         self.head_keys = list(head_keys)
         self.body_keys = [k for k in state if k not in set(self.head_keys)]
         self.head_store = head_store
@@ -167,8 +180,9 @@ class PartialSharingClient(TrainingClient):
         steps = self.num_head_steps()
         with trainable_only(self.model, self.head_keys):
             params = [p for p in self.model.parameters() if p.requires_grad]
-            optimizer = LocalSGD(params, lr=self.round_lr(self.head_lr, config), momentum=self.momentum,
-                                 weight_decay=self.weight_decay)
+            optimizer = LocalSGD(
+                params, lr=self.round_lr(self.head_lr, config), momentum=self.momentum, weight_decay=self.weight_decay
+            )
             self.model.train()
             rng = make_rng(self.seed, 5, rnd, self.partition_id)
             losses = [sgd_step(self.model, self.loss_fn, x, y, optimizer) for x, y in self.batches(steps, rng)]
@@ -191,9 +205,19 @@ class PartialSharingClient(TrainingClient):
         update = flatten(new) - flatten(parameters)
         upload, norm = self.privatize(update, config)
         n = len(self.trainset)
-        return unflatten(upload, [a.shape for a in new]), n, {
-            keys.UPDATE_NORM: norm, keys.TRAIN_LOSS: loss, keys.HEAD_LOSS: head_loss, keys.LOCAL_STEPS: steps,
-            keys.HEAD_STEPS: head_steps, keys.NUM_EXAMPLES: n, keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
+        return (
+            unflatten(upload, [a.shape for a in new]),
+            n,
+            {
+                keys.UPDATE_NORM: norm,
+                keys.TRAIN_LOSS: loss,
+                keys.HEAD_LOSS: head_loss,
+                keys.LOCAL_STEPS: steps,
+                keys.HEAD_STEPS: head_steps,
+                keys.NUM_EXAMPLES: n,
+                keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
+            },
+        )
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         """Accuracy of (global body, own head) on this client's held-out split; the head is not changed."""

@@ -8,8 +8,7 @@ from torch import nn
 from .base import Optimizer, TrainingClient
 
 
-def sam_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
-             optimizer: Optimizer, rho: float) -> float:
+def sam_step(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, optimizer: Optimizer, rho: float) -> float:
     """One SAM step on the parameters that require grad.
 
     g = grad F(w); e = rho g / (||g||_2 + 1e-12); g~ = grad F(w + e); restore w;

@@ -27,6 +27,9 @@ class TopKSAMClient(SAMClient):
         masks = topk_sparsify(upload, float(config[keys.SPARSITY]), str(config.get(keys.TOPK_MODE, "per-layer")))
         metrics[keys.KEPT_VALUES] = int(sum(int(m.sum()) for m in masks))
         if bool(config.get(keys.SECURE_AGGREGATION, False)):  # SecAgg+ sums dense vectors: zeros stay in
-            return [np.where(m, np.ravel(a), 0).astype(a.dtype).reshape(a.shape) for a, m in zip(upload, masks)], \
-                num_examples, metrics
+            return (
+                [np.where(m, np.ravel(a), 0).astype(a.dtype).reshape(a.shape) for a, m in zip(upload, masks)],
+                num_examples,
+                metrics,
+            )
         return sparse_encode(upload, masks), num_examples, metrics

@@ -1,3 +1,8 @@
 """dpfl's Flower apps and their wiring."""
 
-PROJECT_PACKAGES = ("dpcore", "fl_app", "strategies", "clients")  # this repository's packages: the apps' code, what the FAB holds
+PROJECT_PACKAGES = (
+    "dpcore",
+    "fl_app",
+    "strategies",
+    "clients",
+)  # this repository's packages: the apps' code, what the FAB holds

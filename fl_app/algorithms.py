@@ -55,11 +55,20 @@ class ClientSetup:
         from dpcore.task.device import resolve_device, use_channels_last
 
         training, device = self.settings.training, resolve_device(self.settings.training.device)
-        return dict(batch_size=training.batch_size, lr=training.lr, momentum=training.momentum,
-                    weight_decay=training.weight_decay, local_epochs=training.local_epochs,
-                    local_steps=training.local_steps, partition_id=self.partition_id, seed=self.settings.run.seed,
-                    secure_rng=self.settings.privacy.secure_rng, lr_decay=training.lr_decay, device=device,
-                    channels_last=use_channels_last(training.model, device))
+        return dict(
+            batch_size=training.batch_size,
+            lr=training.lr,
+            momentum=training.momentum,
+            weight_decay=training.weight_decay,
+            local_epochs=training.local_epochs,
+            local_steps=training.local_steps,
+            partition_id=self.partition_id,
+            seed=self.settings.run.seed,
+            secure_rng=self.settings.privacy.secure_rng,
+            lr_decay=training.lr_decay,
+            device=device,
+            channels_last=use_channels_last(training.model, device),
+        )
 
 
 def load_client_partition(s: Settings, partition_id: int, num_partitions: int) -> tuple[Any, Any]:
@@ -67,9 +76,17 @@ def load_client_partition(s: Settings, partition_id: int, num_partitions: int) -
     from dpcore.task.data import load_partition
 
     d = s.data
-    return load_partition(d.dataset, partition_id, num_partitions, d.partitioner, alpha=d.dirichlet_alpha,
-                          classes_per_client=d.classes_per_client, seed=s.run.seed, data_dir=d.data_dir,
-                          validation_fraction=d.validation_fraction)
+    return load_partition(
+        d.dataset,
+        partition_id,
+        num_partitions,
+        d.partitioner,
+        alpha=d.dirichlet_alpha,
+        classes_per_client=d.classes_per_client,
+        seed=s.run.seed,
+        data_dir=d.data_dir,
+        validation_fraction=d.validation_fraction,
+    )
 
 
 @dataclass(frozen=True)
@@ -97,8 +114,9 @@ class Algorithm:
     build_client: Callable[[ClientSetup], NumPyClient]
     owned_keys: tuple[str, ...] = ()
     unused_keys: dict[str, str | None] = field(default_factory=dict)
-    reference: dict = field(default_factory=lambda: {"noise-multiplier": 0.0, "clipping-norm": 0.0,
-                                                     "target-epsilon": 0.0})
+    reference: dict = field(
+        default_factory=lambda: {"noise-multiplier": 0.0, "clipping-norm": 0.0, "target-epsilon": 0.0}
+    )
     privacy_unit: str = "client"
     shares_body_only: bool = False
     opacus_model: bool = False
@@ -109,11 +127,19 @@ class Algorithm:
         """Every DP keyword argument of the strategy, from the run's settings (the wrapped Flower strategy
         comes from `wrapped_strategy`)."""
         fedavg_step = s.server.lr if s.server.strategy == "fedavg" else 1.0  # else the optimizer's eta
-        return dict(sample_rate=s.federation.sample_rate, client_sampling=s.federation.client_sampling,
-                    server_learning_rate=fedavg_step, delta=s.privacy.delta, accountant=s.privacy.accountant,
-                    target_epsilon=s.privacy.target_epsilon, seed=s.run.seed, secure_rng=s.privacy.secure_rng,
-                    min_available_nodes=s.federation.min_nodes,
-                    publish_diagnostics=s.output.publish_diagnostics, **self.strategy_settings(s))
+        return dict(
+            sample_rate=s.federation.sample_rate,
+            client_sampling=s.federation.client_sampling,
+            server_learning_rate=fedavg_step,
+            delta=s.privacy.delta,
+            accountant=s.privacy.accountant,
+            target_epsilon=s.privacy.target_epsilon,
+            seed=s.run.seed,
+            secure_rng=s.privacy.secure_rng,
+            min_available_nodes=s.federation.min_nodes,
+            publish_diagnostics=s.output.publish_diagnostics,
+            **self.strategy_settings(s),
+        )
 
     def build_strategy(self, s: Settings, **hooks) -> DPRoundLoop:
         """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`)."""
@@ -136,8 +162,13 @@ def wrapped_strategy(s: Settings) -> Strategy:
     act on the privatized average. eta = server-lr for FedAdam/FedYogi/FedAdagrad (eta_l = lr, what clients
     use), FedAvgM's server_learning_rate = server-lr with momentum server-momentum; FedAvg: the wrapper's own
     step w + server-lr * average. Evaluation: fraction-evaluate of the clients."""
-    common = dict(fraction_train=1.0, fraction_evaluate=s.federation.fraction_evaluate, min_train_nodes=0,
-                  min_evaluate_nodes=0, min_available_nodes=s.federation.min_nodes)
+    common = dict(
+        fraction_train=1.0,
+        fraction_evaluate=s.federation.fraction_evaluate,
+        min_train_nodes=0,
+        min_evaluate_nodes=0,
+        min_available_nodes=s.federation.min_nodes,
+    )
     name = s.server.strategy
     if name in ("fedadam", "fedyogi", "fedadagrad"):
         optimizer = {"fedadam": FedAdam, "fedyogi": FedYogi, "fedadagrad": FedAdagrad}[name]
@@ -152,23 +183,34 @@ def adaptive_clipping(s: Settings) -> AdaptiveClipping | None:
     """`adaptive-clipping = true`: the part the DP wrapper is composed with (docs/dp-toolbox.md §3)."""
     if not s.adaptive_clipping.enabled:
         return None
-    return AdaptiveClipping(target_quantile=s.adaptive_clipping.target_quantile,
-                            learning_rate=s.adaptive_clipping.learning_rate,
-                            count_noise_multiplier=s.adaptive_clipping.count_noise_multiplier)
+    return AdaptiveClipping(
+        target_quantile=s.adaptive_clipping.target_quantile,
+        learning_rate=s.adaptive_clipping.learning_rate,
+        count_noise_multiplier=s.adaptive_clipping.count_noise_multiplier,
+    )
 
 
 def client_level(s: Settings) -> dict:
-    return dict(clipping_norm=s.privacy.clipping_norm, noise_multiplier=s.privacy.noise_multiplier,
-                noise_placement=s.privacy.noise_placement, target_epsilon_mode=s.privacy.target_epsilon_mode,
-                secure_aggregation=s.secagg.enabled, audit_canaries=s.audit.canaries,
-                audit_canary_kind=s.audit.canary_kind, adaptive_clipping=adaptive_clipping(s))
+    return dict(
+        clipping_norm=s.privacy.clipping_norm,
+        noise_multiplier=s.privacy.noise_multiplier,
+        noise_placement=s.privacy.noise_placement,
+        target_epsilon_mode=s.privacy.target_epsilon_mode,
+        secure_aggregation=s.secagg.enabled,
+        audit_canaries=s.audit.canaries,
+        audit_canary_kind=s.audit.canary_kind,
+        adaptive_clipping=adaptive_clipping(s),
+    )
 
 
 def ftrl_settings(s: Settings) -> dict:
     """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise (the noise-placement default, distributed,
     does not apply: the tree is noised at the server) and the DPFTRL part."""
-    return {**client_level(s), "noise_placement": "central",
-            "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum)}
+    return {
+        **client_level(s),
+        "noise_placement": "central",
+        "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum),
+    }
 
 
 def topk_settings(s: Settings) -> dict:
@@ -181,11 +223,21 @@ def wavelet_settings(s: Settings) -> dict:
 
 def dpsgd_settings(s: Settings) -> dict:
     d = s.dpsgd
-    return dict(batch_sample_rate=d.sample_rate, sample_noise_multiplier=d.noise_multiplier,
-                sample_clipping_norm=d.clipping_norm, adaptive=d.adaptive, local_steps=s.training.local_steps,
-                gamma=d.gamma, mu_source=d.mu_source, mu_noise_multiplier=d.mu_noise_multiplier, mu_max=d.mu_max,
-                dpsgd_noise=d.noise, wavelet_calibration=s.wavelet.calibration, grad_sample_mode=d.grad_sample_mode,
-                num_partitions=d.num_partitions)
+    return dict(
+        batch_sample_rate=d.sample_rate,
+        sample_noise_multiplier=d.noise_multiplier,
+        sample_clipping_norm=d.clipping_norm,
+        adaptive=d.adaptive,
+        local_steps=s.training.local_steps,
+        gamma=d.gamma,
+        mu_source=d.mu_source,
+        mu_noise_multiplier=d.mu_noise_multiplier,
+        mu_max=d.mu_max,
+        dpsgd_noise=d.noise,
+        wavelet_calibration=s.wavelet.calibration,
+        grad_sample_mode=d.grad_sample_mode,
+        num_partitions=d.num_partitions,
+    )
 
 
 # ---------------------------------------------------------------------------- clients
@@ -198,15 +250,17 @@ def sgd_client(setup: ClientSetup) -> NumPyClient:
 def sam_client(setup: ClientSetup) -> NumPyClient:
     from clients.sam import SAMClient
 
-    return SAMClient(setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho,
-                     **setup.training_kwargs())
+    return SAMClient(
+        setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho, **setup.training_kwargs()
+    )
 
 
 def topk_sam_client(setup: ClientSetup) -> NumPyClient:
     from clients.topk import TopKSAMClient
 
-    return TopKSAMClient(setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho,
-                         **setup.training_kwargs())
+    return TopKSAMClient(
+        setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho, **setup.training_kwargs()
+    )
 
 
 def fine_tuned(inner: Callable[[ClientSetup], NumPyClient]) -> Callable[[ClientSetup], NumPyClient]:
@@ -230,8 +284,9 @@ def head_store(context: Context, partition_id: int):
         return ContextHeadStore(context.state)
     if not os.path.isabs(os.path.expanduser(str(state_dir))):
         raise ValueError(f"node config state-dir={state_dir!r} must be an absolute folder path")
-    return FileHeadStore(Path(os.path.expanduser(str(state_dir)))
-                         / f"personal-head-run{context.run_id}-partition{partition_id}.npz")
+    return FileHeadStore(
+        Path(os.path.expanduser(str(state_dir))) / f"personal-head-run{context.run_id}-partition{partition_id}.npz"
+    )
 
 
 def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
@@ -243,9 +298,14 @@ def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
 
         p, training = setup.settings.personalization, setup.settings.training
         _, head_keys = split_state_keys(setup.model, p.head_prefix)
-        personal = dict(head_keys=head_keys, head_store=head_store(setup.context, setup.partition_id),
-                        head_epochs=p.head_epochs, head_steps=p.head_steps, head_lr=p.head_lr or training.lr,
-                        **setup.training_kwargs())
+        personal = dict(
+            head_keys=head_keys,
+            head_store=head_store(setup.context, setup.partition_id),
+            head_epochs=p.head_epochs,
+            head_steps=p.head_steps,
+            head_lr=p.head_lr or training.lr,
+            **setup.training_kwargs(),
+        )
         if sam:
             return DP2FedSAMClient(setup.model, setup.trainset, setup.testset, rho=training.sam_rho, **personal)
         return PartialSharingClient(setup.model, setup.trainset, setup.testset, **personal)
@@ -257,13 +317,24 @@ def dpsgd_client(setup: ClientSetup) -> NumPyClient:
     from clients.dpsgd import DPSGDClient
 
     d, privacy = setup.settings.dpsgd, setup.settings.privacy
-    return DPSGDClient(setup.model, setup.trainset, setup.testset, state=setup.context.state,
-                       sample_rate=d.sample_rate, noise_multiplier=d.noise_multiplier,
-                       clipping_norm=d.clipping_norm, target_epsilon=privacy.target_epsilon,
-                       delta=privacy.delta or DEFAULT_SAMPLE_DELTA, accountant=privacy.accountant,
-                       grad_sample_mode=d.grad_sample_mode, mu_max=d.mu_max, mu_noise_multiplier=d.mu_noise_multiplier,
-                       noise=d.noise, wavelet_calibration=setup.settings.wavelet.calibration,
-                       **setup.training_kwargs())
+    return DPSGDClient(
+        setup.model,
+        setup.trainset,
+        setup.testset,
+        state=setup.context.state,
+        sample_rate=d.sample_rate,
+        noise_multiplier=d.noise_multiplier,
+        clipping_norm=d.clipping_norm,
+        target_epsilon=privacy.target_epsilon,
+        delta=privacy.delta or DEFAULT_SAMPLE_DELTA,
+        accountant=privacy.accountant,
+        grad_sample_mode=d.grad_sample_mode,
+        mu_max=d.mu_max,
+        mu_noise_multiplier=d.mu_noise_multiplier,
+        noise=d.noise,
+        wavelet_calibration=setup.settings.wavelet.calibration,
+        **setup.training_kwargs(),
+    )
 
 
 # ---------------------------------------------------------------------------- extra config rules
@@ -284,69 +355,161 @@ def check_head_prefix(s: Settings) -> None:
 
 def check_dpsgd_config(s: Settings) -> None:
     if s.privacy.target_epsilon_mode != "stop":
-        raise ValueError(f"run-config key 'target-epsilon-mode' = {s.privacy.target_epsilon_mode!r}: only 'stop' is "
-                         "allowed (clients stop at R_c steps)")
+        raise ValueError(
+            f"run-config key 'target-epsilon-mode' = {s.privacy.target_epsilon_mode!r}: only 'stop' is "
+            "allowed (clients stop at R_c steps)"
+        )
     if s.wavelet.calibration != "exact" and s.dpsgd.noise != "wavelet":
-        raise ValueError(f"run-config key 'wavelet-calibration' = {s.wavelet.calibration!r} applies only with "
-                         "dpsgd-noise = 'wavelet'")
+        raise ValueError(
+            f"run-config key 'wavelet-calibration' = {s.wavelet.calibration!r} applies only with "
+            "dpsgd-noise = 'wavelet'"
+        )
 
 
 def check_ftrl_config(s: Settings) -> None:
     if s.server.strategy != "fedavg":
-        raise ValueError(f"run-config key 'server-strategy' = {s.server.strategy!r}: DP-FTRL is its own server "
-                         "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'")
+        raise ValueError(
+            f"run-config key 'server-strategy' = {s.server.strategy!r}: DP-FTRL is its own server "
+            "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'"
+        )
     if s.privacy.noise_placement == "local":
-        raise ValueError("run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
-                         "('central', which it uses whatever the key says otherwise)")
+        raise ValueError(
+            "run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
+            "('central', which it uses whatever the key says otherwise)"
+        )
     if s.output.resume:
-        raise ValueError("run-config key 'resume' = True is not supported with DP-FTRL (its tree's noise is not "
-                         "checkpointed, and redrawing it would release the same nodes twice)")
+        raise ValueError(
+            "run-config key 'resume' = True is not supported with DP-FTRL (its tree's noise is not "
+            "checkpointed, and redrawing it would release the same nodes twice)"
+        )
 
 
-SAMPLE_LEVEL_KEYS = ("sample-noise-multiplier", "sample-clipping-norm", "batch-sample-rate", "grad-sample-mode",
-                     "dpsgd-noise", "adaptive", "gamma", "mu-source", "mu-max", "mu-noise-multiplier",
-                     "wavelet-calibration")
+SAMPLE_LEVEL_KEYS = (
+    "sample-noise-multiplier",
+    "sample-clipping-norm",
+    "batch-sample-rate",
+    "grad-sample-mode",
+    "dpsgd-noise",
+    "adaptive",
+    "gamma",
+    "mu-source",
+    "mu-max",
+    "mu-noise-multiplier",
+    "wavelet-calibration",
+)
 HEAD_KEYS = ("head-prefix",)
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("dp-fedavg", "DP-FedAvg: local SGD, clip + Gaussian noise (docs/algorithms.md §1)",
-              DPFedAvg, client_level, sgd_client, secure_aggregation=True),
-    Algorithm("dp-fedsam", "DP-FedSAM: local SAM, clip + Gaussian noise (§2)",
-              DPFedAvg, client_level, sam_client, secure_aggregation=True),
-    Algorithm("dp-fedsam-topk", "DP-FedSAM-top_k: DP-FedSAM with top-k sparse uploads (§3)",
-              DPFedSAMTopK, topk_settings, topk_sam_client, owned_keys=("sparsity", "topk-mode"),
-              secure_aggregation=True),
-    Algorithm("dp-fedavg-wav", "DP-FedAvg-WAV: Haar-wavelet noise at the server (§6)",
-              DPFedAvgWavelet, wavelet_settings, sgd_client, owned_keys=("wavelet-calibration",),
-              unused_keys={"adaptive-clipping": None}),
-    Algorithm("dp2-fedsam", "DP²-FedSAM: shared body with SAM, personal heads (§4)",
-              PartialSharingDPFedAvg, client_level, partial_sharing_client(sam=True), owned_keys=HEAD_KEYS,
-              shares_body_only=True, check_config=check_head_prefix),
-    Algorithm("centaur", "CENTAUR: DP²-FedSAM with SGD on the body (§4)",
-              PartialSharingDPFedAvg, client_level, partial_sharing_client(sam=False), owned_keys=HEAD_KEYS,
-              shares_body_only=True, check_config=check_head_prefix),
-    Algorithm("dp-fedavg-ft", "DP-FedAvg-FT: DP-FedAvg, evaluated after local fine-tuning (§4)",
-              PersonalizedDPFedAvg, client_level, fine_tuned(sgd_client), owned_keys=("fine-tune-steps",)),
-    Algorithm("dp-fedsam-ft", "DP-FedSAM-FT: DP-FedSAM, evaluated after local fine-tuning (§4)",
-              PersonalizedDPFedAvg, client_level, fine_tuned(sam_client), owned_keys=("fine-tune-steps",)),
-    Algorithm("dp-ftrl", "DP-FTRL: no sampling, each node at most once per epoch, tree-aggregated noise "
-              "(docs/dp-toolbox.md §4)",
-              DPFedAvg, ftrl_settings, sgd_client, owned_keys=("ftrl-epoch-rounds", "ftrl-momentum"),
-              unused_keys={"client-sampling": None, "adaptive-clipping": None,
-                           "audit-canaries": None, "audit-canary-kind": None},
-              reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
-                         "target-epsilon": 0.0},
-              check_config=check_ftrl_config),
-    Algorithm("ali-dpfl", "ALI-DPFL: DP-SGD clients, adaptive local iterations (§5; DP-SGD-WAV with "
-              "dpsgd-noise = 'wavelet', §6)",
-              ALIDPFL, dpsgd_settings, dpsgd_client, owned_keys=SAMPLE_LEVEL_KEYS,
-              unused_keys={"clipping-norm": "sample-clipping-norm", "noise-multiplier": "sample-noise-multiplier",
-                           "noise-placement": None, "audit-canaries": None,
-                           "audit-canary-kind": None, "adaptive-clipping": None},
-              reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0,
-                         "target-epsilon": 0.0},
-              privacy_unit="sample", opacus_model=True, check_config=check_dpsgd_config),
-)}
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm(
+            "dp-fedavg",
+            "DP-FedAvg: local SGD, clip + Gaussian noise (docs/algorithms.md §1)",
+            DPFedAvg,
+            client_level,
+            sgd_client,
+            secure_aggregation=True,
+        ),
+        Algorithm(
+            "dp-fedsam",
+            "DP-FedSAM: local SAM, clip + Gaussian noise (§2)",
+            DPFedAvg,
+            client_level,
+            sam_client,
+            secure_aggregation=True,
+        ),
+        Algorithm(
+            "dp-fedsam-topk",
+            "DP-FedSAM-top_k: DP-FedSAM with top-k sparse uploads (§3)",
+            DPFedSAMTopK,
+            topk_settings,
+            topk_sam_client,
+            owned_keys=("sparsity", "topk-mode"),
+            secure_aggregation=True,
+        ),
+        Algorithm(
+            "dp-fedavg-wav",
+            "DP-FedAvg-WAV: Haar-wavelet noise at the server (§6)",
+            DPFedAvgWavelet,
+            wavelet_settings,
+            sgd_client,
+            owned_keys=("wavelet-calibration",),
+            unused_keys={"adaptive-clipping": None},
+        ),
+        Algorithm(
+            "dp2-fedsam",
+            "DP²-FedSAM: shared body with SAM, personal heads (§4)",
+            PartialSharingDPFedAvg,
+            client_level,
+            partial_sharing_client(sam=True),
+            owned_keys=HEAD_KEYS,
+            shares_body_only=True,
+            check_config=check_head_prefix,
+        ),
+        Algorithm(
+            "centaur",
+            "CENTAUR: DP²-FedSAM with SGD on the body (§4)",
+            PartialSharingDPFedAvg,
+            client_level,
+            partial_sharing_client(sam=False),
+            owned_keys=HEAD_KEYS,
+            shares_body_only=True,
+            check_config=check_head_prefix,
+        ),
+        Algorithm(
+            "dp-fedavg-ft",
+            "DP-FedAvg-FT: DP-FedAvg, evaluated after local fine-tuning (§4)",
+            PersonalizedDPFedAvg,
+            client_level,
+            fine_tuned(sgd_client),
+            owned_keys=("fine-tune-steps",),
+        ),
+        Algorithm(
+            "dp-fedsam-ft",
+            "DP-FedSAM-FT: DP-FedSAM, evaluated after local fine-tuning (§4)",
+            PersonalizedDPFedAvg,
+            client_level,
+            fine_tuned(sam_client),
+            owned_keys=("fine-tune-steps",),
+        ),
+        Algorithm(
+            "dp-ftrl",
+            "DP-FTRL: no sampling, each node at most once per epoch, tree-aggregated noise (docs/dp-toolbox.md §4)",
+            DPFedAvg,
+            ftrl_settings,
+            sgd_client,
+            owned_keys=("ftrl-epoch-rounds", "ftrl-momentum"),
+            unused_keys={
+                "client-sampling": None,
+                "adaptive-clipping": None,
+                "audit-canaries": None,
+                "audit-canary-kind": None,
+            },
+            reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0, "target-epsilon": 0.0},
+            check_config=check_ftrl_config,
+        ),
+        Algorithm(
+            "ali-dpfl",
+            "ALI-DPFL: DP-SGD clients, adaptive local iterations (§5; DP-SGD-WAV with dpsgd-noise = 'wavelet', §6)",
+            ALIDPFL,
+            dpsgd_settings,
+            dpsgd_client,
+            owned_keys=SAMPLE_LEVEL_KEYS,
+            unused_keys={
+                "clipping-norm": "sample-clipping-norm",
+                "noise-multiplier": "sample-noise-multiplier",
+                "noise-placement": None,
+                "audit-canaries": None,
+                "audit-canary-kind": None,
+                "adaptive-clipping": None,
+            },
+            reference={"algorithm": "dp-fedavg", "noise-multiplier": 0.0, "clipping-norm": 0.0, "target-epsilon": 0.0},
+            privacy_unit="sample",
+            opacus_model=True,
+            check_config=check_dpsgd_config,
+        ),
+    )
+}
 DEFAULT_ALGORITHM = "dp-fedsam"
 
 
@@ -370,21 +533,29 @@ def check_config(s: Settings) -> None:
     for key in {k for a in ALGORITHMS.values() for k in a.owned_keys}:
         if values[key] != defaults[key] and key not in algo.owned_keys:
             allowed = " or ".join(owners(key))
-            raise ValueError(f"run-config key '{key}' = {values[key]!r} applies only to algorithm = {allowed}, "
-                             f"but 'algorithm' = {algo.name!r}; remove {key} or change the algorithm")
+            raise ValueError(
+                f"run-config key '{key}' = {values[key]!r} applies only to algorithm = {allowed}, "
+                f"but 'algorithm' = {algo.name!r}; remove {key} or change the algorithm"
+            )
     for key, instead in algo.unused_keys.items():
         if values[key] != defaults[key]:
             hint = f"; use '{instead}'" if instead else ""
-            raise ValueError(f"run-config key '{key}' = {values[key]!r} is a client-level DP setting that algorithm "
-                             f"{algo.name!r} ({algo.privacy_unit}-level DP) does not use: leave it at "
-                             f"{defaults[key]!r}{hint}")
+            raise ValueError(
+                f"run-config key '{key}' = {values[key]!r} is a client-level DP setting that algorithm "
+                f"{algo.name!r} ({algo.privacy_unit}-level DP) does not use: leave it at "
+                f"{defaults[key]!r}{hint}"
+            )
     if s.secagg.enabled and s.server.strategy != "fedavg":
-        raise ValueError(f"run-config key 'server-strategy' = {s.server.strategy!r} does not run under "
-                         "'secure-aggregation' = True (SecAgg+ runs Flower's legacy FedAvg workflow): use 'fedavg'")
+        raise ValueError(
+            f"run-config key 'server-strategy' = {s.server.strategy!r} does not run under "
+            "'secure-aggregation' = True (SecAgg+ runs Flower's legacy FedAvg workflow): use 'fedavg'"
+        )
     if s.secagg.enabled and not algo.secure_aggregation:
         supported = ", ".join(a.name for a in ALGORITHMS.values() if a.secure_aggregation)
-        raise ValueError(f"run-config key 'secure-aggregation' = True works with algorithm {supported} "
-                         f"(sums of dense updates), not {algo.name!r}")
+        raise ValueError(
+            f"run-config key 'secure-aggregation' = True works with algorithm {supported} "
+            f"(sums of dense updates), not {algo.name!r}"
+        )
     try:
         algo.strategy_class.check_settings(**algo.strategy_kwargs(s))
     except ValueError as exc:

@@ -25,12 +25,15 @@ def partition_of(context: Context) -> tuple[int, int]:
     node = context.node_config
     missing = [k for k in ("partition-id", "num-partitions") if k not in node]
     if missing:
-        raise ValueError(f"node config lacks {', '.join(missing)}: start the SuperNode with "
-                         "--node-config \"partition-id=<i> num-partitions=<n>\"")
+        raise ValueError(
+            f"node config lacks {', '.join(missing)}: start the SuperNode with "
+            '--node-config "partition-id=<i> num-partitions=<n>"'
+        )
     pid, n = int(node["partition-id"]), int(node["num-partitions"])
     if not 0 <= pid < n:
-        raise ValueError(f"node config partition-id={pid} is out of range: must be in [0, {n - 1}] "
-                         f"for num-partitions={n}")
+        raise ValueError(
+            f"node config partition-id={pid} is out of range: must be in [0, {n - 1}] for num-partitions={n}"
+        )
     return pid, n
 
 
@@ -40,8 +43,7 @@ def build_client(context: Context) -> NumPyClient:
     pid, n = partition_of(context)
     trainset, testset = load_client_partition(settings, pid, n)
     model = build_model(settings.training.model, trainset.x.shape[1:], trainset.num_classes, seed=settings.run.seed)
-    return algorithm(settings.run.algorithm).build_client(ClientSetup(settings, context, pid, trainset, testset,
-                                                                      model))
+    return algorithm(settings.run.algorithm).build_client(ClientSetup(settings, context, pid, trainset, testset, model))
 
 
 # secure-aggregation = true: SecAgg+ speaks Flower's legacy protocol, so the same NumPyClient answers
@@ -69,8 +71,9 @@ def train_mods(context: Context) -> list:
     mods = []
     if privacy.noise_placement == "local":  # delta 0: min(1e-5, 0.01 / num-partitions)
         delta = privacy.delta or default_client_delta(int(context.node_config.get("num-partitions", 1)))
-        mods.append(make_local_dp_mod(privacy.clipping_norm, privacy.noise_multiplier, delta, privacy.accountant,
-                                      seed=seed))
+        mods.append(
+            make_local_dp_mod(privacy.clipping_norm, privacy.noise_multiplier, delta, privacy.accountant, seed=seed)
+        )
     if s.adaptive_clipping.enabled and privacy.noise_placement == "distributed":
         mods.append(make_clip_bit_mod(seed))
     return mods

@@ -36,8 +36,9 @@ def warm_up_torch() -> None:
     import torch
 
     torch.set_num_threads(1)
-    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                              torch.nn.Flatten(), torch.nn.Linear(100, 3))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(100, 3)
+    )
     for _ in range(2):
         net.zero_grad()
         torch.nn.functional.cross_entropy(net(torch.randn(2, 1, 12, 12)), torch.tensor([0, 1])).backward()
@@ -71,14 +72,23 @@ def run_task(runtime_api_address: str, token: str, insecure: bool, certificates:
     fresh_random_state()
     forget_own_modules()
     try:
-        run_clientapp(runtime_api_address=runtime_api_address, token=token, insecure=insecure,
-                      certificates=certificates, parent_pid=os.getppid(), runtime_dependency_install=False)
+        run_clientapp(
+            runtime_api_address=runtime_api_address,
+            token=token,
+            insecure=insecure,
+            certificates=certificates,
+            parent_pid=os.getppid(),
+            runtime_dependency_install=False,
+        )
     except SystemExit as done:  # flwr_exit ends the task with sys.exit
         return done.code if isinstance(done.code, int) else 1
     finally:  # which copy of the app the task ran (the run's FAB, never the executor's own)
         app = sys.modules.get("fl_app")
-        print(f"ClientApp task pid {os.getpid()} ran fl_app from "
-              f"{os.path.dirname(os.path.dirname(app.__file__)) if app else '(not loaded)'}", flush=True)
+        print(
+            f"ClientApp task pid {os.getpid()} ran fl_app from "
+            f"{os.path.dirname(os.path.dirname(app.__file__)) if app else '(not loaded)'}",
+            flush=True,
+        )
     return 0
 
 
@@ -115,20 +125,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, help="exit when this process (the SuperNode) is gone")
     parser.add_argument("--poll-interval", type=float, default=0.05, help="seconds between task requests")
     parser.add_argument("--preload", default=",".join(PRELOAD), help="modules imported once (libraries only)")
-    parser.add_argument("--pull-backoff", type=pull_backoff_option, default=PULL_BACKOFF,
-                        help="seconds before a task retries pulling a message not yet on the node (Flower: 1)")
+    parser.add_argument(
+        "--pull-backoff",
+        type=pull_backoff_option,
+        default=PULL_BACKOFF,
+        help="seconds before a task retries pulling a message not yet on the node (Flower: 1)",
+    )
     args = parser.parse_args(argv)
     if args.insecure == bool(args.root_certificates):
         parser.error("give exactly one of --insecure and --root-certificates")
     if problem := flower_patch_problem():  # it speaks Flower's internal Runtime API
-        raise SystemExit(f"fl_app.clientapp_executor: {problem}; run the SuperNode without it (Flower's own "
-                         "flwr-clientapp per message)")
+        raise SystemExit(
+            f"fl_app.clientapp_executor: {problem}; run the SuperNode without it (Flower's own "
+            "flwr-clientapp per message)"
+        )
     for module in filter(None, args.preload.split(",")):
         importlib.import_module(module)
     if "torch" in sys.modules:
         warm_up_torch()
-    backoff = (f"message pull retried after {args.pull_backoff} s" if shorten_pull_backoff(args.pull_backoff)
-               else "Flower's message pull backoff (this flwr has no default to set)")
+    backoff = (
+        f"message pull retried after {args.pull_backoff} s"
+        if shorten_pull_backoff(args.pull_backoff)
+        else "Flower's message pull backoff (this flwr has no default to set)"
+    )
 
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
     from flwr.supercore.constant import TaskType
@@ -139,9 +158,12 @@ def main(argv: list[str] | None = None) -> None:
 
     certificates = validate_and_resolve_root_certificates(args.root_certificates, args.insecure)
     client = RuntimeHttpClient.from_server_address(
-        server_address=args.runtime_api_address, insecure=args.insecure, root_certificates=certificates,
+        server_address=args.runtime_api_address,
+        insecure=args.insecure,
+        root_certificates=certificates,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
-        retry_invoker=make_simple_http_retry_invoker())
+        retry_invoker=make_simple_http_retry_invoker(),
+    )
     children: dict[int, float] = {}  # pid -> when it was forked (time.time())
 
     def stop(signum, _frame) -> None:
@@ -162,8 +184,11 @@ def main(argv: list[str] | None = None) -> None:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 del children[pid]
-                print(f"ClientApp task pid {pid} exit {os.waitstatus_to_exitcode(status)} "
-                      f"started {started:.3f} ended {time.time():.3f}", flush=True)
+                print(
+                    f"ClientApp task pid {pid} exit {os.waitstatus_to_exitcode(status)} "
+                    f"started {started:.3f} ended {time.time():.3f}",
+                    flush=True,
+                )
         response = client.AcquireTask(request)
         if response.HasField("task") and response.token:
             pid = fork_task(run_task, args.runtime_api_address, response.token, args.insecure, certificates)

@@ -22,8 +22,20 @@ from fl_app.algorithms import check_config
 from fl_app.settings import KEYS, Key, Settings
 
 # results-dir may not be the filesystem root nor lie in these trees (the launcher runs as any user, root included)
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys",
-                "/usr")
+SYSTEM_TREES = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/sbin",
+    "/sys",
+    "/usr",
+)
 
 
 class ConfigError(ValueError):
@@ -83,18 +95,23 @@ def _check_results_dir(path: str) -> None:
     system = next((t for t in SYSTEM_TREES if folder == t or folder.startswith(t + "/")), None)
     if folder == "/" or system:
         where = "the filesystem root" if folder == "/" else f"in the system tree {system}"
-        raise ConfigError(f"run-config key 'results-dir' = {path!r}: must be a folder outside the filesystem root "
-                          f"and {', '.join(SYSTEM_TREES)}; {folder!r} is {where}")
+        raise ConfigError(
+            f"run-config key 'results-dir' = {path!r}: must be a folder outside the filesystem root "
+            f"and {', '.join(SYSTEM_TREES)}; {folder!r} is {where}"
+        )
     if os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, f)) for f in RUN_FILES):
         others = sorted(os.listdir(folder))
         if others:
-            raise ConfigError(f"run-config key 'results-dir' = {path!r}: must be a new or empty folder, or a dpfl "
-                              f"run folder (one holding {' or '.join(RUN_FILES)}); it holds {len(others)} other "
-                              f"entries ({', '.join(map(repr, others[:3]))}{', ...' if len(others) > 3 else ''})")
+            raise ConfigError(
+                f"run-config key 'results-dir' = {path!r}: must be a new or empty folder, or a dpfl "
+                f"run folder (one holding {' or '.join(RUN_FILES)}); it holds {len(others)} other "
+                f"entries ({', '.join(map(repr, others[:3]))}{', ...' if len(others) > 3 else ''})"
+            )
 
 
 def _unknown_keys(run_config: Mapping[str, Any]) -> ConfigError:
     """The error for keys not in SPEC: each with its close matches (a misspelling), then every known key."""
+
     def one(key: str) -> str:
         close = difflib.get_close_matches(key, SPEC, n=3, cutoff=0.6)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
@@ -123,8 +140,10 @@ def _check_paths(s: Settings) -> None:
     """data-dir and results-dir are absolute, data-dir exists, results-dir can hold a run, run-name is a name."""
     for key, path in (("results-dir", s.output.results_dir), ("data-dir", s.data.data_dir)):
         if path and not os.path.isabs(os.path.expanduser(path)):
-            raise ConfigError(f"run-config key '{key}' = {path!r}: must be an absolute path "
-                              "(relative paths resolve against the SuperLink's folder, not yours)")
+            raise ConfigError(
+                f"run-config key '{key}' = {path!r}: must be an absolute path "
+                "(relative paths resolve against the SuperLink's folder, not yours)"
+            )
     if s.data.data_dir and not os.path.isdir(os.path.expanduser(s.data.data_dir)):
         raise ConfigError(f"run-config key 'data-dir' = {s.data.data_dir!r}: must be an existing folder")
     if s.output.results_dir:
@@ -138,21 +157,31 @@ def _check_combinations(s: Settings) -> None:
     """Rules between keys: the algorithm's (from the registry, the same checks a strategy built
     from Python runs) and the app's own (data, device, resume)."""
     if s.data.partitioner == "natural" and s.data.dataset != "femnist":
-        raise ConfigError(f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
-                          f"not {s.data.dataset!r}; allowed for {s.data.dataset!r}: iid, dirichlet, pathological")
+        raise ConfigError(
+            f"run-config key 'partitioner' = 'natural' needs dataset = 'femnist' (writers), "
+            f"not {s.data.dataset!r}; allowed for {s.data.dataset!r}: iid, dirichlet, pathological"
+        )
     if problem := device_problem(s.training.device):
         raise ConfigError(f"run-config key 'device' = {s.training.device!r}: {problem}")
     if s.output.resume and not (s.output.results_dir or s.output.run_name):
-        raise ConfigError("run-config key 'resume' = True needs 'results-dir' or 'run-name' to find the run to continue")
+        raise ConfigError(
+            "run-config key 'resume' = True needs 'results-dir' or 'run-name' to find the run to continue"
+        )
     if s.audit.canaries == 1:
-        raise ConfigError("run-config key 'audit-canaries' = 1: must be 0 (no audit) or >= 2 (the null cosines' "
-                          "spread needs at least two never-inserted canaries; the estimate wants dozens)")
+        raise ConfigError(
+            "run-config key 'audit-canaries' = 1: must be 0 (no audit) or >= 2 (the null cosines' "
+            "spread needs at least two never-inserted canaries; the estimate wants dozens)"
+        )
     if s.output.resume and s.audit.canaries:
-        raise ConfigError("run-config key 'resume' = True is not supported with 'audit-canaries' > 0 yet (the audit "
-                          "measures the model delta from round 1)")
+        raise ConfigError(
+            "run-config key 'resume' = True is not supported with 'audit-canaries' > 0 yet (the audit "
+            "measures the model delta from round 1)"
+        )
     if s.output.resume and s.secagg.enabled:
-        raise ConfigError("run-config key 'resume' = True is not supported with 'secure-aggregation' = true yet "
-                          "(Flower's SecAgg+ workflow numbers rounds from 1)")
+        raise ConfigError(
+            "run-config key 'resume' = True is not supported with 'secure-aggregation' = true yet "
+            "(Flower's SecAgg+ workflow numbers rounds from 1)"
+        )
     try:
         check_config(s)
     except ValueError as exc:
@@ -178,8 +207,11 @@ def app_config_table() -> str:
     lines = [APP_CONFIG_TABLE, "# drawn from fl_app/settings.py: regenerate with `python -m fl_app.config --write`"]
     for concern in fields(Settings):
         lines.append(f"# -- {concern.name}: {concern.default_factory.__doc__.strip()}")
-        lines += [f"{f'{spec.name} = {literal(spec.default)}':<40}# {spec.help}" for spec in KEYS
-                  if spec.attribute.startswith(concern.name + ".")]
+        lines += [
+            f"{f'{spec.name} = {literal(spec.default)}':<40}# {spec.help}"
+            for spec in KEYS
+            if spec.attribute.startswith(concern.name + ".")
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -192,20 +224,34 @@ def key_reference() -> str:
     """docs/run-config.md: every key with its default, what is allowed and what it does, from SPEC."""
 
     def section(concern) -> list[str]:
-        rows = [f"| `{spec.name}` | `{literal(spec.default)}` | {spec.allowed()} | {spec.help} | "
-                f"`{spec.attribute}` |" for spec in KEYS if spec.attribute.startswith(concern.name + ".")]
+        rows = [
+            f"| `{spec.name}` | `{literal(spec.default)}` | {spec.allowed()} | {spec.help} | `{spec.attribute}` |"
+            for spec in KEYS
+            if spec.attribute.startswith(concern.name + ".")
+        ]
         doc = concern.default_factory.__doc__.strip()
-        return [f"## {concern.name}: {doc}", "", "| key | default | allowed | what it does | in code |",
-                "|---|---|---|---|---|", *rows, ""]
+        return [
+            f"## {concern.name}: {doc}",
+            "",
+            "| key | default | allowed | what it does | in code |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
 
-    return "\n".join([
-        "# Run-config keys", "",
-        "Every key of `[tool.flwr.app.config]` in pyproject.toml, drawn from `fl_app/settings.py`, where each key",
-        "is declared once, in the dataclass of its concern, with its default, what is allowed and what it does.",
-        "`fl_app.config.validate()` checks a run config against it before anything trains (an error names the",
-        "key, the value and what is allowed) and returns the typed `Settings` the code reads (the last column).",
-        "Regenerate with `python -m fl_app.config --write` (a test keeps this page current).", "",
-        *[line for concern in fields(Settings) for line in section(concern)]])
+    return "\n".join(
+        [
+            "# Run-config keys",
+            "",
+            "Every key of `[tool.flwr.app.config]` in pyproject.toml, drawn from `fl_app/settings.py`, where each key",
+            "is declared once, in the dataclass of its concern, with its default, what is allowed and what it does.",
+            "`fl_app.config.validate()` checks a run config against it before anything trains (an error names the",
+            "key, the value and what is allowed) and returns the typed `Settings` the code reads (the last column).",
+            "Regenerate with `python -m fl_app.config --write` (a test keeps this page current).",
+            "",
+            *[line for concern in fields(Settings) for line in section(concern)],
+        ]
+    )
 
 
 if __name__ == "__main__":

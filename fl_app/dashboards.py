@@ -44,9 +44,11 @@ TAGS = {
     "dense_bytes_per_client": "topk/dense_bytes_per_client",
 }
 NONPRIVATE_PREFIX = "nonprivate/"
-DIAGNOSTICS_NOTE = ("Scalars under nonprivate/ (counts, update norms, clipped fraction, losses, client evaluation, "
-                    "bytes, timing) are computed from raw client replies and released without noise: they are NOT "
-                    "covered by the DP guarantee. privacy/epsilon is the ledger's figure.")
+DIAGNOSTICS_NOTE = (
+    "Scalars under nonprivate/ (counts, update norms, clipped fraction, losses, client evaluation, "
+    "bytes, timing) are computed from raw client replies and released without noise: they are NOT "
+    "covered by the DP guarantee. privacy/epsilon is the ledger's figure."
+)
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -60,8 +62,12 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 NOT_A_GUARANTEE = "_NOT_a_guarantee"  # appended to the tag of a figure its round record marks as no guarantee
-GUARANTEE_MARKS = {"epsilon": "epsilon_is_guarantee", "epsilon_against_server": "epsilon_against_server_is_guarantee",
-                   "claimed_epsilon": "claimed_epsilon_is_guarantee", "epsilon_claimed": "claimed_epsilon_is_guarantee"}
+GUARANTEE_MARKS = {
+    "epsilon": "epsilon_is_guarantee",
+    "epsilon_against_server": "epsilon_against_server_is_guarantee",
+    "claimed_epsilon": "claimed_epsilon_is_guarantee",
+    "epsilon_claimed": "claimed_epsilon_is_guarantee",
+}
 
 
 def tag_of(key: str, record: dict) -> str:
@@ -101,8 +107,12 @@ class TensorBoardWriter:
         if publish_diagnostics:
             self.writer.add_text("notes/diagnostics", DIAGNOSTICS_NOTE, 0, walltime=self.wall_time)
         if run_config is not None:
-            self.writer.add_text("config", "    " + json.dumps(run_config, indent=2, sort_keys=True, default=str)
-                                 .replace("\n", "\n    "), 0, walltime=self.wall_time)
+            self.writer.add_text(
+                "config",
+                "    " + json.dumps(run_config, indent=2, sort_keys=True, default=str).replace("\n", "\n    "),
+                0,
+                walltime=self.wall_time,
+            )
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
         for tag, value in round_scalars(published, diagnostics, self.publish_diagnostics).items():
@@ -112,8 +122,12 @@ class TensorBoardWriter:
     def on_finish(self, summary: dict) -> None:
         audit = summary.get("audit") or {}
         if audit.get("epsilon_estimate") is not None and summary.get("rounds_completed"):
-            self.writer.add_scalar("privacy/audit_epsilon_estimate", float(audit["epsilon_estimate"]),
-                                   int(summary["rounds_completed"]), walltime=self.wall_time)
+            self.writer.add_scalar(
+                "privacy/audit_epsilon_estimate",
+                float(audit["epsilon_estimate"]),
+                int(summary["rounds_completed"]),
+                walltime=self.wall_time,
+            )
         self.writer.close()
 
 
@@ -139,17 +153,33 @@ class WandbWriter:
         try:
             import wandb
         except ImportError:
-            raise RuntimeError("run-config key 'wandb' = true needs the wandb package: "
-                               "pip install 'dpfl[wandb]' (or wandb = false)") from None
+            raise RuntimeError(
+                "run-config key 'wandb' = true needs the wandb package: pip install 'dpfl[wandb]' (or wandb = false)"
+            ) from None
         run_dir = Path(run_dir)
         output = settings.output
         self.publish_diagnostics = publish_diagnostics = output.publish_diagnostics
-        wandb_settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
-                                  x_disable_machine_info=True, x_save_requirements=False, disable_git=True,
-                                  save_code=False, disable_job_creation=True)
-        self.run = wandb.init(mode=output.wandb_mode, dir=str(run_dir), project=output.wandb_project,
-                              group=group or run_dir.name, name=run_dir.name, config=settings.run_config(),
-                              settings=wandb_settings, notes=DIAGNOSTICS_NOTE if publish_diagnostics else None)
+        wandb_settings = wandb.Settings(
+            console="off",
+            silent=True,
+            x_disable_stats=True,
+            x_disable_meta=True,
+            x_disable_machine_info=True,
+            x_save_requirements=False,
+            disable_git=True,
+            save_code=False,
+            disable_job_creation=True,
+        )
+        self.run = wandb.init(
+            mode=output.wandb_mode,
+            dir=str(run_dir),
+            project=output.wandb_project,
+            group=group or run_dir.name,
+            name=run_dir.name,
+            config=settings.run_config(),
+            settings=wandb_settings,
+            notes=DIAGNOSTICS_NOTE if publish_diagnostics else None,
+        )
         log(INFO, "%s", wandb_location(self.run, output.wandb_mode))
 
     def on_round(self, published: dict, diagnostics: dict | None = None) -> None:
@@ -181,8 +211,9 @@ def write_tensorboard(run_dir: Path | str, publish_diagnostics: bool = False) ->
     config.json and summary.json."""
     run_dir = Path(run_dir)
     config = run_dir / "config.json"
-    writer = TensorBoardWriter(run_dir, json.loads(config.read_text()) if config.exists() else None,
-                               publish_diagnostics)
+    writer = TensorBoardWriter(
+        run_dir, json.loads(config.read_text()) if config.exists() else None, publish_diagnostics
+    )
     diagnostics = {r["round"]: r for r in read_diagnostics(run_dir)}
     for record in read_metrics(run_dir):
         writer.on_round(record, diagnostics.get(record["round"]))

@@ -53,7 +53,8 @@ def _is_type_checking_block(node: ast.AST) -> bool:
         return False
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def import_edges() -> list[tuple[str, str, bool]]:
@@ -98,8 +99,8 @@ def import_cycles(edges: list[tuple[str, str, bool]]) -> list[list[str]]:
             elif w in stack:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            group = stack[stack.index(v):]
-            del stack[stack.index(v):]
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
             if len(group) > 1:
                 cycles.append(sorted(group))
 
@@ -118,8 +119,11 @@ def layer_of(module: str) -> str:
 
 def mermaid() -> str:
     """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy imports)."""
-    modules = [m for m in project_modules() if not m.endswith("__init__") and m not in PROJECT_PACKAGES
-               and m not in ("dpcore.privacy", "dpcore.task")]
+    modules = [
+        m
+        for m in project_modules()
+        if not m.endswith("__init__") and m not in PROJECT_PACKAGES and m not in ("dpcore.privacy", "dpcore.task")
+    ]
     node_id = {m: m.replace(".", "_") for m in modules}
     lines = ["flowchart BT"]
     for layer in LAYERS:

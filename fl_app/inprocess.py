@@ -27,18 +27,27 @@ class InProcessGrid(Grid):
     """Nodes 100..100+N-1, each with node config partition-id / num-partitions, and the run config (a dict, or
     the Settings of one)."""
 
-    def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int,
-                 run_config: Mapping[str, Any] | Settings, *,
-                 fail: Callable[[int, Message], bool] | None = None) -> None:
+    def __init__(
+        self,
+        client_app: ClientApp | Callable[[Message, Context], Message],
+        num_nodes: int,
+        run_config: Mapping[str, Any] | Settings,
+        *,
+        fail: Callable[[int, Message], bool] | None = None,
+    ) -> None:
         if isinstance(run_config, Settings):
             run_config = run_config.run_config()
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1
         self.client_app = client_app
         self.fail = fail  # fail(node_id, msg) -> True: the node "crashes" on this message
         self.contexts = {
-            100 + i: Context(run_id=1, node_id=100 + i,
-                             node_config={"partition-id": i, "num-partitions": num_nodes},
-                             state=RecordDict(), run_config=dict(run_config))
+            100 + i: Context(
+                run_id=1,
+                node_id=100 + i,
+                node_config={"partition-id": i, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config=dict(run_config),
+            )
             for i in range(num_nodes)
         }
         self._ids = count(1)
@@ -52,8 +61,9 @@ class InProcessGrid(Grid):
     def run(self) -> Run:
         return Run.create_empty(1)
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:

@@ -61,7 +61,9 @@ if TYPE_CHECKING:  # not imported at start: the user namespace needs a process w
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
-    "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
     # Ray's behaviour from its next versions on (actors that ask for no GPU keep CUDA_VISIBLE_DEVICES), which also
     # ends the FutureWarning that ray.init otherwise prints in the middle of round 1
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
@@ -91,8 +93,13 @@ def own_superlink_env(base: dict, home: Path) -> tuple[dict, int, int]:
     http_port, control_port = free_port(taken), free_port(taken)
     home.mkdir(parents=True, exist_ok=True)
     home.chmod(0o700)  # its state.db: the runs' configs and messages
-    env = {**base, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-           "FLWR_LOCAL_CONTROL_API_PORT": str(control_port), "PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}"}
+    env = {
+        **base,
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+        "PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}",
+    }
     return env, http_port, control_port
 
 
@@ -101,14 +108,22 @@ def superlink_hint(env: dict, http_port: int, control_port: int, enter: list[str
     shell while the launch runs: `flwr` finds a local SuperLink only through FLWR_HOME and the two port
     variables (without them it starts a SuperLink of its own on Flower's default ports). `enter`: the
     `nsenter` command into the launcher's private network namespace (`isolate`), which the commands go through."""
-    prefix = " ".join(f"{key}={shlex.quote(env[key])}" for key in
-                      ("FLWR_HOME", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"))
+    prefix = " ".join(
+        f"{key}={shlex.quote(env[key])}"
+        for key in ("FLWR_HOME", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT")
+    )
     flwr = " ".join(shlex.quote(c) for c in [*(enter or []), str(BIN / "flwr")])
-    where = (" in the launcher's private network namespace (no other local account can reach it; the commands "
-             "enter it with nsenter)" if enter else "")
-    return (f"SuperLink of this launch: 127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}"
-            f"{where}. While it runs, from another shell (flwr log follows the run; --show prints what is there):"
-            f"\n  {prefix} {flwr} ls\n  {prefix} {flwr} log <run-id>")
+    where = (
+        " in the launcher's private network namespace (no other local account can reach it; the commands "
+        "enter it with nsenter)"
+        if enter
+        else ""
+    )
+    return (
+        f"SuperLink of this launch: 127.0.0.1:{http_port} (HTTP API), control API 127.0.0.1:{control_port}"
+        f"{where}. While it runs, from another shell (flwr log follows the run; --show prints what is there):"
+        f"\n  {prefix} {flwr} ls\n  {prefix} {flwr} log <run-id>"
+    )
 
 
 def own_user_namespace(mode: str) -> bool | OSError:
@@ -132,8 +147,10 @@ def network_need(settings: list[Settings], env: dict) -> str | None:
     if env.get("RAY_ADDRESS"):
         return f"RAY_ADDRESS={env['RAY_ADDRESS']} names a Ray cluster outside this launch, which it must reach"
     if any(s.output.wandb and s.output.wandb_mode == "online" for s in settings):
-        return ("run-config wandb-mode='online' needs the network from the ServerApp; with wandb-mode='offline' "
-                "the run logs to its folder, and `wandb sync <run folder>/wandb/offline-run-*` uploads it after")
+        return (
+            "run-config wandb-mode='online' needs the network from the ServerApp; with wandb-mode='offline' "
+            "the run logs to its folder, and `wandb sync <run folder>/wandb/offline-run-*` uploads it after"
+        )
     return None
 
 
@@ -152,7 +169,9 @@ def prefetch_datasets(settings: list[Settings]) -> None:
                 raise SystemExit(str(exc)) from None
 
 
-def isolate(mode: str, runs: list[tuple[str, str, Path]], env: dict, user_namespace: bool | OSError) -> list[str] | None:
+def isolate(
+    mode: str, runs: list[tuple[str, str, Path]], env: dict, user_namespace: bool | OSError
+) -> list[str] | None:
     """Move the launcher into a private network namespace (`netns.isolate_network`) before it starts anything,
     so that no other local account can reach its SuperLink and run code as this user; returns the `nsenter`
     command into it (for `superlink_hint`), None when not isolated. --network-isolation auto: where the
@@ -174,8 +193,12 @@ def isolate(mode: str, runs: list[tuple[str, str, Path]], env: dict, user_namesp
             problem = f"no private network namespace ({exc})"
     if mode == "require":
         raise SystemExit(f"--network-isolation require: {problem}")
-    print(f"Network isolation: {problem}; this launch's SuperLink is reachable by every local account on this "
-          "machine, and runs submitted to it execute as you", file=sys.stderr, flush=True)
+    print(
+        f"Network isolation: {problem}; this launch's SuperLink is reachable by every local account on this "
+        "machine, and runs submitted to it execute as you",
+        file=sys.stderr,
+        flush=True,
+    )
     return None
 
 
@@ -211,8 +234,15 @@ def start_watchdog(home: Path) -> subprocess.Popen:
     launcher writes "done" to its stdin after its own cleanup (`release_watchdog`)."""
     env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
     code = "import sys; from fl_app.launch import watchdog; watchdog(sys.argv[1])"
-    return subprocess.Popen([sys.executable, "-c", code, str(home)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(home)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
 
 
 def release_watchdog(proc: subprocess.Popen) -> None:
@@ -255,15 +285,40 @@ def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> 
     temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
     port = free_port(taken)
     auth = ray_token_auth()
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-           "--include-dashboard=false",
-           "--disable-usage-stats", "--temp-dir", str(temp / "r"),
-           "--dashboard-agent-listen-port", str(free_port(taken)), "--metrics-export-port", str(free_port(taken)),
-           "--ray-client-server-port", str(free_port(taken)),
-           "--min-worker-port", "0", "--max-worker-port", "0"]  # workers: ports the OS picks (Ray: 10002-19999)
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--temp-dir",
+        str(temp / "r"),
+        "--dashboard-agent-listen-port",
+        str(free_port(taken)),
+        "--metrics-export-port",
+        str(free_port(taken)),
+        "--ray-client-server-port",
+        str(free_port(taken)),
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
+    ]  # workers: ports the OS picks (Ray: 10002-19999)
     with open(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
-        proc = subprocess.Popen(cmd, env={**env, **auth}, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_launcher())
+        proc = subprocess.Popen(
+            cmd,
+            env={**env, **auth},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_launcher(),
+        )
     return RayHead(proc, temp, {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth})
 
 
@@ -274,8 +329,11 @@ def wait_ray_head(proc: subprocess.Popen, log_file: Path, timeout: float = 60) -
         if RAY_READY in log_file.read_text(errors="replace"):
             return True
         time.sleep(0.2)
-    print(f"The shared Ray head did not start ({'exit code ' + str(proc.returncode) if proc.poll() is not None else 'timeout'}; "
-          f"see {log_file}): each run starts Ray itself", file=sys.stderr)
+    print(
+        f"The shared Ray head did not start ({'exit code ' + str(proc.returncode) if proc.poll() is not None else 'timeout'}; "
+        f"see {log_file}): each run starts Ray itself",
+        file=sys.stderr,
+    )
     return False
 
 
@@ -289,13 +347,32 @@ def stop_ray_head(head: RayHead | None) -> None:
 
 def start_superlink(env: dict, http_port: int, control_port: int, log_file: Path) -> subprocess.Popen:
     """Start our own local simulation SuperLink (its own process group) and wait until it is healthy."""
-    cmd = [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-           "--control-api-address", f"127.0.0.1:{control_port}", "--host", "127.0.0.1",
-           "--port", str(http_port), "--database", str(Path(env["FLWR_HOME"]) / "state.db"),
-           "--log-file", str(log_file)]
+    cmd = [
+        str(BIN / "flower-superlink"),
+        "--insecure",
+        "--simulation",
+        "--isolation",
+        "subprocess",
+        "--control-api-address",
+        f"127.0.0.1:{control_port}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http_port),
+        "--database",
+        str(Path(env["FLWR_HOME"]) / "state.db"),
+        "--log-file",
+        str(log_file),
+    ]
     os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT, 0o600))  # the owner's only (the SuperLink appends)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=die_with_launcher())
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_launcher(),
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -339,18 +416,28 @@ def run_status(run_dir: Path, since: float = 0.0) -> str:
 
 
 def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:
-    cmd = [str(BIN / "flwr"), "run", str(ROOT), "--stream", "--run-config", run_config,
-           "--federation-config", federation_config(clients, gpus_per_client, cpus_per_client)]
+    cmd = [
+        str(BIN / "flwr"),
+        "run",
+        str(ROOT),
+        "--stream",
+        "--run-config",
+        run_config,
+        "--federation-config",
+        federation_config(clients, gpus_per_client, cpus_per_client),
+    ]
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     return call_plain_when_piped(cmd, env, preexec_fn=die_with_launcher())  # colour codes only on a terminal
 
 
 def format_run_config(values: dict) -> str:
     """`key=value ...` as `flwr run --run-config` reads it (strings quoted)."""
+
     def literal(v) -> str:
         if isinstance(v, bool):
             return str(v).lower()
         return f"'{v}'" if isinstance(v, str) else repr(v)
+
     return " ".join(f"{k}={literal(v)}" for k, v in values.items())
 
 
@@ -370,8 +457,11 @@ def sweep_runs(run_config: str, sweep: str) -> list[tuple[str, str]]:
     key, sep, values = sweep.partition("=")
     if not sep or not key.strip() or not values.strip():
         raise SystemExit(f"--sweep {sweep!r}: expected key=v1,v2,... (e.g. noise-multiplier=0.5,1,2)")
-    return [(f"{key.strip()}-{v.strip()}", f"{run_config} {key.strip()}={v.strip()}".strip())
-            for v in values.split(",") if v.strip()]
+    return [
+        (f"{key.strip()}-{v.strip()}", f"{run_config} {key.strip()}={v.strip()}".strip())
+        for v in values.split(",")
+        if v.strip()
+    ]
 
 
 def run_stamp() -> str:
@@ -409,8 +499,10 @@ def parse_overrides(run_config: str) -> dict:
     toml_file = run_config.strip().endswith(".toml")  # flwr run -c also takes a TOML file of overrides
     stray = [] if toml_file else CONFIG_PAIR.sub(" ", run_config).split()  # what Flower's parser skips silently
     if stray:
-        raise SystemExit(f"-c {run_config!r}: {', '.join(map(repr, stray))} is not key=value (without spaces "
-                         "around '='; quote strings: key='text')")
+        raise SystemExit(
+            f"-c {run_config!r}: {', '.join(map(repr, stray))} is not key=value (without spaces "
+            "around '='; quote strings: key='text')"
+        )
     return parsed
 
 
@@ -422,8 +514,11 @@ def resume_run_config(run_dir: Path, run_config: str) -> str:
     previous = run_dir / "config.json"
     if not previous.is_file():
         raise SystemExit(f"--resume {run_dir}: {previous} does not exist (not a dpfl run folder)")
-    settings = {k: v for k, v in json.loads(previous.read_text()).items()
-                if k in SPEC and v != SPEC[k].default and k not in ("resume", "results-dir")}
+    settings = {
+        k: v
+        for k, v in json.loads(previous.read_text()).items()
+        if k in SPEC and v != SPEC[k].default and k not in ("resume", "results-dir")
+    }
     settings.update(parse_overrides(run_config))
     return format_run_config({**settings, "resume": True, "results-dir": str(run_dir)})
 
@@ -453,8 +548,10 @@ def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, c
         raise SystemExit(f"--clients {args.clients}: must be at least 1")
     given = parse_overrides(overrides)
     if "results-dir" in given and count > 1:
-        raise SystemExit(f"run-config key 'results-dir' = {given['results-dir']!r} names one folder for {count} "
-                         "runs (--sweep, --reference): leave it out, and each run gets its own under --results")
+        raise SystemExit(
+            f"run-config key 'results-dir' = {given['results-dir']!r} names one folder for {count} "
+            "runs (--sweep, --reference): leave it out, and each run gets its own under --results"
+        )
     if "results-dir" not in given:
         given["results-dir"] = str(Path(args.results, f"{stamp}-{name}").resolve())
         overrides = f"{overrides} results-dir='{given['results-dir']}'".strip()
@@ -466,9 +563,11 @@ def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, c
         raise SystemExit(str(exc)) from None
     min_nodes = settings.federation.min_nodes
     if args.clients < min_nodes:
-        raise SystemExit(f"--clients {args.clients} is fewer than run-config key 'min-nodes' = {min_nodes}: "
-                         f"the run would wait for nodes that never come; pass --clients {min_nodes} (or more), "
-                         f"or -c \"min-nodes={max(args.clients, 1)}\"")
+        raise SystemExit(
+            f"--clients {args.clients} is fewer than run-config key 'min-nodes' = {min_nodes}: "
+            f"the run would wait for nodes that never come; pass --clients {min_nodes} (or more), "
+            f'or -c "min-nodes={max(args.clients, 1)}"'
+        )
     return name, overrides, Path(settings.output.results_dir)
 
 
@@ -484,26 +583,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--run-config", default="", help="run-config overrides, 'key=value ...'")
     parser.add_argument("--reference", action="store_true", help="also run the non-private reference")
     parser.add_argument("--results", default=str(Path.cwd() / "results"), help="parent folder of run folders")
-    parser.add_argument("--sweep", default="", help="one run per value: 'key=v1,v2,...' (e.g. noise-multiplier=0.5,1,2)")
-    parser.add_argument("--resume", default="", metavar="RUN_DIR",
-                        help="continue the run in this folder from its last checkpoint, with its settings (-c: "
-                             "e.g. more num-rounds); pass the same --clients as the run had")
-    parser.add_argument("--no-ray-head", dest="ray_head", action="store_false",
-                        help="let each run start Ray itself (default: one Ray head for all runs of this launch, "
-                             "unless RAY_ADDRESS already names a cluster)")
-    parser.add_argument("--gpus-per-client", type=float, default=None,
-                        help="GPUs each simulated client asks Ray for (default: the visible GPUs shared by the "
-                             "clients that run at once, 1 / min(clients, CPUs) of one GPU; none without a GPU "
-                             "or with device='cpu')")
-    parser.add_argument("--cpus-per-client", type=int, default=1, choices=range(1, 1025), metavar="C",
-                        help="CPUs each simulated client asks Ray for: at most CPUs / C clients (Ray workers, about "
-                             "1 GB each) run at once (default 1)")
-    parser.add_argument("--network-isolation", choices=("auto", "require", "off"), default="auto",
-                        help="run the SuperLink and everything else in a private network namespace, which no other "
-                             "local account can reach (Flower's SuperLink runs whatever app reaches its port, as "
-                             "you). auto (default): where the kernel allows it and the runs need no network (W&B "
-                             "online, a RAY_ADDRESS cluster), else a warning; require: exit instead; off: other "
-                             "local accounts can submit runs that execute as you")
+    parser.add_argument(
+        "--sweep", default="", help="one run per value: 'key=v1,v2,...' (e.g. noise-multiplier=0.5,1,2)"
+    )
+    parser.add_argument(
+        "--resume",
+        default="",
+        metavar="RUN_DIR",
+        help="continue the run in this folder from its last checkpoint, with its settings (-c: "
+        "e.g. more num-rounds); pass the same --clients as the run had",
+    )
+    parser.add_argument(
+        "--no-ray-head",
+        dest="ray_head",
+        action="store_false",
+        help="let each run start Ray itself (default: one Ray head for all runs of this launch, "
+        "unless RAY_ADDRESS already names a cluster)",
+    )
+    parser.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=None,
+        help="GPUs each simulated client asks Ray for (default: the visible GPUs shared by the "
+        "clients that run at once, 1 / min(clients, CPUs) of one GPU; none without a GPU "
+        "or with device='cpu')",
+    )
+    parser.add_argument(
+        "--cpus-per-client",
+        type=int,
+        default=1,
+        choices=range(1, 1025),
+        metavar="C",
+        help="CPUs each simulated client asks Ray for: at most CPUs / C clients (Ray workers, about "
+        "1 GB each) run at once (default 1)",
+    )
+    parser.add_argument(
+        "--network-isolation",
+        choices=("auto", "require", "off"),
+        default="auto",
+        help="run the SuperLink and everything else in a private network namespace, which no other "
+        "local account can reach (Flower's SuperLink runs whatever app reaches its port, as "
+        "you). auto (default): where the kernel allows it and the runs need no network (W&B "
+        "online, a RAY_ADDRESS cluster), else a warning; require: exit instead; off: other "
+        "local accounts can submit runs that execute as you",
+    )
     args = parser.parse_args(argv)
     user_namespace = own_user_namespace(args.network_isolation)  # first: the process must be single-threaded
     gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config, args.cpus_per_client)
@@ -523,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     env, http_port, control_port = own_superlink_env(base, log_dir / f".flwr-home-{stamp}-{os.getpid()}")
     guard = start_watchdog(Path(env["FLWR_HOME"]))  # ends what the launcher started should it be SIGKILLed
     own_ray = not env.get("RAY_ADDRESS")  # a cluster the user named keeps its own settings
-    head = start_ray_head(env, log_dir / "ray-head.log", {http_port, control_port}) if args.ray_head and own_ray else None
+    head = (
+        start_ray_head(env, log_dir / "ray-head.log", {http_port, control_port}) if args.ray_head and own_ray else None
+    )
     if head is not None:
         env.update(head.join_env)  # the SuperLink's simulations join it
     elif own_ray:
@@ -542,8 +667,11 @@ def main(argv: list[str] | None = None) -> int:
             rc = flwr_run(env, overrides, args.clients, gpus, args.cpus_per_client)
             status = run_status(run_dir, since=started)
             if rc != 0 or status != "completed":
-                print(f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "
-                      "see the log above and its status.json", file=sys.stderr)
+                print(
+                    f"Run '{name}' did not complete (flwr run exit code {rc}, run folder status {status!r}); "
+                    "see the log above and its status.json",
+                    file=sys.stderr,
+                )
                 return rc or 1
             run_dirs.append(run_dir)
     finally:
@@ -554,17 +682,27 @@ def main(argv: list[str] | None = None) -> int:
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
         d = json.loads((run_dir / "diagnostics-summary.json").read_text())
-        accuracy = (f"final_accuracy={s['final_accuracy']:.4f}" if s.get("final_accuracy") is not None else
-                    f"personalized_accuracy={d['personalized_accuracy']:.4f} (not private)"
-                    if d.get("personalized_accuracy") is not None else "")
-        print(f"{run_dir}: {s['strategy']} {accuracy} epsilon={s['epsilon']} delta={s['delta']:.3g} "
-              f"rounds={s['rounds_completed']}")
+        accuracy = (
+            f"final_accuracy={s['final_accuracy']:.4f}"
+            if s.get("final_accuracy") is not None
+            else f"personalized_accuracy={d['personalized_accuracy']:.4f} (not private)"
+            if d.get("personalized_accuracy") is not None
+            else ""
+        )
+        print(
+            f"{run_dir}: {s['strategy']} {accuracy} epsilon={s['epsilon']} delta={s['delta']:.3g} "
+            f"rounds={s['rounds_completed']}"
+        )
     if len(run_dirs) > 1:
         from fl_app.results import plot_runs
 
         print("comparison plot:", plot_runs(run_dirs, run_dirs[0] / "plot-vs-reference.png"))
-        print("report: python -m fl_app.report", " ".join(shlex.quote(str(d)) for d in run_dirs),
-              "-o", shlex.quote(str(Path(args.results, f"{stamp}-report.html"))))
+        print(
+            "report: python -m fl_app.report",
+            " ".join(shlex.quote(str(d)) for d in run_dirs),
+            "-o",
+            shlex.quote(str(Path(args.results, f"{stamp}-report.html"))),
+        )
     return 0
 
 

@@ -20,8 +20,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-       "FLWR_DISABLE_UPDATE_CHECK": "1"}
+ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+}
 PORT_RANGE = (19000, 19999)
 
 
@@ -145,26 +148,39 @@ def make_certificates(folder: Path) -> dict[str, Path]:
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dpfl test CA")])
-    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-               .sign(ca_key, hashes.SHA256()))
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP384R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
     paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+    paths["key"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return paths
 
 
@@ -176,10 +192,12 @@ def make_node_keys(folder: Path, name: str) -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = folder / name, folder / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()))
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                     serialization.PublicFormat.OpenSSH))
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    )
     return private, public
 
 
@@ -202,13 +220,25 @@ class Deployment:
         flwr_home = self.tmp / "homes" / home
         flwr_home.mkdir(parents=True, exist_ok=True)
         # PYTHONPATH: this library is importable on every machine (as after `pip install`), for foreign apps
-        return {**os.environ, **ENV, "FLWR_HOME": str(flwr_home), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-                "PYTHONPATH": str(ROOT)}
+        return {
+            **os.environ,
+            **ENV,
+            "FLWR_HOME": str(flwr_home),
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT),
+        }
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed when the process ends)
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=self.tmp)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.tmp,
+        )
         log.close()
         self.procs.append(proc)
         return proc
@@ -220,11 +250,23 @@ class Deployment:
     # -- SuperLink
     def start_superlink(self, timeout: float = 60) -> None:
         self.port = free_port(self.ports)
-        cmd = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port),
-               "--disable-runtime-dependency-installation"]
+        cmd = [
+            str(BIN / "flower-superlink"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-runtime-dependency-installation",
+        ]
         if self.tls:
-            cmd += ["--ssl-ca-certfile", str(self.certs["ca"]), "--ssl-certfile", str(self.certs["cert"]),
-                    "--ssl-keyfile", str(self.certs["key"])]
+            cmd += [
+                "--ssl-ca-certfile",
+                str(self.certs["ca"]),
+                "--ssl-certfile",
+                str(self.certs["cert"]),
+                "--ssl-keyfile",
+                str(self.certs["key"]),
+            ]
         else:
             cmd += ["--insecure"]
         if self.auth:
@@ -240,17 +282,28 @@ class Deployment:
         raise RuntimeError(f"flower-superlink did not start within {timeout} s:\n{self.log('superlink')}")
 
     # -- SuperNodes
-    def start_supernode(self, name: str, node_config: str | None = None, *, insecure: bool | None = None,
-                        private_key: Path | None = None, extra: list[str] | None = None,
-                        warm: bool = False, idle_poll: float | None = None,
-                        node_module: str = "fl_app.supernode") -> subprocess.Popen:
+    def start_supernode(
+        self,
+        name: str,
+        node_config: str | None = None,
+        *,
+        insecure: bool | None = None,
+        private_key: Path | None = None,
+        extra: list[str] | None = None,
+        warm: bool = False,
+        idle_poll: float | None = None,
+        node_module: str = "fl_app.supernode",
+    ) -> subprocess.Popen:
         """A SuperNode; `warm`: `--isolation process` with `fl_app.clientapp_executor` running its ClientApps;
         `idle_poll`: `node_module` (`fl_app.supernode` or a module running it) with Flower's idle sleeps capped
         at that many seconds."""
         insecure = (not self.tls) if insecure is None else insecure
         runtime_port = free_port(self.ports)
-        node = ([str(BIN / "flower-supernode")] if idle_poll is None else
-                [sys.executable, "-m", node_module, "--idle-poll", str(idle_poll)])
+        node = (
+            [str(BIN / "flower-supernode")]
+            if idle_poll is None
+            else [sys.executable, "-m", node_module, "--idle-poll", str(idle_poll)]
+        )
         cmd = node + ["--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime_port)]
         cmd += ["--insecure"] if insecure else ["--root-certificates", str(self.certs["ca"])]
         if node_config is not None:
@@ -264,9 +317,19 @@ class Deployment:
         self.nodes[name] = proc
         if warm:
             self.executors[name] = self._spawn(
-                f"{name}-executor", [sys.executable, "-m", "fl_app.clientapp_executor", "--runtime-api-address",
-                                     f"127.0.0.1:{runtime_port}", "--insecure", "--parent-pid", str(proc.pid)],
-                self.env(name))
+                f"{name}-executor",
+                [
+                    sys.executable,
+                    "-m",
+                    "fl_app.clientapp_executor",
+                    "--runtime-api-address",
+                    f"127.0.0.1:{runtime_port}",
+                    "--insecure",
+                    "--parent-pid",
+                    str(proc.pid),
+                ],
+                self.env(name),
+            )
         return proc
 
     def wait_connected(self, name: str, timeout: float = 60) -> None:
@@ -306,16 +369,21 @@ class Deployment:
 
     def register(self, public_key: Path) -> subprocess.Popen:
         """`flwr supernode register <key> test` in the background (output in register-<name>.log)."""
-        return self._spawn(f"register-{public_key.stem}", [str(BIN / "flwr"), "supernode", "register",
-                                                           str(public_key), "test"], self.env("cli"))
+        return self._spawn(
+            f"register-{public_key.stem}",
+            [str(BIN / "flwr"), "supernode", "register", str(public_key), "test"],
+            self.env("cli"),
+        )
 
-    def run_app(self, run_config: dict, *, app: Path = ROOT, insecure: bool | None = None,
-                log: str = "cli") -> subprocess.Popen:
+    def run_app(
+        self, run_config: dict, *, app: Path = ROOT, insecure: bool | None = None, log: str = "cli"
+    ) -> subprocess.Popen:
         """`flwr run <app> test --stream --run-config ...` in the background (output in <log>.log)."""
         self.write_cli_config(insecure=insecure)
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in run_config.items())
-        return self._spawn(log, [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", overrides],
-                           self.env("cli"))
+        return self._spawn(
+            log, [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", overrides], self.env("cli")
+        )
 
     def close(self) -> None:
         for proc in reversed(self.procs):

@@ -36,10 +36,11 @@ def call_plain_when_piped(cmd: list[str], env: dict | None = None, preexec_fn=No
     if not targets:
         return subprocess.call(cmd, env=env, preexec_fn=preexec_fn)
     pipe = {name: subprocess.PIPE if name in targets else None for name in ("stdout", "stderr")}
-    with subprocess.Popen(cmd, env=env, text=True, errors="replace", bufsize=1, preexec_fn=preexec_fn,
-                          **pipe) as proc:
-        copiers = [threading.Thread(target=copy_plain, args=(getattr(proc, name), target), daemon=True)
-                   for name, target in targets.items()]
+    with subprocess.Popen(cmd, env=env, text=True, errors="replace", bufsize=1, preexec_fn=preexec_fn, **pipe) as proc:
+        copiers = [
+            threading.Thread(target=copy_plain, args=(getattr(proc, name), target), daemon=True)
+            for name, target in targets.items()
+        ]
         for copier in copiers:
             copier.start()
         try:

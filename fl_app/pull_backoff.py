@@ -45,8 +45,10 @@ def flower_patch_problem() -> str | None:
 
     release = ".".join(flwr.__version__.split(".")[:2])
     if release not in PATCHED_FLOWER:
-        return (f"flwr {flwr.__version__} is not a release the speed patches were tested on "
-                f"({', '.join(PATCHED_FLOWER)}): Flower's stock behaviour is kept")
+        return (
+            f"flwr {flwr.__version__} is not a release the speed patches were tested on "
+            f"({', '.join(PATCHED_FLOWER)}): Flower's stock behaviour is kept"
+        )
     return None
 
 
@@ -57,8 +59,10 @@ def apply_server_patches() -> str:
     problem = flower_patch_problem()
     if problem:
         return problem
-    done = [shorten_pull_backoff() and f"object pulls retried after {PULL_BACKOFF} s",
-            bound_reply_object_pulls() and "reply object pulls end at round-timeout"]
+    done = [
+        shorten_pull_backoff() and f"object pulls retried after {PULL_BACKOFF} s",
+        bound_reply_object_pulls() and "reply object pulls end at round-timeout",
+    ]
     return "Flower speed patches: " + ("; ".join(d for d in done if d) or "none applied (this flwr lacks them)")
 
 

@@ -26,8 +26,7 @@ from fl_app.results import read_diagnostics, read_metrics, run_label
 from fl_app.run_files import RunFileError, read_json_object
 
 NOT_PRIVATE = "not private: not covered by epsilon"
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
-          "#bcbd22")
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
 ACCURACY_BOUNDS = (0.0, 1.0)
 IGNORED_IN_LABELS = ("results-dir", "run-name", "resume")  # differ between runs without describing them
 WIDTH, HEIGHT, MARGIN = 440, 260, (34, 16, 44, 62)  # margins: top, right, bottom, left
@@ -65,8 +64,16 @@ def load_run(path: Path | str, diagnostics: bool = False, color: str = COLORS[0]
     config_file = path / "config.json"
     config = read_json_object(config_file) if config_file.exists() else {}
     shown = diagnostics or bool(config.get("publish-diagnostics"))
-    return Run(path, run_label(summary), str(summary.get("strategy")), config, summary, read_metrics(path),
-               read_diagnostics(path) if shown else [], color)
+    return Run(
+        path,
+        run_label(summary),
+        str(summary.get("strategy")),
+        config,
+        summary,
+        read_metrics(path),
+        read_diagnostics(path) if shown else [],
+        color,
+    )
 
 
 def config_value(value) -> str:
@@ -135,9 +142,18 @@ def bounded_range(ys: list[float], bounds: tuple[float, float], margin: float = 
     return max(bounds[0], lo - pad), min(bounds[1], hi + pad)
 
 
-def chart(title: str, series: list[Series], x_label: str, y_label: str, *, log_x: bool = False,
-          hlines: list[Series] = (), css: str = "", note: str = "",
-          y_bounds: tuple[float, float] | None = None) -> str:
+def chart(
+    title: str,
+    series: list[Series],
+    x_label: str,
+    y_label: str,
+    *,
+    log_x: bool = False,
+    hlines: list[Series] = (),
+    css: str = "",
+    note: str = "",
+    y_bounds: tuple[float, float] | None = None,
+) -> str:
     """A line chart: `series` as lines (and markers), `hlines` as horizontal dashed lines (their first y).
     `y_bounds`: the y axis spans the data with a margin, never beyond these (accuracy: (0, 1))."""
     xs = [x for s in series for x, _ in s.points]
@@ -164,24 +180,34 @@ def chart(title: str, series: list[Series], x_label: str, y_label: str, *, log_x
     def py(y: float) -> float:
         return HEIGHT - bottom - (y - y0) / ((y1 - y0) or 1) * (HEIGHT - top - bottom)
 
-    out = [f'<svg class="chart {css}" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
-           f'role="img"><title>{html.escape(title)}</title>',
-           f'<text x="{left}" y="16" class="title">{html.escape(title)}</text>']
+    out = [
+        f'<svg class="chart {css}" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
+        f'role="img"><title>{html.escape(title)}</title>',
+        f'<text x="{left}" y="16" class="title">{html.escape(title)}</text>',
+    ]
     for t in x_ticks:
         x = left + (t - x0) / ((x1 - x0) or 1) * (WIDTH - left - right)
-        label = fmt(10 ** t) if log_x else fmt(t)
-        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{HEIGHT - bottom}" class="grid"/>'
-                   f'<text x="{x:.1f}" y="{HEIGHT - bottom + 14}" class="tick" text-anchor="middle">{label}</text>')
+        label = fmt(10**t) if log_x else fmt(t)
+        out.append(
+            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{HEIGHT - bottom}" class="grid"/>'
+            f'<text x="{x:.1f}" y="{HEIGHT - bottom + 14}" class="tick" text-anchor="middle">{label}</text>'
+        )
     for t in y_ticks:
-        out.append(f'<line x1="{left}" y1="{py(t):.1f}" x2="{WIDTH - right}" y2="{py(t):.1f}" class="grid"/>'
-                   f'<text x="{left - 5}" y="{py(t) + 4:.1f}" class="tick" text-anchor="end">{fmt(t)}</text>')
-    out.append(f'<text x="{(left + WIDTH - right) / 2}" y="{HEIGHT - 8}" class="axis" text-anchor="middle">'
-               f'{html.escape(x_label)}</text><text transform="translate(13 {(top + HEIGHT - bottom) / 2}) '
-               f'rotate(-90)" class="axis" text-anchor="middle">{html.escape(y_label)}</text>')
+        out.append(
+            f'<line x1="{left}" y1="{py(t):.1f}" x2="{WIDTH - right}" y2="{py(t):.1f}" class="grid"/>'
+            f'<text x="{left - 5}" y="{py(t) + 4:.1f}" class="tick" text-anchor="end">{fmt(t)}</text>'
+        )
+    out.append(
+        f'<text x="{(left + WIDTH - right) / 2}" y="{HEIGHT - 8}" class="axis" text-anchor="middle">'
+        f'{html.escape(x_label)}</text><text transform="translate(13 {(top + HEIGHT - bottom) / 2}) '
+        f'rotate(-90)" class="axis" text-anchor="middle">{html.escape(y_label)}</text>'
+    )
     for s in hlines:
         y = py(s.points[0][1])
-        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{WIDTH - right}" y2="{y:.1f}" class="reference" '
-                   f'stroke="{s.color}"><title>{html.escape(s.label)}: {fmt(s.points[0][1])}</title></line>')
+        out.append(
+            f'<line x1="{left}" y1="{y:.1f}" x2="{WIDTH - right}" y2="{y:.1f}" class="reference" '
+            f'stroke="{s.color}"><title>{html.escape(s.label)}: {fmt(s.points[0][1])}</title></line>'
+        )
     for s in series:
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in sorted(s.points))
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
@@ -189,12 +215,17 @@ def chart(title: str, series: list[Series], x_label: str, y_label: str, *, log_x
         if s.markers:
             for i, (x, y) in enumerate(s.points):
                 tip = s.marker_titles[i] if i < len(s.marker_titles) else f"{fmt(x)}, {fmt(y)}"
-                out.append(f'<circle class="{s.marker_class}" cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" '
-                           f'fill="{s.color}"><title>{html.escape(tip)}</title></circle>')
+                out.append(
+                    f'<circle class="{s.marker_class}" cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" '
+                    f'fill="{s.color}"><title>{html.escape(tip)}</title></circle>'
+                )
     legend = [s for s in list(series) + list(hlines) if s.label]
     out.append("</svg>")
-    items = "".join(f'<span><i style="border-color:{s.color}" class="{"dash" if s.dashed or s in hlines else ""}">'
-                    f'</i>{html.escape(s.label)}</span>' for s in legend)
+    items = "".join(
+        f'<span><i style="border-color:{s.color}" class="{"dash" if s.dashed or s in hlines else ""}">'
+        f"</i>{html.escape(s.label)}</span>"
+        for s in legend
+    )
     note_html = f'<p class="note">{html.escape(note)}</p>' if note else ""
     return f'<figure>{"".join(out)}<figcaption class="legend">{items}</figcaption>{note_html}</figure>'
 
@@ -206,8 +237,10 @@ def heatmap(title: str, rounds: list[int], clients: list[str], values: dict[tupl
     left, top = 40, 30
     width, height = left + cell_w * len(clients) + 10, top + cell_h * len(rounds) + 40
     high = max((v for v in values.values() if number(v)), default=1.0) or 1.0
-    out = [f'<svg class="heatmap" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
-           f'<title>{html.escape(title)}</title><text x="0" y="16" class="title">{html.escape(title)}</text>']
+    out = [
+        f'<svg class="heatmap" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
+        f'<title>{html.escape(title)}</title><text x="0" y="16" class="title">{html.escape(title)}</text>'
+    ]
     for i, rnd in enumerate(rounds):
         y = top + i * cell_h
         if len(rounds) <= 20 or i % max(1, len(rounds) // 10) == 0:
@@ -215,12 +248,16 @@ def heatmap(title: str, rounds: list[int], clients: list[str], values: dict[tupl
         for j, client in enumerate(clients):
             value = values.get((rnd, client))
             shade = f"rgba(128,0,38,{0.08 + 0.92 * value / high:.3f})" if number(value) else "#eee"
-            out.append(f'<rect class="cell" x="{left + j * cell_w}" y="{y}" width="{cell_w - 1}" height="{cell_h - 1}" '
-                       f'fill="{shade}" data-round="{rnd}" data-client="{html.escape(client)}">'
-                       f'<title>round {rnd}, client {html.escape(client)}: epsilon {fmt(value)}</title></rect>')
+            out.append(
+                f'<rect class="cell" x="{left + j * cell_w}" y="{y}" width="{cell_w - 1}" height="{cell_h - 1}" '
+                f'fill="{shade}" data-round="{rnd}" data-client="{html.escape(client)}">'
+                f"<title>round {rnd}, client {html.escape(client)}: epsilon {fmt(value)}</title></rect>"
+            )
     bottom = top + cell_h * len(rounds)
-    out.append(f'<text x="{left}" y="{bottom + 14}" class="tick">clients ({len(clients)}) →  '
-               f'rows: rounds; darkest = epsilon {fmt(high)}</text></svg>')
+    out.append(
+        f'<text x="{left}" y="{bottom + 14}" class="tick">clients ({len(clients)}) →  '
+        f"rows: rounds; darkest = epsilon {fmt(high)}</text></svg>"
+    )
     return "".join(out)
 
 
@@ -234,18 +271,39 @@ def frontier(runs: list[Run]) -> str:
     series = []
     for i, (name, members) in enumerate(by_algorithm.items()):
         members.sort(key=lambda r: r.summary["epsilon"])
-        series.append(Series(name, [(r.summary["epsilon"], r.summary["final_accuracy"]) for r in members],
-                             COLORS[i % len(COLORS)], markers=True, marker_class="frontier-point",
-                             marker_titles=[f"{r.label} ({r.path.name}): epsilon {fmt(r.summary['epsilon'])}, "
-                                            f"accuracy {fmt(r.summary['final_accuracy'])}" for r in members]))
-    references = [Series(r.label, [(0.0, r.summary["final_accuracy"])], "#555", dashed=True)
-                  for r in runs if not r.private and number(r.summary.get("final_accuracy"))]
+        series.append(
+            Series(
+                name,
+                [(r.summary["epsilon"], r.summary["final_accuracy"]) for r in members],
+                COLORS[i % len(COLORS)],
+                markers=True,
+                marker_class="frontier-point",
+                marker_titles=[
+                    f"{r.label} ({r.path.name}): epsilon {fmt(r.summary['epsilon'])}, "
+                    f"accuracy {fmt(r.summary['final_accuracy'])}"
+                    for r in members
+                ],
+            )
+        )
+    references = [
+        Series(r.label, [(0.0, r.summary["final_accuracy"])], "#555", dashed=True)
+        for r in runs
+        if not r.private and number(r.summary.get("final_accuracy"))
+    ]
     if not series and not references:
         return ""
-    return chart("Privacy-utility frontier", series, "final epsilon (log scale)", "final accuracy", log_x=True,
-                 hlines=references, css="frontier", y_bounds=ACCURACY_BOUNDS,
-                 note="One point per DP run (final round), a line per algorithm; dashed: non-private references. "
-                      "Epsilons of different DP units (client-level, ALI-DPFL's sample-level) do not compare.")
+    return chart(
+        "Privacy-utility frontier",
+        series,
+        "final epsilon (log scale)",
+        "final accuracy",
+        log_x=True,
+        hlines=references,
+        css="frontier",
+        y_bounds=ACCURACY_BOUNDS,
+        note="One point per DP run (final round), a line per algorithm; dashed: non-private references. "
+        "Epsilons of different DP units (client-level, ALI-DPFL's sample-level) do not compare.",
+    )
 
 
 def per_round(runs: list[Run], key: str, title: str, y_label: str) -> str:
@@ -270,8 +328,10 @@ def topk_chart(run: Run) -> str:
     upload = run.series("upload_bytes_per_client")
     if not upload:
         return ""
-    series = [Series("upload of one honest client", upload, run.color),
-              Series("dense upload", run.series("dense_bytes_per_client"), "#555", dashed=True)]
+    series = [
+        Series("upload of one honest client", upload, run.color),
+        Series("dense upload", run.series("dense_bytes_per_client"), "#555", dashed=True),
+    ]
     return chart("Top-k: bytes per client upload", [s for s in series if s.points], "round", "bytes", css="topk")
 
 
@@ -279,10 +339,18 @@ def claimed_epsilon_chart(run: Run) -> str:
     claimed = run.series("claimed_epsilon") or run.series("epsilon_claimed")
     if not claimed:
         return ""
-    series = [Series("true epsilon (ledger)", run.series("epsilon"), run.color),
-              Series("epsilon the paper claims", claimed, "#555", dashed=True)]
-    return chart("Wavelet noise: true vs claimed epsilon", series, "round", "epsilon", css="claimed",
-                 note="The paper's calibration overstates the noise; only the ledger's epsilon is a bound.")
+    series = [
+        Series("true epsilon (ledger)", run.series("epsilon"), run.color),
+        Series("epsilon the paper claims", claimed, "#555", dashed=True),
+    ]
+    return chart(
+        "Wavelet noise: true vs claimed epsilon",
+        series,
+        "round",
+        "epsilon",
+        css="claimed",
+        note="The paper's calibration overstates the noise; only the ledger's epsilon is a bound.",
+    )
 
 
 def diagnostics_charts(run: Run) -> str:
@@ -293,21 +361,33 @@ def diagnostics_charts(run: Run) -> str:
     std = dict(run.series("update_norm_std", run.diagnostics))
     norms = [Series("update norm mean", mean, run.color)]
     if std:
-        norms += [Series("mean ± std", [(x, y + std.get(x, 0.0)) for x, y in mean], run.color, dashed=True),
-                  Series("", [(x, y - std.get(x, 0.0)) for x, y in mean], run.color, dashed=True)]
-    charts = (chart("Clipped fraction", [clipped], "round", "fraction", css="diagnostic") if clipped.points else "")
+        norms += [
+            Series("mean ± std", [(x, y + std.get(x, 0.0)) for x, y in mean], run.color, dashed=True),
+            Series("", [(x, y - std.get(x, 0.0)) for x, y in mean], run.color, dashed=True),
+        ]
+    charts = chart("Clipped fraction", [clipped], "round", "fraction", css="diagnostic") if clipped.points else ""
     charts += chart("Update norms before clipping", norms, "round", "L2 norm", css="diagnostic") if mean else ""
     if not charts:
         return ""
-    return (f'<section class="diagnostics"><h4>Diagnostics — {NOT_PRIVATE}</h4><p class="note">Computed from raw '
-            f'client replies without noise (diagnostics.jsonl); they describe the participants and epsilon does '
-            f'not cover them.</p><div class="charts">{charts}</div></section>')
+    return (
+        f'<section class="diagnostics"><h4>Diagnostics — {NOT_PRIVATE}</h4><p class="note">Computed from raw '
+        f"client replies without noise (diagnostics.jsonl); they describe the participants and epsilon does "
+        f'not cover them.</p><div class="charts">{charts}</div></section>'
+    )
 
 
-SUMMARY_COLUMNS = (("final accuracy", "final_accuracy"), ("epsilon", "epsilon"), ("delta", "delta"),
-                   ("epsilon against server", "epsilon_against_server"), ("claimed epsilon", "claimed_epsilon"),
-                   ("rounds", "rounds_completed"), ("noise multiplier", "noise_multiplier"),
-                   ("sample rate", "client_sampling_rate"), ("clients", "num_clients"), ("accountant", "accountant"))
+SUMMARY_COLUMNS = (
+    ("final accuracy", "final_accuracy"),
+    ("epsilon", "epsilon"),
+    ("delta", "delta"),
+    ("epsilon against server", "epsilon_against_server"),
+    ("claimed epsilon", "claimed_epsilon"),
+    ("rounds", "rounds_completed"),
+    ("noise multiplier", "noise_multiplier"),
+    ("sample rate", "client_sampling_rate"),
+    ("clients", "num_clients"),
+    ("accountant", "accountant"),
+)
 
 
 def summary_table(runs: list[Run]) -> str:
@@ -315,22 +395,35 @@ def summary_table(runs: list[Run]) -> str:
     head = "".join(f"<th>{html.escape(name)}</th>" for name, _ in columns)
     rows = "".join(
         f'<tr><td><i class="swatch" style="background:{r.color}"></i>{html.escape(r.label)}'
-        f'<br><small>{html.escape(r.path.name)}</small></td>'
-        + "".join(f"<td>{html.escape(fmt(r.summary.get(key)))}</td>" for _, key in columns) + "</tr>" for r in runs)
+        f"<br><small>{html.escape(r.path.name)}</small></td>"
+        + "".join(f"<td>{html.escape(fmt(r.summary.get(key)))}</td>" for _, key in columns)
+        + "</tr>"
+        for r in runs
+    )
     return f'<table class="summary"><tr><th>run</th>{head}</tr>{rows}</table>'
 
 
 def run_section(run: Run) -> str:
     charts = ali_dpfl_charts(run) + topk_chart(run) + claimed_epsilon_chart(run)
-    caveats = "" if run.summary.get("epsilon_is_guarantee", True) else (
-        '<p class="warning">epsilon is NOT a guarantee: ' + html.escape("; ".join(run.summary.get("epsilon_caveats", [])))
-        + "</p>")
-    config = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(json.dumps(v))}</td></tr>"
-                     for k, v in sorted(run.config.items()))
-    return (f'<section class="run"><h3><i class="swatch" style="background:{run.color}"></i>{html.escape(run.label)}'
-            f' <small>{html.escape(str(run.path))}</small></h3>{caveats}<div class="charts">{charts}</div>'
-            f'{diagnostics_charts(run)}<details><summary>resolved config ({len(run.config)} keys)</summary>'
-            f'<table class="config">{config}</table></details></section>')
+    caveats = (
+        ""
+        if run.summary.get("epsilon_is_guarantee", True)
+        else (
+            '<p class="warning">epsilon is NOT a guarantee: '
+            + html.escape("; ".join(run.summary.get("epsilon_caveats", [])))
+            + "</p>"
+        )
+    )
+    config = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(json.dumps(v))}</td></tr>"
+        for k, v in sorted(run.config.items())
+    )
+    return (
+        f'<section class="run"><h3><i class="swatch" style="background:{run.color}"></i>{html.escape(run.label)}'
+        f' <small>{html.escape(str(run.path))}</small></h3>{caveats}<div class="charts">{charts}</div>'
+        f"{diagnostics_charts(run)}<details><summary>resolved config ({len(run.config)} keys)</summary>"
+        f'<table class="config">{config}</table></details></section>'
+    )
 
 
 STYLE = """
@@ -353,17 +446,26 @@ td:first-child,th:first-child{text-align:left} .config td{text-align:left;font-f
 
 def render(runs: list[Run]) -> str:
     """The whole report: one HTML page, styles and SVG inline."""
-    across = frontier(runs) + per_round(runs, "accuracy", "Accuracy per round (server test set)", "accuracy") \
+    across = (
+        frontier(runs)
+        + per_round(runs, "accuracy", "Accuracy per round (server test set)", "accuracy")
         + per_round(runs, "epsilon", "Epsilon per round", "epsilon")
+    )
     shown = [r for r in runs if r.diagnostics]
-    diagnostics_note = (f'<p class="warning">Sections marked "{NOT_PRIVATE}" show diagnostics of '
-                        f'{len(shown)} run(s); do not publish them.</p>' if shown else "")
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>dpfl report</title>"
-            f"<style>{STYLE}</style></head><body><h1>dpfl report: {len(runs)} run(s)</h1>"
-            '<p class="note">Everything here is what the privacy ledger covers (metrics.jsonl, summary.json) unless a '
-            f'section says "{NOT_PRIVATE}". Accuracy: the released model on the server-held test set.</p>'
-            f"{diagnostics_note}{summary_table(runs)}<h2>Across runs</h2><div class=\"charts\">{across}</div>"
-            "<h2>Runs</h2>" + "".join(run_section(r) for r in runs) + "</body></html>")
+    diagnostics_note = (
+        f'<p class="warning">Sections marked "{NOT_PRIVATE}" show diagnostics of '
+        f"{len(shown)} run(s); do not publish them.</p>"
+        if shown
+        else ""
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>dpfl report</title>'
+        f"<style>{STYLE}</style></head><body><h1>dpfl report: {len(runs)} run(s)</h1>"
+        '<p class="note">Everything here is what the privacy ledger covers (metrics.jsonl, summary.json) unless a '
+        f'section says "{NOT_PRIVATE}". Accuracy: the released model on the server-held test set.</p>'
+        f'{diagnostics_note}{summary_table(runs)}<h2>Across runs</h2><div class="charts">{across}</div>'
+        "<h2>Runs</h2>" + "".join(run_section(r) for r in runs) + "</body></html>"
+    )
 
 
 def write_report(run_dirs: list[Path | str], out: Path | str, diagnostics: bool = False) -> Path:
@@ -377,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders (with summary.json)")
     parser.add_argument("-o", "--output", default="report.html", help="the HTML file to write")
-    parser.add_argument("--diagnostics", action="store_true",
-                        help=f"also show every run's non-private diagnostics ({NOT_PRIVATE})")
+    parser.add_argument(
+        "--diagnostics", action="store_true", help=f"also show every run's non-private diagnostics ({NOT_PRIVATE})"
+    )
     args = parser.parse_args(argv)
     missing = [r for r in args.runs if not Path(r, "summary.json").is_file()]
     if missing:
@@ -390,8 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         parser.exit(2, f"fl_app.report: cannot write {args.output}: {exc.strerror or exc}\n")
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # values of the wrong kind in a run's files
-        parser.exit(2, f"fl_app.report: the run folders {', '.join(args.runs)} hold values the report cannot "
-                       f"draw ({type(exc).__name__}: {exc})\n")
+        parser.exit(
+            2,
+            f"fl_app.report: the run folders {', '.join(args.runs)} hold values the report cannot "
+            f"draw ({type(exc).__name__}: {exc})\n",
+        )
     return 0
 
 

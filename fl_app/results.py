@@ -65,7 +65,9 @@ def resolve_run_dir(s: Settings) -> Path:
     """results-dir if given, else ~/dpfl-results/<run-name or time-random-algorithm-dataset> (4 random hex
     digits: two runs started in the same second get different folders)."""
     output = s.output
-    name = output.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}-{s.run.algorithm}-{s.data.dataset}"
+    name = (
+        output.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}-{s.run.algorithm}-{s.data.dataset}"
+    )
     base = Path(os.path.expanduser(output.results_dir)) if output.results_dir else Path.home() / "dpfl-results" / name
     return base.resolve()
 
@@ -86,8 +88,10 @@ TERMINAL_STATUSES = ("completed", "failed")  # written last: the lock is release
 
 def no_checkpoint_error(path: Path) -> PreviousRunError:
     """The error of a resume with no checkpoint to continue from (never a silent fresh start)."""
-    return PreviousRunError(f"resume = true, but {path / 'checkpoint.npz'} does not exist (the run in {path} "
-                            "completed no round, or this is not its folder): set resume = false to start afresh")
+    return PreviousRunError(
+        f"resume = true, but {path / 'checkpoint.npz'} does not exist (the run in {path} "
+        "completed no round, or this is not its folder): set resume = false to start afresh"
+    )
 
 
 def config_differences(path: Path, s: Settings) -> list[str]:
@@ -96,8 +100,11 @@ def config_differences(path: Path, s: Settings) -> list[str]:
     if not previous_file.exists():
         return []
     previous, cfg = json.loads(previous_file.read_text()), s.run_config()
-    return [f"'{k}' = {previous.get(k)!r} there, {cfg.get(k)!r} now" for k in sorted(set(previous) | set(cfg))
-            if k not in RESUMABLE_KEYS and json_safe(previous.get(k)) != json_safe(cfg.get(k))]
+    return [
+        f"'{k}' = {previous.get(k)!r} there, {cfg.get(k)!r} now"
+        for k in sorted(set(previous) | set(cfg))
+        if k not in RESUMABLE_KEYS and json_safe(previous.get(k)) != json_safe(cfg.get(k))
+    ]
 
 
 def check_resumable(path: Path, s: Settings) -> None:
@@ -107,8 +114,9 @@ def check_resumable(path: Path, s: Settings) -> None:
         raise no_checkpoint_error(path)
     differ = config_differences(path, s)
     if differ:
-        raise PreviousRunError(f"resume = true, but the run in {path} was made with other settings: "
-                               + ", ".join(differ))
+        raise PreviousRunError(
+            f"resume = true, but the run in {path} was made with other settings: " + ", ".join(differ)
+        )
 
 
 def lock_run_folder(path: Path) -> int:
@@ -121,8 +129,10 @@ def lock_run_folder(path: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise RunFolderLockedError(f"results-dir {path} is being written by another run (pid {holder} holds "
-                                   f"{lock}): wait for it to end, or choose another results-dir or run-name") from None
+        raise RunFolderLockedError(
+            f"results-dir {path} is being written by another run (pid {holder} holds "
+            f"{lock}): wait for it to end, or choose another results-dir or run-name"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -162,7 +172,8 @@ class RunDirectory:
                 raise PreviousRunError(
                     f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
                     f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue "
-                    "it, or choose another results-dir or run-name")
+                    "it, or choose another results-dir or run-name"
+                )
         except BaseException:
             self.close()
             raise
@@ -182,8 +193,9 @@ class RunDirectory:
         differ = config_differences(self.path, s) if self.checkpoint is not None else []
         if differ:
             self.close()
-            raise PreviousRunError(f"resume = true, but the run in {self.path} was made with other settings: "
-                                   + ", ".join(differ))
+            raise PreviousRunError(
+                f"resume = true, but the run in {self.path} was made with other settings: " + ", ".join(differ)
+            )
         self._write_json("config.json", s.run_config())
 
     def write_status(self, status: str, **details) -> None:
@@ -196,7 +208,10 @@ class RunDirectory:
     def rewrite_rounds(self, rounds: list[tuple[dict, dict]]) -> None:
         """metrics.jsonl and diagnostics.jsonl from (published, diagnostics) pairs, e.g. a checkpoint's history;
         each replaced atomically."""
-        for path, records in ((self.metrics_file, [p for p, _ in rounds]), (self.diagnostics_file, [d for _, d in rounds])):
+        for path, records in (
+            (self.metrics_file, [p for p, _ in rounds]),
+            (self.diagnostics_file, [d for _, d in rounds]),
+        ):
             text = "".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in records)
             atomic_write(path, lambda f, text=text: f.write(text.encode()))
 
@@ -238,8 +253,10 @@ def run_label(summary: dict) -> str:
 def read_summary(run_dir: Path | str) -> dict:
     """summary.json merged with diagnostics-summary.json (for reports and research; not private)."""
     extra = Path(run_dir, "diagnostics-summary.json")
-    return {**(json.loads(extra.read_text()) if extra.exists() else {}),
-            **json.loads(Path(run_dir, "summary.json").read_text())}
+    return {
+        **(json.loads(extra.read_text()) if extra.exists() else {}),
+        **json.loads(Path(run_dir, "summary.json").read_text()),
+    }
 
 
 def read_rounds(run_dir: Path | str) -> list[dict]:
@@ -291,7 +308,9 @@ if __name__ == "__main__":
             print("TensorBoard events written into", write_tensorboard(run, with_diagnostics))
         sys.exit(0)
     if not args:
-        sys.exit("usage: python -m fl_app.results [--diagnostics] RUN_DIR [OTHER_RUN_DIR ...]\n"
-                 "       python -m fl_app.results --tensorboard [--diagnostics] RUN_DIR ...\n"
-                 "--diagnostics: also show the non-private diagnostics (diagnostics.jsonl)")
+        sys.exit(
+            "usage: python -m fl_app.results [--diagnostics] RUN_DIR [OTHER_RUN_DIR ...]\n"
+            "       python -m fl_app.results --tensorboard [--diagnostics] RUN_DIR ...\n"
+            "--diagnostics: also show the non-private diagnostics (diagnostics.jsonl)"
+        )
     print(plot_runs(args, Path(args[0], "plot.png"), with_diagnostics))

@@ -42,8 +42,9 @@ def mu_split(testset, validation):
     return testset.subset(np.arange(held, len(testset))), testset.subset(np.arange(held))
 
 
-def build_strategy(s: Settings, on_round_end=None, gradient_fn=None,
-                   on_checkpoint=None) -> DPRoundLoop | SecAggPlusDPFedAvg:
+def build_strategy(
+    s: Settings, on_round_end=None, gradient_fn=None, on_checkpoint=None
+) -> DPRoundLoop | SecAggPlusDPFedAvg:
     """The server strategy of the run's algorithm (from the registry); under secure-aggregation the same
     strategy run through Flower's SecAgg+ workflow."""
     algo = algorithm(s.run.algorithm)
@@ -52,8 +53,9 @@ def build_strategy(s: Settings, on_round_end=None, gradient_fn=None,
         hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(s))
     strategy = algo.build_strategy(s, **hooks)
     if s.secagg.enabled:
-        return SecAggPlusDPFedAvg(strategy, num_shares=s.secagg.num_shares,
-                                  reconstruction_threshold=s.secagg.reconstruction_threshold)
+        return SecAggPlusDPFedAvg(
+            strategy, num_shares=s.secagg.num_shares, reconstruction_threshold=s.secagg.reconstruction_threshold
+        )
     return strategy
 
 
@@ -98,8 +100,11 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
     if not s.privacy.secure_rng:
-        log(WARNING, "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
-                     "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee")
+        log(
+            WARNING,
+            "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
+            "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee",
+        )
     model = build_global_model(s).to(resolve_device(s.training.device))  # the server evaluates on the run's device
     evaluate_fn, gradient_fn = server_functions(model, s)
 
@@ -108,8 +113,9 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         for dashboard in dashboards:
             dashboard.on_round(published, diagnostics)
 
-    strategy = build_strategy(s, on_round_end=on_round_end, gradient_fn=gradient_fn,
-                              on_checkpoint=run_dir.write_checkpoint)
+    strategy = build_strategy(
+        s, on_round_end=on_round_end, gradient_fn=gradient_fn, on_checkpoint=run_dir.write_checkpoint
+    )
     initial, resumed_from = ArrayRecord(shared_weights(model, s)), 0
     if run_dir.checkpoint is not None:
         state, arrays = run_dir.checkpoint
@@ -117,8 +123,14 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
-        result = strategy.start(grid, initial, num_rounds=s.run.num_rounds, timeout=s.federation.round_timeout,
-                                evaluate_fn=evaluate_fn, eval_every=s.run.eval_every)
+        result = strategy.start(
+            grid,
+            initial,
+            num_rounds=s.run.num_rounds,
+            timeout=s.federation.round_timeout,
+            evaluate_fn=evaluate_fn,
+            eval_every=s.run.eval_every,
+        )
     except BaseException as exc:
         run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
         raise
@@ -136,10 +148,14 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         "results_dir": str(run_dir.path),
         **strategy.describe(),
     }
-    diagnostics = {"not_private": DIAGNOSTICS_NOTICE, "seconds": time.perf_counter() - t0,
-                   **strategy.describe_diagnostics()}
-    return finish_run(run_dir, dashboards, summary, diagnostics, run_failure(strategy.history),
-                      s.output.publish_diagnostics)
+    diagnostics = {
+        "not_private": DIAGNOSTICS_NOTICE,
+        "seconds": time.perf_counter() - t0,
+        **strategy.describe_diagnostics(),
+    }
+    return finish_run(
+        run_dir, dashboards, summary, diagnostics, run_failure(strategy.history), s.output.publish_diagnostics
+    )
 
 
 def server_functions(model: torch.nn.Module, s: Settings):
@@ -167,12 +183,21 @@ def server_functions(model: torch.nn.Module, s: Settings):
     return (None if algorithm(s.run.algorithm).shares_body_only else evaluate_fn), gradient_fn
 
 
-def finish_run(run_dir: RunDirectory, dashboards: list, summary: dict, diagnostics: dict, failure: str | None,
-               publish_diagnostics: bool) -> dict:
+def finish_run(
+    run_dir: RunDirectory,
+    dashboards: list,
+    summary: dict,
+    diagnostics: dict,
+    failure: str | None,
+    publish_diagnostics: bool,
+) -> dict:
     """summary.json and diagnostics-summary.json, the dashboards' last entries, status.json (completed, or failed
     with the reason), the plot and the last log lines; the summary, with its status."""
-    summary = {"status": "failed" if failure else "completed", **({"failure_reason": failure} if failure else {}),
-               **summary}
+    summary = {
+        "status": "failed" if failure else "completed",
+        **({"failure_reason": failure} if failure else {}),
+        **summary,
+    }
     run_dir.write_summary(summary, diagnostics)
     for dashboard in dashboards:
         dashboard.on_finish(summary)
@@ -183,8 +208,7 @@ def finish_run(run_dir: RunDirectory, dashboards: list, summary: dict, diagnosti
     plot_runs([run_dir.path], run_dir.path / "plot.png", publish_diagnostics)
     log_finish(summary, diagnostics, publish_diagnostics, run_dir.path)
     if failure:
-        log(ERROR, "The run failed: %s (no client trained the model; see %s/diagnostics.jsonl)",
-            failure, run_dir.path)
+        log(ERROR, "The run failed: %s (no client trained the model; see %s/diagnostics.jsonl)", failure, run_dir.path)
     return summary
 
 
@@ -199,12 +223,21 @@ def run_failure(history: list[dict]) -> str | None:
     return None
 
 
-DIAGNOSTICS_NOTICE = ("computed from raw client replies without noise: NOT covered by the run's epsilon; do not "
-                      "publish (diagnostics.jsonl has them per round)")
+DIAGNOSTICS_NOTICE = (
+    "computed from raw client replies without noise: NOT covered by the run's epsilon; do not "
+    "publish (diagnostics.jsonl has them per round)"
+)
 
 
-SUMMARY_LOG_KEYS = ("rounds_completed", "final_accuracy", "final_loss", "epsilon", "delta", "epsilon_against_server",
-                    "claimed_epsilon")
+SUMMARY_LOG_KEYS = (
+    "rounds_completed",
+    "final_accuracy",
+    "final_loss",
+    "epsilon",
+    "delta",
+    "epsilon_against_server",
+    "claimed_epsilon",
+)
 
 
 def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
@@ -217,15 +250,27 @@ def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_
     if not summary["epsilon_is_guarantee"]:
         log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))
     if summary.get("epsilon_against_server_is_guarantee") is False:
-        log(WARNING, "epsilon_against_server is NOT a guarantee: %s",
-            "; ".join(summary["epsilon_against_server_caveats"]))
+        log(
+            WARNING,
+            "epsilon_against_server is NOT a guarantee: %s",
+            "; ".join(summary["epsilon_against_server_caveats"]),
+        )
     if summary.get("audit"):
-        log(INFO, "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
-            summary["audit"]["epsilon_estimate"], summary["audit"]["canaries_inserted"], summary["epsilon"])
+        log(
+            INFO,
+            "Canary audit: empirical epsilon %.4g (one-shot estimate, %d canaries) beside the accounted %.4g",
+            summary["audit"]["epsilon_estimate"],
+            summary["audit"]["canaries_inserted"],
+            summary["epsilon"],
+        )
     if diagnostics.get("rounds_with_failed_or_rejected_replies"):
         log(WARNING, "Some client replies failed or were rejected: see %s/diagnostics.jsonl ('problems')", run_dir)
-    log(INFO, "Results in %s; non-private diagnostics (counts, norms, losses, client evaluation; not covered by "
-              "epsilon): diagnostics.jsonl", run_dir)
+    log(
+        INFO,
+        "Results in %s; non-private diagnostics (counts, norms, losses, client evaluation; not covered by "
+        "epsilon): diagnostics.jsonl",
+        run_dir,
+    )
 
 
 class PromptGrid(Grid):
@@ -296,8 +341,16 @@ def is_simulation(grid: Grid) -> bool:
     return isinstance(grid, InMemoryGrid)
 
 
-def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *, simulation: bool, poll: float = 0.5,
-                   settle: float = 5.0, steady: float = 1.0) -> int:
+def wait_for_nodes(
+    grid: Grid,
+    min_nodes: int,
+    timeout: float,
+    *,
+    simulation: bool,
+    poll: float = 0.5,
+    settle: float = 5.0,
+    steady: float = 1.0,
+) -> int:
     """The number of connected nodes once it reaches min-nodes (in a simulation, once it has also stayed the
     same for `steady` s: the population M is fixed from it). A simulation's count that stays below min-nodes
     for `settle` s (its SuperNodes have registered) is refused at once; elsewhere after `timeout` s. The error
@@ -313,14 +366,18 @@ def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *, simulation: bo
         if seen >= min_nodes and (not simulation or now - changed >= steady):
             return seen
         if simulation and 0 < seen < min_nodes and now - changed >= settle:
-            raise TooFewNodes(f"run-config key 'min-nodes' = {min_nodes}, but the simulation has {seen} SuperNodes: "
-                              f"run with --federation-config \"num-supernodes={min_nodes}\" (or more), or set "
-                              f"--run-config \"min-nodes={seen}\"")
+            raise TooFewNodes(
+                f"run-config key 'min-nodes' = {min_nodes}, but the simulation has {seen} SuperNodes: "
+                f'run with --federation-config "num-supernodes={min_nodes}" (or more), or set '
+                f'--run-config "min-nodes={seen}"'
+            )
         if now - start >= timeout:
-            raise TooFewNodes(f"run-config key 'min-nodes' = {min_nodes}, but only {seen} nodes connected within "
-                              f"run-config key 'node-wait-timeout' = {timeout:g} s: start {min_nodes - seen} more "
-                              f"SuperNodes (or, in a simulation, --federation-config \"num-supernodes={min_nodes}\"), "
-                              f"or lower min-nodes")
+            raise TooFewNodes(
+                f"run-config key 'min-nodes' = {min_nodes}, but only {seen} nodes connected within "
+                f"run-config key 'node-wait-timeout' = {timeout:g} s: start {min_nodes - seen} more "
+                f'SuperNodes (or, in a simulation, --federation-config "num-supernodes={min_nodes}"), '
+                f"or lower min-nodes"
+            )
         time.sleep(min(poll, steady / 4) if simulation and seen >= min_nodes else poll)
 
 

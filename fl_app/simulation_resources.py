@@ -38,8 +38,10 @@ def gpu_share_problem(share: float, gpus: int) -> str | None:
     if not share >= 0:
         return f"--gpus-per-client {share!r}: must be >= 0"
     if share > 0 and gpus == 0:
-        return (f"--gpus-per-client {share!r}: no GPU is visible here (torch sees no CUDA device), so Ray could "
-                "never start a client; use 0 or leave it out")
+        return (
+            f"--gpus-per-client {share!r}: no GPU is visible here (torch sees no CUDA device), so Ray could "
+            "never start a client; use 0 or leave it out"
+        )
     if share > 1 and share != int(share):
         return f"--gpus-per-client {share!r}: above 1 Ray takes whole GPUs only"
     if share > gpus > 0:

@@ -27,7 +27,10 @@ from fl_app.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff
 
 FLOWER_IDLE_SLEEP = 3  # s: after asking the SuperLink for a message and finding none
 FLOWER_LOCAL_WAIT = 0.5  # s: waits that only look at the node's own memory (reply in? objects in?)
-FLOWER_IDLE_SLEEPS = (f"time.sleep({FLOWER_IDLE_SLEEP})", f"time.sleep({FLOWER_LOCAL_WAIT})")  # as Flower 1.41 writes them
+FLOWER_IDLE_SLEEPS = (
+    f"time.sleep({FLOWER_IDLE_SLEEP})",
+    f"time.sleep({FLOWER_LOCAL_WAIT})",
+)  # as Flower 1.41 writes them
 LOCAL_WAIT_CAP = 0.02  # s: what the FLOWER_LOCAL_WAIT waits become
 
 
@@ -56,20 +59,29 @@ def shorten_idle_sleeps(cap: float):
 
     source = inspect.getsource(loop)
     if getattr(loop, "time", None) is not time or not all(s in source for s in FLOWER_IDLE_SLEEPS):
-        raise RuntimeError(f"flwr {flwr.__version__}: its SuperNode loop is not the one fl_app.supernode knows "
-                           f"(module-level `time` with {' and '.join(FLOWER_IDLE_SLEEPS)}); run flower-supernode")
+        raise RuntimeError(
+            f"flwr {flwr.__version__}: its SuperNode loop is not the one fl_app.supernode knows "
+            f"(module-level `time` with {' and '.join(FLOWER_IDLE_SLEEPS)}); run flower-supernode"
+        )
     loop.time = CappedSleep(cap)
     return loop
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--idle-poll", type=float, default=0.2,
-                        help="seconds between a SuperNode's requests for a message when idle (Flower: 3); its "
-                             f"in-memory waits for a reply (Flower: 0.5 s) are capped at {LOCAL_WAIT_CAP} s")
-    parser.add_argument("--pull-backoff", type=pull_backoff_option, default=PULL_BACKOFF,
-                        help="seconds before the first retry for a message's objects not yet on the SuperLink "
-                             "(Flower: 1)")
+    parser.add_argument(
+        "--idle-poll",
+        type=float,
+        default=0.2,
+        help="seconds between a SuperNode's requests for a message when idle (Flower: 3); its "
+        f"in-memory waits for a reply (Flower: 0.5 s) are capped at {LOCAL_WAIT_CAP} s",
+    )
+    parser.add_argument(
+        "--pull-backoff",
+        type=pull_backoff_option,
+        default=PULL_BACKOFF,
+        help="seconds before the first retry for a message's objects not yet on the SuperLink (Flower: 1)",
+    )
     args, flower_args = parser.parse_known_args(argv)
     if not 0.01 <= args.idle_poll <= 3:
         parser.error(f"--idle-poll = {args.idle_poll}: must be between 0.01 and 3 seconds")
@@ -84,10 +96,15 @@ def main(argv: list[str] | None = None) -> None:
     if problem:
         print(f"fl_app.supernode: {problem}", flush=True)
     else:
-        backoff = (f"object pulls retried after {args.pull_backoff} s" if shorten_pull_backoff(args.pull_backoff)
-                   else "Flower's object pull backoff (this flwr has no default to set)")
-        print(f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
-              flush=True)
+        backoff = (
+            f"object pulls retried after {args.pull_backoff} s"
+            if shorten_pull_backoff(args.pull_backoff)
+            else "Flower's object pull backoff (this flwr has no default to set)"
+        )
+        print(
+            f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
+            flush=True,
+        )
     sys.argv = ["flower-supernode", *flower_args]
     flower_supernode()
 

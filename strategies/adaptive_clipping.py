@@ -38,10 +38,10 @@ def update_noise_multiplier(noise_multiplier: float, count_noise_multiplier: flo
     """sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2) (Theorem 1 of arXiv 1905.03871)."""
     if noise_multiplier <= 0:
         return 0.0
-    rest = noise_multiplier ** -2 - (2.0 * count_noise_multiplier) ** -2
+    rest = noise_multiplier**-2 - (2.0 * count_noise_multiplier) ** -2
     if rest <= 0:
         raise ValueError(f"count_noise_multiplier={count_noise_multiplier!r} <= noise_multiplier / 2")
-    return rest ** -0.5
+    return rest**-0.5
 
 
 class AdaptiveClipping:
@@ -49,8 +49,9 @@ class AdaptiveClipping:
 
     published_keys = frozenset({"clipping_norm", "clipping_norm_next", "unclipped_fraction_noisy"})  # DP outputs
 
-    def __init__(self, target_quantile: float = 0.5, learning_rate: float = 0.2,
-                 count_noise_multiplier: float = 10.0) -> None:
+    def __init__(
+        self, target_quantile: float = 0.5, learning_rate: float = 0.2, count_noise_multiplier: float = 10.0
+    ) -> None:
         require(0 < target_quantile < 1, "target_quantile", target_quantile, "must be in (0, 1)")
         require(learning_rate > 0, "clip_learning_rate", learning_rate, "must be > 0")
         require(count_noise_multiplier > 0, "clip_count_noise_multiplier", count_noise_multiplier, "must be > 0")
@@ -58,19 +59,36 @@ class AdaptiveClipping:
         self.learning_rate = learning_rate
         self.count_noise_multiplier = count_noise_multiplier
 
-    def check(self, *, noise_multiplier: float, noise_placement: str, secure_aggregation: bool = False,
-              clipping_norm: float = 1.0) -> None:
+    def check(
+        self,
+        *,
+        noise_multiplier: float,
+        noise_placement: str,
+        secure_aggregation: bool = False,
+        clipping_norm: float = 1.0,
+    ) -> None:
         """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
-        require(noise_multiplier == 0 or self.count_noise_multiplier > noise_multiplier / 2,
-                "clip_count_noise_multiplier", self.count_noise_multiplier,
-                f"must be > noise_multiplier / 2 = {noise_multiplier / 2:g} (run-config keys "
-                "'clip-count-noise-multiplier' and 'noise-multiplier'): the update noise multiplier "
-                "(sigma^-2 - (2 sigma_b)^-2)^(-1/2) of Theorem 1 would be imaginary")
-        require(noise_placement in ("central", "distributed"), "noise_placement", noise_placement,
-                "adaptive clipping (run-config key 'adaptive-clipping') needs 'central' or 'distributed' noise")
-        require(not secure_aggregation, "secure_aggregation", secure_aggregation,
-                "adaptive clipping (run-config key 'adaptive-clipping') needs the clipped bits in the clear, "
-                "which SecAgg+ replies do not carry")
+        require(
+            noise_multiplier == 0 or self.count_noise_multiplier > noise_multiplier / 2,
+            "clip_count_noise_multiplier",
+            self.count_noise_multiplier,
+            f"must be > noise_multiplier / 2 = {noise_multiplier / 2:g} (run-config keys "
+            "'clip-count-noise-multiplier' and 'noise-multiplier'): the update noise multiplier "
+            "(sigma^-2 - (2 sigma_b)^-2)^(-1/2) of Theorem 1 would be imaginary",
+        )
+        require(
+            noise_placement in ("central", "distributed"),
+            "noise_placement",
+            noise_placement,
+            "adaptive clipping (run-config key 'adaptive-clipping') needs 'central' or 'distributed' noise",
+        )
+        require(
+            not secure_aggregation,
+            "secure_aggregation",
+            secure_aggregation,
+            "adaptive clipping (run-config key 'adaptive-clipping') needs the clipped bits in the clear, "
+            "which SecAgg+ replies do not carry",
+        )
         require(clipping_norm > 0, "clipping_norm", clipping_norm, "adaptive clipping starts from C_0 > 0")
 
     def update_noise_multiplier(self, noise_multiplier: float) -> float:
@@ -87,15 +105,18 @@ class AdaptiveClipping:
         if noise_placement != "distributed":
             return None
         if keys.CLIP_BIT not in metrics:
-            return ("no clipped bit: adaptive clipping under distributed noise needs "
-                    "clients.adaptive_clipping.clip_bit_mod on the ClientApp's train")
+            return (
+                "no clipped bit: adaptive clipping under distributed noise needs "
+                "clients.adaptive_clipping.clip_bit_mod on the ClientApp's train"
+            )
         bound = 0.5 + HONEST_BIT_BOUND_SIGMAS * self.count_noise_multiplier / math.sqrt(max(1, noise_shares))
         if abs(metrics[keys.CLIP_BIT]) > bound:
             return f"clipped bit {metrics[keys.CLIP_BIT]:.6g} outside [-{bound:.6g}, {bound:.6g}]"
         return None
 
-    def noisy_count(self, server_round: int, noise_placement: str, bits: list[float], noise_shares: int,
-                    seed: int, secure: bool) -> float:
+    def noisy_count(
+        self, server_round: int, noise_placement: str, bits: list[float], noise_shares: int, seed: int, secure: bool
+    ) -> float:
         """sum_i (b_i - 1/2) + N(0, sigma_b^2): all of the noise (central) or the top-up of the missing shares."""
         if noise_placement == "distributed":
             std = self.count_noise_multiplier * math.sqrt(max(0, noise_shares - len(bits)) / max(1, noise_shares))
@@ -104,25 +125,31 @@ class AdaptiveClipping:
         rng = make_rng(seed, 12, server_round, secure=secure)
         return float(np.sum(bits)) + float(rng.normal(0.0, std)) if std > 0 else float(np.sum(bits))
 
-    def next_clipping_norm(self, clipping_norm: float, noisy_count: float, expected_clients: float) -> tuple[float, float]:
+    def next_clipping_norm(
+        self, clipping_norm: float, noisy_count: float, expected_clients: float
+    ) -> tuple[float, float]:
         """(C_{t+1}, b_bar) from the noisy centred count."""
         b_bar = noisy_count / expected_clients + 0.5
         return clipping_norm * math.exp(-self.learning_rate * (b_bar - self.target_quantile)), b_bar
 
-    def after_round(self, strategy, server_round: int, accepted: list[tuple[np.ndarray, dict]],
-                    norms: list[float]) -> dict:
+    def after_round(
+        self, strategy, server_round: int, accepted: list[tuple[np.ndarray, dict]], norms: list[float]
+    ) -> dict:
         """Set the wrapper's C to C_{t+1}; the round record's entries (C_t and C_{t+1} are published)."""
         used = strategy.clipping_norm
         if strategy.noise_placement == "distributed":
             bits = [float(metrics[keys.CLIP_BIT]) for _, metrics in accepted]
         else:
             bits = [(1.0 if n <= used else 0.0) - 0.5 for n in norms]
-        count = self.noisy_count(server_round, strategy.noise_placement, bits, strategy.noise_shares,
-                                 strategy.seed, strategy.secure_rng)
+        count = self.noisy_count(
+            server_round, strategy.noise_placement, bits, strategy.noise_shares, strategy.seed, strategy.secure_rng
+        )
         strategy.clipping_norm, b_bar = self.next_clipping_norm(used, count, strategy.expected_clients)
-        return {"clipping_norm": used, "clipping_norm_next": strategy.clipping_norm,
-                "unclipped_fraction_noisy": b_bar}
+        return {"clipping_norm": used, "clipping_norm_next": strategy.clipping_norm, "unclipped_fraction_noisy": b_bar}
 
     def describe(self) -> dict:
-        return {"target_quantile": self.target_quantile, "clip_learning_rate": self.learning_rate,
-                "clip_count_noise_multiplier": self.count_noise_multiplier}
+        return {
+            "target_quantile": self.target_quantile,
+            "clip_learning_rate": self.learning_rate,
+            "clip_count_noise_multiplier": self.count_noise_multiplier,
+        }

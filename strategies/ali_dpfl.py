@@ -51,18 +51,36 @@ GradientFn = Callable[[list[np.ndarray]], np.ndarray]
 PartitionSizeFn = Callable[[int, int], int]
 
 
-def optimal_local_steps(*, mu: float, clipping_norm: float, noise_multiplier: float, dim: int,
-                        batch_size: float, gamma: float, total_steps: float) -> float:
+def optimal_local_steps(
+    *,
+    mu: float,
+    clipping_norm: float,
+    noise_multiplier: float,
+    dim: int,
+    batch_size: float,
+    gamma: float,
+    total_steps: float,
+) -> float:
     """Eq. (9): tau* = sqrt(1 + (4/mu^2 + 3C^2 + 2 Gamma T mu + s) / ((2 + 1/T)(C^2 + s))),
     s = sigma^2 C^2 d / B^2 (the real-valued optimum, before rounding)."""
-    c2 = clipping_norm ** 2
-    s = noise_multiplier ** 2 * c2 * dim / batch_size ** 2
-    numerator = 4.0 / mu ** 2 + 3.0 * c2 + 2.0 * gamma * total_steps * mu + s
+    c2 = clipping_norm**2
+    s = noise_multiplier**2 * c2 * dim / batch_size**2
+    numerator = 4.0 / mu**2 + 3.0 * c2 + 2.0 * gamma * total_steps * mu + s
     return math.sqrt(1.0 + numerator / ((2.0 + 1.0 / total_steps) * (c2 + s)))
 
 
-def next_local_steps(*, rounds_budget: int, steps_budget: int, previous: int, mu: float, clipping_norm: float,
-                     noise_multiplier: float, dim: int, batch_size: float, gamma: float) -> tuple[int, float]:
+def next_local_steps(
+    *,
+    rounds_budget: int,
+    steps_budget: int,
+    previous: int,
+    mu: float,
+    clipping_norm: float,
+    noise_multiplier: float,
+    dim: int,
+    batch_size: float,
+    gamma: float,
+) -> tuple[int, float]:
     """(tau for the next round, real-valued tau* or nan) by Algorithm 2 lines 15-18.
 
     tau = 1 if R_s >= R_c; else eq. (9) with T = min(R_s * tau_prev, R_c), rounded half
@@ -74,8 +92,15 @@ def next_local_steps(*, rounds_budget: int, steps_budget: int, previous: int, mu
         return previous, math.nan
     total = min(rounds_budget * previous, steps_budget)
     try:
-        tau = optimal_local_steps(mu=mu, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier, dim=dim,
-                                  batch_size=batch_size, gamma=gamma, total_steps=total)
+        tau = optimal_local_steps(
+            mu=mu,
+            clipping_norm=clipping_norm,
+            noise_multiplier=noise_multiplier,
+            dim=dim,
+            batch_size=batch_size,
+            gamma=gamma,
+            total_steps=total,
+        )
     except (ZeroDivisionError, OverflowError):  # mu so small that 1/mu^2 overflows: tau* is unbounded
         tau = math.inf
     if not math.isfinite(tau) or tau >= steps_budget:  # never more than R_c (and an int, even for tau* = inf)
@@ -122,29 +147,75 @@ class ALIDPFL(DPRoundLoop):
         keys.BUDGET_LEFT: MetricRule(low=0, high=1, integer=True),
     }
 
-    def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, batch_sample_rate: float, sample_noise_multiplier: float,
-                 sample_clipping_norm: float, target_epsilon: float, delta: float = 0.0,
-                 accountant: str = DEFAULT_ACCOUNTANT,
-                 adaptive: bool = True, local_steps: int = 1, gamma: float = 5.0, mu_source: str = "server",
-                 mu_noise_multiplier: float = 10.0, mu_max: float = 1.0, gradient_fn: GradientFn | None = None,
-                 partition_size: PartitionSizeFn | None = None, num_partitions: int = 0,
-                 dpsgd_noise: str = "gaussian", wavelet_calibration: str = "exact", grad_sample_mode: str = "ew",
-                 client_sampling: str = "poisson", server_learning_rate: float = 1.0, seed: int = 0,
-                 secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float | None = None,
-                 publish_diagnostics: bool = False,
-                 on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
-        self.check_settings(batch_sample_rate=batch_sample_rate, sample_noise_multiplier=sample_noise_multiplier,
-                            sample_clipping_norm=sample_clipping_norm, target_epsilon=target_epsilon,
-                            accountant=accountant, local_steps=local_steps, gamma=gamma, mu_source=mu_source,
-                            mu_noise_multiplier=mu_noise_multiplier, mu_max=mu_max, dpsgd_noise=dpsgd_noise,
-                            wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode)
-        require(not (adaptive and mu_source == "server" and gradient_fn is None), "mu_source", mu_source,
-                "'server' with adaptive=True needs a gradient_fn (the server's data)")
-        super().__init__(strategy, sample_rate=sample_rate, client_sampling=client_sampling,
-                         server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
-                         secure_rng=secure_rng, min_available_nodes=min_available_nodes,
-                         fraction_evaluate=fraction_evaluate, publish_diagnostics=publish_diagnostics,
-                         on_round_end=on_round_end, on_checkpoint=on_checkpoint)
+    def __init__(
+        self,
+        strategy: Strategy | None = None,
+        *,
+        sample_rate: float,
+        batch_sample_rate: float,
+        sample_noise_multiplier: float,
+        sample_clipping_norm: float,
+        target_epsilon: float,
+        delta: float = 0.0,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        adaptive: bool = True,
+        local_steps: int = 1,
+        gamma: float = 5.0,
+        mu_source: str = "server",
+        mu_noise_multiplier: float = 10.0,
+        mu_max: float = 1.0,
+        gradient_fn: GradientFn | None = None,
+        partition_size: PartitionSizeFn | None = None,
+        num_partitions: int = 0,
+        dpsgd_noise: str = "gaussian",
+        wavelet_calibration: str = "exact",
+        grad_sample_mode: str = "ew",
+        client_sampling: str = "poisson",
+        server_learning_rate: float = 1.0,
+        seed: int = 0,
+        secure_rng: bool = True,
+        min_available_nodes: int = 2,
+        fraction_evaluate: float | None = None,
+        publish_diagnostics: bool = False,
+        on_round_end: RoundCallback | None = None,
+        on_checkpoint: CheckpointCallback | None = None,
+    ) -> None:
+        self.check_settings(
+            batch_sample_rate=batch_sample_rate,
+            sample_noise_multiplier=sample_noise_multiplier,
+            sample_clipping_norm=sample_clipping_norm,
+            target_epsilon=target_epsilon,
+            accountant=accountant,
+            local_steps=local_steps,
+            gamma=gamma,
+            mu_source=mu_source,
+            mu_noise_multiplier=mu_noise_multiplier,
+            mu_max=mu_max,
+            dpsgd_noise=dpsgd_noise,
+            wavelet_calibration=wavelet_calibration,
+            grad_sample_mode=grad_sample_mode,
+        )
+        require(
+            not (adaptive and mu_source == "server" and gradient_fn is None),
+            "mu_source",
+            mu_source,
+            "'server' with adaptive=True needs a gradient_fn (the server's data)",
+        )
+        super().__init__(
+            strategy,
+            sample_rate=sample_rate,
+            client_sampling=client_sampling,
+            server_learning_rate=server_learning_rate,
+            delta=delta,
+            accountant=accountant,
+            seed=seed,
+            secure_rng=secure_rng,
+            min_available_nodes=min_available_nodes,
+            fraction_evaluate=fraction_evaluate,
+            publish_diagnostics=publish_diagnostics,
+            on_round_end=on_round_end,
+            on_checkpoint=on_checkpoint,
+        )
         self.batch_sample_rate = batch_sample_rate
         self.sample_noise_multiplier = sample_noise_multiplier
         self.sample_clipping_norm = sample_clipping_norm
@@ -172,16 +243,37 @@ class ALIDPFL(DPRoundLoop):
         self.clients_out_of_budget = False
 
     @classmethod
-    def check_settings(cls, *, batch_sample_rate: float, sample_noise_multiplier: float, sample_clipping_norm: float,
-                       target_epsilon: float, accountant: str = DEFAULT_ACCOUNTANT, local_steps: int = 1, gamma: float = 5.0,
-                       mu_source: str = "server", mu_noise_multiplier: float = 10.0, mu_max: float = 1.0,
-                       dpsgd_noise: str = "gaussian",
-                       wavelet_calibration: str = "exact", grad_sample_mode: str = "ew", **_) -> None:
+    def check_settings(
+        cls,
+        *,
+        batch_sample_rate: float,
+        sample_noise_multiplier: float,
+        sample_clipping_norm: float,
+        target_epsilon: float,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        local_steps: int = 1,
+        gamma: float = 5.0,
+        mu_source: str = "server",
+        mu_noise_multiplier: float = 10.0,
+        mu_max: float = 1.0,
+        dpsgd_noise: str = "gaussian",
+        wavelet_calibration: str = "exact",
+        grad_sample_mode: str = "ew",
+        **_,
+    ) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
-        check_dpsgd(sample_noise_multiplier=sample_noise_multiplier, sample_clipping_norm=sample_clipping_norm,
-                    batch_sample_rate=batch_sample_rate, target_epsilon=target_epsilon, dpsgd_noise=dpsgd_noise,
-                    wavelet_calibration=wavelet_calibration, grad_sample_mode=grad_sample_mode,
-                    accountant=accountant, mu_source=mu_source, mu_noise_multiplier=mu_noise_multiplier)
+        check_dpsgd(
+            sample_noise_multiplier=sample_noise_multiplier,
+            sample_clipping_norm=sample_clipping_norm,
+            batch_sample_rate=batch_sample_rate,
+            target_epsilon=target_epsilon,
+            dpsgd_noise=dpsgd_noise,
+            wavelet_calibration=wavelet_calibration,
+            grad_sample_mode=grad_sample_mode,
+            accountant=accountant,
+            mu_source=mu_source,
+            mu_noise_multiplier=mu_noise_multiplier,
+        )
         require(gamma >= 0, "gamma", gamma, "must be >= 0")
         require(mu_max > 0, "mu_max", mu_max, "must be > 0")
         require(local_steps >= 0, "local_steps", local_steps, "must be >= 0 (0: 1)")
@@ -197,16 +289,28 @@ class ALIDPFL(DPRoundLoop):
 
     def make_ledger(self, delta: float) -> SampleLevelLedgers:
         """The per-client ledgers, R_c and the first tau."""
-        self.steps_budget = max_local_steps(self.sample_target_epsilon, delta, self.noise.budget,
-                                            self.batch_sample_rate, self.accountant)
-        require(self.steps_budget > 0, "target_epsilon", self.sample_target_epsilon,
-                f"allows no DP-SGD step with noise multiplier {self.sample_noise_multiplier}, batch sample rate "
-                f"{self.batch_sample_rate} and delta {delta}: raise the target or the noise multiplier, or lower "
-                "the sample rate")
+        self.steps_budget = max_local_steps(
+            self.sample_target_epsilon, delta, self.noise.budget, self.batch_sample_rate, self.accountant
+        )
+        require(
+            self.steps_budget > 0,
+            "target_epsilon",
+            self.sample_target_epsilon,
+            f"allows no DP-SGD step with noise multiplier {self.sample_noise_multiplier}, batch sample rate "
+            f"{self.batch_sample_rate} and delta {delta}: raise the target or the noise multiplier, or lower "
+            "the sample rate",
+        )
         if self.adaptive and self.rounds_budget >= self.steps_budget:
             self.tau = 1  # Lemma 1
-        log(INFO, "ALI-DPFL: R_s = %d rounds, R_c = %d DP-SGD steps (epsilon %.3g, delta %.3g), first tau = %d",
-            self.rounds_budget, self.steps_budget, self.sample_target_epsilon, delta, self.tau)
+        log(
+            INFO,
+            "ALI-DPFL: R_s = %d rounds, R_c = %d DP-SGD steps (epsilon %.3g, delta %.3g), first tau = %d",
+            self.rounds_budget,
+            self.steps_budget,
+            self.sample_target_epsilon,
+            delta,
+            self.tau,
+        )
         return SampleLevelLedgers(delta, self.accountant)
 
     def ledger_from_state(self, state: dict) -> SampleLevelLedgers:
@@ -215,15 +319,23 @@ class ALIDPFL(DPRoundLoop):
     def extra_state(self) -> dict:
         def by_pid(d: dict) -> dict:
             return {str(k): v for k, v in d.items()}
-        return {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list,
-                "steps_taken": by_pid(self.steps_taken), "mu_releases": by_pid(self.mu_releases),
-                "dataset_sizes": by_pid(self.dataset_sizes), "partition_of": by_pid(self.partition_of),
-                "mu_rounds": self.mu_rounds,
-                "clients_out_of_budget": self.clients_out_of_budget}
+
+        return {
+            "steps_budget": self.steps_budget,
+            "tau": self.tau,
+            "tau_list": self.tau_list,
+            "steps_taken": by_pid(self.steps_taken),
+            "mu_releases": by_pid(self.mu_releases),
+            "dataset_sizes": by_pid(self.dataset_sizes),
+            "partition_of": by_pid(self.partition_of),
+            "mu_rounds": self.mu_rounds,
+            "clients_out_of_budget": self.clients_out_of_budget,
+        }
 
     def load_extra_state(self, state: dict) -> None:
         def by_pid(d: dict) -> dict:
             return {int(k): int(v) for k, v in d.items()}
+
         self.steps_budget, self.tau = int(state["steps_budget"]), int(state["tau"])
         self.tau_list = [int(t) for t in state["tau_list"]]
         self.steps_taken, self.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
@@ -238,11 +350,23 @@ class ALIDPFL(DPRoundLoop):
 
     def summary(self) -> None:
         log(INFO, "\t├──> Sample-level DP-SGD on every client (%s)", type(self).__name__)
-        log(INFO, "\t│\t├── q_s=%.4g  C=%.4g  sigma=%.4g  target_epsilon=%.4g  accountant=%s",
-            self.batch_sample_rate, self.sample_clipping_norm, self.sample_noise_multiplier,
-            self.sample_target_epsilon, self.accountant)
-        log(INFO, "\t│\t└── adaptive=%s  gamma=%.3g  mu_source=%s  client q=%.4g", self.adaptive, self.gamma,
-            self.mu_source, self.sample_rate)
+        log(
+            INFO,
+            "\t│\t├── q_s=%.4g  C=%.4g  sigma=%.4g  target_epsilon=%.4g  accountant=%s",
+            self.batch_sample_rate,
+            self.sample_clipping_norm,
+            self.sample_noise_multiplier,
+            self.sample_target_epsilon,
+            self.accountant,
+        )
+        log(
+            INFO,
+            "\t│\t└── adaptive=%s  gamma=%.3g  mu_source=%s  client q=%.4g",
+            self.adaptive,
+            self.gamma,
+            self.mu_source,
+            self.sample_rate,
+        )
 
     # ------------------------------------------------------------------ train
     @property
@@ -262,18 +386,23 @@ class ALIDPFL(DPRoundLoop):
         whose own state was lost, e.g. after a restart, never spends it again)."""
         node_of = {pid: node for node, pid in self.partition_of.items()}
         pids = range(max([self.partitions - 1, *node_of], default=-1) + 1)
-        return {keys.SERVER_ROUND: server_round, keys.LOCAL_STEPS: self.round_local_steps(),
-                keys.RELEASE_MU: self.releases_mu(), keys.PRIVATIZE: False,
-                keys.SPENT_STEPS: [self.steps_taken.get(node_of.get(p, -1), 0) for p in pids],
-                keys.SPENT_MU_RELEASES: [self.mu_releases.get(node_of.get(p, -1), 0) for p in pids]}
+        return {
+            keys.SERVER_ROUND: server_round,
+            keys.LOCAL_STEPS: self.round_local_steps(),
+            keys.RELEASE_MU: self.releases_mu(),
+            keys.PRIVATIZE: False,
+            keys.SPENT_STEPS: [self.steps_taken.get(node_of.get(p, -1), 0) for p in pids],
+            keys.SPENT_MU_RELEASES: [self.mu_releases.get(node_of.get(p, -1), 0) for p in pids],
+        }
 
     @property
     def partitions(self) -> int:
         """The number of partitions the public sizes are computed for."""
         return self.num_partitions or self.num_clients
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.current_arrays is not None and self.ledger is not None
         tau = self.round_local_steps()
         self.tau_list.append(tau)
@@ -288,8 +417,10 @@ class ALIDPFL(DPRoundLoop):
             problem, weight = self.row_problem(node, metrics, tau)
             if problem:
                 rejected += 1
-                self.note_problem(server_round, f"rejected the reply of node {node} (partition "
-                                                f"{metrics.get(keys.PARTITION_ID)}): {problem}")
+                self.note_problem(
+                    server_round,
+                    f"rejected the reply of node {node} (partition {metrics.get(keys.PARTITION_ID)}): {problem}",
+                )
                 continue
             rows.append((vector, metrics))
             weights.append(weight)
@@ -388,33 +519,55 @@ class ALIDPFL(DPRoundLoop):
             mirrored = self.ledger.clients[pid].epsilon() if pid in self.ledger.clients else 0.0
             reported = float(m.get(keys.EPSILON, mirrored))
             if not math.isclose(mirrored, reported, rel_tol=1e-6, abs_tol=1e-9):
-                log(WARNING, "Round %d: client %d reports epsilon %.6g, its mirrored ledger gives %.6g",
-                    server_round, pid, reported, mirrored)
+                log(
+                    WARNING,
+                    "Round %d: client %d reports epsilon %.6g, its mirrored ledger gives %.6g",
+                    server_round,
+                    pid,
+                    reported,
+                    mirrored,
+                )
 
     def set_dimension(self, dim: int) -> None:
         """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
         first, self.dimension = self.dimension == 0, dim
         self.noise = dpsgd_multipliers(self.sample_noise_multiplier, self.dpsgd_noise, self.wavelet_calibration, dim)
         if first and self.noise.claims_differ:
-            log(WARNING, "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "
-                         "true noise multiplier sigma_H / n = %.3g (n = %d), not %.3g; clients stop on the "
-                         "paper's claimed epsilon, the run reports the TRUE epsilon. Use 'exact' for the "
-                         "configured guarantee.", self.noise.accounted, haar_padded_size(dim),
-                self.sample_noise_multiplier)
+            log(
+                WARNING,
+                "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "
+                "true noise multiplier sigma_H / n = %.3g (n = %d), not %.3g; clients stop on the "
+                "paper's claimed epsilon, the run reports the TRUE epsilon. Use 'exact' for the "
+                "configured guarantee.",
+                self.noise.accounted,
+                haar_padded_size(dim),
+                self.sample_noise_multiplier,
+            )
 
     def claimed_epsilon(self) -> float:
         """max over clients of the epsilon the paper's analysis would print (DP-SGD at sigma_H)."""
         assert self.ledger is not None
-        return max((epsilon_of([(self.sample_noise_multiplier, self.batch_sample_rate, steps),
-                                (self.mu_noise_multiplier, 1.0, self.mu_releases.get(pid, 0))],
-                               self.ledger.delta, self.accountant)
-                    for pid, steps in self.steps_taken.items()), default=0.0)
+        return max(
+            (
+                epsilon_of(
+                    [
+                        (self.sample_noise_multiplier, self.batch_sample_rate, steps),
+                        (self.mu_noise_multiplier, 1.0, self.mu_releases.get(pid, 0)),
+                    ],
+                    self.ledger.delta,
+                    self.accountant,
+                )
+                for pid, steps in self.steps_taken.items()
+            ),
+            default=0.0,
+        )
 
     def needs_mu(self) -> bool:
         return self.adaptive and self.rounds_budget < self.steps_budget
 
-    def estimate_mu(self, global_arrays: list[np.ndarray], shapes: list, rows: list[tuple[np.ndarray, dict]],
-                    weights: np.ndarray) -> float:
+    def estimate_mu(
+        self, global_arrays: list[np.ndarray], shapes: list, rows: list[tuple[np.ndarray, dict]], weights: np.ndarray
+    ) -> float:
         """sum_i p_i ratio_i over the clients with a ratio (p renormalised over them); nan if none."""
         ratios, used = [], []
         if self.mu_source == "clients":
@@ -441,10 +594,17 @@ class ALIDPFL(DPRoundLoop):
         if not self.adaptive:
             return self.initial_local_steps, math.nan
         batch = self.batch_sample_rate * min(self.dataset_sizes.values(), default=0)
-        return next_local_steps(rounds_budget=self.rounds_budget, steps_budget=self.steps_budget,
-                                previous=self.tau, mu=mu, clipping_norm=self.sample_clipping_norm,
-                                noise_multiplier=self.sample_noise_multiplier, dim=dim, batch_size=batch,
-                                gamma=self.gamma)
+        return next_local_steps(
+            rounds_budget=self.rounds_budget,
+            steps_budget=self.steps_budget,
+            previous=self.tau,
+            mu=mu,
+            clipping_norm=self.sample_clipping_norm,
+            noise_multiplier=self.sample_noise_multiplier,
+            dim=dim,
+            batch_size=batch,
+            gamma=self.gamma,
+        )
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
@@ -458,8 +618,10 @@ class ALIDPFL(DPRoundLoop):
     def round_details(self) -> dict:
         """Each client's epsilon so far, for the round record (dashboards' rounds x clients heatmap)."""
         assert self.ledger is not None
-        return {**super().round_details(),
-                "epsilon_per_client": {str(c): e for c, e in self.ledger.epsilon_per_client().items()}}
+        return {
+            **super().round_details(),
+            "epsilon_per_client": {str(c): e for c, e in self.ledger.epsilon_per_client().items()},
+        }
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
@@ -469,10 +631,14 @@ class ALIDPFL(DPRoundLoop):
 
     def budget_stop_reason(self, server_round: int) -> str:
         if self.total_steps >= self.steps_budget:
-            return (f"clients reached R_c = {self.steps_budget} DP-SGD steps (target epsilon "
-                    f"{self.sample_target_epsilon}) before round {server_round}")
-        return (f"no client can take another DP-SGD step within target epsilon {self.sample_target_epsilon} "
-                f"(before round {server_round})")
+            return (
+                f"clients reached R_c = {self.steps_budget} DP-SGD steps (target epsilon "
+                f"{self.sample_target_epsilon}) before round {server_round}"
+            )
+        return (
+            f"no client can take another DP-SGD step within target epsilon {self.sample_target_epsilon} "
+            f"(before round {server_round})"
+        )
 
     def describe(self) -> dict:
         assert self.ledger is not None

@@ -85,32 +85,76 @@ class DifferentialPrivacy(DPRoundLoop):
     """
 
     clients_clip_under_central_noise = False
-    reply_metric_rules = {keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
-                          keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
-                          keys.LOCAL_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e15)}
+    reply_metric_rules = {
+        keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
+        keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
+        keys.LOCAL_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e15),
+    }
 
-    def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, clipping_norm: float,
-                 noise_multiplier: float, noise_placement: str = "central", client_sampling: str = "poisson",
-                 server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = DEFAULT_ACCOUNTANT,
-                 target_epsilon: float = 0.0, target_epsilon_mode: str = "stop",
-                 secure_aggregation: bool = False, seed: int = 0, secure_rng: bool = True,
-                 min_available_nodes: int = 2, fraction_evaluate: float | None = None, audit_canaries: int = 0,
-                 audit_canary_kind: str = "isotropic", publish_diagnostics: bool = False,
-                 adaptive_clipping=None, ftrl=None,
-                 on_round_end: RoundCallback | None = None, on_checkpoint: CheckpointCallback | None = None) -> None:
-        require(audit_canaries == 0 or audit_canaries >= 2, "audit_canaries", audit_canaries,
-                "must be 0 (no audit) or >= 2 (the null cosines' spread needs two)")
+    def __init__(
+        self,
+        strategy: Strategy | None = None,
+        *,
+        sample_rate: float,
+        clipping_norm: float,
+        noise_multiplier: float,
+        noise_placement: str = "central",
+        client_sampling: str = "poisson",
+        server_learning_rate: float = 1.0,
+        delta: float = 0.0,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        target_epsilon: float = 0.0,
+        target_epsilon_mode: str = "stop",
+        secure_aggregation: bool = False,
+        seed: int = 0,
+        secure_rng: bool = True,
+        min_available_nodes: int = 2,
+        fraction_evaluate: float | None = None,
+        audit_canaries: int = 0,
+        audit_canary_kind: str = "isotropic",
+        publish_diagnostics: bool = False,
+        adaptive_clipping=None,
+        ftrl=None,
+        on_round_end: RoundCallback | None = None,
+        on_checkpoint: CheckpointCallback | None = None,
+    ) -> None:
+        require(
+            audit_canaries == 0 or audit_canaries >= 2,
+            "audit_canaries",
+            audit_canaries,
+            "must be 0 (no audit) or >= 2 (the null cosines' spread needs two)",
+        )
         one_of("audit_canary_kind", audit_canary_kind, CANARY_KINDS)
-        self.check_settings(sample_rate=sample_rate, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier,
-                            noise_placement=noise_placement, client_sampling=client_sampling,
-                            target_epsilon=target_epsilon, target_epsilon_mode=target_epsilon_mode, delta=delta,
-                            accountant=accountant, secure_aggregation=secure_aggregation,
-                            adaptive_clipping=adaptive_clipping, ftrl=ftrl, audit_canaries=audit_canaries)
-        super().__init__(strategy, sample_rate=sample_rate, client_sampling=client_sampling,
-                         server_learning_rate=server_learning_rate, delta=delta, accountant=accountant, seed=seed,
-                         secure_rng=secure_rng, min_available_nodes=min_available_nodes,
-                         fraction_evaluate=fraction_evaluate, publish_diagnostics=publish_diagnostics,
-                         on_round_end=on_round_end, on_checkpoint=on_checkpoint)
+        self.check_settings(
+            sample_rate=sample_rate,
+            clipping_norm=clipping_norm,
+            noise_multiplier=noise_multiplier,
+            noise_placement=noise_placement,
+            client_sampling=client_sampling,
+            target_epsilon=target_epsilon,
+            target_epsilon_mode=target_epsilon_mode,
+            delta=delta,
+            accountant=accountant,
+            secure_aggregation=secure_aggregation,
+            adaptive_clipping=adaptive_clipping,
+            ftrl=ftrl,
+            audit_canaries=audit_canaries,
+        )
+        super().__init__(
+            strategy,
+            sample_rate=sample_rate,
+            client_sampling=client_sampling,
+            server_learning_rate=server_learning_rate,
+            delta=delta,
+            accountant=accountant,
+            seed=seed,
+            secure_rng=secure_rng,
+            min_available_nodes=min_available_nodes,
+            fraction_evaluate=fraction_evaluate,
+            publish_diagnostics=publish_diagnostics,
+            on_round_end=on_round_end,
+            on_checkpoint=on_checkpoint,
+        )
         self.clipping_norm = clipping_norm
         self.noise_multiplier = noise_multiplier
         self.noise = make_noise_placement(noise_placement, self.clients_clip_under_central_noise)
@@ -128,26 +172,55 @@ class DifferentialPrivacy(DPRoundLoop):
             self.reply_metric_rules = {**self.reply_metric_rules, keys.CLIP_BIT: MetricRule(low=-1e15, high=1e15)}
 
     @classmethod
-    def check_settings(cls, *, sample_rate: float, clipping_norm: float, noise_multiplier: float,
-                       noise_placement: str = "central", client_sampling: str = "poisson",
-                       target_epsilon: float = 0.0, target_epsilon_mode: str = "stop", delta: float = 0.0,
-                       accountant: str = DEFAULT_ACCOUNTANT, secure_aggregation: bool = False,
-                       adaptive_clipping=None, ftrl=None, audit_canaries: int = 0, **_) -> None:
+    def check_settings(
+        cls,
+        *,
+        sample_rate: float,
+        clipping_norm: float,
+        noise_multiplier: float,
+        noise_placement: str = "central",
+        client_sampling: str = "poisson",
+        target_epsilon: float = 0.0,
+        target_epsilon_mode: str = "stop",
+        delta: float = 0.0,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        secure_aggregation: bool = False,
+        adaptive_clipping=None,
+        ftrl=None,
+        audit_canaries: int = 0,
+        **_,
+    ) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
-        check_client_level_dp(sample_rate=sample_rate, clipping_norm=clipping_norm,
-                              noise_multiplier=noise_multiplier, noise_placement=noise_placement,
-                              client_sampling=client_sampling, target_epsilon=target_epsilon,
-                              target_epsilon_mode=target_epsilon_mode, delta=delta, accountant=accountant)
+        check_client_level_dp(
+            sample_rate=sample_rate,
+            clipping_norm=clipping_norm,
+            noise_multiplier=noise_multiplier,
+            noise_placement=noise_placement,
+            client_sampling=client_sampling,
+            target_epsilon=target_epsilon,
+            target_epsilon_mode=target_epsilon_mode,
+            delta=delta,
+            accountant=accountant,
+        )
         if secure_aggregation:
             check_secure_aggregation(noise_placement, clipping_norm)
         if adaptive_clipping is not None:
-            adaptive_clipping.check(noise_multiplier=noise_multiplier, noise_placement=noise_placement,
-                                    secure_aggregation=secure_aggregation, clipping_norm=clipping_norm)
+            adaptive_clipping.check(
+                noise_multiplier=noise_multiplier,
+                noise_placement=noise_placement,
+                secure_aggregation=secure_aggregation,
+                clipping_norm=clipping_norm,
+            )
         if ftrl is not None:
-            ftrl.check(noise_placement=noise_placement, secure_aggregation=secure_aggregation,
-                       adaptive_clipping=adaptive_clipping, audit_canaries=audit_canaries,
-                       target_epsilon_mode=target_epsilon_mode, noise_multiplier=noise_multiplier,
-                       clipping_norm=clipping_norm)
+            ftrl.check(
+                noise_placement=noise_placement,
+                secure_aggregation=secure_aggregation,
+                adaptive_clipping=adaptive_clipping,
+                audit_canaries=audit_canaries,
+                target_epsilon_mode=target_epsilon_mode,
+                noise_multiplier=noise_multiplier,
+                clipping_norm=clipping_norm,
+            )
 
     @property
     def noise_placement(self) -> str:
@@ -166,20 +239,32 @@ class DifferentialPrivacy(DPRoundLoop):
             rounds = max(1, self.num_rounds)
             reserve = 0.0 if fixed else rounds * TRUNCATION_PROBABILITY  # what sampling reserves out of delta
             self.noise_multiplier = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
-                self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant)
-            log(INFO, "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
-                self.noise_multiplier, self.target_epsilon, self.num_rounds)
-        return ClientLevelLedger(delta, self.accountant, self.noise_placement, self.secure_aggregation,
-                                 self.client_sampling)
+                self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant
+            )
+            log(
+                INFO,
+                "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
+                self.noise_multiplier,
+                self.target_epsilon,
+                self.num_rounds,
+            )
+        return ClientLevelLedger(
+            delta, self.accountant, self.noise_placement, self.secure_aggregation, self.client_sampling
+        )
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         if self.ftrl is not None:
-            raise ValueError("a DP-FTRL run cannot resume: its tree's noise is not checkpointed, and redrawing it "
-                             "would release the same nodes twice")
+            raise ValueError(
+                "a DP-FTRL run cannot resume: its tree's noise is not checkpointed, and redrawing it "
+                "would release the same nodes twice"
+            )
         return ClientLevelLedger.from_state_dict(state)
 
     def extra_state(self) -> dict:
-        return {"noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm}  # as calibrated, adapted
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "clipping_norm": self.clipping_norm,
+        }  # as calibrated, adapted
 
     def load_extra_state(self, state: dict) -> None:
         self.noise_multiplier = float(state["noise_multiplier"])
@@ -188,11 +273,22 @@ class DifferentialPrivacy(DPRoundLoop):
     def summary(self) -> None:
         super().summary()
         log(INFO, "\t├──> Client-level DP (%s)", type(self).__name__)
-        log(INFO, "\t│\t├── q=%.4g  C=%.4g  sigma=%.4g  noise=%s  sampling=%s",
-            self.sample_rate, self.clipping_norm, self.noise_multiplier, self.noise_placement,
-            self.client_sampling)
-        log(INFO, "\t│\t└── accountant=%s  target_epsilon=%s (%s)", self.accountant,
-            self.target_epsilon or "none", self.target_epsilon_mode)
+        log(
+            INFO,
+            "\t│\t├── q=%.4g  C=%.4g  sigma=%.4g  noise=%s  sampling=%s",
+            self.sample_rate,
+            self.clipping_norm,
+            self.noise_multiplier,
+            self.noise_placement,
+            self.client_sampling,
+        )
+        log(
+            INFO,
+            "\t│\t└── accountant=%s  target_epsilon=%s (%s)",
+            self.accountant,
+            self.target_epsilon or "none",
+            self.target_epsilon_mode,
+        )
 
     # ------------------------------------------------------------------ train
     def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
@@ -207,8 +303,10 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""
-        config = {keys.SERVER_ROUND: server_round,
-                  **self.noise.client_config(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares)}
+        config = {
+            keys.SERVER_ROUND: server_round,
+            **self.noise.client_config(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares),
+        }
         if self.adaptive_clipping is not None:
             config.update(self.adaptive_clipping.client_config(self.noise_placement, self.noise_shares))
         return config
@@ -219,8 +317,9 @@ class DifferentialPrivacy(DPRoundLoop):
         super().begin_round(arrays)
         if not self.signal_checked and self.ledger is not None:
             self.signal_checked = True
-            if warning := noise_to_signal_warning(self.noise_multiplier, self.expected_clients,
-                                                  sum(a.size for a in self.global_arrays())):
+            if warning := noise_to_signal_warning(
+                self.noise_multiplier, self.expected_clients, sum(a.size for a in self.global_arrays())
+            ):
                 log(WARNING, "%s", warning)
 
     def canary_updates(self, server_round: int, dim: int) -> list[np.ndarray]:
@@ -228,19 +327,28 @@ class DifferentialPrivacy(DPRoundLoop):
         if not self.audit_canaries:
             return []
         draws = make_rng(self.seed, 9, server_round, secure=self.secure_rng).random(self.audit_canaries)
-        return [self.clipping_norm * canary_direction(self.canary_seed, i, dim, self.audit_canary_kind)
-                for i in np.flatnonzero(draws < self.sample_rate)]
+        return [
+            self.clipping_norm * canary_direction(self.canary_seed, i, dim, self.audit_canary_kind)
+            for i in np.flatnonzero(draws < self.sample_rate)
+        ]
 
     def audit(self) -> dict | None:
         """The one-shot estimate from the model delta of the rounds run so far (None without canaries)."""
         if not self.audit_canaries or self.audit_start is None or self.latest_arrays is None:
             return None
         final = flatten(self.latest_arrays.to_numpy_ndarrays())
-        return audit_epsilon(final - self.audit_start, self.canary_seed, self.audit_canaries, self.audit_canaries,
-                             self.ledger.delta, self.audit_canary_kind)
+        return audit_epsilon(
+            final - self.audit_start,
+            self.canary_seed,
+            self.audit_canaries,
+            self.audit_canaries,
+            self.ledger.delta,
+            self.audit_canary_kind,
+        )
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.current_arrays is not None and self.ledger is not None
         global_arrays = self.global_arrays()
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
@@ -253,8 +361,9 @@ class DifferentialPrivacy(DPRoundLoop):
                 losses.append(float(metrics[keys.TRAIN_LOSS]))
 
         canaries = self.canary_updates(server_round, sum(a.size for a in global_arrays))
-        new_global = self.noisy_average_step(server_round, updates + canaries, flatten(global_arrays),
-                                             received=len(updates))
+        new_global = self.noisy_average_step(
+            server_round, updates + canaries, flatten(global_arrays), received=len(updates)
+        )
 
         finite_norms = np.array([n for n in norms if math.isfinite(n)])
         clip_active = self.clipping_norm > 0
@@ -263,7 +372,8 @@ class DifferentialPrivacy(DPRoundLoop):
             "rejected": rejected,
             "failures": failures,
             "clipped_fraction": float(np.mean(finite_norms > self.clipping_norm))
-            if clip_active and finite_norms.size else 0.0,
+            if clip_active and finite_norms.size
+            else 0.0,
             "update_norm_mean": float(finite_norms.mean()) if finite_norms.size else 0.0,
             "update_norm_std": float(finite_norms.std()) if finite_norms.size else 0.0,
             "train_loss": float(np.mean(losses)) if losses else math.nan,
@@ -281,13 +391,15 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
-        if (problem := getattr(self.noise, "reply_problem", lambda *_: None)(metrics, self.noise_multiplier)):
+        if problem := getattr(self.noise, "reply_problem", lambda *_: None)(metrics, self.noise_multiplier):
             return problem
-        if self.adaptive_clipping is not None and (problem := self.adaptive_clipping.reply_problem(
-                metrics, self.noise_placement, self.noise_shares)):
+        if self.adaptive_clipping is not None and (
+            problem := self.adaptive_clipping.reply_problem(metrics, self.noise_placement, self.noise_shares)
+        ):
             return problem
-        bound = self.noise.upload_norm_bound(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares,
-                                             vector.size)
+        bound = self.noise.upload_norm_bound(
+            self.update_noise_multiplier(), self.clipping_norm, self.noise_shares, vector.size
+        )
         norm = l2_norm(vector)
         return f"upload norm {norm:.6g} above the bound {bound:.6g} of an honest noisy update" if norm > bound else None
 
@@ -307,8 +419,9 @@ class DifferentialPrivacy(DPRoundLoop):
         returns the multiplier its noise really has)."""
         return self.noise_multiplier
 
-    def noisy_average_step(self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray,
-                           received: int | None = None) -> np.ndarray:
+    def noisy_average_step(
+        self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int | None = None
+    ) -> np.ndarray:
         """w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the ledger (with the
         probability that this round's sample was truncated to n_s, reserved out of delta).
 
@@ -321,25 +434,38 @@ class DifferentialPrivacy(DPRoundLoop):
         received = len(updates) if received is None else received
         aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
         aggregate /= np.float32(self.expected_clients)
-        self.ledger.record_round(self.accounted_noise_multiplier(), self.sample_rate, self.noise_shares, received,
-                                 truncation_probability=self.round_truncation_probability,
-                                 sampled_from=self.round_sampled_from)
+        self.ledger.record_round(
+            self.accounted_noise_multiplier(),
+            self.sample_rate,
+            self.noise_shares,
+            received,
+            truncation_probability=self.round_truncation_probability,
+            sampled_from=self.round_sampled_from,
+        )
         return global_vector + np.float32(self.server_learning_rate) * aggregate
 
-    def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
-                  received: int | None = None) -> np.ndarray:
+    def noisy_sum(
+        self, server_round: int, updates: list[np.ndarray], size: int, received: int | None = None
+    ) -> np.ndarray:
         """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)
         for the n_s - received noise shares that did not arrive."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        std = self.noise.server_noise_std(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares,
-                                          len(updates) if received is None else received)
+        std = self.noise.server_noise_std(
+            self.update_noise_multiplier(),
+            self.clipping_norm,
+            self.noise_shares,
+            len(updates) if received is None else received,
+        )
         self.last_server_noise_std = std
         return total + gaussian_noise(size, std, make_rng(self.seed, 2, server_round, secure=self.secure_rng))
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
-        return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta,
-                "epsilon_against_server": self.ledger.epsilon_against_server()}
+        return {
+            "epsilon": self.ledger.epsilon(),
+            "delta": self.ledger.delta,
+            "epsilon_against_server": self.ledger.epsilon_against_server(),
+        }
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
@@ -349,11 +475,15 @@ class DifferentialPrivacy(DPRoundLoop):
         below its ServerConfig's) stops here too."""
         if self.ledger is None or self.target_epsilon <= 0:
             return False
-        return self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, 1,
-                                                self.next_truncation_probability()) > self.target_epsilon
+        return (
+            self.ledger.epsilon_after_rounds(
+                self.accounted_noise_multiplier(), self.sample_rate, 1, self.next_truncation_probability()
+            )
+            > self.target_epsilon
+        )
 
     def budget_stop_reason(self, server_round: int) -> str:
-        calibrated = (" (sigma was calibrated for fewer rounds)" if self.target_epsilon_mode == "calibrate" else "")
+        calibrated = " (sigma was calibrated for fewer rounds)" if self.target_epsilon_mode == "calibrate" else ""
         return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{calibrated}"
 
     def guarantee_caveats(self) -> list[str]:
@@ -367,13 +497,16 @@ class DifferentialPrivacy(DPRoundLoop):
         metrics.)"""
         if self.noise_placement != "distributed" or self.secure_aggregation or self.noise_multiplier <= 0:
             return []
-        return ["clients send their update norm before clipping, training loss and example count in the clear "
-                "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"]
+        return [
+            "clients send their update norm before clipping, training loss and example count in the clear "
+            "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
+        ]
 
     def published_keys(self) -> frozenset:
         """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""
-        published = super().published_keys() | (self.adaptive_clipping.published_keys if self.adaptive_clipping
-                                                 else frozenset())
+        published = super().published_keys() | (
+            self.adaptive_clipping.published_keys if self.adaptive_clipping else frozenset()
+        )
         return published - {"epsilon_against_server"} if self.secure_aggregation else published
 
     def describe(self) -> dict:
@@ -403,8 +536,11 @@ class DifferentialPrivacy(DPRoundLoop):
     def describe_diagnostics(self) -> dict:
         if not self.secure_aggregation:
             return super().describe_diagnostics()
-        return {**super().describe_diagnostics(), "ledger": self.ledger.state_dict(),
-                "epsilon_against_server": self.ledger.epsilon_against_server()}
+        return {
+            **super().describe_diagnostics(),
+            "ledger": self.ledger.state_dict(),
+            "epsilon_against_server": self.ledger.epsilon_against_server(),
+        }
 
 
 NOISE_TO_SIGNAL_LIMIT = 10.0  # sigma sqrt(d) / m above this: the default job learns at 6.4, stalls at 16
@@ -420,11 +556,13 @@ def noise_to_signal_warning(noise_multiplier: float, expected_clients: float, di
     if ratio <= NOISE_TO_SIGNAL_LIMIT:
         return None
     needed = math.ceil(noise_multiplier * math.sqrt(dim) / NOISE_TO_SIGNAL_LIMIT)
-    return (f"the noise on the average update (norm about sigma*C*sqrt(d)/m) is {ratio:.3g} times the largest "
-            f"average update C (sigma = {noise_multiplier:g}, d = {dim} parameters, m = {expected_clients:g} "
-            f"clients per round): the model will hardly learn. Remedies: about {needed} or more clients per round "
-            f"(more clients, or a higher sample-rate), a smaller noise-multiplier (a larger epsilon), or a smaller "
-            f"model")
+    return (
+        f"the noise on the average update (norm about sigma*C*sqrt(d)/m) is {ratio:.3g} times the largest "
+        f"average update C (sigma = {noise_multiplier:g}, d = {dim} parameters, m = {expected_clients:g} "
+        f"clients per round): the model will hardly learn. Remedies: about {needed} or more clients per round "
+        f"(more clients, or a higher sample-rate), a smaller noise-multiplier (a larger epsilon), or a smaller "
+        f"model"
+    )
 
 
 DPFedAvg = DifferentialPrivacy  # DP-FedAvg: the wrapper around FedAvg (its default strategy)

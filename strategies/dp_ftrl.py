@@ -48,8 +48,12 @@ class DPFTRL:
     """
 
     def __init__(self, epoch_rounds: int = 0, momentum: float = 0.0) -> None:
-        require(int(epoch_rounds) == epoch_rounds and epoch_rounds >= 0, "epoch_rounds", epoch_rounds,
-                "must be an integer >= 0 (0: number of nodes // clients per round)")
+        require(
+            int(epoch_rounds) == epoch_rounds and epoch_rounds >= 0,
+            "epoch_rounds",
+            epoch_rounds,
+            "must be an integer >= 0 (0: number of nodes // clients per round)",
+        )
         require(0 <= momentum < 1, "ftrl_momentum", momentum, "must be in [0, 1)")
         self.requested_epoch_rounds = int(epoch_rounds)
         self.momentum = float(momentum)
@@ -66,21 +70,49 @@ class DPFTRL:
         self.cumulative: np.ndarray | None = None  # v_1 + ... + v_t (momentum)
 
     # ------------------------------------------------------------------ rules
-    def check(self, *, noise_placement: str, secure_aggregation: bool = False, adaptive_clipping=None,
-              audit_canaries: int = 0, target_epsilon_mode: str = "stop", noise_multiplier: float = 1.0,
-              clipping_norm: float = 1.0) -> None:
+    def check(
+        self,
+        *,
+        noise_placement: str,
+        secure_aggregation: bool = False,
+        adaptive_clipping=None,
+        audit_canaries: int = 0,
+        target_epsilon_mode: str = "stop",
+        noise_multiplier: float = 1.0,
+        clipping_norm: float = 1.0,
+    ) -> None:
         """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
-        require(noise_placement == "central", "noise_placement", noise_placement,
-                "DP-FTRL (run-config algorithm 'dp-ftrl') adds the tree's noise at the server: use 'central'")
-        require(not secure_aggregation, "secure_aggregation", secure_aggregation,
-                "DP-FTRL keeps a running sum at the server; SecAgg+ is not supported with it")
-        require(adaptive_clipping is None, "adaptive_clipping", adaptive_clipping,
-                "DP-FTRL's tree charges a fixed clipping norm; adaptive clipping is not supported with it")
+        require(
+            noise_placement == "central",
+            "noise_placement",
+            noise_placement,
+            "DP-FTRL (run-config algorithm 'dp-ftrl') adds the tree's noise at the server: use 'central'",
+        )
+        require(
+            not secure_aggregation,
+            "secure_aggregation",
+            secure_aggregation,
+            "DP-FTRL keeps a running sum at the server; SecAgg+ is not supported with it",
+        )
+        require(
+            adaptive_clipping is None,
+            "adaptive_clipping",
+            adaptive_clipping,
+            "DP-FTRL's tree charges a fixed clipping norm; adaptive clipping is not supported with it",
+        )
         require(audit_canaries == 0, "audit_canaries", audit_canaries, "the canary audit assumes sampling")
-        require(target_epsilon_mode == "stop", "target_epsilon_mode", target_epsilon_mode,
-                "DP-FTRL supports 'stop' only (its noise is not calibrated to the sampled Gaussian)")
-        require(noise_multiplier > 0 and clipping_norm > 0, "noise_multiplier", noise_multiplier,
-                "DP-FTRL needs noise_multiplier > 0 and clipping_norm > 0 (the non-private reference is dp-fedavg)")
+        require(
+            target_epsilon_mode == "stop",
+            "target_epsilon_mode",
+            target_epsilon_mode,
+            "DP-FTRL supports 'stop' only (its noise is not calibrated to the sampled Gaussian)",
+        )
+        require(
+            noise_multiplier > 0 and clipping_norm > 0,
+            "noise_multiplier",
+            noise_multiplier,
+            "DP-FTRL needs noise_multiplier > 0 and clipping_norm > 0 (the non-private reference is dp-fedavg)",
+        )
 
     # ------------------------------------------------------------------ population, ledger
     def make_ledger(self, strategy, delta: float) -> TreeAggregationLedger:
@@ -119,13 +151,15 @@ class DPFTRL:
                 self.carried_noise += self.tree.prefix_noise()  # the completed epoch's released total
             self.tree_epoch = epoch
             std = strategy.noise_multiplier * strategy.clipping_norm
-            self.tree = TreeNoise(size, std, lambda t, e=epoch: make_rng(strategy.seed, NOISE_STREAM, e, t,
-                                                                           secure=strategy.secure_rng))
+            self.tree = TreeNoise(
+                size, std, lambda t, e=epoch: make_rng(strategy.seed, NOISE_STREAM, e, t, secure=strategy.secure_rng)
+            )
         if updates:
             self.exact_sum += np.sum(updates, axis=0, dtype=np.float32)
         noise = self.tree.next_prefix_noise()
-        strategy.last_server_noise_std = float(strategy.noise_multiplier * strategy.clipping_norm
-                                               * np.sqrt(nodes_in_prefix(self.tree.steps)))
+        strategy.last_server_noise_std = float(
+            strategy.noise_multiplier * strategy.clipping_norm * np.sqrt(nodes_in_prefix(self.tree.steps))
+        )
         prefix = self.exact_sum + self.carried_noise + noise
         strategy.ledger.record_round(strategy.noise_multiplier)
         if self.momentum > 0:
@@ -137,8 +171,11 @@ class DPFTRL:
         return self.initial + np.float32(strategy.server_learning_rate) * prefix / np.float32(self.clients_per_round)
 
     def describe(self) -> dict:
-        return {"epoch_rounds": self.epoch_rounds, "clients_per_round": self.clients_per_round,
-                "momentum": self.momentum,
-                "participation_rule": f"each node at most once per epoch of {self.epoch_rounds} rounds, "
-                                      "enforced by the server (ineligible nodes are not sent a train message "
-                                      "and their replies are refused)"}
+        return {
+            "epoch_rounds": self.epoch_rounds,
+            "clients_per_round": self.clients_per_round,
+            "momentum": self.momentum,
+            "participation_rule": f"each node at most once per epoch of {self.epoch_rounds} rounds, "
+            "enforced by the server (ineligible nodes are not sent a train message "
+            "and their replies are refused)",
+        }

@@ -39,14 +39,21 @@ def _numbers(metrics) -> dict:
     """The finite numeric entries of a legacy metrics dict (MetricRecord holds numbers only)."""
     if not isinstance(metrics, dict):
         return {}
-    return {str(k): v for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        str(k): v
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 # SecAgg+'s warnings and errors that tell how many nodes a round sampled or kept (the round's own record has
 # them as diagnostics: 'no aggregate ...').
-COUNTING_WORKFLOW_MESSAGES = ("Insufficient available nodes", "The number of samples should be greater than 1",
-                              "Not enough shares to recover secret", "Number of shares in the SecAgg+ protocol")
+COUNTING_WORKFLOW_MESSAGES = (
+    "Insufficient available nodes",
+    "The number of samples should be greater than 1",
+    "Not enough shares to recover secret",
+    "Number of shares in the SecAgg+ protocol",
+)
 LEGACY_SERVER_PATHS = ("/flwr/server/workflow/", "/flwr/server/server.py")
 
 
@@ -132,17 +139,29 @@ class LegacyDPFedAvg(LegacyFedAvg):
 
     secure_aggregation = False  # SecAggPlusDPFedAvg: True
 
-    def __init__(self, dp: DPFedAvg, *, evaluate_fn: LegacyEvaluateFn | None = None,
-                 on_fit_config_fn: Callable[[int], dict] | None = None,
-                 on_evaluate_config_fn: Callable[[int], dict] | None = None,
-                 evaluate_metrics_aggregation_fn: Callable[[list], dict] | None = None,
-                 initial_parameters: Parameters | None = None, num_rounds: int = 0) -> None:
-        super().__init__(fraction_fit=dp.sample_rate, fraction_evaluate=dp.fraction_evaluate,
-                         min_fit_clients=0, min_evaluate_clients=0, min_available_clients=dp.min_available_nodes,
-                         evaluate_fn=evaluate_fn, on_fit_config_fn=on_fit_config_fn,
-                         on_evaluate_config_fn=on_evaluate_config_fn,
-                         evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
-                         initial_parameters=initial_parameters)
+    def __init__(
+        self,
+        dp: DPFedAvg,
+        *,
+        evaluate_fn: LegacyEvaluateFn | None = None,
+        on_fit_config_fn: Callable[[int], dict] | None = None,
+        on_evaluate_config_fn: Callable[[int], dict] | None = None,
+        evaluate_metrics_aggregation_fn: Callable[[list], dict] | None = None,
+        initial_parameters: Parameters | None = None,
+        num_rounds: int = 0,
+    ) -> None:
+        super().__init__(
+            fraction_fit=dp.sample_rate,
+            fraction_evaluate=dp.fraction_evaluate,
+            min_fit_clients=0,
+            min_evaluate_clients=0,
+            min_available_clients=dp.min_available_nodes,
+            evaluate_fn=evaluate_fn,
+            on_fit_config_fn=on_fit_config_fn,
+            on_evaluate_config_fn=on_evaluate_config_fn,
+            evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
+            initial_parameters=initial_parameters,
+        )
         self.dp = dp
         self.dp.set_num_rounds(num_rounds)  # for target-epsilon-mode = calibrate
         self.dp.stop_reason = "num-rounds reached"
@@ -185,15 +204,22 @@ class LegacyDPFedAvg(LegacyFedAvg):
         the strategy, so it must come as `num_rounds` (or through `start`): refused otherwise, before any
         client trains, rather than calibrated for one round and overspent.
         """
-        if (self.dp.ledger is None and getattr(self.dp, "target_epsilon_mode", "stop") == "calibrate"
-                and getattr(self.dp, "target_epsilon", 0) > 0 and self.dp.num_rounds <= 0):
-            raise ValueError("target_epsilon_mode='calibrate' needs the number of rounds: pass num_rounds= (the "
-                             "ServerConfig's num_rounds) to the legacy strategy, or use target_epsilon_mode='stop'")
+        if (
+            self.dp.ledger is None
+            and getattr(self.dp, "target_epsilon_mode", "stop") == "calibrate"
+            and getattr(self.dp, "target_epsilon", 0) > 0
+            and self.dp.num_rounds <= 0
+        ):
+            raise ValueError(
+                "target_epsilon_mode='calibrate' needs the number of rounds: pass num_rounds= (the "
+                "ServerConfig's num_rounds) to the legacy strategy, or use target_epsilon_mode='stop'"
+            )
         self.dp.ensure_population(client_manager.num_available)
 
     # ------------------------------------------------------------------ fit
-    def configure_fit(self, server_round: int, parameters: Parameters,
-                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
         self.ensure_population(client_manager)
         self._pending = None
         if self.dp.budget_exhausted():
@@ -215,8 +241,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self._sampled_round = server_round  # sampled: the round is charged, even if nothing comes of it
         return [(proxies[node], fit_ins) for node in sampled]
 
-    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
-                      failures: list) -> tuple[Parameters | None, dict[str, Scalar]]:
+    def aggregate_fit(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
         if self._global is None:
             raise RuntimeError("aggregate_fit before configure_fit")
         failures = unique_failures(failures)
@@ -230,8 +257,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
         published.pop("round")
         return ndarrays_to_parameters(new_global), _numbers(published)
 
-    def aggregate_updates(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
-                          failures: list) -> tuple[list[np.ndarray], dict]:
+    def aggregate_updates(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    ) -> tuple[list[np.ndarray], dict]:
         """(new global arrays, round metrics): the results as replies to the wrapped strategy."""
         replies = [reply_message(proxy.node_id, legacy_content(self.dp.arrayrecord_key, res)) for proxy, res in results]
         replies += [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
@@ -247,8 +275,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
         the full noise, charged to the ledger (the sampling ran; an unchanged model would tell that it came up
         short). How it came up short is a diagnostic."""
         if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
-            self.dp.note_problem(server_round, "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
-                                 "sampled or too few finished the protocol): the round releases noise only")
+            self.dp.note_problem(
+                server_round,
+                "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
+                "sampled or too few finished the protocol): the round releases noise only",
+            )
             parameters, _ = self.aggregate_fit(server_round, [], [])
             self._noise_only = parameters
         res = super().evaluate(server_round, parameters)
@@ -258,8 +289,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
             self._pending.update(_numbers({"loss": res[0], **res[1]}))
         return res
 
-    def configure_evaluate(self, server_round: int, parameters: Parameters,
-                           client_manager: ClientManager) -> list:
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> list:
         if self._noise_only is not None:  # the round's release, which the workflow did not see
             parameters = self._noise_only
         instructions = super().configure_evaluate(server_round, parameters, client_manager)
@@ -270,9 +300,14 @@ class LegacyDPFedAvg(LegacyFedAvg):
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
         """Flower's weighted loss; the app's evaluate_metrics_aggregation_fn over the clients' metrics, else their
         numeric metrics weighted by example counts. A reply that breaks the app's function is not raised."""
-        results = [(proxy, res) for proxy, res in results  # plausible example counts and a finite loss only
-                   if isinstance(res.num_examples, int) and 0 < res.num_examples < 2**31
-                   and isinstance(res.loss, (int, float)) and math.isfinite(res.loss)]
+        results = [
+            (proxy, res)
+            for proxy, res in results  # plausible example counts and a finite loss only
+            if isinstance(res.num_examples, int)
+            and 0 < res.num_examples < 2**31
+            and isinstance(res.loss, (int, float))
+            and math.isfinite(res.loss)
+        ]
         try:
             loss, metrics = super().aggregate_evaluate(server_round, results, failures)
         except Exception as exc:  # the app's aggregation function on hostile metrics
@@ -295,25 +330,40 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.dp.finish_round(record, self._round_start, self.result.arrays)
 
     # ------------------------------------------------------------------ run (fl_app)
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-              eval_every: int = 1) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        eval_every: int = 1,
+    ) -> Result:
         """Run `num_rounds` with Flower's DefaultWorkflow (SecAgg+ when secure_aggregation), like DPFedAvg.start."""
         self.dp.set_num_rounds(num_rounds)
         self.initial_parameters = ndarrays_to_parameters(initial_arrays.to_numpy_ndarrays())
         self.result.arrays = initial_arrays  # until a round changes them
         if evaluate_fn is not None:
+
             def legacy_evaluate(rnd: int, ndarrays: list, config: dict):
                 if not self.dp.evaluation_due(rnd, eval_every, num_rounds):
                     return None
                 metrics = evaluate_fn(rnd, ArrayRecord(ndarrays))
                 return None if metrics is None else (float(metrics.get("loss", math.nan)), dict(metrics))
+
             self.evaluate_fn = legacy_evaluate
-        log(INFO, "Starting %s (legacy API, secure aggregation %s):", type(self.dp).__name__,
-            "on" if self.secure_aggregation else "off")
+        log(
+            INFO,
+            "Starting %s (legacy API, secure aggregation %s):",
+            type(self.dp).__name__,
+            "on" if self.secure_aggregation else "off",
+        )
         self.dp.summary()
-        context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                                config=ServerConfig(num_rounds=num_rounds, round_timeout=timeout), strategy=self)
+        context = LegacyContext(
+            Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            config=ServerConfig(num_rounds=num_rounds, round_timeout=timeout),
+            strategy=self,
+        )
         with quiet_workflow_logs(not self.dp.publish_diagnostics):
             DefaultWorkflow(fit_workflow=self.fit_workflow(timeout))(grid, context)
         if self.dp.ledger is None:  # no round ran

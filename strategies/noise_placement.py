@@ -42,13 +42,13 @@ class CentralNoise:
             return clipped, float(metrics.get(keys.UPDATE_NORM, server_norm))
         return clipped, server_norm
 
-    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
-                         received: int) -> float:
+    def server_noise_std(
+        self, noise_multiplier: float, clipping_norm: float, noise_shares: float, received: int
+    ) -> float:
         """sigma * C, whoever arrived."""
         return noise_multiplier * clipping_norm
 
-    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
-                          dim: int) -> float:
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float, dim: int) -> float:
         """No bound on what arrives: the server clips every update to C itself."""
         return math.inf
 
@@ -59,26 +59,30 @@ class DistributedNoise:
     name = "distributed"
 
     def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
-        return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: True,
-                keys.NOISE_STD: distributed_noise_std(noise_multiplier, clipping_norm, noise_shares)}
+        return {
+            keys.CLIPPING_NORM: float(clipping_norm),
+            keys.PRIVATIZE: True,
+            keys.NOISE_STD: distributed_noise_std(noise_multiplier, clipping_norm, noise_shares),
+        }
 
     def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
         """The client clipped and reported its norm before clipping."""
         return vector, float(metrics.get(keys.UPDATE_NORM, math.nan))
 
-    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
-                         received: int) -> float:
+    def server_noise_std(
+        self, noise_multiplier: float, clipping_norm: float, noise_shares: float, received: int
+    ) -> float:
         """sigma * C * sqrt((n_s - k)/n_s) for the k shares received."""
         return topup_noise_std(noise_multiplier, clipping_norm, noise_shares, received)
 
-    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
-                          dim: int) -> float:
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float, dim: int) -> float:
         """The norm an honest upload (clipped to C plus its share) exceeds with probability <= 1e-12
         (no bound without clipping: the non-private reference)."""
         if clipping_norm <= 0:
             return math.inf
-        return upload_norm_bound(clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm,
-                                                                      noise_shares), dim)
+        return upload_norm_bound(
+            clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm, noise_shares), dim
+        )
 
 
 class LocalNoise:
@@ -97,12 +101,12 @@ class LocalNoise:
         """The client clipped and noised; no norm before clipping is sent (NaN)."""
         return vector, math.nan
 
-    def server_noise_std(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
-                         received: int) -> float:
+    def server_noise_std(
+        self, noise_multiplier: float, clipping_norm: float, noise_shares: float, received: int
+    ) -> float:
         return 0.0
 
-    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float,
-                          dim: int) -> float:
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float, dim: int) -> float:
         if clipping_norm <= 0:
             return math.inf
         return upload_norm_bound(clipping_norm, noise_multiplier * clipping_norm, dim)
@@ -111,8 +115,10 @@ class LocalNoise:
         """Why an upload is not locally private enough (no local noise multiplier, or a smaller one), else None."""
         local = metrics.get(keys.LOCAL_NOISE_MULTIPLIER)
         if local is None:
-            return ("not locally privatized: under noise_placement = 'local' each client adds its own noise; add "
-                    "clients.local_dp.make_local_dp_mod to the ClientApp's train")
+            return (
+                "not locally privatized: under noise_placement = 'local' each client adds its own noise; add "
+                "clients.local_dp.make_local_dp_mod to the ClientApp's train"
+            )
         if local < noise_multiplier * (1 - 1e-9):
             return f"local noise multiplier {local:g} below the configured {noise_multiplier:g}"
         return None

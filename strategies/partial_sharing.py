@@ -49,44 +49,58 @@ class PersonalizedDPFedAvg(DPFedAvg):
             nodes = pick(rng, nodes, k)
         return nodes
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         nodes = self.evaluation_nodes(server_round, list(grid.get_node_ids()))
-        record = RecordDict({self.arrayrecord_key: arrays,
-                             self.configrecord_key: ConfigRecord({**dict(config), keys.SERVER_ROUND: server_round})})
+        record = RecordDict(
+            {
+                self.arrayrecord_key: arrays,
+                self.configrecord_key: ConfigRecord({**dict(config), keys.SERVER_ROUND: server_round}),
+            }
+        )
         return [Message(content=record, dst_node_id=int(node), message_type=MessageType.EVALUATE) for node in nodes]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Unweighted mean over clients of their accuracy and loss (failed or empty replies are skipped)."""
         accuracies, losses, failures = [], [], 0
         for msg in replies:
-            metrics, problem = ({}, msg.error.reason) if msg.has_error() else read_metrics(msg.content, EVALUATION_RULES)
+            metrics, problem = (
+                ({}, msg.error.reason) if msg.has_error() else read_metrics(msg.content, EVALUATION_RULES)
+            )
             if problem is None and keys.ACCURACY not in metrics:
                 problem = "no accuracy (empty held-out split?)"
             if problem:
                 failures += 1
-                self.note_problem(server_round, f"no personalized evaluation from node {msg.metadata.src_node_id}: "
-                                                f"{problem}")
+                self.note_problem(
+                    server_round, f"no personalized evaluation from node {msg.metadata.src_node_id}: {problem}"
+                )
                 continue
             accuracies.append(metrics[keys.ACCURACY])
             losses.append(metrics.get(keys.LOSS, math.nan))
         if not accuracies:
             return None
-        return MetricRecord({
-            "personalized_accuracy": float(np.mean(accuracies)),
-            "personalized_accuracy_std": float(np.std(accuracies)),
-            "personalized_loss": float(np.nanmean(losses)) if np.isfinite(losses).any() else math.nan,
-            "personalized_clients": len(accuracies),
-            "personalized_failures": failures,
-        })
+        return MetricRecord(
+            {
+                "personalized_accuracy": float(np.mean(accuracies)),
+                "personalized_accuracy_std": float(np.std(accuracies)),
+                "personalized_loss": float(np.nanmean(losses)) if np.isfinite(losses).any() else math.nan,
+                "personalized_clients": len(accuracies),
+                "personalized_failures": failures,
+            }
+        )
 
     def client_evaluation_record(self, metrics: MetricRecord) -> dict:
         return dict(metrics)
 
     def describe(self) -> dict:
-        return {**super().describe(),
-                "evaluation": ("personalized_accuracy (diagnostics-summary.json, not private): unweighted mean over "
-                               "clients of each client's personal model accuracy on its own held-out split")}
+        return {
+            **super().describe(),
+            "evaluation": (
+                "personalized_accuracy (diagnostics-summary.json, not private): unweighted mean over "
+                "clients of each client's personal model accuracy on its own held-out split"
+            ),
+        }
 
     def describe_diagnostics(self) -> dict:
         """DPFedAvg's diagnostics plus the last round's personalized evaluation."""
@@ -104,7 +118,12 @@ class PartialSharingDPFedAvg(PersonalizedDPFedAvg):
 
     def describe(self) -> dict:
         shared = self.current_arrays.to_numpy_ndarrays() if self.current_arrays is not None else []
-        return {**super().describe(), "shared": "body only (each client keeps its head)",
-                "shared_parameters": int(sum(a.size for a in shared)),
-                "accuracy_note": ("final_accuracy is null: only the body is shared, so there is no global "
-                                  "model to evaluate; see personalized_accuracy in diagnostics-summary.json")}
+        return {
+            **super().describe(),
+            "shared": "body only (each client keeps its head)",
+            "shared_parameters": int(sum(a.size for a in shared)),
+            "accuracy_note": (
+                "final_accuracy is null: only the body is shared, so there is no global "
+                "model to evaluate; see personalized_accuracy in diagnostics-summary.json"
+            ),
+        }

@@ -68,8 +68,9 @@ def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dic
     return clean, None
 
 
-def upload_norm_bound(clipping_norm: float, noise_std: float, dim: int,
-                      failure_probability: float = HONEST_REJECTION_PROBABILITY) -> float:
+def upload_norm_bound(
+    clipping_norm: float, noise_std: float, dim: int, failure_probability: float = HONEST_REJECTION_PROBABILITY
+) -> float:
     """B = C (1 + 1e-5) + s (sqrt(d) + t), t = sqrt(2 ln(1 / p)): an honest upload (update clipped to
     C plus its noise share N(0, s^2 I_d)) has norm above B with probability at most p.
 

@@ -75,12 +75,33 @@ CheckpointCallback = Callable[[dict, ArrayRecord], None]
 # The round-record keys the ledger covers: the released model's evaluation on server-held data, the
 # privacy figures, and what the server derives from public settings or DP outputs (ALI-DPFL's tau and mu).
 # Every other key is a raw statistic of client replies, not covered by epsilon (README, "What a run writes").
-PUBLISHED_KEYS = frozenset({
-    "round", "accuracy", "loss", "val_accuracy", "val_loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon",
-    "epsilon_claimed", "epsilon_min", "epsilon_per_client", "tau", "tau_star", "tau_next", "mu",
-    "steps_budget", "local_steps_total", "upload_bytes_per_client", "dense_bytes_per_client",
-    "epsilon_is_guarantee", "epsilon_against_server_is_guarantee", "claimed_epsilon_is_guarantee",  # False or absent
-})
+PUBLISHED_KEYS = frozenset(
+    {
+        "round",
+        "accuracy",
+        "loss",
+        "val_accuracy",
+        "val_loss",
+        "epsilon",
+        "delta",
+        "epsilon_against_server",
+        "claimed_epsilon",
+        "epsilon_claimed",
+        "epsilon_min",
+        "epsilon_per_client",
+        "tau",
+        "tau_star",
+        "tau_next",
+        "mu",
+        "steps_budget",
+        "local_steps_total",
+        "upload_bytes_per_client",
+        "dense_bytes_per_client",
+        "epsilon_is_guarantee",
+        "epsilon_against_server_is_guarantee",
+        "claimed_epsilon_is_guarantee",  # False or absent
+    }
+)
 
 
 class DPRoundLoop(Strategy):
@@ -114,21 +135,42 @@ class DPRoundLoop(Strategy):
 
     reply_metric_rules: dict[str, MetricRule] = {}
 
-    def __init__(self, strategy: Strategy | None = None, *, sample_rate: float, client_sampling: str = "poisson",
-                 server_learning_rate: float = 1.0, delta: float = 0.0, accountant: str = "pld", seed: int = 0,
-                 secure_rng: bool = True, min_available_nodes: int = 2, fraction_evaluate: float | None = None,
-                 publish_diagnostics: bool = False, on_round_end: RoundCallback | None = None,
-                 on_checkpoint: CheckpointCallback | None = None) -> None:
+    def __init__(
+        self,
+        strategy: Strategy | None = None,
+        *,
+        sample_rate: float,
+        client_sampling: str = "poisson",
+        server_learning_rate: float = 1.0,
+        delta: float = 0.0,
+        accountant: str = "pld",
+        seed: int = 0,
+        secure_rng: bool = True,
+        min_available_nodes: int = 2,
+        fraction_evaluate: float | None = None,
+        publish_diagnostics: bool = False,
+        on_round_end: RoundCallback | None = None,
+        on_checkpoint: CheckpointCallback | None = None,
+    ) -> None:
         if strategy is None:
-            strategy = FedAvg(fraction_train=1.0, fraction_evaluate=fraction_evaluate or 0.0, min_train_nodes=0,
-                              min_evaluate_nodes=0, min_available_nodes=min_available_nodes)
+            strategy = FedAvg(
+                fraction_train=1.0,
+                fraction_evaluate=fraction_evaluate or 0.0,
+                min_train_nodes=0,
+                min_evaluate_nodes=0,
+                min_available_nodes=min_available_nodes,
+            )
         elif fraction_evaluate is not None:
-            raise ValueError(f"fraction_evaluate = {fraction_evaluate!r} is set on the wrapped strategy "
-                             f"({type(strategy).__name__}(fraction_evaluate=...)), not on the DP wrapper")
+            raise ValueError(
+                f"fraction_evaluate = {fraction_evaluate!r} is set on the wrapped strategy "
+                f"({type(strategy).__name__}(fraction_evaluate=...)), not on the DP wrapper"
+            )
         if not isinstance(strategy, Strategy):
-            raise TypeError(f"strategy = {strategy!r}: must be a Flower Message-API strategy "
-                            "(flwr.serverapp.strategy.Strategy, e.g. FedAvg()); for a legacy flwr.server.strategy "
-                            "use strategies.legacy.LegacyDPFedAvg")
+            raise TypeError(
+                f"strategy = {strategy!r}: must be a Flower Message-API strategy "
+                "(flwr.serverapp.strategy.Strategy, e.g. FedAvg()); for a legacy flwr.server.strategy "
+                "use strategies.legacy.LegacyDPFedAvg"
+            )
         self.strategy = strategy
         self.min_available_nodes = min_available_nodes
         require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
@@ -230,8 +272,7 @@ class DPRoundLoop(Strategy):
             self.round_sampled_from = (len(nodes), k)  # (N, m): the ledger's sampling-without-replacement bound
             sampled = pick(rng, nodes, k)
         else:
-            self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate,
-                                                                       self.noise_shares)
+            self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
             sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
             if len(sampled) > self.noise_shares:
                 sampled = pick(rng, sampled, self.noise_shares)
@@ -240,8 +281,9 @@ class DPRoundLoop(Strategy):
 
     def next_truncation_probability(self) -> float:
         """What the budget check assumes the next round reserves out of delta."""
-        return max(TRUNCATION_PROBABILITY, self.round_truncation_probability) \
-            if self.client_sampling == "poisson" else 0.0
+        return (
+            max(TRUNCATION_PROBABILITY, self.round_truncation_probability) if self.client_sampling == "poisson" else 0.0
+        )
 
     def client_train_config(self, server_round: int) -> dict:
         """What the sampled clients need this round (protocol keys)."""
@@ -261,23 +303,26 @@ class DPRoundLoop(Strategy):
         assert self.current_arrays is not None
         return [self.round_global[i] for i in self.float_positions]
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """The wrapped strategy's train content (its config, arrays) with the DP keys, to the nodes sampled here."""
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.begin_round(arrays)
         node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic, not logged
         content = self.wrapped_train_content(server_round, arrays, config)
         wrapped_config = content.config_records.get(self.configrecord_key, ConfigRecord())
-        content[self.configrecord_key] = ConfigRecord({**dict(wrapped_config),
-                                                       **self.client_train_config(server_round)})
+        content[self.configrecord_key] = ConfigRecord(
+            {**dict(wrapped_config), **self.client_train_config(server_round)}
+        )
         return [Message(content=content, dst_node_id=int(node), message_type=MessageType.TRAIN) for node in node_ids]
 
     def wrapped_train_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
         """What the wrapped strategy would send this round (its own sampling is discarded, and so is its log
         line, which counts nodes): asked on a stand-in grid of as many nodes as it waits for, so it never waits."""
-        grid = StandInGrid(max(1, getattr(self.strategy, "min_available_nodes", 1),
-                               getattr(self.strategy, "min_train_nodes", 1)))
+        grid = StandInGrid(
+            max(1, getattr(self.strategy, "min_available_nodes", 1), getattr(self.strategy, "min_train_nodes", 1))
+        )
         with quiet_flower_info():
             messages = list(self.strategy.configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
         if not messages:
@@ -293,23 +338,31 @@ class DPRoundLoop(Strategy):
         assert self.current_arrays is not None
         names = list(self.current_arrays.keys())
         proposal = conform(names, self.round_global, self.float_positions, new_global)
-        reply = reply_message(0, RecordDict({self.arrayrecord_key: proposal,
-                                             "metrics": MetricRecord({self.weighted_by_key: 1})}))
+        reply = reply_message(
+            0, RecordDict({self.arrayrecord_key: proposal, "metrics": MetricRecord({self.weighted_by_key: 1})})
+        )
         with quiet_flower_info():
             arrays, metrics = self.strategy.aggregate_train(server_round, [reply])
         if arrays is None:
             return proposal, metrics
         returned = [arrays[k].numpy() for k in arrays.keys()]
-        if list(arrays.keys()) != list(proposal.keys()) or \
-                [a.shape for a in returned] != [a.shape for a in self.round_global]:
-            log(WARNING, "Round %d: %s returned arrays that do not match the model; the DP average is kept",
-                server_round, type(self.strategy).__name__)
+        if list(arrays.keys()) != list(proposal.keys()) or [a.shape for a in returned] != [
+            a.shape for a in self.round_global
+        ]:
+            log(
+                WARNING,
+                "Round %d: %s returned arrays that do not match the model; the DP average is kept",
+                server_round,
+                type(self.strategy).__name__,
+            )
             return proposal, metrics
-        return conform(names, self.round_global, self.float_positions,
-                       flatten([returned[i] for i in self.float_positions])), metrics
+        return conform(
+            names, self.round_global, self.float_positions, flatten([returned[i] for i in self.float_positions])
+        ), metrics
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """The wrapped strategy's federated evaluation (its counts are not logged: see `quiet_flower_info`)."""
         with quiet_flower_info(not self.publish_diagnostics):
             return list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
@@ -335,8 +388,9 @@ class DPRoundLoop(Strategy):
         """(arrays of one reply, whether they are the update): the update itself when the reply is marked
         `UPLOAD_UPDATE` (this project's clients and mod), else the client's new weights (a Flower client's
         reply), whose update is derived. Subclasses decode compressed forms."""
-        is_update = any(record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE
-                        for record in content.metric_records.values())
+        is_update = any(
+            record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE for record in content.metric_records.values()
+        )
         return content[self.arrayrecord_key].to_numpy_ndarrays(), is_update
 
     def reply_update(self, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
@@ -347,8 +401,10 @@ class DPRoundLoop(Strategy):
         if len(arrays) != len(everything):
             return None, f"expected {len(everything)} arrays, got {len(arrays)}"
         if not is_update and self.needs_marked_updates():
-            return None, ("not privatized: under distributed noise the client adds its noise share; add "
-                          "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)")
+            return None, (
+                "not privatized: under distributed noise the client adds its noise share; add "
+                "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
+            )
         global_floats = [everything[i] for i in self.float_positions]
         floats = [np.asarray(arrays[i]) for i in self.float_positions]
         problem = update_problem(floats, [a.shape for a in global_floats])
@@ -363,8 +419,9 @@ class DPRoundLoop(Strategy):
         """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
         return False
 
-    def accepted_updates(self, server_round: int,
-                         replies: Iterable[Message]) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
+    def accepted_updates(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
         """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
         and the counts of failed and rejected replies. Nothing in a reply can raise here.
 
@@ -376,11 +433,13 @@ class DPRoundLoop(Strategy):
         seen: set[int] = set()
         for msg in replies:
             node = int(msg.metadata.src_node_id)
-            if not msg.has_error() and (self.round_nodes is not None and node not in self.round_nodes
-                                        or node in seen):
+            if not msg.has_error() and (self.round_nodes is not None and node not in self.round_nodes or node in seen):
                 rejected += 1
-                self.note_problem(server_round, f"rejected a reply of node {node}: "
-                                                + ("a second reply" if node in seen else "not sampled this round"))
+                self.note_problem(
+                    server_round,
+                    f"rejected a reply of node {node}: "
+                    + ("a second reply" if node in seen else "not sampled this round"),
+                )
                 continue
             if msg.has_error():
                 failures += 1
@@ -440,8 +499,10 @@ class DPRoundLoop(Strategy):
     def split_record(self, record: dict) -> tuple[dict, dict]:
         """(what the ledger covers, the non-private diagnostics with the round number)."""
         published = self.published_keys()
-        return ({k: v for k, v in record.items() if k in published},
-                {"round": record["round"], **{k: v for k, v in record.items() if k not in published}})
+        return (
+            {k: v for k, v in record.items() if k in published},
+            {"round": record["round"], **{k: v for k, v in record.items() if k not in published}},
+        )
 
     def finish_round(self, record: dict, started: float, arrays: ArrayRecord) -> None:
         """The round's record is complete: seconds, history, the checkpoint, one log line, on_round_end."""
@@ -464,10 +525,16 @@ class DPRoundLoop(Strategy):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """Everything a resumed run needs, JSON-serializable (the ledger's own state included)."""
-        return {"completed_rounds": self.completed_rounds, "history": self.history, "stop_reason": self.stop_reason,
-                "num_clients": self.num_clients, "expected_clients": self.expected_clients,
-                "noise_shares": self.noise_shares,
-                "ledger": None if self.ledger is None else self.ledger.state_dict(), **self.extra_state()}
+        return {
+            "completed_rounds": self.completed_rounds,
+            "history": self.history,
+            "stop_reason": self.stop_reason,
+            "num_clients": self.num_clients,
+            "expected_clients": self.expected_clients,
+            "noise_shares": self.noise_shares,
+            "ledger": None if self.ledger is None else self.ledger.state_dict(),
+            **self.extra_state(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after `state["completed_rounds"]` with the ledger as it was then."""
@@ -493,10 +560,17 @@ class DPRoundLoop(Strategy):
         """How the clients' aggregated evaluation metrics appear in the round's record."""
         return {f"client_{k}": v for k, v in metrics.items()}
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-              eval_every: int = 1) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        eval_every: int = 1,
+    ) -> Result:
         """Flower's round loop, plus: stop on the privacy budget, one record per round. `evaluate_fn` and the
         clients' evaluation run every `eval_every` rounds and after the last round (the configured last, or the
         last the budget allows)."""
@@ -511,8 +585,12 @@ class DPRoundLoop(Strategy):
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.stop_reason = "num-rounds reached"
         if self.completed_rounds:
-            log(INFO, "Resuming after round %d (ledger: epsilon %s so far)", self.completed_rounds,
-                self.privacy_metrics().get("epsilon"))
+            log(
+                INFO,
+                "Resuming after round %d (ledger: epsilon %s so far)",
+                self.completed_rounds,
+                self.privacy_metrics().get("epsilon"),
+            )
         for rnd in range(self.completed_rounds + 1, num_rounds + 1):
             if self.budget_exhausted():
                 self.stop_reason = self.budget_stop_reason(rnd)
@@ -577,13 +655,24 @@ class DPRoundLoop(Strategy):
     def describe_sampling(self) -> dict:
         """The summary.json entries every DP strategy shares."""
         caveats, server_caveats = self.guarantee_caveats(), self.server_guarantee_caveats()
-        server = {"epsilon_against_server_is_guarantee": False,
-                  "epsilon_against_server_caveats": server_caveats} if server_caveats else {}
-        return {**server, "wrapped_strategy": type(self.strategy).__name__,
-                "client_sampling_rate": self.sample_rate, "client_sampling": self.client_sampling,
-                "num_clients": self.num_clients, "expected_clients_per_round": self.expected_clients,
-                "accountant": self.accountant, "stop_reason": self.stop_reason, "secure_rng": self.secure_rng,
-                "epsilon_is_guarantee": not caveats, "epsilon_caveats": caveats}
+        server = (
+            {"epsilon_against_server_is_guarantee": False, "epsilon_against_server_caveats": server_caveats}
+            if server_caveats
+            else {}
+        )
+        return {
+            **server,
+            "wrapped_strategy": type(self.strategy).__name__,
+            "client_sampling_rate": self.sample_rate,
+            "client_sampling": self.client_sampling,
+            "num_clients": self.num_clients,
+            "expected_clients_per_round": self.expected_clients,
+            "accountant": self.accountant,
+            "stop_reason": self.stop_reason,
+            "secure_rng": self.secure_rng,
+            "epsilon_is_guarantee": not caveats,
+            "epsilon_caveats": caveats,
+        }
 
 
 NO_REPLY = "no reply before round-timeout"
@@ -607,17 +696,39 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
     """
     replies, instructions = list(replies), list(instructions)
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in instructions}
-    failed = [f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
-              for m in replies if m.has_error()]
+    failed = [
+        f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
+        for m in replies
+        if m.has_error()
+    ]
     failed += [f"node {node}: {NO_REPLY}" for node in unanswered_nodes(replies, instructions)]
     return {"failed_nodes": failed} if failed else {}
 
 
-LOG_KEYS = ("accuracy", "loss", "epsilon", "delta", "epsilon_against_server", "claimed_epsilon", "epsilon_claimed",
-            "epsilon_min", "tau", "tau_next", "epsilon_is_guarantee", "epsilon_against_server_is_guarantee",
-            "claimed_epsilon_is_guarantee")
-DIAGNOSTIC_LOG_KEYS = ("personalized_accuracy", "clients", "rejected", "failures", "clipped_fraction",
-                       "update_norm_mean", "train_loss")
+LOG_KEYS = (
+    "accuracy",
+    "loss",
+    "epsilon",
+    "delta",
+    "epsilon_against_server",
+    "claimed_epsilon",
+    "epsilon_claimed",
+    "epsilon_min",
+    "tau",
+    "tau_next",
+    "epsilon_is_guarantee",
+    "epsilon_against_server_is_guarantee",
+    "claimed_epsilon_is_guarantee",
+)
+DIAGNOSTIC_LOG_KEYS = (
+    "personalized_accuracy",
+    "clients",
+    "rejected",
+    "failures",
+    "clipped_fraction",
+    "update_norm_mean",
+    "train_loss",
+)
 
 
 DIAGNOSTICS_MARK = "  | not private: "  # what follows it on a log line is not covered by epsilon
@@ -626,8 +737,11 @@ LOG_LINE = re.compile(r"(?:Round (\d+)/\d+|Finished): (.*)$")
 
 def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
     """`key=value` for the keys present (None left out), numbers to 4 significant digits, two spaces apart."""
-    return "  ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
-                     for k in keys if record.get(k) is not None)
+    return "  ".join(
+        f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
+        for k in keys
+        if record.get(k) is not None
+    )
 
 
 def parse_log_line(line: str) -> tuple[dict, dict] | None:
@@ -707,6 +821,15 @@ def quiet_flower_info(enabled: bool = True):
 
 def reply_message(node_id: int, content: RecordDict | None = None, error=None) -> Message:
     """A reply Message from `node_id`, as a Message-API strategy's aggregate_train expects one."""
-    metadata = Metadata(run_id=0, message_id="", src_node_id=node_id, dst_node_id=0, reply_to_message_id="",
-                        group_id="", created_at=time.time(), ttl=0.0, message_type=MessageType.TRAIN)
+    metadata = Metadata(
+        run_id=0,
+        message_id="",
+        src_node_id=node_id,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id="",
+        created_at=time.time(),
+        ttl=0.0,
+        message_type=MessageType.TRAIN,
+    )
     return Message(content, metadata=metadata) if error is None else Message(error, metadata=metadata)

@@ -41,8 +41,9 @@ SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
 SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate
 
 
-def secagg_clipping_range(clipping_norm: float, noise_std: float, dim: int, clients: int,
-                          failure_probability: float = 1e-9) -> float:
+def secagg_clipping_range(
+    clipping_norm: float, noise_std: float, dim: int, clients: int, failure_probability: float = 1e-9
+) -> float:
     """R = C + z s with 2 * dim * clients * P(N(0,1) > z) = failure_probability.
 
     A clipped update has |Delta_j| <= ||Delta||_2 <= C in every coordinate, and its noise
@@ -50,8 +51,9 @@ def secagg_clipping_range(clipping_norm: float, noise_std: float, dim: int, clie
     with the given probability.
     """
     if clipping_norm <= 0:
-        raise ValueError(f"clipping_norm={clipping_norm!r} must be > 0 under SecAgg+: the quantizer needs "
-                         "bounded updates")
+        raise ValueError(
+            f"clipping_norm={clipping_norm!r} must be > 0 under SecAgg+: the quantizer needs bounded updates"
+        )
     tail = failure_probability / (2.0 * max(1, dim) * max(1, clients))
     return float(clipping_norm + NormalDist().inv_cdf(1.0 - tail) * noise_std)
 
@@ -74,16 +76,31 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
 
     secure_aggregation = True
 
-    def __init__(self, dp: DPFedAvg, *, num_shares: float = 1.0, reconstruction_threshold: float = 0.5,
-                 evaluate_fn: LegacyEvaluateFn | None = None, on_fit_config_fn=None, initial_parameters=None,
-                 num_rounds: int = 0) -> None:
+    def __init__(
+        self,
+        dp: DPFedAvg,
+        *,
+        num_shares: float = 1.0,
+        reconstruction_threshold: float = 0.5,
+        evaluate_fn: LegacyEvaluateFn | None = None,
+        on_fit_config_fn=None,
+        initial_parameters=None,
+        num_rounds: int = 0,
+    ) -> None:
         check_secure_aggregation(dp.noise_placement, dp.clipping_norm)
         if dp.ledger is not None and not dp.secure_aggregation:
-            raise ValueError("build the strategy with secure_aggregation=True, or wrap it before the first round "
-                             "(its ledger already exists)")
+            raise ValueError(
+                "build the strategy with secure_aggregation=True, or wrap it before the first round "
+                "(its ledger already exists)"
+            )
         dp.secure_aggregation = True  # the server-side figure: the server sees only the sum
-        super().__init__(dp, evaluate_fn=evaluate_fn, on_fit_config_fn=on_fit_config_fn,
-                         initial_parameters=initial_parameters, num_rounds=num_rounds)
+        super().__init__(
+            dp,
+            evaluate_fn=evaluate_fn,
+            on_fit_config_fn=on_fit_config_fn,
+            initial_parameters=initial_parameters,
+            num_rounds=num_rounds,
+        )
         self.num_shares = num_shares
         self.reconstruction_threshold = reconstruction_threshold
         self.secagg_settings: dict = {}
@@ -97,8 +114,9 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
     def fit_workflow(self, timeout: float | None) -> SecAggPlusWorkflow:
         return DPSecAggPlusWorkflow(self.num_shares, self.reconstruction_threshold, timeout=timeout)
 
-    def aggregate_updates(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
-                          failures: list) -> tuple[list[np.ndarray], dict]:
+    def aggregate_updates(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    ) -> tuple[list[np.ndarray], dict]:
         """SecAgg+: every result carries the same mean of the k uploads; sum = k * mean."""
         shapes = [a.shape for a in self._global]
         weights = {res.num_examples for _, res in results}
@@ -106,9 +124,11 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         updates: list[np.ndarray] = []
         problem = "no client finished the protocol" if k == 0 else None
         if len(weights) > 1:
-            problem = (f"updates with different weights {sorted(weights)}: the sum of a weighted mean cannot be "
-                       "recovered; clients must report num_examples = 1 (clients.mods.uniform_weight_mod and "
-                       "dp_privatize_mod do)")
+            problem = (
+                f"updates with different weights {sorted(weights)}: the sum of a weighted mean cannot be "
+                "recovered; clients must report num_examples = 1 (clients.mods.uniform_weight_mod and "
+                "dp_privatize_mod do)"
+            )
         elif k:
             try:
                 mean = parameters_to_ndarrays(results[0][1].parameters)
@@ -123,12 +143,17 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         if problem:
             self.dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
         canaries = self.dp.canary_updates(server_round, sum(a.size for a in self._global))
-        new_global = self.dp.noisy_average_step(server_round, updates + canaries, flatten(self._global),
-                                                received=k if updates else 0)
-        metrics = {"clients": k if updates else 0, "rejected": 0 if updates else k, "failures": len(failures),
-                   "server_noise_std": self.dp.last_server_noise_std, **self.dp.privacy_metrics()}
+        new_global = self.dp.noisy_average_step(
+            server_round, updates + canaries, flatten(self._global), received=k if updates else 0
+        )
+        metrics = {
+            "clients": k if updates else 0,
+            "rejected": 0 if updates else k,
+            "failures": len(failures),
+            "server_noise_std": self.dp.last_server_noise_std,
+            **self.dp.privacy_metrics(),
+        }
         return unflatten(new_global, shapes), metrics
-
 
     def sum_bound(self, k: int, dim: int) -> float:
         """The norm an honest sum of k uploads exceeds with probability <= 1e-12: each clipped update is at
@@ -151,8 +176,14 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
     """Flower's SecAgg+ set up for a SecAggPlusDPFedAvg: uniform weights (max_weight = 1) and a quantizer
     range R that the noisy updates do not reach (`secagg_clipping_range`), recomputed every round."""
 
-    def __init__(self, num_shares: int | float = 1.0, reconstruction_threshold: int | float = 0.5, *,
-                 failure_probability: float = 1e-9, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        num_shares: int | float = 1.0,
+        reconstruction_threshold: int | float = 0.5,
+        *,
+        failure_probability: float = 1e-9,
+        timeout: float | None = None,
+    ) -> None:
         super().__init__(num_shares, reconstruction_threshold, max_weight=1.0, timeout=timeout)
         self.failure_probability = failure_probability
 
@@ -166,13 +197,15 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
         dim = sum(a.size for a in parameters_to_ndarrays(parameters))
         clients = max(2, dp.num_clients)
         noise_std = float(dp.client_train_config(0)[keys.NOISE_STD])
-        self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients,
-                                                    self.failure_probability)
+        self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients, self.failure_probability)
         self.quantization_range = secagg_quantization_range(clients)
         strategy.secagg_settings = {
-            "num_shares": self.num_shares, "reconstruction_threshold": self.reconstruction_threshold,
-            "max_weight": self.max_weight, "clipping_range": self.clipping_range,
-            "quantization_range": self.quantization_range, "modulus_range": self.modulus_range,
+            "num_shares": self.num_shares,
+            "reconstruction_threshold": self.reconstruction_threshold,
+            "max_weight": self.max_weight,
+            "clipping_range": self.clipping_range,
+            "quantization_range": self.quantization_range,
+            "modulus_range": self.modulus_range,
             "quantization_step": 2 * self.clipping_range / self.quantization_range,
             "quantizer_clip_probability_bound": self.failure_probability,
         }

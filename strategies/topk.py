@@ -42,8 +42,9 @@ class DPFedSAMTopK(DPFedAvg):
 
     reply_metric_rules = {**DPFedAvg.reply_metric_rules, keys.KEPT_VALUES: MetricRule(low=0, integer=True)}
 
-    def __init__(self, strategy: Strategy | None = None, *, sparsity: float = 0.4, topk_mode: str = "per-layer",
-                 **kwargs) -> None:
+    def __init__(
+        self, strategy: Strategy | None = None, *, sparsity: float = 0.4, topk_mode: str = "per-layer", **kwargs
+    ) -> None:
         self.check_topk(sparsity, topk_mode, kwargs.get("noise_placement", "central"))
         super().__init__(strategy, **kwargs)
         self.sparsity, self.topk_mode = sparsity, topk_mode
@@ -60,22 +61,31 @@ class DPFedSAMTopK(DPFedAvg):
     def check_topk(sparsity: float, topk_mode: str, noise_placement: str) -> None:
         require(0 < sparsity <= 1, "sparsity", sparsity, "must be in (0, 1]")
         one_of("topk_mode", topk_mode, TOPK_MODES)
-        require(noise_placement != "local", "noise_placement", noise_placement,
-                "'local' is not supported with top-k uploads (the local-DP mod noises dense updates): use 'central' "
-                "or 'distributed'")
+        require(
+            noise_placement != "local",
+            "noise_placement",
+            noise_placement,
+            "'local' is not supported with top-k uploads (the local-DP mod noises dense updates): use 'central' "
+            "or 'distributed'",
+        )
 
     def guarantee_caveats(self) -> list[str]:
         """Top-k of each client's noisy share (the paper's order, distributed noise) is not post-processing of
         the release: which coordinates of the sum are exactly zero depends on who took part."""
         caveats = super().guarantee_caveats()
         if self.noise_placement == "distributed" and self.noise_multiplier > 0 and self.sparsity < 1:
-            caveats.append("top-k after distributed noise: the support of the released sum depends on who took "
-                           "part (docs/topk-wavelet.md); noise-placement = 'central' gives the accounted epsilon")
+            caveats.append(
+                "top-k after distributed noise: the support of the released sum depends on who took "
+                "part (docs/topk-wavelet.md); noise-placement = 'central' gives the accounted epsilon"
+            )
         return caveats
 
     def client_train_config(self, server_round: int) -> dict:
-        return {**super().client_train_config(server_round), keys.SPARSITY: float(self.sparsity),
-                keys.TOPK_MODE: self.topk_mode}
+        return {
+            **super().client_train_config(server_round),
+            keys.SPARSITY: float(self.sparsity),
+            keys.TOPK_MODE: self.topk_mode,
+        }
 
     def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
         """Dense update from the sparse upload (always an update); raises (-> rejected) if it is malformed."""
@@ -84,8 +94,9 @@ class DPFedSAMTopK(DPFedAvg):
         encoded = content[self.arrayrecord_key].to_numpy_ndarrays()
         return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode), True
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         assert self.current_arrays is not None
         arrived = [m for m in replies if not m.has_error() and self.arrayrecord_key in m.content.array_records]
@@ -117,12 +128,18 @@ class DPFedSAMTopK(DPFedAvg):
         return self._honest_bytes[1]
 
     def extra_state(self) -> dict:
-        return {**super().extra_state(), "upload_bytes_total": self.upload_bytes_total,
-                "dense_bytes_total": self.dense_bytes_total}
+        return {
+            **super().extra_state(),
+            "upload_bytes_total": self.upload_bytes_total,
+            "dense_bytes_total": self.dense_bytes_total,
+        }
 
     def load_extra_state(self, state: dict) -> None:
         super().load_extra_state(state)
-        self.upload_bytes_total, self.dense_bytes_total = int(state["upload_bytes_total"]), int(state["dense_bytes_total"])
+        self.upload_bytes_total, self.dense_bytes_total = (
+            int(state["upload_bytes_total"]),
+            int(state["dense_bytes_total"]),
+        )
 
     def summary(self) -> None:
         super().summary()
@@ -132,13 +149,20 @@ class DPFedSAMTopK(DPFedAvg):
         per_client = {}
         if self.current_arrays is not None and (honest := self.honest_upload_bytes()) is not None:
             dense = payload_bytes(self.current_arrays)
-            per_client = {"upload_bytes_per_client": honest, "dense_bytes_per_client": dense,
-                          "upload_fraction_of_dense": honest / dense}
+            per_client = {
+                "upload_bytes_per_client": honest,
+                "dense_bytes_per_client": dense,
+                "upload_fraction_of_dense": honest / dense,
+            }
         return {**super().describe(), "sparsity": self.sparsity, "topk_mode": self.topk_mode, **per_client}
 
     def describe_diagnostics(self) -> dict:
         """Byte totals over the uploads that arrived (they count participants)."""
-        return {**super().describe_diagnostics(), "upload_bytes_total": self.upload_bytes_total,
-                "dense_bytes_total": self.dense_bytes_total,
-                "upload_fraction_of_dense": (self.upload_bytes_total / self.dense_bytes_total
-                                             if self.dense_bytes_total else None)}
+        return {
+            **super().describe_diagnostics(),
+            "upload_bytes_total": self.upload_bytes_total,
+            "dense_bytes_total": self.dense_bytes_total,
+            "upload_fraction_of_dense": (
+                self.upload_bytes_total / self.dense_bytes_total if self.dense_bytes_total else None
+            ),
+        }

@@ -61,8 +61,9 @@ class DPFedAvgWavelet(DPFedAvg):
     @staticmethod
     def check_wavelet(wavelet_calibration: str, noise_placement: str) -> None:
         one_of("wavelet_calibration", wavelet_calibration, WAVELET_CALIBRATIONS)
-        require_noise_placement("DP-FedAvg-WAV", noise_placement, "central",
-                                "adds its wavelet noise at the server (Algorithm 2)")
+        require_noise_placement(
+            "DP-FedAvg-WAV", noise_placement, "central", "adds its wavelet noise at the server (Algorithm 2)"
+        )
 
     # ------------------------------------------------------------------ calibration
     def set_dimension(self, dimension: int) -> None:
@@ -106,12 +107,20 @@ class DPFedAvgWavelet(DPFedAvg):
         rounds = max(1, self.num_rounds)
         claimed = self.ledger.epsilon_after_rounds(self.sigma_h, self.sample_rate, rounds)
         true = self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, rounds)
-        log(WARNING, "wavelet-calibration = 'paper': the paper accounts sigma_H = %.4g (epsilon %.4g after %d "
-                     "rounds, delta %.3g), but the wavelet noise along the all-ones direction has std "
-                     "sigma_H*C/sqrt(n) with n = %d: effective noise multiplier %.4g, TRUE epsilon %.4g. "
-                     "Use wavelet-calibration = 'exact' for the configured guarantee.",
-            self.sigma_h, claimed, rounds, self.ledger.delta, self.padded_size,
-            self.accounted_noise_multiplier(), true)
+        log(
+            WARNING,
+            "wavelet-calibration = 'paper': the paper accounts sigma_H = %.4g (epsilon %.4g after %d "
+            "rounds, delta %.3g), but the wavelet noise along the all-ones direction has std "
+            "sigma_H*C/sqrt(n) with n = %d: effective noise multiplier %.4g, TRUE epsilon %.4g. "
+            "Use wavelet-calibration = 'exact' for the configured guarantee.",
+            self.sigma_h,
+            claimed,
+            rounds,
+            self.ledger.delta,
+            self.padded_size,
+            self.accounted_noise_multiplier(),
+            true,
+        )
 
     # ------------------------------------------------------------------ rounds
     def begin_round(self, arrays: ArrayRecord) -> None:
@@ -119,14 +128,16 @@ class DPFedAvgWavelet(DPFedAvg):
         self.set_dimension(sum(a.size for a in arrays.to_numpy_ndarrays()))
         super().begin_round(arrays)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         messages = super().configure_train(server_round, arrays, config, grid)
         self.warn_true_epsilon()
         return messages
 
-    def noisy_sum(self, server_round: int, updates: list[np.ndarray], size: int,
-                  received: int | None = None) -> np.ndarray:
+    def noisy_sum(
+        self, server_round: int, updates: list[np.ndarray], size: int, received: int | None = None
+    ) -> np.ndarray:
         """Sum of clipped updates + Haar-wavelet noise with scale sigma_H * C (all of it added here,
         so `received` does not change it)."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
@@ -135,8 +146,9 @@ class DPFedAvgWavelet(DPFedAvg):
         rng = make_rng(self.seed, 2, server_round, secure=self.secure_rng)
         return haar_wavelet_noise(total, scale, rng)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         arrays, metrics = super().aggregate_train(server_round, replies)
         assert self.claimed is not None and metrics is not None
         self.claimed.record(self.sigma_h, self.sample_rate)
@@ -158,9 +170,16 @@ class DPFedAvgWavelet(DPFedAvg):
 
     def describe(self) -> dict:
         assert self.claimed is not None
-        return {**super().describe(), "wavelet_calibration": self.wavelet_calibration,
-                "model_size": self.dimension, "padded_size": self.padded_size,
-                "sigma_h": self.sigma_h, "effective_noise_multiplier": self.accounted_noise_multiplier(),
-                "claimed_epsilon": self.claimed.epsilon(),
-                "privacy_note": ("epsilon is the true one (ledger at sigma_H/sqrt(n)); claimed_epsilon is what "
-                                 "the paper's analysis prints (ledger at sigma_H)")}
+        return {
+            **super().describe(),
+            "wavelet_calibration": self.wavelet_calibration,
+            "model_size": self.dimension,
+            "padded_size": self.padded_size,
+            "sigma_h": self.sigma_h,
+            "effective_noise_multiplier": self.accounted_noise_multiplier(),
+            "claimed_epsilon": self.claimed.epsilon(),
+            "privacy_note": (
+                "epsilon is the true one (ledger at sigma_H/sqrt(n)); claimed_epsilon is what "
+                "the paper's analysis prints (ledger at sigma_H)"
+            ),
+        }

@@ -11,7 +11,8 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 def dp_accounting_epsilons(sigma: float, q: float, steps: int, delta: float) -> tuple[float, float]:
     """(PLD epsilon, RDP epsilon) of `steps` Poisson-sampled Gaussian events with (sigma, q)."""
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
     pld_acc = pld.PLDAccountant(value_discretization_interval=1e-4)
     pld_acc.compose(event)
     rdp_acc = rdp.RdpAccountant()

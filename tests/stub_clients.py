@@ -18,8 +18,9 @@ class FixedUpdateClient(TrainingClient):
     """'Training' adds update_fn(partition_id, round) to the weights; the rest is the real client."""
 
     def __init__(self, model, partition_id, update_fn):
-        empty = type("D", (), {"x": np.zeros((0, 1), np.float32), "y": np.zeros(0, np.int64),
-                                "__len__": lambda self: 1})()
+        empty = type(
+            "D", (), {"x": np.zeros((0, 1), np.float32), "y": np.zeros(0, np.int64), "__len__": lambda self: 1}
+        )()
         super().__init__(model, empty, empty, partition_id=partition_id, seed=0)
         self.update_fn = update_fn
 

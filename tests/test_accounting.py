@@ -28,8 +28,6 @@ SETTINGS = [
 ]
 
 
-
-
 @pytest.mark.parametrize("sigma,q,rounds,delta", SETTINGS)
 @pytest.mark.parametrize("accountant", ["pld", "rdp", "prv"])
 def test_epsilon_is_valid_bound_next_to_dp_accounting(sigma, q, rounds, delta, accountant):
@@ -68,8 +66,9 @@ def binomial_tail(population: int, q: float, n: int) -> float:
     return float(sum(math.comb(population, k) * q**k * (1 - q) ** (population - k) for k in range(n, population + 1)))
 
 
-@pytest.mark.parametrize("population,q,expected", [(50, 0.5, 49), (6, 0.5, 7), (20, 1.0, 21), (100, 0.1, 37),
-                                                    (1000, 0.1, 174)])
+@pytest.mark.parametrize(
+    "population,q,expected", [(50, 0.5, 49), (6, 0.5, 7), (20, 1.0, 21), (100, 0.1, 37), (1000, 0.1, 174)]
+)
 def test_noise_shares_are_the_smallest_count_a_sample_exceeds_with_probability_1e_12(population, q, expected):
     n = noise_share_count(population, q)
     assert n == expected
@@ -162,8 +161,7 @@ def worst_pair_lower_bound(num_clients: int, m: int, sigma: float, rounds: int, 
     import dp_accounting
 
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
-    acc.compose(dp_accounting.PoissonSampledDpEvent(m / num_clients, dp_accounting.GaussianDpEvent(sigma / 2)),
-                rounds)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(m / num_clients, dp_accounting.GaussianDpEvent(sigma / 2)), rounds)
     return acc.get_epsilon(delta)
 
 
@@ -234,6 +232,7 @@ def test_an_accountant_is_one_registered_class():
     assert set(ledger_module.ACCOUNTANT_REGISTRY) == {"pld", "rdp", "prv"} == set(ledger_module.ACCOUNTANTS)
     events = [(1.1, 0.3, 40)]
     try:
+
         @ledger_module.register_accountant
         class DoubleRDP:
             name, discretised = "double-rdp", True
@@ -242,7 +241,8 @@ def test_an_accountant_is_one_registered_class():
                 return 2 * ledger_module.epsilon_of(list(events), delta, "rdp")
 
         assert ledger_module.epsilon_of(events, 1e-5, "double-rdp") == pytest.approx(
-            2 * ledger_module.epsilon_of(events, 1e-5, "rdp"))
+            2 * ledger_module.epsilon_of(events, 1e-5, "rdp")
+        )
         assert ledger_module.accountant_used([(0.1, 0.3, 4)], 1e-5, "double-rdp").startswith("rdp (a noise")
     finally:
         ledger_module.ACCOUNTANT_REGISTRY.pop("double-rdp", None)

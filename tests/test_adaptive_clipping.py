@@ -34,8 +34,12 @@ def test_theorem_1_update_noise_and_the_ledger_charges_sigma_against_dp_accounti
     assert sigma_delta == pytest.approx((1 - 1 / 400) ** -0.5, rel=1e-12) == pytest.approx(1.0012523, rel=1e-6)
     # dp-accounting directly: the round is one sampled vector mechanism, the update sum (sensitivity C, noise
     # sigma_Delta C) and the centred count (sensitivity 1/2, noise sigma_b, i.e. multiplier 2 sigma_b)
-    joint = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.ComposedDpEvent(
-        [dp_accounting.GaussianDpEvent(sigma_delta), dp_accounting.GaussianDpEvent(2 * sigma_b)]))
+    joint = dp_accounting.PoissonSampledDpEvent(
+        q,
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(sigma_delta), dp_accounting.GaussianDpEvent(2 * sigma_b)]
+        ),
+    )
     single = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
     accountants = []
     for event in (joint, single):
@@ -45,8 +49,14 @@ def test_theorem_1_update_noise_and_the_ledger_charges_sigma_against_dp_accounti
     assert accountants[0] == pytest.approx(accountants[1], rel=1e-9)
     exact = pld.PLDAccountant(value_discretization_interval=1e-4)
     exact.compose(single, rounds)
-    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=sigma, sample_rate=q, delta=delta,
-                                   noise_placement="central", adaptive_clipping=AdaptiveClipping(0.5, 0.2, sigma_b))
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0,
+        noise_multiplier=sigma,
+        sample_rate=q,
+        delta=delta,
+        noise_placement="central",
+        adaptive_clipping=AdaptiveClipping(0.5, 0.2, sigma_b),
+    )
     strategy.setup_population(100)
     for _ in range(rounds):
         strategy.ledger.record_round(strategy.accounted_noise_multiplier(), q, strategy.noise_shares)
@@ -57,11 +67,21 @@ def test_theorem_1_update_noise_and_the_ledger_charges_sigma_against_dp_accounti
 
 def test_imaginary_update_noise_is_refused_naming_the_keys():
     with pytest.raises(SettingError, match="clip-count-noise-multiplier.*noise-multiplier"):
-        DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=2.0, sample_rate=0.5,
-                            adaptive_clipping=AdaptiveClipping(count_noise_multiplier=1.0))
+        DifferentialPrivacy(
+            clipping_norm=1.0,
+            noise_multiplier=2.0,
+            sample_rate=0.5,
+            adaptive_clipping=AdaptiveClipping(count_noise_multiplier=1.0),
+        )
     with pytest.raises(ConfigError, match="clip-count-noise-multiplier"):
-        validate({"algorithm": "dp-fedavg", "adaptive-clipping": True, "noise-multiplier": 2.0,
-                  "clip-count-noise-multiplier": 1.0})
+        validate(
+            {
+                "algorithm": "dp-fedavg",
+                "adaptive-clipping": True,
+                "noise-multiplier": 2.0,
+                "clip-count-noise-multiplier": 1.0,
+            }
+        )
     with pytest.raises(ConfigError, match="adaptive-clipping"):
         validate({"algorithm": "dp-fedavg", "adaptive-clipping": True, "noise-placement": "local"})
     with pytest.raises(ConfigError, match="adaptive-clipping"):
@@ -76,9 +96,15 @@ def norms_client(mods=()) -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         i = int(context.node_config["partition-id"])
         update = np.full(DIM, 0.01 * (i + 1.5) / math.sqrt(DIM), np.float32)
-        return Message(RecordDict({"arrays": ArrayRecord({"w": Array(update)}),
-                                   "metrics": MetricRecord({keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
-                                                            keys.UPDATE_NORM: 0.01 * (i + 1.5)})}), reply_to=msg)
+        return Message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord({"w": Array(update)}),
+                    "metrics": MetricRecord({keys.UPLOAD_KIND: keys.UPLOAD_UPDATE, keys.UPDATE_NORM: 0.01 * (i + 1.5)}),
+                }
+            ),
+            reply_to=msg,
+        )
 
     return app
 
@@ -91,8 +117,15 @@ def privatizing_norms_client() -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         i = int(context.node_config["partition-id"])
         sent = msg.content["arrays"]["w"].numpy()
-        return Message(RecordDict({"arrays": ArrayRecord({"w": Array(sent + np.float32(0.01 * (i + 1.5) / math.sqrt(DIM)))}),
-                                   "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+        return Message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord({"w": Array(sent + np.float32(0.01 * (i + 1.5) / math.sqrt(DIM)))}),
+                    "metrics": MetricRecord({"num-examples": 1}),
+                }
+            ),
+            reply_to=msg,
+        )
 
     return app
 
@@ -100,16 +133,25 @@ def privatizing_norms_client() -> ClientApp:
 @pytest.mark.parametrize("placement", ["central", "distributed"])
 def test_the_clipping_norm_follows_the_geometric_rule_to_the_target_quantile(placement):
     clients, eta, gamma = 20, 0.5, 0.5
-    strategy = DifferentialPrivacy(clipping_norm=0.01, noise_multiplier=0.1, sample_rate=1.0, min_available_nodes=clients,
-                                   noise_placement=placement, delta=1e-5, secure_rng=False, seed=4,
-                                   adaptive_clipping=AdaptiveClipping(gamma, eta, count_noise_multiplier=0.1))
+    strategy = DifferentialPrivacy(
+        clipping_norm=0.01,
+        noise_multiplier=0.1,
+        sample_rate=1.0,
+        min_available_nodes=clients,
+        noise_placement=placement,
+        delta=1e-5,
+        secure_rng=False,
+        seed=4,
+        adaptive_clipping=AdaptiveClipping(gamma, eta, count_noise_multiplier=0.1),
+    )
     app = norms_client() if placement == "central" else privatizing_norms_client()
     grid = InProcessGrid(app, clients, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(DIM, np.float32))}), num_rounds=30)
     for record in strategy.history:
         c_t = record["clipping_norm"]
         assert record["clipping_norm_next"] == pytest.approx(
-            c_t * math.exp(-eta * (record["unclipped_fraction_noisy"] - gamma)), rel=1e-9)
+            c_t * math.exp(-eta * (record["unclipped_fraction_noisy"] - gamma)), rel=1e-9
+        )
         true_fraction = sum(0.01 * (i + 1.5) <= c_t for i in range(clients)) / clients
         assert record["unclipped_fraction_noisy"] == pytest.approx(true_fraction, abs=0.05)  # noise: 0.1 / 20
     final = strategy.history[-1]["clipping_norm_next"]
@@ -118,14 +160,21 @@ def test_the_clipping_norm_follows_the_geometric_rule_to_the_target_quantile(pla
     if placement == "distributed":  # the clients' noise shares carry sigma_Delta
         sigma_delta = update_noise_multiplier(0.1, 0.1)
         config = grid.sent[-1].content["config"]
-        assert config[keys.NOISE_STD] == pytest.approx(sigma_delta * strategy.history[-1]["clipping_norm"]
-                                                       / math.sqrt(strategy.noise_shares), rel=1e-9)
+        assert config[keys.NOISE_STD] == pytest.approx(
+            sigma_delta * strategy.history[-1]["clipping_norm"] / math.sqrt(strategy.noise_shares), rel=1e-9
+        )
         assert config[keys.CLIP_COUNT_NOISE_STD] == pytest.approx(0.1 / math.sqrt(strategy.noise_shares))
 
 
 def test_distributed_replies_without_the_bit_are_refused():
-    strategy = DifferentialPrivacy(clipping_norm=0.1, noise_multiplier=0.1, sample_rate=1.0, min_available_nodes=4,
-                                   noise_placement="distributed", adaptive_clipping=AdaptiveClipping())
+    strategy = DifferentialPrivacy(
+        clipping_norm=0.1,
+        noise_multiplier=0.1,
+        sample_rate=1.0,
+        min_available_nodes=4,
+        noise_placement="distributed",
+        adaptive_clipping=AdaptiveClipping(),
+    )
     app = ClientApp()
 
     @app.train(mods=[make_dp_privatize_mod(seed=1)])
@@ -138,9 +187,22 @@ def test_distributed_replies_without_the_bit_are_refused():
 
 
 def test_the_app_publishes_the_clipping_norm_per_round(tmp_path):
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "batch-size": 16,
-                    "num-rounds": 3, "sample-rate": 1.0, "min-nodes": 4, "algorithm": "dp-fedavg",
-                    "adaptive-clipping": True, "clip-count-noise-multiplier": 2.0, "results-dir": str(tmp_path)})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "local-steps": 2,
+            "batch-size": 16,
+            "num-rounds": 3,
+            "sample-rate": 1.0,
+            "min-nodes": 4,
+            "algorithm": "dp-fedavg",
+            "adaptive-clipping": True,
+            "clip-count-noise-multiplier": 2.0,
+            "results-dir": str(tmp_path),
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, 4, cfg), cfg)
     rounds = read_metrics(tmp_path)
     assert [r["clipping_norm"] for r in rounds][0] == cfg.privacy.clipping_norm

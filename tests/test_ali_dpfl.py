@@ -55,8 +55,18 @@ def test_noise_only_steps_have_std_lr_sigma_c_over_expected_batch(mode):
     model = tiny_model()
     w0 = flatten(get_weights(model))
     q, sigma, c, lr = 1e-6, 2.0, 0.5, 1e-3
-    taken = dpsgd_steps(model, x, y, steps=1, sample_rate=q, noise_multiplier=sigma, clipping_norm=c, lr=lr,
-                        grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(1))
+    taken = dpsgd_steps(
+        model,
+        x,
+        y,
+        steps=1,
+        sample_rate=q,
+        noise_multiplier=sigma,
+        clipping_norm=c,
+        lr=lr,
+        grad_sample_mode=mode,
+        noise_generator=torch.Generator().manual_seed(1),
+    )
     delta = flatten(get_weights(model)) - w0
     expected = lr * sigma * c / (q * len(y))
     assert taken == 1
@@ -69,8 +79,9 @@ def test_without_noise_and_clipping_a_full_batch_step_is_sgd(mode):
     x, y = tensors(tiny_data())
     model, reference = tiny_model(), tiny_model()
     w0 = flatten(get_weights(model))
-    dpsgd_steps(model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=1e6, lr=0.5,
-                grad_sample_mode=mode)
+    dpsgd_steps(
+        model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=1e6, lr=0.5, grad_sample_mode=mode
+    )
     torch.nn.functional.cross_entropy(reference(x), y).backward()
     expected = w0 - 0.5 * flatten([p.grad.numpy() for p in reference.parameters()])
     np.testing.assert_allclose(flatten(get_weights(model)), expected, atol=1e-6)
@@ -86,8 +97,9 @@ def test_per_sample_gradient_is_clipped_to_c(mode):
     for c in (grad_norm / 10, grad_norm * 10):
         model = tiny_model()
         w0 = flatten(get_weights(model))
-        dpsgd_steps(model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=c, lr=1.0,
-                    grad_sample_mode=mode)
+        dpsgd_steps(
+            model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=c, lr=1.0, grad_sample_mode=mode
+        )
         step = np.linalg.norm(flatten(get_weights(model)) - w0)
         assert step == pytest.approx(min(c, grad_norm), rel=1e-4)
 
@@ -100,7 +112,7 @@ def test_a_batch_step_clips_each_samples_own_gradient(mode):
     grads = []
     for s in range(len(y)):
         reference = tiny_model()
-        torch.nn.functional.cross_entropy(reference(x[s:s + 1]), y[s:s + 1]).backward()
+        torch.nn.functional.cross_entropy(reference(x[s : s + 1]), y[s : s + 1]).backward()
         grads.append(flatten([p.grad.numpy() for p in reference.parameters()]))
     norms = np.linalg.norm(grads, axis=1)
     c = float(np.median(norms))
@@ -108,8 +120,9 @@ def test_a_batch_step_clips_each_samples_own_gradient(mode):
     clipped_sum = sum(g * min(1.0, c / n) for g, n in zip(grads, norms))
     model = tiny_model()
     w0 = flatten(get_weights(model))
-    dpsgd_steps(model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=c, lr=0.5,
-                grad_sample_mode=mode)
+    dpsgd_steps(
+        model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=c, lr=0.5, grad_sample_mode=mode
+    )
     np.testing.assert_allclose(flatten(get_weights(model)), w0 - 0.5 * clipped_sum / len(y), atol=1e-6)
 
 
@@ -120,10 +133,9 @@ def test_config_and_client_list_the_same_grad_sample_modes():
 # ---------------------------------------------------------------- R_c and the client ledger
 
 
-
-
-@pytest.mark.parametrize("target,sigma,q", [(1.0, 1.5, 0.05), (2.0, 1.0, 0.05), (4.0, 1.5, 0.1),
-                                            (8.0, 1.0, 0.01), (3.0, 0.8, 0.02)])
+@pytest.mark.parametrize(
+    "target,sigma,q", [(1.0, 1.5, 0.05), (2.0, 1.0, 0.05), (4.0, 1.5, 0.1), (8.0, 1.0, 0.01), (3.0, 0.8, 0.02)]
+)
 def test_rc_is_the_last_step_within_the_target(target, sigma, q):
     delta = 1e-5
     r_c = max_local_steps(target, delta, sigma, q)
@@ -135,10 +147,25 @@ def test_rc_is_the_last_step_within_the_target(target, sigma, q):
 
 
 def dpsgd_client(state, *, target=8.0, sigma=1.2, q=0.2, mu_noise=3.0, seed=0):
-    return DPSGDClient(tiny_model(), tiny_data(), tiny_data(10, 1), state=state, sample_rate=q,
-                       noise_multiplier=sigma, clipping_norm=1.0, target_epsilon=target, delta=1e-5, lr=0.1,
-                       momentum=0.0, weight_decay=0.0, mu_max=1.0, mu_noise_multiplier=mu_noise, seed=seed,
-                       partition_id=3, secure_rng=False)  # seeded: the tests compare runs
+    return DPSGDClient(
+        tiny_model(),
+        tiny_data(),
+        tiny_data(10, 1),
+        state=state,
+        sample_rate=q,
+        noise_multiplier=sigma,
+        clipping_norm=1.0,
+        target_epsilon=target,
+        delta=1e-5,
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        mu_max=1.0,
+        mu_noise_multiplier=mu_noise,
+        seed=seed,
+        partition_id=3,
+        secure_rng=False,
+    )  # seeded: the tests compare runs
 
 
 def test_client_reports_the_accountant_epsilon_of_the_steps_it_took():
@@ -163,8 +190,7 @@ def test_client_never_steps_past_the_target():
     state, weights = RecordDict(), get_weights(tiny_model())
     taken = []
     for rnd in range(1, 5):
-        _, _, metrics = dpsgd_client(state, target=target).fit(weights, {"server-round": rnd,
-                                                                         "local-steps": r_c - 3})
+        _, _, metrics = dpsgd_client(state, target=target).fit(weights, {"server-round": rnd, "local-steps": r_c - 3})
         taken.append(metrics["local-steps"])
         assert metrics["epsilon"] <= target
     assert taken == [r_c - 3, 3, 0, 0]
@@ -178,8 +204,9 @@ def test_mu_release_is_charged_and_raises_epsilon():
     results = {}
     for release in (False, True):
         state = RecordDict()
-        update, _, metrics = dpsgd_client(state).fit(weights, {"server-round": 1, "local-steps": 4,
-                                                               "release-mu": release})
+        update, _, metrics = dpsgd_client(state).fit(
+            weights, {"server-round": 1, "local-steps": 4, "release-mu": release}
+        )
         results[release] = (flatten(update), metrics)
     (u_plain, m_plain), (u_mu, m_mu) = results[False], results[True]
     np.testing.assert_array_equal(u_plain, u_mu)  # the DP-SGD part is identical
@@ -192,19 +219,31 @@ def test_mu_release_is_charged_and_raises_epsilon():
 # ---------------------------------------------------------------- tau* (eq. 9)
 
 
-@pytest.mark.parametrize("params,expected,rounded", [
-    # s = 1*1*100/10^2 = 1; (4 + 3 + 0 + 1) / ((2 + 0.1)(1 + 1)) = 8/4.2; sqrt(1 + 1.904762) = 1.704336
-    (dict(mu=1.0, clipping_norm=1.0, noise_multiplier=1.0, dim=100, batch_size=10, gamma=0.0, total_steps=10),
-     1.704336, 2),
-    # s = 4*0.01*400/400 = 0.04; (16 + 0.03 + 500 + 0.04) / (2.02 * 0.05) = 516.07/0.101 = 5109.604;
-    # sqrt(5110.604) = 71.48849
-    (dict(mu=0.5, clipping_norm=0.1, noise_multiplier=2.0, dim=400, batch_size=20, gamma=10.0, total_steps=50),
-     71.48849, 71),
-    # s = 1*0.25*10000/25 = 100; (1 + 0.75 + 2000 + 100) / (2.01 * 100.25) = 2101.75/201.5025 = 10.430391;
-    # sqrt(11.430391) = 3.380886
-    (dict(mu=2.0, clipping_norm=0.5, noise_multiplier=1.0, dim=10000, batch_size=5, gamma=5.0, total_steps=100),
-     3.380886, 3),
-])
+@pytest.mark.parametrize(
+    "params,expected,rounded",
+    [
+        # s = 1*1*100/10^2 = 1; (4 + 3 + 0 + 1) / ((2 + 0.1)(1 + 1)) = 8/4.2; sqrt(1 + 1.904762) = 1.704336
+        (
+            dict(mu=1.0, clipping_norm=1.0, noise_multiplier=1.0, dim=100, batch_size=10, gamma=0.0, total_steps=10),
+            1.704336,
+            2,
+        ),
+        # s = 4*0.01*400/400 = 0.04; (16 + 0.03 + 500 + 0.04) / (2.02 * 0.05) = 516.07/0.101 = 5109.604;
+        # sqrt(5110.604) = 71.48849
+        (
+            dict(mu=0.5, clipping_norm=0.1, noise_multiplier=2.0, dim=400, batch_size=20, gamma=10.0, total_steps=50),
+            71.48849,
+            71,
+        ),
+        # s = 1*0.25*10000/25 = 100; (1 + 0.75 + 2000 + 100) / (2.01 * 100.25) = 2101.75/201.5025 = 10.430391;
+        # sqrt(11.430391) = 3.380886
+        (
+            dict(mu=2.0, clipping_norm=0.5, noise_multiplier=1.0, dim=10000, batch_size=5, gamma=5.0, total_steps=100),
+            3.380886,
+            3,
+        ),
+    ],
+)
 def test_tau_star_matches_hand_computed_values(params, expected, rounded):
     assert optimal_local_steps(**params) == pytest.approx(expected, rel=1e-6)
     common = {k: params[k] for k in ("mu", "clipping_norm", "noise_multiplier", "dim", "batch_size", "gamma")}
@@ -227,7 +266,9 @@ def test_total_steps_is_min_of_rounds_times_previous_tau_and_rc():
     tau, real = next_local_steps(rounds_budget=50, steps_budget=100, previous=3, **common)  # T = min(150, 100)
     assert real == pytest.approx(optimal_local_steps(total_steps=100, **common))
     assert next_local_steps(rounds_budget=5, steps_budget=100, previous=4, **{**common, "mu": math.nan}) == (
-        4, pytest.approx(math.nan, nan_ok=True))
+        4,
+        pytest.approx(math.nan, nan_ok=True),
+    )
 
 
 # ---------------------------------------------------------------- strategy with stub clients
@@ -243,8 +284,13 @@ def stub_app(sizes):
         arrays = msg.content["arrays"].to_numpy_ndarrays()
         update = [np.zeros_like(a) for a in arrays]
         update[0].flat[0] = pid + 1.0
-        metrics = {"partition-id": pid, "local-steps": 1, "dpsgd-steps": 1, "num-examples": sizes[pid],
-                   "epsilon": epsilon_of([(1.0, 0.1, 1)], 1e-5)}
+        metrics = {
+            "partition-id": pid,
+            "local-steps": 1,
+            "dpsgd-steps": 1,
+            "num-examples": sizes[pid],
+            "epsilon": epsilon_of([(1.0, 0.1, 1)], 1e-5),
+        }
         if pid == 3:
             metrics["num-examples"] = 0  # malformed: rejected
         return Message(RecordDict({"arrays": ArrayRecord(update), "metrics": MetricRecord(metrics)}), reply_to=msg)
@@ -256,9 +302,16 @@ def test_models_are_averaged_with_weights_proportional_to_dataset_size():
     """Weights are the public partition sizes; a reply whose num-examples is invalid is rejected."""
     sizes = [10, 30, 60, 99]
     grid = InProcessGrid(stub_app(sizes), 4, {})
-    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0,
-                       sample_clipping_norm=1.0, target_epsilon=5.0, adaptive=False, local_steps=2,
-                       partition_size=lambda pid, n: sizes[pid])
+    strategy = ALIDPFL(
+        sample_rate=1.0,
+        batch_sample_rate=0.1,
+        sample_noise_multiplier=1.0,
+        sample_clipping_norm=1.0,
+        target_epsilon=5.0,
+        adaptive=False,
+        local_steps=2,
+        partition_size=lambda pid, n: sizes[pid],
+    )
     initial = ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
     result = strategy.start(grid, initial, num_rounds=1)
     new = flatten(result.arrays.to_numpy_ndarrays())
@@ -276,10 +329,23 @@ def test_models_are_averaged_with_weights_proportional_to_dataset_size():
 
 
 def app_config(tmp_path, **overrides):
-    return validate({"algorithm": "ali-dpfl", "dataset": "digits", "model": "mlp", "partitioner": "iid",
-                     "sample-rate": 1.0, "batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5,
-                     "sample-clipping-norm": 1.0, "lr": 0.5, "momentum": 0.0, "target-epsilon": 3.0,
-                     "results-dir": str(tmp_path), **overrides})
+    return validate(
+        {
+            "algorithm": "ali-dpfl",
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "sample-rate": 1.0,
+            "batch-sample-rate": 0.1,
+            "sample-noise-multiplier": 1.5,
+            "sample-clipping-norm": 1.0,
+            "lr": 0.5,
+            "momentum": 0.0,
+            "target-epsilon": 3.0,
+            "results-dir": str(tmp_path),
+            **overrides,
+        }
+    )
 
 
 def test_run_stops_at_rc_and_records_tau(tmp_path):
@@ -301,8 +367,16 @@ def test_run_ledger_charges_exactly_the_steps_and_mu_releases(tmp_path, mu_sourc
     # entropy (std 5 on a ratio clipped to [0, 1]), a round-1 estimate in (0, 0.0016) asks for tau >= 257 in round 2
     # (tau ~ 0.4 / mu), after which no client can take a step and release mu within epsilon 6: the run stopped
     # after 2 rounds in about 2.4e-4 of runs (P(0 < mu < x) ~ 0.15 x; 2 of 800 estimates fell below 0.016).
-    cfg = app_config(tmp_path, **{"num-rounds": 3, "mu-source": mu_source, "mu-noise-multiplier": 5.0,
-                                  "target-epsilon": 6.0, "secure-rng": False})
+    cfg = app_config(
+        tmp_path,
+        **{
+            "num-rounds": 3,
+            "mu-source": mu_source,
+            "mu-noise-multiplier": 5.0,
+            "target-epsilon": 6.0,
+            "secure-rng": False,
+        },
+    )
     summary = run_federated(InProcessGrid(client_app, 3, cfg), cfg)
     rows = read_metrics(tmp_path)
     assert len(rows) == 3 and all(math.isfinite(r["mu"]) for r in rows)
@@ -326,11 +400,26 @@ def test_end_to_end_mnist_dirichlet_005(tmp_path):
     them from OS entropy, 30 runs reached 0.483 +- 0.045 (0.42-0.58), and 0.35 is 2.9 standard deviations
     below that mean: about 2e-3 of runs would fail.
     """
-    cfg = validate({"algorithm": "ali-dpfl", "dataset": "mnist-embedded", "partitioner": "dirichlet",
-                    "dirichlet-alpha": 0.05, "num-rounds": 20, "sample-rate": 1.0, "batch-sample-rate": 0.1,
-                    "sample-noise-multiplier": 1.5, "sample-clipping-norm": 0.1, "lr": 5.0, "momentum": 0.0,
-                    "weight-decay": 0.0, "gamma": 10.0, "target-epsilon": 4.0, "secure-rng": False,
-                    "results-dir": str(tmp_path)})
+    cfg = validate(
+        {
+            "algorithm": "ali-dpfl",
+            "dataset": "mnist-embedded",
+            "partitioner": "dirichlet",
+            "dirichlet-alpha": 0.05,
+            "num-rounds": 20,
+            "sample-rate": 1.0,
+            "batch-sample-rate": 0.1,
+            "sample-noise-multiplier": 1.5,
+            "sample-clipping-norm": 0.1,
+            "lr": 5.0,
+            "momentum": 0.0,
+            "weight-decay": 0.0,
+            "gamma": 10.0,
+            "target-epsilon": 4.0,
+            "secure-rng": False,
+            "results-dir": str(tmp_path),
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, 10, cfg), cfg)
     rows = read_metrics(tmp_path)
     r_c = max_local_steps(4.0, 1e-5, 1.5, 0.1)
@@ -354,16 +443,26 @@ def hostile_stub_app(sizes, lie: dict):
         reply = honest(msg, context)
         if int(context.node_config["partition-id"]) == 0:
             metrics = {**dict(reply.content["metrics"]), **lie}
-            reply = Message(RecordDict({"arrays": reply.content["arrays"], "metrics": MetricRecord(metrics)}),
-                            reply_to=msg)
+            reply = Message(
+                RecordDict({"arrays": reply.content["arrays"], "metrics": MetricRecord(metrics)}), reply_to=msg
+            )
         return reply
 
     return app
 
 
 def run_one_round(app, partition_size=None, **kwargs):
-    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
-                       target_epsilon=5.0, adaptive=False, local_steps=2, partition_size=partition_size, **kwargs)
+    strategy = ALIDPFL(
+        sample_rate=1.0,
+        batch_sample_rate=0.1,
+        sample_noise_multiplier=1.0,
+        sample_clipping_norm=1.0,
+        target_epsilon=5.0,
+        adaptive=False,
+        local_steps=2,
+        partition_size=partition_size,
+        **kwargs,
+    )
     initial = ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
     result = strategy.start(InProcessGrid(app, 4, {}), initial, num_rounds=1)
     return strategy, flatten(result.arrays.to_numpy_ndarrays()), result.train_metrics_clientapp[1]
@@ -384,15 +483,31 @@ def test_reported_step_counts_never_exceed_what_the_server_asked(lie):
     assert metrics["epsilon"] <= epsilon_of([(1.0, 0.1, 2)], 1e-5) + 1e-12
 
 
-@pytest.mark.parametrize("lie", [{"local-steps": float("nan")}, {"num-examples": float("inf")}, {"mu": float("nan")},
-                                 {"partition-id": -1}, {"partition-id": 2}, {"budget-left": 7}])
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"local-steps": float("nan")},
+        {"num-examples": float("inf")},
+        {"mu": float("nan")},
+        {"partition-id": -1},
+        {"partition-id": 2},
+        {"budget-left": 7},
+    ],
+)
 def test_malformed_or_duplicate_metrics_are_rejected_not_raised(lie):
     _, new, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], lie))
     assert metrics["rejected"] == 2 and metrics["clients"] == 2 and np.all(np.isfinite(new))
 
 
 def test_client_mu_is_clipped_on_the_server():
-    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
-                       target_epsilon=5.0, mu_source="clients", mu_max=0.5)
+    strategy = ALIDPFL(
+        sample_rate=1.0,
+        batch_sample_rate=0.1,
+        sample_noise_multiplier=1.0,
+        sample_clipping_norm=1.0,
+        target_epsilon=5.0,
+        mu_source="clients",
+        mu_max=0.5,
+    )
     rows = [(np.ones(3, np.float32), {"mu": 1e6}), (np.ones(3, np.float32), {"mu": -3.0})]
     assert strategy.estimate_mu([np.zeros(3, np.float32)], [(3,)], rows, np.array([1.0, 1.0])) == pytest.approx(0.25)

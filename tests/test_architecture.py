@@ -31,11 +31,14 @@ def test_the_graph_sees_the_known_imports():
     assert len(EDGES) > 60
 
 
-@pytest.mark.parametrize("importer_layer,forbidden", [
-    ("neutral core", ("server strategies", "clients", "app wiring")),
-    ("clients", ("server strategies", "app wiring")),
-    ("server strategies", ("clients", "app wiring")),
-])
+@pytest.mark.parametrize(
+    "importer_layer,forbidden",
+    [
+        ("neutral core", ("server strategies", "clients", "app wiring")),
+        ("clients", ("server strategies", "app wiring")),
+        ("server strategies", ("clients", "app wiring")),
+    ],
+)
 def test_layers_import_only_downwards(importer_layer, forbidden):
     bad = [(a, b) for a, b, _ in EDGES if layer_of(a) == importer_layer and layer_of(b) in forbidden]
     assert bad == [], f"{importer_layer} must not import {forbidden}: {bad}"
@@ -67,8 +70,12 @@ def test_after_start_up_no_module_reads_a_run_config_key_from_a_dict():
 
     def config_reads(path: Path) -> list[str]:
         tree = ast.parse(path.read_text())
-        skipped = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in start_up_functions
-                   for n in ast.walk(f)}
+        skipped = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.name in start_up_functions
+            for n in ast.walk(f)
+        }
         reads = []
         for node in ast.walk(tree):
             if isinstance(node, ast.Subscript):
@@ -77,13 +84,18 @@ def test_after_start_up_no_module_reads_a_run_config_key_from_a_dict():
                 target, key = node.func.value, node.args[0] if node.args else None
             else:
                 continue
-            if (isinstance(key, ast.Constant) and key.value in SPEC and id(node) not in skipped
-                    and not any(word in ast.unparse(target) for word in not_run_configs)):
+            if (
+                isinstance(key, ast.Constant)
+                and key.value in SPEC
+                and id(node) not in skipped
+                and not any(word in ast.unparse(target) for word in not_run_configs)
+            ):
                 reads.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
         return reads
 
-    assert [r for name, path in project_modules().items() if name not in RAW_CONFIG_READERS
-            for r in config_reads(path)] == []
+    assert [
+        r for name, path in project_modules().items() if name not in RAW_CONFIG_READERS for r in config_reads(path)
+    ] == []
 
 
 def test_the_run_config_read_check_can_fail(tmp_path, monkeypatch):
@@ -99,14 +111,22 @@ def test_the_run_config_read_check_can_fail(tmp_path, monkeypatch):
 
 
 def string_constants(path: Path) -> list[tuple[int, str]]:
-    return [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
-            if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
 
 
 def test_only_the_registry_names_algorithms():
     names = set(ALGORITHMS)
-    found = [f"{name}:{line}: {value!r}" for name, path in project_modules().items() if name != "fl_app.algorithms"
-             for line, value in string_constants(path) if value in names]
+    found = [
+        f"{name}:{line}: {value!r}"
+        for name, path in project_modules().items()
+        if name != "fl_app.algorithms"
+        for line, value in string_constants(path)
+        if value in names
+    ]
     assert found == [], "branch on the registry's records instead of algorithm names: " + "; ".join(found)
 
 
@@ -117,8 +137,13 @@ def test_a_new_name_in_a_module_would_be_caught(tmp_path):
     assert (2, "ali-dpfl") in string_constants(module)
 
 
-OUTSIDE = [r"\.\./shared", "/wor" + "k/", "ALGORITHMS" + r"\.md", "DESIGN" + r"\.md",
-           r"\b(ali-dpfl|dp-fedsam|dp2-fedsam|dp2-fedsam-conference|dp-fedavg-wavelet)\.txt\b"]
+OUTSIDE = [
+    r"\.\./shared",
+    "/wor" + "k/",
+    "ALGORITHMS" + r"\.md",
+    "DESIGN" + r"\.md",
+    r"\b(ali-dpfl|dp-fedsam|dp2-fedsam|dp2-fedsam-conference|dp-fedavg-wavelet)\.txt\b",
+]
 
 
 def test_no_file_points_outside_the_repository():
@@ -146,8 +171,7 @@ def test_architecture_doc_draws_the_current_graph():
 
 def test_the_fab_holds_every_project_module_and_nothing_else_of_ours(tmp_path):
     """`fab-include` in pyproject.toml: what every node installs and every ClientApp task unpacks."""
-    subprocess.run([str(BIN / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path,
-                   check=True, capture_output=True)
+    subprocess.run([str(BIN / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path, check=True, capture_output=True)
     (fab,) = tmp_path.glob("*.fab")
     names = set(zipfile.ZipFile(fab).namelist())
     modules = {str(path.relative_to(ROOT)) for path in project_modules().values()}

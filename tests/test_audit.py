@@ -36,6 +36,7 @@ def audited_run(strategy, rounds: int = 20, dim_in: int = 500, dim_out: int = 40
     """Clients upload nothing; only the canaries and the noise move the model."""
     grid = InProcessGrid(stub_app(zero_update, dim_in=dim_in, dim_out=dim_out), 10, {})
     import torch
+
     torch.manual_seed(0)
     initial = ArrayRecord([np.zeros((dim_out, dim_in), np.float32), np.zeros(dim_out, np.float32)])
     strategy.start(grid, initial, num_rounds=rounds)
@@ -44,8 +45,16 @@ def audited_run(strategy, rounds: int = 20, dim_in: int = 500, dim_out: int = 40
 
 
 def test_honest_gaussian_run_audits_below_its_accounted_epsilon():
-    audit, accounted = audited_run(DPFedAvg(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=1.0,
-                                            noise_placement="central", delta=1e-5, audit_canaries=200))
+    audit, accounted = audited_run(
+        DPFedAvg(
+            sample_rate=0.5,
+            clipping_norm=1.0,
+            noise_multiplier=1.0,
+            noise_placement="central",
+            delta=1e-5,
+            audit_canaries=200,
+        )
+    )
     # the estimate has sampling error; its one-sided 99.9% lower bound must not exceed the accounted epsilon
     assert 0 <= audit["epsilon_lower_bound"] <= audit["epsilon_estimate"] and audit["epsilon_lower_bound"] <= accounted
     assert audit["epsilon_estimate"] < 1.5 * accounted, (audit, accounted)
@@ -55,19 +64,34 @@ def test_honest_gaussian_run_audits_below_its_accounted_epsilon():
 
 
 def test_a_run_without_noise_audits_far_above_any_claim():
-    audit, accounted = audited_run(DPFedAvg(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=0.0,
-                                            noise_placement="central", delta=1e-5, audit_canaries=200))
+    audit, accounted = audited_run(
+        DPFedAvg(
+            sample_rate=0.5,
+            clipping_norm=1.0,
+            noise_multiplier=0.0,
+            noise_placement="central",
+            delta=1e-5,
+            audit_canaries=200,
+        )
+    )
     assert math.isinf(accounted) and audit["epsilon_lower_bound"] > 20
 
 
 def test_paper_calibrated_wavelet_audits_far_above_its_claim():
     """Smooth canaries sit where the wavelet noise is weak: the audit finds far more than the paper claims,
     and nothing beyond the accounted epsilon under the exact calibration or Gaussian noise."""
+
     def smooth(strategy):
         return audited_run(strategy, dim_in=3200)  # d = 128,040: n/16 = 8,192 smooth directions for 100 canaries
 
-    common = dict(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=1.0, delta=1e-5, audit_canaries=50,
-                  audit_canary_kind="smooth")
+    common = dict(
+        sample_rate=0.5,
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        audit_canaries=50,
+        audit_canary_kind="smooth",
+    )
     paper = DPFedAvgWavelet(wavelet_calibration="paper", **common)
     audit, _ = smooth(paper)
     # with 99.9% confidence the paper-calibrated mechanism leaks more than twice what it claims
@@ -76,8 +100,10 @@ def test_paper_calibrated_wavelet_audits_far_above_its_claim():
     # entropy, 1.56 +- 0.27, against 2.78 for the accounted epsilon). Unseeded, about 1e-4 to 4e-4 of runs put the
     # bound above the accounted epsilon: with 50 canaries the bound's standard error (0.21) leaves out the error of
     # the null spread s_0 (10%), the shift really varies by 0.30, and its upper tail is heavy (s_0 divides).
-    for honest in (DPFedAvgWavelet(wavelet_calibration="exact", **common),
-                   DPFedAvg(noise_placement="central", secure_rng=False, seed=2, **common)):
+    for honest in (
+        DPFedAvgWavelet(wavelet_calibration="exact", **common),
+        DPFedAvg(noise_placement="central", secure_rng=False, seed=2, **common),
+    ):
         audit, accounted = smooth(honest)
         assert audit["epsilon_lower_bound"] <= accounted
 

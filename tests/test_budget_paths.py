@@ -11,15 +11,28 @@ from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 
-SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "batch-size": 16,
-         "num-rounds": 12, "sample-rate": 1.0, "min-nodes": 4}
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 2,
+    "batch-size": 16,
+    "num-rounds": 12,
+    "sample-rate": 1.0,
+    "min-nodes": 4,
+}
 TARGET = 4.0
 PATHS = {
     "message api": {"algorithm": "dp-fedavg", "noise-multiplier": 2.0},
     "secagg+": {"algorithm": "dp-fedavg", "secure-aggregation": True, "noise-multiplier": 2.0},
     "top-k": {"algorithm": "dp-fedsam-topk", "sparsity": 0.5, "noise-multiplier": 2.0},
-    "ali-dpfl": {"algorithm": "ali-dpfl", "batch-sample-rate": 0.2, "sample-noise-multiplier": 1.0,
-                 "adaptive": False, "local-steps": 3},
+    "ali-dpfl": {
+        "algorithm": "ali-dpfl",
+        "batch-sample-rate": 0.2,
+        "sample-noise-multiplier": 1.0,
+        "adaptive": False,
+        "local-steps": 3,
+    },
 }
 
 

@@ -21,8 +21,14 @@ print(json.dumps({"n": len(train), "loaded": [m for m in ("opacus", "flwr_datase
 
 def fresh_process(cache) -> dict:
     env = {**os.environ, "DPFL_CACHE_DIR": str(cache)}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True,
-                         cwd=data.Path(data.__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=data.Path(data.__file__).parents[2],
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -45,6 +51,7 @@ def test_cache_is_rebuilt_when_the_source_or_the_partition_settings_change(tmp_p
         def counted():
             calls.append(1)
             return decode()
+
         return path, counted
 
     monkeypatch.setitem(data._EMBEDDED, "digits", (counting_source, 1500))
@@ -61,8 +68,12 @@ def test_cache_is_rebuilt_when_the_source_or_the_partition_settings_change(tmp_p
     data._dataset_partitions.__wrapped__("digits", "", 5, "dirichlet", 0.5, 2, 1)
     data._dataset_partitions.__wrapped__("digits", "", 5, "dirichlet", 0.5, 2, 1)
     assert len(partition_files()) == 1
-    for changed in [("digits", "", 6, "dirichlet", 0.5, 2, 1), ("digits", "", 5, "iid", 0.5, 2, 1),
-                    ("digits", "", 5, "dirichlet", 0.3, 2, 1), ("digits", "", 5, "dirichlet", 0.5, 2, 2)]:
+    for changed in [
+        ("digits", "", 6, "dirichlet", 0.5, 2, 1),
+        ("digits", "", 5, "iid", 0.5, 2, 1),
+        ("digits", "", 5, "dirichlet", 0.3, 2, 1),
+        ("digits", "", 5, "dirichlet", 0.5, 2, 2),
+    ]:
         data._dataset_partitions.__wrapped__(*changed)
     assert len(partition_files()) == 5
 
@@ -100,8 +111,14 @@ print(json.dumps({"trained": out, "dynamo": "torch._dynamo" in sys.modules}))
 def test_local_training_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):
     """A torch.optim.Optimizer's first construction imports torch._dynamo (about 1 s in every new process);
     local training uses clients.base.LocalSGD instead."""
-    out = subprocess.run([sys.executable, "-c", FIRST_TRAINING], env={**os.environ, "DPFL_CACHE_DIR": str(tmp_path)},
-                         capture_output=True, text=True, check=True, cwd=data.Path(data.__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_TRAINING],
+        env={**os.environ, "DPFL_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=data.Path(data.__file__).parents[2],
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"trained": {"dp-fedsam": True, "dp2-fedsam": True}, "dynamo": False}
 
@@ -117,8 +134,9 @@ def test_local_sgd_equals_torch_sgd_bit_for_bit():
         nets[1].load_state_dict(nets[0].state_dict())
         unused = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]  # grad stays None: skipped by both
         ours = LocalSGD([*nets[0].parameters(), unused[0]], lr=0.1, momentum=momentum, weight_decay=weight_decay)
-        theirs = torch.optim.SGD([*nets[1].parameters(), unused[1]], lr=0.1, momentum=momentum,
-                                 weight_decay=weight_decay)
+        theirs = torch.optim.SGD(
+            [*nets[1].parameters(), unused[1]], lr=0.1, momentum=momentum, weight_decay=weight_decay
+        )
         for step in range(5):
             x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
             for net, opt in zip(nets, (ours, theirs)):
@@ -154,9 +172,14 @@ def test_a_run_puts_numpy_blas_on_one_thread(tmp_path):
     (dpcore.task.threads): the ServerApp and every ClientApp call limit it to one thread."""
     code = BLAS_THREADS.replace("RESULTS", repr(str(tmp_path / "run")))
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_NUM_THREADS": "2",
-                                                            "DPFL_CACHE_DIR": str(tmp_path)},
-                         capture_output=True, text=True, check=True, cwd=data.Path(data.__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "OPENBLAS_NUM_THREADS": "2", "DPFL_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=data.Path(data.__file__).parents[2],
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["before"] == [2], result  # numpy's own
     assert result["after"] and set(result["after"]) == {1}, result  # numpy's and scipy's (loaded by the ledger)

@@ -45,8 +45,13 @@ def test_each_key_is_one_typed_field_of_one_concern():
 def test_validate_gives_typed_settings_that_round_trip():
     from fl_app.settings import Settings
 
-    given = {"noise-multiplier": 2.5, "secure-aggregation": True, "algorithm": "dp-fedavg", "topk-mode": "global",
-             "sparsity": 0.2}
+    given = {
+        "noise-multiplier": 2.5,
+        "secure-aggregation": True,
+        "algorithm": "dp-fedavg",
+        "topk-mode": "global",
+        "sparsity": 0.2,
+    }
     with pytest.raises(ConfigError):  # topk keys belong to dp-fedsam-topk
         validate(given)
     given["algorithm"] = "dp-fedsam-topk"
@@ -111,13 +116,19 @@ BAD = [
     ({"sparsity": 0.1}, "sparsity", "dp-fedsam-topk"),
     ({"topk-mode": "global", "algorithm": "dp-fedavg"}, "topk-mode", "dp-fedsam-topk"),
     ({"wavelet-calibration": "paper"}, "wavelet-calibration", "dp-fedavg-wav"),
-    ({"algorithm": "dp-fedsam-topk", "noise-placement": "central", "secure-aggregation": True}, "secure-aggregation",
-     "distributed"),
+    (
+        {"algorithm": "dp-fedsam-topk", "noise-placement": "central", "secure-aggregation": True},
+        "secure-aggregation",
+        "distributed",
+    ),
     ({"algorithm": "dp-fedavg-wav"}, "noise-placement", "central"),
     ({"noise-multiplier": 1.0, "clipping-norm": 0.0}, "noise-multiplier", "clipping-norm"),
     ({"target-epsilon": 2.0, "noise-multiplier": 0.0}, "target-epsilon", "calibrate"),
-    ({"target-epsilon": 2.0, "target-epsilon-mode": "calibrate", "clipping-norm": 0.0, "noise-multiplier": 0.0},
-     "target-epsilon-mode", "clipping-norm"),
+    (
+        {"target-epsilon": 2.0, "target-epsilon-mode": "calibrate", "clipping-norm": 0.0, "noise-multiplier": 0.0},
+        "target-epsilon-mode",
+        "clipping-norm",
+    ),
     ({"partitioner": "natural"}, "partitioner", "femnist"),
     ({"results-dir": "relative/path"}, "results-dir", "absolute"),
     ({"data-dir": "data"}, "data-dir", "absolute"),
@@ -157,8 +168,11 @@ BAD = [
     ({"secagg-num-shares": 0.0}, "secagg-num-shares", "(0, 1]"),
     ({"secagg-reconstruction-threshold": 1.5}, "secagg-reconstruction-threshold", "(0, 1]"),
     ({"secure-aggregation": True, "noise-placement": "central"}, "secure-aggregation", "distributed"),
-    ({"secure-aggregation": True, "clipping-norm": 0.0, "noise-multiplier": 0.0}, "secure-aggregation",
-     "clipping-norm"),
+    (
+        {"secure-aggregation": True, "clipping-norm": 0.0, "noise-multiplier": 0.0},
+        "secure-aggregation",
+        "clipping-norm",
+    ),
     # dp-ftrl
     ({"ftrl-epoch-rounds": -1}, "ftrl-epoch-rounds", "[0, "),
     ({"ftrl-momentum": 1.0}, "ftrl-momentum", "[0, 1)"),
@@ -170,8 +184,11 @@ BAD = [
     ({"grad-sample-mode": "vmap"}, "grad-sample-mode", "hooks, ghost, functorch, ew"),
     ({"dpsgd-noise": "laplace"}, "dpsgd-noise", "gaussian, wavelet"),
     ({"wavelet-calibration": "claimed"}, "wavelet-calibration", "paper, exact"),
-    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "dpsgd-noise": "wavelet", "grad-sample-mode": "ghost"},
-     "grad-sample-mode", "hooks, functorch or ew"),
+    (
+        {"algorithm": "ali-dpfl", "target-epsilon": 2.0, "dpsgd-noise": "wavelet", "grad-sample-mode": "ghost"},
+        "grad-sample-mode",
+        "hooks, functorch or ew",
+    ),
     ({"accountant": "moments"}, "accountant", "pld, rdp, prv"),
     ({"publish-diagnostics": "yes"}, "publish-diagnostics", "true or false"),
     ({"validation-fraction": 0.6}, "validation-fraction", "[0, 0.5]"),
@@ -184,14 +201,18 @@ BAD = [
     ({"mu-max": 0.0}, "mu-max", "[1e-06, 1e+06]"),
     ({"mu-noise-multiplier": 0.0}, "mu-noise-multiplier", "[0.001, 1000]"),
     ({"algorithm": "ali-dpfl"}, "target-epsilon", "> 0"),
-    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "target-epsilon-mode": "calibrate"},
-     "target-epsilon-mode", "only 'stop'"),
-    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "noise-multiplier": 2.0}, "noise-multiplier",
-     "sample-noise-multiplier"),
-    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "clipping-norm": 0.2}, "clipping-norm",
-     "sample-clipping-norm"),
-    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "noise-placement": "central"}, "noise-placement",
-     "does not use"),
+    (
+        {"algorithm": "ali-dpfl", "target-epsilon": 2.0, "target-epsilon-mode": "calibrate"},
+        "target-epsilon-mode",
+        "only 'stop'",
+    ),
+    (
+        {"algorithm": "ali-dpfl", "target-epsilon": 2.0, "noise-multiplier": 2.0},
+        "noise-multiplier",
+        "sample-noise-multiplier",
+    ),
+    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "clipping-norm": 0.2}, "clipping-norm", "sample-clipping-norm"),
+    ({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "noise-placement": "central"}, "noise-placement", "does not use"),
 ]
 
 
@@ -210,8 +231,18 @@ def test_every_key_has_an_error_test_or_is_free_text():
     free_text = {"results-dir", "data-dir", "run-name", "wandb-project"}
     untested = set(SPEC) - tested - free_text
     # keys whose only constraint is a lower bound of the same kind as a tested one
-    assert untested <= {"classes-per-client", "min-nodes", "server-lr", "local-epochs", "local-steps",
-                        "batch-size", "weight-decay", "sam-rho", "target-epsilon", "num-partitions"}, untested
+    assert untested <= {
+        "classes-per-client",
+        "min-nodes",
+        "server-lr",
+        "local-epochs",
+        "local-steps",
+        "batch-size",
+        "weight-decay",
+        "sam-rho",
+        "target-epsilon",
+        "num-partitions",
+    }, untested
 
 
 def test_the_key_reference_is_drawn_from_the_spec():

@@ -10,8 +10,29 @@ from dpcore.privacy.ledger import epsilon_of
 from fl_app.config import SPEC, ConfigError, validate
 
 CONFIGS = 1200
-WEIRD = [float("inf"), -float("inf"), float("nan"), 1e-310, 1e308, -1.0, 0, 1, 10**400, 2**63, True, "x",
-         "a\x00b", "", [1.0], None, 1e-300, 0.5, 1e6, 1e7, -0.0]
+WEIRD = [
+    float("inf"),
+    -float("inf"),
+    float("nan"),
+    1e-310,
+    1e308,
+    -1.0,
+    0,
+    1,
+    10**400,
+    2**63,
+    True,
+    "x",
+    "a\x00b",
+    "",
+    [1.0],
+    None,
+    1e-300,
+    0.5,
+    1e6,
+    1e7,
+    -0.0,
+]
 
 
 def random_value(rng: random.Random, key: str):
@@ -44,7 +65,9 @@ def test_fuzzed_configs_are_valid_or_refused_and_the_ledger_stays_finite():
         valid += 1
         sigma = cfg.privacy.noise_multiplier
         start = time.perf_counter()
-        eps = epsilon_of([(sigma, cfg.federation.sample_rate, min(cfg.run.num_rounds, 10_000))], cfg.privacy.delta or 1e-5)
+        eps = epsilon_of(
+            [(sigma, cfg.federation.sample_rate, min(cfg.run.num_rounds, 10_000))], cfg.privacy.delta or 1e-5
+        )
         assert not math.isnan(eps) and eps >= 0
         assert time.perf_counter() - start < 30
     print(f"config fuzz: {CONFIGS} configs, {valid} valid, {refused} refused with ConfigError, 0 other exceptions")

@@ -14,8 +14,14 @@ from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_diagnostics, read_metrics
 from fl_app.server_app import run_federated
 
-SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "num-rounds": 3,
-         "sample-rate": 1.0}
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 2,
+    "num-rounds": 3,
+    "sample-rate": 1.0,
+}
 
 
 def events(run_dir) -> EventAccumulator:
@@ -30,9 +36,12 @@ def check_against_metrics(run_dir, expected_tags):
     assert set(expected_tags) <= set(acc.Tags()["scalars"])
     for tag in expected_tags:
         if tag.startswith(NONPRIVATE_PREFIX):
-            key, rows = tag[len(NONPRIVATE_PREFIX):], read_diagnostics(run_dir)
+            key, rows = tag[len(NONPRIVATE_PREFIX) :], read_diagnostics(run_dir)
         else:  # a figure its rounds mark as no guarantee has the tag with NOT_A_GUARANTEE
-            key, rows = next(k for k, t in TAGS.items() if t == tag.removesuffix(NOT_A_GUARANTEE)), read_metrics(run_dir)
+            key, rows = (
+                next(k for k, t in TAGS.items() if t == tag.removesuffix(NOT_A_GUARANTEE)),
+                read_metrics(run_dir),
+            )
         logged = {e.step: e.value for e in acc.Scalars(tag)}
         written = {r["round"]: r[key] for r in rows if r.get(key) is not None}
         assert logged.keys() == written.keys()
@@ -44,8 +53,10 @@ def check_against_metrics(run_dir, expected_tags):
 def test_a_run_writes_tensorboard_scalars_equal_to_its_metrics_and_no_diagnostics(tmp_path):
     cfg = validate({**SMALL, "results-dir": str(tmp_path / "run")})
     run_federated(InProcessGrid(client_app, 4, cfg), cfg)
-    acc = check_against_metrics(tmp_path / "run", ["eval/accuracy", "eval/loss", "privacy/epsilon",
-                                                   "privacy/epsilon_against_server" + NOT_A_GUARANTEE])
+    acc = check_against_metrics(
+        tmp_path / "run",
+        ["eval/accuracy", "eval/loss", "privacy/epsilon", "privacy/epsilon_against_server" + NOT_A_GUARANTEE],
+    )
     assert not [t for t in acc.Tags()["scalars"] if t.startswith(NONPRIVATE_PREFIX)]  # published: ledger only
     assert read_diagnostics(tmp_path / "run")[0]["clients"] == 4  # the diagnostics stay in their own file
 
@@ -53,14 +64,24 @@ def test_a_run_writes_tensorboard_scalars_equal_to_its_metrics_and_no_diagnostic
 def test_published_diagnostics_appear_under_nonprivate_with_a_note(tmp_path):
     cfg = validate({**SMALL, "publish-diagnostics": True, "results-dir": str(tmp_path / "run")})
     run_federated(InProcessGrid(client_app, 4, cfg), cfg)
-    acc = check_against_metrics(tmp_path / "run", ["privacy/epsilon", "nonprivate/clipped_fraction",
-                                                   "nonprivate/update_norm_mean", "nonprivate/clients"])
+    acc = check_against_metrics(
+        tmp_path / "run",
+        ["privacy/epsilon", "nonprivate/clipped_fraction", "nonprivate/update_norm_mean", "nonprivate/clients"],
+    )
     assert any("diagnostics" in t for t in acc.Tags()["tensors"])  # the note that nonprivate/ is not private
 
 
 def test_ali_dpfl_per_client_epsilon_and_tau(tmp_path):
-    cfg = validate({**SMALL, "algorithm": "ali-dpfl", "target-epsilon": 4.0, "batch-sample-rate": 0.2,
-                    "adaptive": False, "results-dir": str(tmp_path / "ali")})
+    cfg = validate(
+        {
+            **SMALL,
+            "algorithm": "ali-dpfl",
+            "target-epsilon": 4.0,
+            "batch-sample-rate": 0.2,
+            "adaptive": False,
+            "results-dir": str(tmp_path / "ali"),
+        }
+    )
     run_federated(InProcessGrid(client_app, 3, cfg), cfg)
     acc = check_against_metrics(tmp_path / "ali", ["ali_dpfl/tau", "privacy/epsilon"])
     rows = read_metrics(tmp_path / "ali")
@@ -102,16 +123,18 @@ def wandb_history(run_dir) -> dict[int, dict]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole record
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): json_lib.loads(item.value_json)
-                         for item in record.history.item}  # a key with "/" is stored as its parts
+                items = {
+                    item.key or "/".join(item.nested_key): json_lib.loads(item.value_json)
+                    for item in record.history.item
+                }  # a key with "/" is stored as its parts
                 history[int(record.history.step.num)] = {k: v for k, v in items.items() if not k.startswith("_")}
     return history
 
@@ -128,8 +151,13 @@ def check_wandb_against_files(run_dir, publish_diagnostics: bool) -> dict[int, d
     for record in published:
         expected = scalars(record)
         if publish_diagnostics:
-            expected.update({NONPRIVATE_PREFIX + k: v for k, v in diagnostics[record["round"]].items()
-                             if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+            expected.update(
+                {
+                    NONPRIVATE_PREFIX + k: v
+                    for k, v in diagnostics[record["round"]].items()
+                    if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)
+                }
+            )
         assert history[record["round"]] == pytest.approx(expected, rel=1e-12)
     return history
 
@@ -175,7 +203,6 @@ def test_a_client_app_never_imports_wandb():
     import subprocess
     import sys
 
-    code = ("import sys, fl_app.client_app, fl_app.server_app, clients.dpsgd; "
-            "print('wandb' in sys.modules)")
+    code = "import sys, fl_app.client_app, fl_app.server_app, clients.dpsgd; print('wandb' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.split()[-1] == "False"

@@ -59,8 +59,10 @@ def test_digits():
     assert abs(pool.x.mean()) < 1e-3 and abs(pool.x.std() - 1) < 1e-3
 
 
-@pytest.mark.skipif(not MNIST_DIR.is_dir(), reason="full MNIST not found: set DPFL_MNIST_DIR to a folder with the "
-                    "four MNIST IDX .gz files to run this test")
+@pytest.mark.skipif(
+    not MNIST_DIR.is_dir(),
+    reason="full MNIST not found: set DPFL_MNIST_DIR to a folder with the four MNIST IDX .gz files to run this test",
+)
 def test_full_mnist_from_idx_files():
     pool, test = load_dataset("mnist", data_dir=str(MNIST_DIR))
     assert pool.x.shape == (60000, 1, 28, 28) and test.x.shape == (10000, 1, 28, 28)
@@ -265,7 +267,11 @@ def test_parameter_counts():
 def test_head_prefix():
     model = build_model("cnn-mnist", (1, 28, 28), 10)
     assert head_parameter_names(model, "classifier") == [
-        "classifier.1.weight", "classifier.1.bias", "classifier.3.weight", "classifier.3.bias"]
+        "classifier.1.weight",
+        "classifier.1.bias",
+        "classifier.3.weight",
+        "classifier.3.bias",
+    ]
     with pytest.raises(ValueError, match="head_prefix='fc'.*features, classifier"):
         head_parameter_names(model, "fc")
     with pytest.raises(ValueError, match="model='vgg' is not one of"):
@@ -286,5 +292,9 @@ def test_validation_split_is_held_out_from_every_client():
     np.testing.assert_array_equal(validation.x, pool.x[held])
     assert load_validation("digits", "", 0.0) is None
     # without a validation split the partitions are what they always were
-    assert all(np.array_equal(a, b) for a, b in zip(_dataset_partitions("digits", "", 5, "iid", 0.5, 2, 7, 0.0),
-                                                    partition_indices(pool.y, 5, "iid", seed=7)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(
+            _dataset_partitions("digits", "", 5, "iid", 0.5, 2, 7, 0.0), partition_indices(pool.y, 5, "iid", seed=7)
+        )
+    )

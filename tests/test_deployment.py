@@ -18,8 +18,16 @@ from fl_app.results import read_rounds
 
 pytestmark = pytest.mark.slow
 
-APP = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "local-epochs": 1,
-       "clipping-norm": 0.5, "noise-multiplier": 1.0, "noise-placement": "distributed"}
+APP = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "sample-rate": 1.0,
+    "local-epochs": 1,
+    "clipping-norm": 0.5,
+    "noise-multiplier": 1.0,
+    "noise-placement": "distributed",
+}
 RUN_TIMEOUT = 400
 
 
@@ -46,8 +54,10 @@ def finish(d: Deployment, cli, log: str = "cli") -> None:
 
 def read_run(folder) -> tuple[dict, list[dict]]:
     """(summary.json with diagnostics-summary.json, each round of metrics.jsonl with its diagnostics)."""
-    summary = {**json.loads((folder / "diagnostics-summary.json").read_text()),
-               **json.loads((folder / "summary.json").read_text())}
+    summary = {
+        **json.loads((folder / "diagnostics-summary.json").read_text()),
+        **json.loads((folder / "summary.json").read_text()),
+    }
     return summary, read_rounds(folder)
 
 
@@ -82,7 +92,11 @@ def test_supernodes_with_bad_input_and_a_crash(deployment, tmp_path):
     assert first["clients"] == 2 and first["failures"] == 3 and first["rejected"] == 0
     reasons = "\n".join(first["failed_nodes"])
     assert set(first) - set(json.loads((results / "metrics.jsonl").read_text().splitlines()[0])) >= {
-        "clients", "failures", "failed_nodes", "server_noise_std"}  # how many took part: diagnostics only
+        "clients",
+        "failures",
+        "failed_nodes",
+        "server_noise_std",
+    }  # how many took part: diagnostics only
     assert "node config lacks partition-id, num-partitions" in reasons
     assert "partition-id=7 is out of range: must be in [0, 2]" in reasons
     assert "Node Unavailable" in reasons or "unavailable" in reasons.lower()
@@ -107,13 +121,22 @@ def test_a_node_that_withholds_its_reply_objects_costs_one_round_timeout(deploym
     d.start_superlink()
     for i in range(2):
         d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3", idle_poll=0.2)
-    d.start_supernode("withholding", "partition-id=2 num-partitions=3", idle_poll=0.2,
-                      node_module="tests.withholding_supernode")
+    d.start_supernode(
+        "withholding", "partition-id=2 num-partitions=3", idle_poll=0.2, node_module="tests.withholding_supernode"
+    )
     for name in ("n0", "n1", "withholding"):
         d.wait_connected(name)
     results, timeout = tmp_path / "run", 15.0
-    cli = d.run_app({**APP, "num-rounds": 2, "min-nodes": 3, "round-timeout": timeout,
-                     "flower-speed-patches": True, "results-dir": str(results)})
+    cli = d.run_app(
+        {
+            **APP,
+            "num-rounds": 2,
+            "min-nodes": 3,
+            "round-timeout": timeout,
+            "flower-speed-patches": True,
+            "results-dir": str(results),
+        }
+    )
     finish(d, cli)
 
     summary, rounds = read_run(results)
@@ -136,9 +159,12 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
     d = deployment(tls=True, auth=True)
     d.start_superlink()
     d.write_cli_config()
-    nodes = {"n0": "partition-id=0 num-partitions=3", "n1": "partition-id=1 num-partitions=3",
-             "n2": "partition-id=2 num-partitions=3",
-             "odd": "partition-id=2 num-partitions=3 classes=9"}  # `classes`: the foreign app's model size
+    nodes = {
+        "n0": "partition-id=0 num-partitions=3",
+        "n1": "partition-id=1 num-partitions=3",
+        "n2": "partition-id=2 num-partitions=3",
+        "odd": "partition-id=2 num-partitions=3 classes=9",
+    }  # `classes`: the foreign app's model size
     keys = {name: make_node_keys(tmp_path / "keys", name) for name in nodes}
     registrations = {name: d.register(public) for name, (_, public) in keys.items()}
     for name, node_config in nodes.items():
@@ -146,9 +172,12 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
         assert registered.wait(timeout=120) == 0, d.log(f"register-{name}")
         d.start_supernode(name, node_config, private_key=keys[name][0])
     stranger, _ = make_node_keys(tmp_path / "keys", "stranger")
-    refused = {"unregistered": d.start_supernode("unregistered", nodes["n0"], private_key=stranger,
-                                                 extra=["--max-retries", "1"]),
-               "insecure": d.start_supernode("insecure", nodes["n0"], insecure=True, extra=["--max-retries", "1"])}
+    refused = {
+        "unregistered": d.start_supernode(
+            "unregistered", nodes["n0"], private_key=stranger, extra=["--max-retries", "1"]
+        ),
+        "insecure": d.start_supernode("insecure", nodes["n0"], insecure=True, extra=["--max-retries", "1"]),
+    }
     for name in nodes:
         d.wait_connected(name)
 
@@ -158,8 +187,11 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
     # sigma 0.4 (the foreign app's default is 0.7): at 0.7 the 210-parameter model after 2 rounds of 3 clients
     # reached 0.53 +- 0.10 and was at or below 0.3 in 1.2% of 3,000 in-process runs (noise from OS entropy); at 0.4,
     # 0.84 +- 0.06 (lowest 0.55 of 2,000)
-    theirs = d.run_app({"num-rounds": 2, "min-nodes": 4, "noise-multiplier": 0.4, "results-dir": str(foreign)},
-                       app=ROOT / "tests" / "foreign_app", log="foreign-cli")
+    theirs = d.run_app(
+        {"num-rounds": 2, "min-nodes": 4, "noise-multiplier": 0.4, "results-dir": str(foreign)},
+        app=ROOT / "tests" / "foreign_app",
+        log="foreign-cli",
+    )
     finish(d, ours)
     finish(d, theirs, "foreign-cli")
     summary, rounds = read_run(results)
@@ -170,8 +202,9 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
         assert proc.wait(timeout=60) != 0, d.log(name)
         assert "Failed to initialize the connection to the SuperLink" in d.log(name)
     assert "Failed to activate SuperNode" in d.log("unregistered") and "SuperNode ID:" not in d.log("unregistered")
-    insecure_cli = d.run_app({**APP, "num-rounds": 1, "results-dir": str(tmp_path / "never")}, insecure=True,
-                             log="insecure-cli")
+    insecure_cli = d.run_app(
+        {**APP, "num-rounds": 1, "results-dir": str(tmp_path / "never")}, insecure=True, log="insecure-cli"
+    )
     assert insecure_cli.wait(timeout=120) != 0
     assert "Connection to the SuperLink is unavailable" in d.log("insecure-cli")
     assert not (tmp_path / "never").exists()
@@ -180,8 +213,10 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
     assert len(result["history"]) == 2
     for record in result["history"]:
         assert record["clients"] == 3 and record["failures"] == 1
-        assert "the client's model does not match the global model: array 0 has shape (20, 9), expected (20, 10)" \
+        assert (
+            "the client's model does not match the global model: array 0 has shape (20, 9), expected (20, 10)"
             in record["failed_nodes"][0]
+        )
     assert result["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
     assert result["epsilon"] == pytest.approx(epsilon_of([(0.4, 1.0, 2)], 1e-5))
 
@@ -247,8 +282,12 @@ def test_trusted_entities_supernode_refuses_unsigned_apps(deployment, tmp_path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    key = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    key = (
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .decode()
+    )
     trusted = tmp_path / "trusted.yaml"
     trusted.write_text(f"fpk_00000000-0000-0000-0000-000000000001: '{key} test'\n")
     d = deployment()
@@ -279,8 +318,14 @@ def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
     assert "idle sleeps capped at 0.2 s" in d.log("n0") and "idle sleeps capped" not in d.log("n2")
     for secure in (False, True):
         folder = tmp_path / f"secure-{secure}"
-        finish(d, d.run_app({**APP, "num-rounds": 2, "min-nodes": 3, "secure-aggregation": secure,
-                             "results-dir": str(folder)}, log=f"cli-{secure}"), f"cli-{secure}")
+        finish(
+            d,
+            d.run_app(
+                {**APP, "num-rounds": 2, "min-nodes": 3, "secure-aggregation": secure, "results-dir": str(folder)},
+                log=f"cli-{secure}",
+            ),
+            f"cli-{secure}",
+        )
         summary, rounds = read_run(folder)
         assert [r["clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
         assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], summary["delta"]))
@@ -291,5 +336,6 @@ def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
         assert exits == ["0"] * (2 + 2 * 4), log[-2000:]  # plain: 1 message per round; SecAgg+: 4
         origins = re.findall(r"ClientApp task pid \d+ ran fl_app from (\S+)", log)
         assert len(origins) == len(exits) and all(  # the run's FAB, installed on this node; not the executor's
-            Path(o).is_relative_to(d.tmp / "homes" / f"n{i}" / "apps") for o in origins), origins
+            Path(o).is_relative_to(d.tmp / "homes" / f"n{i}" / "apps") for o in origins
+        ), origins
         assert "Starting Flower SuperExec" not in d.log(f"n{i}")  # the node started no flwr-clientapp itself

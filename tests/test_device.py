@@ -79,8 +79,7 @@ def test_cuda_index_out_of_range_is_refused(monkeypatch):
     assert [device_problem(v) for v in ("cuda", "cuda:0", "cuda:1")] == [None, None, None]
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device("auto") == torch.device("cuda")
-    assert device_problem("cuda:2") == ("CUDA device 2 is out of range: torch sees 2 CUDA device(s), "
-                                        "cuda:0 to cuda:1")
+    assert device_problem("cuda:2") == ("CUDA device 2 is out of range: torch sees 2 CUDA device(s), cuda:0 to cuda:1")
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:7': CUDA device 7 is out of range"):
         validate({"device": "cuda:7"})
 
@@ -94,8 +93,13 @@ def test_channels_last_only_for_measured_models_on_the_cpu():
 
 # ---------------------------------------------------------------- the clients get it from the run config
 def node_context(**run_config) -> Context:
-    return Context(run_id=1, node_id=1, node_config={"partition-id": 2, "num-partitions": 20}, state=RecordDict(),
-                   run_config=run_config)
+    return Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": 2, "num-partitions": 20},
+        state=RecordDict(),
+        run_config=run_config,
+    )
 
 
 def test_clients_train_on_the_configured_device_and_layout():
@@ -111,9 +115,20 @@ def test_clients_train_on_the_configured_device_and_layout():
 
 def test_dpsgd_client_refuses_channels_last_even_when_asked(partition):
     train, test = partition
-    client = DPSGDClient(model(), train, test, state=RecordDict(), sample_rate=0.1, noise_multiplier=1.0,
-                         clipping_norm=1.0, target_epsilon=5.0, delta=1e-5, channels_last=True, seed=1,
-                         secure_rng=False)
+    client = DPSGDClient(
+        model(),
+        train,
+        test,
+        state=RecordDict(),
+        sample_rate=0.1,
+        noise_multiplier=1.0,
+        clipping_norm=1.0,
+        target_epsilon=5.0,
+        delta=1e-5,
+        channels_last=True,
+        seed=1,
+        secure_rng=False,
+    )
     assert not client.channels_last and client.model.features[0].weight.is_contiguous()
     update, _, metrics = client.fit(get_weights(client.model), {**ROUND, keys.LOCAL_STEPS: 2})
     assert metrics[keys.LOCAL_STEPS] == 2 and np.isfinite(flatten(update)).all()
@@ -129,8 +144,9 @@ def test_cpu_client_trains_exactly_as_before(partition):
     """device='cpu' (plain layout) gives bit for bit the update of a client built without a device, and that
     of torch.optim.SGD stepping a CPU model on the client's own minibatches."""
     train, test = partition
-    kwargs = dict(local_steps=6, batch_size=8, lr=0.05, momentum=0.5, weight_decay=5e-4, seed=1, partition_id=3,
-                  secure_rng=False)
+    kwargs = dict(
+        local_steps=6, batch_size=8, lr=0.05, momentum=0.5, weight_decay=5e-4, seed=1, partition_id=3, secure_rng=False
+    )
     weights = get_weights(model())
     explicit = fit_update(TrainingClient(model(), train, test, device="cpu", **kwargs), weights)
     default = fit_update(TrainingClient(model(), train, test, **kwargs), weights)
@@ -176,8 +192,17 @@ def test_channels_last_gives_the_same_update_in_the_same_arrays(partition, kind)
             return TrainingClient(model(), train, test, channels_last=channels_last, **kwargs)
         if kind == "sam":
             return SAMClient(model(), train, test, channels_last=channels_last, rho=0.05, **kwargs)
-        return DP2FedSAMClient(model(), train, test, channels_last=channels_last, rho=0.05, head_keys=head_keys,
-                               head_store=ContextHeadStore(RecordDict()), head_steps=2, **kwargs)
+        return DP2FedSAMClient(
+            model(),
+            train,
+            test,
+            channels_last=channels_last,
+            rho=0.05,
+            head_keys=head_keys,
+            head_store=ContextHeadStore(RecordDict()),
+            head_steps=2,
+            **kwargs,
+        )
 
     if kind == "dp2-fedsam":
         state = net.state_dict()
@@ -211,8 +236,18 @@ def test_a_round_on_cuda_returns_cpu_float32_and_learns(tmp_path):
     from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
-    cfg = validate({"device": "cuda", "partitioner": "iid", "num-rounds": 3, "sample-rate": 1.0, "noise-multiplier": 0.0,
-                    "clipping-norm": 0.0, "local-steps": 20, "results-dir": str(tmp_path / "run")})
+    cfg = validate(
+        {
+            "device": "cuda",
+            "partitioner": "iid",
+            "num-rounds": 3,
+            "sample-rate": 1.0,
+            "noise-multiplier": 0.0,
+            "clipping-norm": 0.0,
+            "local-steps": 20,
+            "results-dir": str(tmp_path / "run"),
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, 5, cfg), cfg)
     assert summary["final_accuracy"] > 0.3  # chance: 0.1
     client = build_client(node_context(device="cuda", partitioner="iid"))
@@ -224,8 +259,18 @@ def test_a_round_on_cuda_returns_cpu_float32_and_learns(tmp_path):
 @needs_cuda
 def test_dpsgd_on_cuda_draws_noise_there(partition):
     train, test = partition
-    client = DPSGDClient(copy.deepcopy(model()), train, test, state=RecordDict(), sample_rate=0.1,
-                         noise_multiplier=1.0, clipping_norm=1.0, target_epsilon=5.0, delta=1e-5, device="cuda")
+    client = DPSGDClient(
+        copy.deepcopy(model()),
+        train,
+        test,
+        state=RecordDict(),
+        sample_rate=0.1,
+        noise_multiplier=1.0,
+        clipping_norm=1.0,
+        target_epsilon=5.0,
+        delta=1e-5,
+        device="cuda",
+    )
     update, _, metrics = client.fit(get_weights(model()), {**ROUND, keys.LOCAL_STEPS: 3})
     assert metrics[keys.LOCAL_STEPS] == 3 and all(a.dtype == np.float32 for a in update)
     assert np.isfinite(flatten(update)).all() and np.abs(flatten(update)).max() > 0

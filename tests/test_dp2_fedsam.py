@@ -28,8 +28,16 @@ torch.set_num_threads(1)
 C, SIGMA = 0.5, 1.3
 
 # A small, fast DP2-FedSAM setup: 2 labels per client, a few local steps.
-SMALL = {"algorithm": "dp2-fedsam", "partitioner": "pathological", "classes-per-client": 2,
-         "local-steps": 2, "head-steps": 2, "batch-size": 16, "clipping-norm": C, "noise-multiplier": SIGMA}
+SMALL = {
+    "algorithm": "dp2-fedsam",
+    "partitioner": "pathological",
+    "classes-per-client": 2,
+    "local-steps": 2,
+    "head-steps": 2,
+    "batch-size": 16,
+    "clipping-norm": C,
+    "noise-multiplier": SIGMA,
+}
 
 
 def small_cfg(tmp_path, **overrides):
@@ -100,8 +108,9 @@ def test_messages_carry_only_the_body(tmp_path):
 def test_reply_carrying_the_head_is_rejected(tmp_path):
     # every node is asked (fixed, q = 1): with Poisson q = 0.5 the leaky node 100 went unsampled in half the runs,
     # which then checked nothing about the rejection
-    cfg = small_cfg(tmp_path, **{"noise-multiplier": 0.0, "clipping-norm": 0.0, "sample-rate": 1.0,
-                                 "client-sampling": "fixed"})
+    cfg = small_cfg(
+        tmp_path, **{"noise-multiplier": 0.0, "clipping-norm": 0.0, "sample-rate": 1.0, "client-sampling": "fixed"}
+    )
 
     def leaky_app(msg, ctx):  # node 100 appends its head to the upload
         reply = client_app(msg, ctx)
@@ -132,8 +141,9 @@ def test_exactly_the_sampled_clients_heads_change(tmp_path):
     snapshots, sampled, seen = [heads_of(grid)], [], [0]
 
     def on_round_end(published, diagnostics):
-        sampled.append({m.metadata.dst_node_id for m in grid.sent[seen[0]:]
-                        if m.metadata.message_type == MessageType.TRAIN})
+        sampled.append(
+            {m.metadata.dst_node_id for m in grid.sent[seen[0] :] if m.metadata.message_type == MessageType.TRAIN}
+        )
         seen[0] = len(grid.sent)
         snapshots.append(heads_of(grid))
         assert diagnostics["personalized_clients"] == 8  # all clients evaluate, sampled or not
@@ -179,8 +189,13 @@ def test_heads_persist_in_node_state_dir(tmp_path):
 
 def test_relative_state_dir_is_refused(tmp_path):
     cfg = small_cfg(tmp_path)
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2, "state-dir": "heads"},
-                  state=RecordDict(), run_config=cfg.run_config())
+    ctx = Context(
+        run_id=1,
+        node_id=1,
+        node_config={"partition-id": 0, "num-partitions": 2, "state-dir": "heads"},
+        state=RecordDict(),
+        run_config=cfg.run_config(),
+    )
     with pytest.raises(ValueError, match="state-dir='heads'.*absolute"):
         build_client(ctx)
 
@@ -218,14 +233,20 @@ def test_head_file_survives_a_crash_during_the_next_write(tmp_path, monkeypatch)
 
 def client_for(tmp_path, m_clients=20, **overrides):
     cfg = small_cfg(tmp_path, **{"lr": 0.5, "local-steps": 4, **overrides})
-    ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 3, "num-partitions": m_clients},
-                  state=RecordDict(), run_config=cfg.run_config())
+    ctx = Context(
+        run_id=1,
+        node_id=100,
+        node_config={"partition-id": 3, "num-partitions": m_clients},
+        state=RecordDict(),
+        run_config=cfg.run_config(),
+    )
     return build_client(ctx), cfg
 
 
 def test_clipped_body_update_norm_and_noise_share(tmp_path):
-    strategy = PartialSharingDPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=SIGMA,
-                                      noise_placement="distributed", client_sampling="fixed")
+    strategy = PartialSharingDPFedAvg(
+        sample_rate=0.5, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed", client_sampling="fixed"
+    )
     strategy.setup_population(20)
     config = strategy.client_train_config(1)
     m = 10
@@ -289,7 +310,7 @@ def test_learning_rate_decays_per_round():
     data = type("D", (), {"x": np.zeros((4, 3), np.float32), "y": np.zeros(4, np.int64), "__len__": lambda s: 4})()
     client = TrainingClient(model, data, data, lr=0.2, lr_decay=0.99)
     assert client.make_optimizer({"server-round": 1}).lr == pytest.approx(0.2)
-    assert client.make_optimizer({"server-round": 11}).lr == pytest.approx(0.2 * 0.99 ** 10)
+    assert client.make_optimizer({"server-round": 11}).lr == pytest.approx(0.2 * 0.99**10)
 
 
 def test_context_store_round_trip():
@@ -305,8 +326,16 @@ def test_context_store_round_trip():
 
 @pytest.mark.slow
 def test_fine_tune_baseline_reports_global_and_personalized_accuracy(tmp_path):
-    cfg = small_cfg(tmp_path, **{"algorithm": "dp-fedavg-ft", "num-rounds": 2, "fine-tune-steps": 30,
-                                 "noise-multiplier": 0.1, "local-steps": 5})
+    cfg = small_cfg(
+        tmp_path,
+        **{
+            "algorithm": "dp-fedavg-ft",
+            "num-rounds": 2,
+            "fine-tune-steps": 30,
+            "noise-multiplier": 0.1,
+            "local-steps": 5,
+        },
+    )
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
     diagnostics = diagnostics_summary(summary)
     assert diagnostics["personalized_clients"] == 6 and summary["final_accuracy"] is not None
@@ -322,8 +351,16 @@ def diagnostics_summary(summary: dict) -> dict:
     return json.loads(Path(summary["results_dir"], "diagnostics-summary.json").read_text())
 
 
-E2E = {"partitioner": "pathological", "classes-per-client": 2, "num-rounds": 8, "sample-rate": 0.5,
-       "noise-multiplier": 0.5, "clipping-norm": 0.5, "local-epochs": 1, "head-epochs": 1}
+E2E = {
+    "partitioner": "pathological",
+    "classes-per-client": 2,
+    "num-rounds": 8,
+    "sample-rate": 0.5,
+    "noise-multiplier": 0.5,
+    "clipping-norm": 0.5,
+    "local-epochs": 1,
+    "head-epochs": 1,
+}
 
 
 @pytest.mark.slow

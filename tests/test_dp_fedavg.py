@@ -34,6 +34,7 @@ def run_one_round(strategy, grid, rnd=1):
 
 def _cfg():
     from flwr.app import ConfigRecord
+
     return ConfigRecord()
 
 
@@ -46,8 +47,9 @@ def assert_std(sample, expected):
 @pytest.mark.parametrize("placement", ["central", "distributed"])
 def test_aggregated_noise_std_is_sigma_c_over_m(placement):
     grid = InProcessGrid(stub_app(zero_update), 20, {})
-    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=SIGMA, noise_placement=placement,
-                 client_sampling="fixed")
+    s = DPFedAvg(
+        sample_rate=0.5, clipping_norm=C, noise_multiplier=SIGMA, noise_placement=placement, client_sampling="fixed"
+    )
     delta, metrics = run_one_round(s, grid)
     m = 10
     assert metrics["clients"] == m and s.expected_clients == m
@@ -59,8 +61,9 @@ def test_aggregated_noise_std_is_sigma_c_over_m(placement):
 def test_distributed_dropouts_are_topped_up():
     dead = {100, 101, 102, 103}
     grid = InProcessGrid(stub_app(zero_update), 10, {}, fail=lambda node, msg: node in dead)
-    s = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                 client_sampling="fixed")
+    s = DPFedAvg(
+        sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed", client_sampling="fixed"
+    )
     delta, metrics = run_one_round(s, grid)
     assert metrics["failures"] == 4 and metrics["clients"] == 6
     assert s.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(4 / 10))
@@ -101,8 +104,9 @@ def test_distributed_client_clips_before_upload():
         return np.full(size, 1.0, np.float32)
 
     grid = InProcessGrid(stub_app(big), 4, {})
-    s = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=1e-9, noise_placement="distributed",
-                 client_sampling="fixed")
+    s = DPFedAvg(
+        sample_rate=1.0, clipping_norm=C, noise_multiplier=1e-9, noise_placement="distributed", client_sampling="fixed"
+    )
     delta, metrics = run_one_round(s, grid)
     assert np.linalg.norm(delta) == pytest.approx(C, rel=1e-4)  # average of 4 identical clipped updates
     assert metrics["update_norm_mean"] == pytest.approx(math.sqrt(delta.size), rel=1e-5)
@@ -139,8 +143,9 @@ def test_malformed_updates_are_rejected_not_averaged(bad):
 
 def run_rounds(strategy, num_nodes, rounds):
     grid = InProcessGrid(stub_app(zero_update, 10, 2), num_nodes, {})
-    return strategy.start(grid, ArrayRecord([np.zeros((2, 10), np.float32), np.zeros(2, np.float32)]),
-                          num_rounds=rounds)
+    return strategy.start(
+        grid, ArrayRecord([np.zeros((2, 10), np.float32), np.zeros(2, np.float32)]), num_rounds=rounds
+    )
 
 
 def test_epsilon_every_round_matches_accountant():
@@ -170,21 +175,30 @@ def test_target_epsilon_stop_never_exceeds():
 
 
 def test_target_epsilon_calibrate():
-    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=0.1, delta=1e-3, target_epsilon=4.0,
-                 target_epsilon_mode="calibrate")
+    s = DPFedAvg(
+        sample_rate=0.5,
+        clipping_norm=C,
+        noise_multiplier=0.1,
+        delta=1e-3,
+        target_epsilon=4.0,
+        target_epsilon_mode="calibrate",
+    )
     run_rounds(s, 10, 12)
     assert len(s.history) == 12
     assert 3.95 <= s.ledger.epsilon() <= 4.0
     assert s.noise_multiplier > 0.1
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(sample_rate=0.0), "sample_rate"),
-    (dict(noise_multiplier=1.0, clipping_norm=0.0), "clipping_norm"),
-    (dict(noise_placement="nowhere"), "noise_placement"),
-    (dict(client_sampling="uniform"), "client_sampling"),
-    (dict(target_epsilon_mode="x"), "target_epsilon_mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(sample_rate=0.0), "sample_rate"),
+        (dict(noise_multiplier=1.0, clipping_norm=0.0), "clipping_norm"),
+        (dict(noise_placement="nowhere"), "noise_placement"),
+        (dict(client_sampling="uniform"), "client_sampling"),
+        (dict(target_epsilon_mode="x"), "target_epsilon_mode"),
+    ],
+)
 def test_strategy_rejects_bad_settings(kwargs, needle):
     args = dict(sample_rate=0.1, clipping_norm=1.0, noise_multiplier=1.0) | kwargs
     with pytest.raises(ValueError, match=needle):

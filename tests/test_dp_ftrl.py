@@ -50,7 +50,7 @@ def test_each_prefix_sums_popcount_nodes_of_std_sigma_c_and_shares_them_with_lat
         assert (z[b] - z[a]).std() == pytest.approx(std, rel=rel_tolerance(dim))
         assert np.corrcoef(z[a], z[b] - z[a])[0, 1] == pytest.approx(0.0, abs=6 / math.sqrt(dim))
     # Z_4 and Z_6 share node [1,4]: covariance std^2 (one node) out of variances std^2 and 2 std^2
-    assert np.cov(z[4], z[6])[0, 1] == pytest.approx(std ** 2, rel=0.03)
+    assert np.cov(z[4], z[6])[0, 1] == pytest.approx(std**2, rel=0.03)
     # one leaf enters at most one released node per level: ceil(log2(T + 1))
     assert [tree_depth(t) for t in (1, 2, 3, 4, 7, 8, 100)] == [1, 2, 2, 3, 3, 4, 7]
 
@@ -61,8 +61,9 @@ def unchanged_weights_client() -> ClientApp:
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 1})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg
+        )
 
     return app
 
@@ -70,9 +71,16 @@ def unchanged_weights_client() -> ClientApp:
 def test_the_released_model_carries_the_tree_noise_of_the_nodes_summed_across_epochs():
     """w_t - w_0 = eta Z_t / m: std eta sigma C sqrt(nodes) / m, with a completed epoch's total carried over."""
     nodes, dim, sigma, clip, eta, epoch_rounds = 8, 100_000, 2.0, 0.1, 0.5, 3
-    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), clipping_norm=clip, noise_multiplier=sigma,
-                                   sample_rate=0.25, noise_placement="central", server_learning_rate=eta,
-                                   min_available_nodes=nodes, ftrl=DPFTRL(epoch_rounds=epoch_rounds))
+    strategy = DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=clip,
+        noise_multiplier=sigma,
+        sample_rate=0.25,
+        noise_placement="central",
+        server_learning_rate=eta,
+        min_available_nodes=nodes,
+        ftrl=DPFTRL(epoch_rounds=epoch_rounds),
+    )
     start = ArrayRecord({"w": Array(np.zeros(dim, np.float32))})
     grid = InProcessGrid(unchanged_weights_client(), nodes, {})
     models = []
@@ -89,9 +97,14 @@ def test_the_released_model_carries_the_tree_noise_of_the_nodes_summed_across_ep
 
 def test_a_node_takes_part_at_most_once_per_epoch_and_ineligible_replies_are_refused():
     nodes, epoch_rounds = 10, 4
-    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.3,
-                                   noise_placement="central", min_available_nodes=nodes,
-                                   ftrl=DPFTRL(epoch_rounds=epoch_rounds))
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        sample_rate=0.3,
+        noise_placement="central",
+        min_available_nodes=nodes,
+        ftrl=DPFTRL(epoch_rounds=epoch_rounds),
+    )
     grid = InProcessGrid(unchanged_weights_client(), nodes, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=8)
     sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
@@ -107,8 +120,9 @@ def test_a_node_takes_part_at_most_once_per_epoch_and_ineligible_replies_are_ref
     messages = list(strategy.configure_train(9, arrays, ConfigRecord(), grid))
     chosen = [m.metadata.dst_node_id for m in messages]
     outsider = next(n for n in grid.get_node_ids() if n not in chosen)
-    update = RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(4, np.float32))}),
-                         "metrics": MetricRecord({"num-examples": 1})})
+    update = RecordDict(
+        {"arrays": ArrayRecord({"w": Array(np.ones(4, np.float32))}), "metrics": MetricRecord({"num-examples": 1})}
+    )
     replies = [reply_message(chosen[0], update), reply_message(chosen[0], update), reply_message(outsider, update)]
     _, metrics = strategy.aggregate_train(9, replies)
     assert metrics["clients"] == 1 and metrics["rejected"] == 2
@@ -144,7 +158,8 @@ def test_epsilon_against_dp_accounting(sigma, epoch_rounds, rounds):
     assert ledger.epsilon() == pytest.approx(min(rdp_eps, gaussian_eps), rel=0.01)
     assert ledger.epsilon() >= gaussian_eps * (1 - 1e-3)  # the pessimistic PLD never below the exact figure
     assert tree_gaussian_multiplier([tuple(t) for t in ledger.trees]) == pytest.approx(
-        sigma / math.sqrt(sum(t.bit_length() for t in trees)))
+        sigma / math.sqrt(sum(t.bit_length() for t in trees))
+    )
     # the RDP ledger's epsilon: the same two bounds, the Gaussian one by Opacus' RDP
     rdp_ledger = TreeAggregationLedger.from_state_dict({**ledger.state_dict(), "accountant": "rdp"})
     assert rdp_ledger.epsilon() <= rdp_eps * (1 + 1e-9)
@@ -177,8 +192,16 @@ def test_the_ftrl_model_and_its_momentum_form():
     u, eta, m, gamma = np.array([1.0, -2.0], np.float32), 0.5, 4, 0.9
     for momentum in (0.0, gamma):
         part = DPFTRL(epoch_rounds=3, momentum=momentum)
-        strategy = SimpleNamespace(sample_rate=0.5, num_clients=8, accountant="pld", seed=0, secure_rng=True,
-                                   noise_multiplier=0.0, clipping_norm=1.0, server_learning_rate=eta)
+        strategy = SimpleNamespace(
+            sample_rate=0.5,
+            num_clients=8,
+            accountant="pld",
+            seed=0,
+            secure_rng=True,
+            noise_multiplier=0.0,
+            clipping_norm=1.0,
+            server_learning_rate=eta,
+        )
         strategy.ledger = part.make_ledger(strategy, 1e-5)
         w0, v, total = np.array([3.0, 3.0], np.float32), 0.0, 0.0
         for rnd in range(1, 8):
@@ -189,12 +212,15 @@ def test_the_ftrl_model_and_its_momentum_form():
         assert strategy.ledger.trees == [[0.0, 3], [0.0, 3], [0.0, 1]]
 
 
-@pytest.mark.parametrize("settings, match", [
-    (dict(noise_placement="distributed"), "noise_placement"),
-    (dict(noise_placement="central", secure_aggregation=True), "secure_aggregation"),
-    (dict(noise_placement="central", target_epsilon=5.0, target_epsilon_mode="calibrate"), "target_epsilon_mode"),
-    (dict(noise_placement="central", audit_canaries=4), "audit_canaries"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(noise_placement="distributed"), "noise_placement"),
+        (dict(noise_placement="central", secure_aggregation=True), "secure_aggregation"),
+        (dict(noise_placement="central", target_epsilon=5.0, target_epsilon_mode="calibrate"), "target_epsilon_mode"),
+        (dict(noise_placement="central", audit_canaries=4), "audit_canaries"),
+    ],
+)
 def test_settings_it_cannot_honour_are_refused(settings, match):
     with pytest.raises(SettingError, match=match):
         DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, ftrl=DPFTRL(), **settings)
@@ -202,10 +228,13 @@ def test_settings_it_cannot_honour_are_refused(settings, match):
 
 def test_the_run_config_route_refuses_what_it_cannot_honour(tmp_path):
     base = {"algorithm": "dp-ftrl", "results-dir": str(tmp_path)}
-    for extra, match in ((dict(resume=True), "resume"), ({"server-strategy": "fedadam"}, "server-strategy"),
-                         ({"noise-placement": "local"}, "noise-placement"),
-                         ({"client-sampling": "fixed"}, "client-sampling"),
-                         ({"ftrl-momentum": 1.0}, "ftrl-momentum")):
+    for extra, match in (
+        (dict(resume=True), "resume"),
+        ({"server-strategy": "fedadam"}, "server-strategy"),
+        ({"noise-placement": "local"}, "noise-placement"),
+        ({"client-sampling": "fixed"}, "client-sampling"),
+        ({"ftrl-momentum": 1.0}, "ftrl-momentum"),
+    ):
         with pytest.raises(ConfigError, match=match):
             validate({**base, **extra})
     with pytest.raises(ConfigError, match="ftrl-epoch-rounds.*dp-ftrl"):
@@ -214,9 +243,20 @@ def test_the_run_config_route_refuses_what_it_cannot_honour(tmp_path):
 
 def test_the_app_learns_under_dp_ftrl_and_prints_the_ledgers_epsilon(tmp_path):
     clients, rounds = 20, 10
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 5, "batch-size": 16,
-                    "num-rounds": rounds, "sample-rate": 0.25, "min-nodes": clients, "algorithm": "dp-ftrl",
-                    "results-dir": str(tmp_path)})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "local-steps": 5,
+            "batch-size": 16,
+            "num-rounds": rounds,
+            "sample-rate": 0.25,
+            "min-nodes": clients,
+            "algorithm": "dp-ftrl",
+            "results-dir": str(tmp_path),
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, clients, cfg), cfg)
     rounds_published = read_metrics(tmp_path)
     assert len(rounds_published) == rounds
@@ -249,10 +289,20 @@ def test_the_budget_stop_uses_the_tree_ledger():
         ledger.record_round(sigma)
         epsilons.append(ledger.epsilon())
     assert epsilons[2] == epsilons[1] < epsilons[3]  # depth 2 for steps 2 and 3, 3 from step 4
-    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=sigma, sample_rate=0.25, delta=delta,
-                                   noise_placement="central", min_available_nodes=8, target_epsilon=epsilons[2],
-                                   ftrl=DPFTRL(epoch_rounds=epoch_rounds))
-    strategy.start(InProcessGrid(unchanged_weights_client(), 8, {}), ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
-                   num_rounds=8)
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0,
+        noise_multiplier=sigma,
+        sample_rate=0.25,
+        delta=delta,
+        noise_placement="central",
+        min_available_nodes=8,
+        target_epsilon=epsilons[2],
+        ftrl=DPFTRL(epoch_rounds=epoch_rounds),
+    )
+    strategy.start(
+        InProcessGrid(unchanged_weights_client(), 8, {}),
+        ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+        num_rounds=8,
+    )
     assert strategy.completed_rounds == 3 and "target epsilon" in strategy.stop_reason
     assert strategy.privacy_metrics()["epsilon"] == epsilons[2]

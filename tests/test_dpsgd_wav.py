@@ -36,8 +36,11 @@ def test_coefficient_norm_of_the_papers_worked_example():
     expected = math.sqrt(5.25**2 + 0.25**2 + 0.5**2 + 1**2 + 2**2 + 4**2 + 2**2 + 1**2)
     assert haar_coefficient_norm(np.array([4, 8, 1, 9, 8, 4, 5, 3], float)) == pytest.approx(expected)  # 7.3400
     rows = np.random.default_rng(0).standard_normal((11, 37))  # batched, in chunks, padded to 64
-    np.testing.assert_allclose(haar_coefficient_norms(rows, chunk=4),
-                               [np.sqrt(sum(c @ c for c in haar_coefficients(r))) for r in rows], rtol=1e-12)
+    np.testing.assert_allclose(
+        haar_coefficient_norms(rows, chunk=4),
+        [np.sqrt(sum(c @ c for c in haar_coefficients(r))) for r in rows],
+        rtol=1e-12,
+    )
 
 
 def paper_transform(n):
@@ -83,8 +86,18 @@ def test_wavelet_step_clips_the_coefficient_norm_not_the_gradient_norm():
     for c, expected in ((0.5 * (h_norm + g_norm), g_norm), (h_norm / 4, g_norm / 4)):
         model = tiny_model()
         w0 = flatten(get_weights(model))
-        dpsgd_steps(model, x, y, steps=1, sample_rate=1.0, noise_multiplier=0.0, clipping_norm=c, lr=1.0,
-                    grad_sample_mode="hooks", noise="wavelet")
+        dpsgd_steps(
+            model,
+            x,
+            y,
+            steps=1,
+            sample_rate=1.0,
+            noise_multiplier=0.0,
+            clipping_norm=c,
+            lr=1.0,
+            grad_sample_mode="hooks",
+            noise="wavelet",
+        )
         assert np.linalg.norm(flatten(get_weights(model)) - w0) == pytest.approx(expected, rel=1e-4)
 
 
@@ -93,22 +106,46 @@ def test_wavelet_noise_only_step_has_std_sigma_c_over_w_per_coefficient():
     model = tiny_model()
     w0 = flatten(get_weights(model))
     q, sigma_h, c, lr = 1e-6, 2.0, 0.5, 1e-3
-    dpsgd_steps(model, x, y, steps=1, sample_rate=q, noise_multiplier=sigma_h, clipping_norm=c, lr=lr,
-                grad_sample_mode="hooks", noise="wavelet", wavelet_rng=make_rng(0, 2))
+    dpsgd_steps(
+        model,
+        x,
+        y,
+        steps=1,
+        sample_rate=q,
+        noise_multiplier=sigma_h,
+        clipping_norm=c,
+        lr=lr,
+        grad_sample_mode="hooks",
+        noise="wavelet",
+        wavelet_rng=make_rng(0, 2),
+    )
     step = (flatten(get_weights(model)) - w0) / (-lr / (q * len(y)))  # the noise added to the sum
     n = haar_padded_size(step.size)
     finest, second = haar_coefficients(step)[-1], haar_coefficients(step)[-2]
     full = step.size // 2  # finest-level coefficients over real (unpadded) entries
-    for coeffs, w in ((finest[:full], 2), (second[:step.size // 4], 4)):
+    for coeffs, w in ((finest[:full], 2), (second[: step.size // 4], 4)):
         assert abs(coeffs.std() / (sigma_h * c / w) - 1) < 5 / math.sqrt(2 * coeffs.size)
     assert n == 4096
 
 
 def wav_client(state, calibration, target=8.0):
-    return DPSGDClient(tiny_model(), tiny_data(), tiny_data(10, 1), state=state, sample_rate=0.2,
-                       noise_multiplier=1.2, clipping_norm=1.0, target_epsilon=target, delta=1e-5, lr=0.1,
-                       momentum=0.0, weight_decay=0.0, noise="wavelet", wavelet_calibration=calibration,
-                       grad_sample_mode="hooks")
+    return DPSGDClient(
+        tiny_model(),
+        tiny_data(),
+        tiny_data(10, 1),
+        state=state,
+        sample_rate=0.2,
+        noise_multiplier=1.2,
+        clipping_norm=1.0,
+        target_epsilon=target,
+        delta=1e-5,
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        noise="wavelet",
+        wavelet_calibration=calibration,
+        grad_sample_mode="hooks",
+    )
 
 
 def test_wavelet_client_ledger_charges_the_true_multiplier():
@@ -129,10 +166,24 @@ def test_wavelet_client_ledger_charges_the_true_multiplier():
 
 @pytest.mark.parametrize("calibration", ["exact", "paper"])
 def test_wavelet_run_reports_true_and_claimed_epsilon(tmp_path, calibration):
-    cfg = validate({"algorithm": "ali-dpfl", "dataset": "digits", "model": "mlp", "partitioner": "iid",
-                    "sample-rate": 1.0, "batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5,
-                    "target-epsilon": 3.0, "num-rounds": 2, "adaptive": False, "local-steps": 3,
-                    "dpsgd-noise": "wavelet", "wavelet-calibration": calibration, "results-dir": str(tmp_path)})
+    cfg = validate(
+        {
+            "algorithm": "ali-dpfl",
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "sample-rate": 1.0,
+            "batch-sample-rate": 0.1,
+            "sample-noise-multiplier": 1.5,
+            "target-epsilon": 3.0,
+            "num-rounds": 2,
+            "adaptive": False,
+            "local-steps": 3,
+            "dpsgd-noise": "wavelet",
+            "wavelet-calibration": calibration,
+            "results-dir": str(tmp_path),
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, 2, cfg), cfg)
     n = haar_padded_size(summary["num_parameters"])
     true_sigma = 1.5 if calibration == "exact" else 1.5 / n

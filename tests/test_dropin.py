@@ -58,12 +58,14 @@ def message_api_app(mods, other_model_on: int = -1) -> ClientApp:
     @app.train(mods=mods)
     def train(msg: Message, context: Context) -> Message:
         pid = int(context.node_config["partition-id"])
-        weights, n = local_training(msg.content["arrays"].to_numpy_ndarrays(), pid,
-                                    int(context.node_config["num-partitions"]))
+        weights, n = local_training(
+            msg.content["arrays"].to_numpy_ndarrays(), pid, int(context.node_config["num-partitions"])
+        )
         if pid == other_model_on:  # this node runs a different model (9 classes)
             weights = [weights[0][:, :9], weights[1][:9]]
-        return Message(RecordDict({"arrays": ArrayRecord(weights), "metrics": MetricRecord({"num-examples": n})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"arrays": ArrayRecord(weights), "metrics": MetricRecord({"num-examples": n})}), reply_to=msg
+        )
 
     return app
 
@@ -81,12 +83,15 @@ class ForeignClient(NumPyClient):
 
 
 def legacy_client_fn(context: Context):
-    return ForeignClient(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])).to_client()
+    return ForeignClient(
+        int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    ).to_client()
 
 
 def dp() -> DPFedAvg:
-    return DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                    delta=1e-3, seed=1)
+    return DPFedAvg(
+        sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed", delta=1e-3, seed=1
+    )
 
 
 def expected_epsilon():
@@ -104,9 +109,15 @@ def test_reference_without_dp_learns():
 def test_message_api_app_with_mod_and_dpfedavg():
     strategy = dp()
     grid = InProcessGrid(message_api_app([dp_mod]), NODES, {})
-    result = strategy.start(grid, ArrayRecord(initial_weights()), num_rounds=ROUNDS,
-                            evaluate_fn=lambda rnd, arrays: MetricRecord({"accuracy": accuracy(arrays.to_numpy_ndarrays())}))
-    assert result.evaluate_metrics_serverapp[ROUNDS]["accuracy"] > 0.6 > result.evaluate_metrics_serverapp[0]["accuracy"]
+    result = strategy.start(
+        grid,
+        ArrayRecord(initial_weights()),
+        num_rounds=ROUNDS,
+        evaluate_fn=lambda rnd, arrays: MetricRecord({"accuracy": accuracy(arrays.to_numpy_ndarrays())}),
+    )
+    assert (
+        result.evaluate_metrics_serverapp[ROUNDS]["accuracy"] > 0.6 > result.evaluate_metrics_serverapp[0]["accuracy"]
+    )
     assert strategy.describe()["epsilon"] == pytest.approx(expected_epsilon())
     assert strategy.history[-1]["clients"] == NODES and strategy.history[-1]["clipped_fraction"] > 0
 
@@ -117,10 +128,12 @@ def legacy_evaluate(rnd, ndarrays, config):
 
 def test_legacy_numpyclient_with_mod_and_legacy_strategy_server_fn():
     """The usual legacy deployment: ServerApp(server_fn=...) + ClientApp(client_fn=..., mods=[...])."""
-    strategy = LegacyDPFedAvg(dp(), evaluate_fn=legacy_evaluate,
-                              initial_parameters=ndarrays_to_parameters(initial_weights()))
-    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
-                                                                         config=ServerConfig(num_rounds=ROUNDS)))
+    strategy = LegacyDPFedAvg(
+        dp(), evaluate_fn=legacy_evaluate, initial_parameters=ndarrays_to_parameters(initial_weights())
+    )
+    server_app = ServerApp(
+        server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=ROUNDS))
+    )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert len(strategy.history) == ROUNDS
@@ -133,11 +146,19 @@ def test_legacy_numpyclient_with_mod_and_legacy_strategy_server_fn():
 def test_legacy_strategy_stops_on_the_privacy_budget():
     """The legacy path stops before the round that would exceed target_epsilon, like DPFedAvg.start."""
     target = epsilon_of([(SIGMA, 1.0, 2)], 1e-3) + 1e-6  # exactly two rounds fit
-    budgeted = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                        delta=1e-3, seed=1, target_epsilon=target)
+    budgeted = DPFedAvg(
+        sample_rate=1.0,
+        clipping_norm=C,
+        noise_multiplier=SIGMA,
+        noise_placement="distributed",
+        delta=1e-3,
+        seed=1,
+        target_epsilon=target,
+    )
     strategy = LegacyDPFedAvg(budgeted, initial_parameters=ndarrays_to_parameters(initial_weights()))
-    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
-                                                                         config=ServerConfig(num_rounds=ROUNDS)))
+    server_app = ServerApp(
+        server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=ROUNDS))
+    )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert len(strategy.history) == 2
@@ -147,8 +168,9 @@ def test_legacy_strategy_stops_on_the_privacy_budget():
 
 def test_legacy_numpyclient_with_mod_under_secaggplus():
     """@app.main with LegacyContext + DefaultWorkflow(DPSecAggPlusWorkflow), mods=[secaggplus_mod, dp mod]."""
-    strategy = SecAggPlusDPFedAvg(dp(), evaluate_fn=legacy_evaluate,
-                                  initial_parameters=ndarrays_to_parameters(initial_weights()))
+    strategy = SecAggPlusDPFedAvg(
+        dp(), evaluate_fn=legacy_evaluate, initial_parameters=ndarrays_to_parameters(initial_weights())
+    )
     server_app = ServerApp()
 
     @server_app.main()
@@ -185,13 +207,21 @@ def weights_of(api: str, reply: Message):
 
 def fake_client(api: str, local):
     """call_next: a client whose training lands on `local`, reporting 50 examples."""
+
     def call_next(msg, context):
         if api == "legacy":
             from flwr.common import Code, FitRes, Status
-            return Message(compat.fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(local),
-                                                              50, {"loss": 0.3}), True), reply_to=msg)
-        return Message(RecordDict({"arrays": ArrayRecord(local), "metrics": MetricRecord({"num-examples": 50})}),
-                       reply_to=msg)
+
+            return Message(
+                compat.fitres_to_recorddict(
+                    FitRes(Status(Code.OK, ""), ndarrays_to_parameters(local), 50, {"loss": 0.3}), True
+                ),
+                reply_to=msg,
+            )
+        return Message(
+            RecordDict({"arrays": ArrayRecord(local), "metrics": MetricRecord({"num-examples": 50})}), reply_to=msg
+        )
+
     return call_next
 
 
@@ -224,11 +254,11 @@ def test_mod_noise_share_std():
 
 def test_mod_under_secure_aggregation_sends_weight_one_and_no_metrics():
     glob = [np.zeros(5, np.float32)]
-    config = {"server-round": 1, "clipping-norm": 1.0, "privatize": True, "noise-std": 0.0,
-              "secure-aggregation": True}
+    config = {"server-round": 1, "clipping-norm": 1.0, "privatize": True, "noise-std": 0.0, "secure-aggregation": True}
     for mod in (dp_mod, uniform_weight_mod):
-        _, n, metrics = weights_of("legacy", mod(instruction("legacy", config, glob), CTX,
-                                                 fake_client("legacy", [np.ones(5, np.float32)])))
+        _, n, metrics = weights_of(
+            "legacy", mod(instruction("legacy", config, glob), CTX, fake_client("legacy", [np.ones(5, np.float32)]))
+        )
         assert n == 1 and metrics == {}
 
 
@@ -237,21 +267,27 @@ def test_mod_errors_are_clear():
     with pytest.raises(ValueError, match="no 'clipping-norm'"):
         dp_mod(instruction("message", {"server-round": 1}, glob), CTX, fake_client("message", glob))
     config = {"server-round": 1, "clipping-norm": 1.0, "privatize": True, "noise-std": 0.0}
-    with pytest.raises(ValueError, match=r"does not match the global model: array 0 has shape \(3,\), expected \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"does not match the global model: array 0 has shape \(3,\), expected \(2, 2\)"
+    ):
         dp_mod(instruction("message", config, glob), CTX, fake_client("message", [np.zeros(3, np.float32)]))
 
 
 def test_mod_passes_evaluate_through():
-    msg = Message(RecordDict({"arrays": ArrayRecord(initial_weights())}), dst_node_id=7,
-                  message_type=MessageType.EVALUATE)
+    msg = Message(
+        RecordDict({"arrays": ArrayRecord(initial_weights())}), dst_node_id=7, message_type=MessageType.EVALUATE
+    )
     sentinel = Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.5})}), reply_to=msg)
     assert dp_mod(msg, CTX, lambda m, c: sentinel) is sentinel
 
 
 def test_mismatched_client_fails_alone_and_the_round_goes_on():
     strategy = dp()
-    result = strategy.start(InProcessGrid(message_api_app([dp_mod], other_model_on=3), NODES, {}),
-                            ArrayRecord(initial_weights()), num_rounds=2)
+    result = strategy.start(
+        InProcessGrid(message_api_app([dp_mod], other_model_on=3), NODES, {}),
+        ArrayRecord(initial_weights()),
+        num_rounds=2,
+    )
     record = strategy.history[-1]
     assert record["failures"] == 1 and record["clients"] == NODES - 1
     assert "does not match the global model" in record["failed_nodes"][0]
@@ -259,26 +295,35 @@ def test_mismatched_client_fails_alone_and_the_round_goes_on():
 
 
 def legacy_server_app(strategy, rounds):
-    return ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
-                                                                   config=ServerConfig(num_rounds=rounds)))
+    return ServerApp(
+        server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=rounds))
+    )
 
 
 def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_target():
     """As the deployment guide shows it (ServerConfig(num_rounds=...)): without num_rounds the strategy
     refuses before any client trains; with it, sigma is calibrated for all the rounds and the last
     printed epsilon is at most the target."""
+
     def calibrated():
-        return DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="distributed",
-                        delta=1e-3, target_epsilon=3.0, target_epsilon_mode="calibrate")
+        return DPFedAvg(
+            sample_rate=1.0,
+            clipping_norm=C,
+            noise_multiplier=0.0,
+            noise_placement="distributed",
+            delta=1e-3,
+            target_epsilon=3.0,
+            target_epsilon_mode="calibrate",
+        )
 
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     with pytest.raises(ValueError, match="num_rounds"):
-        legacy_server_app(LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights())),
-                          10)(grid, context)
+        legacy_server_app(
+            LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights())), 10
+        )(grid, context)
     assert grid.sent == []
-    strategy = LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights()),
-                              num_rounds=10)
+    strategy = LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights()), num_rounds=10)
     legacy_server_app(strategy, 10)(grid, context)
     assert len(strategy.history) == 10
     assert 2.9 <= strategy.history[-1]["epsilon"] <= 3.0
@@ -307,12 +352,25 @@ def test_legacy_app_keeps_its_evaluate_metrics_and_logs_nothing_outside_the_ledg
         seen.append(len(results))
         return {"mean_accuracy": float(np.mean([m["accuracy"] for _, m in results]))}
 
-    wrapped = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                       delta=1e-3, seed=1, fraction_evaluate=1.0)
-    strategy = LegacyDPFedAvg(wrapped, evaluate_metrics_aggregation_fn=mean_accuracy,
-                              initial_parameters=ndarrays_to_parameters(initial_weights()))
-    context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                            config=ServerConfig(num_rounds=3), strategy=strategy)
+    wrapped = DPFedAvg(
+        sample_rate=1.0,
+        clipping_norm=C,
+        noise_multiplier=SIGMA,
+        noise_placement="distributed",
+        delta=1e-3,
+        seed=1,
+        fraction_evaluate=1.0,
+    )
+    strategy = LegacyDPFedAvg(
+        wrapped,
+        evaluate_metrics_aggregation_fn=mean_accuracy,
+        initial_parameters=ndarrays_to_parameters(initial_weights()),
+    )
+    context = LegacyContext(
+        Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+        config=ServerConfig(num_rounds=3),
+        strategy=strategy,
+    )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     with caplog.at_level("DEBUG", logger="flwr"):
         DefaultWorkflow()(grid, context)

@@ -12,13 +12,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- config values that crashed the run later
 
-@pytest.mark.parametrize("key,value,message", [
-    ("audit-canaries", 10**7, "run-config key 'audit-canaries' = 10000000: must be an integer in [0, 10000] "
-                              "(each canary is a model-sized vector in the server's memory)"),
-    ("mu-max", 1e-300, "run-config key 'mu-max' = 1e-300: must be a number in [1e-06, 1e+06] "
-                       "(the clients' mu ratios are divided by it)"),
-    ("sample-rate", 1e-300, "run-config key 'sample-rate' = 1e-300: must be a number in [1e-06, 1]"),
-])
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        (
+            "audit-canaries",
+            10**7,
+            "run-config key 'audit-canaries' = 10000000: must be an integer in [0, 10000] "
+            "(each canary is a model-sized vector in the server's memory)",
+        ),
+        (
+            "mu-max",
+            1e-300,
+            "run-config key 'mu-max' = 1e-300: must be a number in [1e-06, 1e+06] "
+            "(the clients' mu ratios are divided by it)",
+        ),
+        ("sample-rate", 1e-300, "run-config key 'sample-rate' = 1e-300: must be a number in [1e-06, 1]"),
+    ],
+)
 def test_values_that_crashed_later_are_refused_at_validation(key, value, message):
     with pytest.raises(ConfigError) as err:
         validate({key: value})
@@ -31,18 +43,23 @@ def test_the_bounds_themselves_are_allowed():
     assert validate({"algorithm": "ali-dpfl", "target-epsilon": 2.0, "mu-max": 1e-6}).dpsgd.mu_max == 1e-6
 
 
-@pytest.mark.parametrize("path,where", [
-    ("/", "'/' is the filesystem root"),
-    ("/etc", "'/etc' is in the system tree /etc"),
-    ("/usr/local/dpfl-results", "'/usr/local/dpfl-results' is in the system tree /usr"),
-    ("/proc/self", "in the system tree /proc"),
-])
+@pytest.mark.parametrize(
+    "path,where",
+    [
+        ("/", "'/' is the filesystem root"),
+        ("/etc", "'/etc' is in the system tree /etc"),
+        ("/usr/local/dpfl-results", "'/usr/local/dpfl-results' is in the system tree /usr"),
+        ("/proc/self", "in the system tree /proc"),
+    ],
+)
 def test_results_dir_in_a_system_folder_is_refused(path, where):
     with pytest.raises(ConfigError) as err:
         validate({"results-dir": path})
     msg = str(err.value)
-    assert msg.startswith(f"run-config key 'results-dir' = {path!r}: must be a folder outside the filesystem root "
-                          "and /bin, /boot, /dev, /etc,") and msg.endswith(where), msg
+    assert msg.startswith(
+        f"run-config key 'results-dir' = {path!r}: must be a folder outside the filesystem root "
+        "and /bin, /boot, /dev, /etc,"
+    ) and msg.endswith(where), msg
 
 
 def test_results_dir_holding_other_files_is_refused_but_a_run_folder_or_empty_one_is_not(tmp_path):
@@ -53,7 +70,8 @@ def test_results_dir_holding_other_files_is_refused_but_a_run_folder_or_empty_on
     assert str(err.value) == (
         f"run-config key 'results-dir' = {str(tmp_path)!r}: must be a new or empty folder, or a dpfl run folder "
         "(one holding config.json or status.json or metrics.jsonl or checkpoint.npz or .dpfl-run.lock); "
-        "it holds 2 other entries ('data', 'thesis.tex')")
+        "it holds 2 other entries ('data', 'thesis.tex')"
+    )
     assert validate({"results-dir": str(tmp_path / "data")}).output.results_dir == str(tmp_path / "data")  # empty
     assert validate({"results-dir": str(tmp_path / "new" / "run")})  # not there yet
     (tmp_path / "status.json").write_text('{"status": "failed"}')  # a run folder: resumed or refused by the run
@@ -63,12 +81,15 @@ def test_results_dir_holding_other_files_is_refused_but_a_run_folder_or_empty_on
 def test_a_misspelled_key_names_its_close_matches():
     with pytest.raises(ConfigError) as err:
         validate({"nosie-multiplier": 2.0, "sample_rate": 0.1})
-    assert str(err.value).startswith("unknown run-config key(s) 'nosie-multiplier' = 2.0 (did you mean "
-                                     "'noise-multiplier' or 'mu-noise-multiplier' or 'sample-noise-multiplier'?), "
-                                     "'sample_rate' = 0.1 (did you mean 'sample-rate'"), str(err.value)
+    assert str(err.value).startswith(
+        "unknown run-config key(s) 'nosie-multiplier' = 2.0 (did you mean "
+        "'noise-multiplier' or 'mu-noise-multiplier' or 'sample-noise-multiplier'?), "
+        "'sample_rate' = 0.1 (did you mean 'sample-rate'"
+    ), str(err.value)
 
 
 # ---------------------------------------------------------------- the launcher checks before it starts anything
+
 
 def launch_refusal(argv: list[str]) -> str:
     """The message of the launcher's SystemExit for `argv` (raised before any process starts)."""
@@ -86,33 +107,56 @@ def test_the_launcher_refuses_a_bad_config_in_seconds_and_starts_nothing(tmp_pat
 
     results = tmp_path / "results"
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "fl_app.launch", "--results", str(results), "-c",
-                          "nosie-multiplier=2.0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "fl_app.launch", "--results", str(results), "-c", "nosie-multiplier=2.0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     seconds = time.monotonic() - t0
     assert out.returncode == 1 and out.stdout == "", out
-    assert out.stderr.startswith("unknown run-config key(s) 'nosie-multiplier' = 2.0 (did you mean "
-                                 "'noise-multiplier'"), out.stderr
+    assert out.stderr.startswith(
+        "unknown run-config key(s) 'nosie-multiplier' = 2.0 (did you mean 'noise-multiplier'"
+    ), out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and "code: 15" not in out.stderr
     assert not results.exists()  # no SuperLink, no Ray head, no logs: nothing was started
     print(f"launcher refused a misspelled key in {seconds:.2f} s")
     assert seconds < 20  # ~1.5-2 s idle (Python, Flower and torch imports); the old path started a SuperLink and Ray
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["-c", "sample-rate=1.5"], "run-config key 'sample-rate' = 1.5: must be a number in [1e-06, 1]"),
-    (["-c", "audit-canaries=10000000"], "run-config key 'audit-canaries' = 10000000: must be an integer in "
-                                        "[0, 10000] (each canary is a model-sized vector in the server's memory)"),
-    (["--clients", "2", "-c", "min-nodes=5"], "--clients 2 is fewer than run-config key 'min-nodes' = 5: the run "
-                                              "would wait for nodes that never come; pass --clients 5 (or more), or "
-                                              "-c \"min-nodes=2\""),
-    (["--sweep", "noise-multiplier=1,0.0001"], "run-config key 'noise-multiplier' = 0.0001: must be a number: 0 or "
-                                               "in [0.001, 1000]"),
-    (["--reference", "-c", "results-dir='/tmp/x'"], "run-config key 'results-dir' = '/tmp/x' names one folder for 2 "
-                                                    "runs (--sweep, --reference): leave it out, and each run gets its "
-                                                    "own under --results"),
-    (["-c", "lr=0.1 oops momentum = 0.9"], "-c 'lr=0.1 oops momentum = 0.9': 'oops', 'momentum', '=', '0.9' is not "
-                                           "key=value (without spaces around '='; quote strings: key='text')"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["-c", "sample-rate=1.5"], "run-config key 'sample-rate' = 1.5: must be a number in [1e-06, 1]"),
+        (
+            ["-c", "audit-canaries=10000000"],
+            "run-config key 'audit-canaries' = 10000000: must be an integer in "
+            "[0, 10000] (each canary is a model-sized vector in the server's memory)",
+        ),
+        (
+            ["--clients", "2", "-c", "min-nodes=5"],
+            "--clients 2 is fewer than run-config key 'min-nodes' = 5: the run "
+            "would wait for nodes that never come; pass --clients 5 (or more), or "
+            '-c "min-nodes=2"',
+        ),
+        (
+            ["--sweep", "noise-multiplier=1,0.0001"],
+            "run-config key 'noise-multiplier' = 0.0001: must be a number: 0 or in [0.001, 1000]",
+        ),
+        (
+            ["--reference", "-c", "results-dir='/tmp/x'"],
+            "run-config key 'results-dir' = '/tmp/x' names one folder for 2 "
+            "runs (--sweep, --reference): leave it out, and each run gets its "
+            "own under --results",
+        ),
+        (
+            ["-c", "lr=0.1 oops momentum = 0.9"],
+            "-c 'lr=0.1 oops momentum = 0.9': 'oops', 'momentum', '=', '0.9' is not "
+            "key=value (without spaces around '='; quote strings: key='text')",
+        ),
+    ],
+)
 def test_the_launcher_names_the_problem(tmp_path, argv, message):
     results = tmp_path / "results"
     assert launch_refusal(["--results", str(results), *argv]) == message
@@ -126,32 +170,54 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
     from fl_app.config import SPEC
     from fl_app.launch import parse_overrides, plan_runs
 
-    args = argparse.Namespace(resume="", sweep="", reference=False, clients=4, results=str(tmp_path / "results"),
-                              run_config=f"num-rounds=3 results-dir='{tmp_path / 'mine'}'")
+    args = argparse.Namespace(
+        resume="",
+        sweep="",
+        reference=False,
+        clients=4,
+        results=str(tmp_path / "results"),
+        run_config=f"num-rounds=3 results-dir='{tmp_path / 'mine'}'",
+    )
     [(name, overrides, run_dir)] = plan_runs(args, "stamp")
     assert run_dir == tmp_path / "mine" and parse_overrides(overrides)["results-dir"] == str(tmp_path / "mine")
     assert overrides.count("results-dir") == 1
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({**{k: s.default for k, s in SPEC.items()}, "num-rounds": 2,
-                                                 "noise-multiplier": 2.0, "results-dir": str(run)}))
+    (run / "config.json").write_text(
+        json.dumps(
+            {
+                **{k: s.default for k, s in SPEC.items()},
+                "num-rounds": 2,
+                "noise-multiplier": 2.0,
+                "results-dir": str(run),
+            }
+        )
+    )
     (run / "checkpoint.npz").write_bytes(b"")
-    args = argparse.Namespace(resume=str(run), sweep="", reference=False, clients=4, results=str(tmp_path / "r"),
-                              run_config="num-rounds=5")
+    args = argparse.Namespace(
+        resume=str(run), sweep="", reference=False, clients=4, results=str(tmp_path / "r"), run_config="num-rounds=5"
+    )
     [(name, overrides, run_dir)] = plan_runs(args, "stamp")
-    assert run_dir == run and parse_overrides(overrides) == {"num-rounds": 5, "noise-multiplier": 2.0,
-                                                             "resume": True, "results-dir": str(run)}
+    assert run_dir == run and parse_overrides(overrides) == {
+        "num-rounds": 5,
+        "noise-multiplier": 2.0,
+        "resume": True,
+        "results-dir": str(run),
+    }
     args.run_config = "noise-multiplier=1.0"  # the run's settings may not change (but for num-rounds)
     assert launch_refusal(["--resume", str(run), "-c", "noise-multiplier=1.0"]) == (
-        f"resume = true, but the run in {run} was made with other settings: 'noise-multiplier' = 2.0 there, 1.0 now")
+        f"resume = true, but the run in {run} was made with other settings: 'noise-multiplier' = 2.0 there, 1.0 now"
+    )
     (run / "checkpoint.npz").unlink()
     assert launch_refusal(["--resume", str(run)]) == (
         f"resume = true, but {run / 'checkpoint.npz'} does not exist (the run in {run} completed no round, or this "
-        "is not its folder): set resume = false to start afresh")
+        "is not its folder): set resume = false to start afresh"
+    )
 
 
 # ---------------------------------------------------------------- run folders: the owner's, one writer, unique
+
 
 def test_run_folder_files_are_the_owners_only(tmp_path):
     import stat
@@ -170,9 +236,23 @@ def test_run_folder_files_are_the_owners_only(tmp_path):
     run.write_summary({"strategy": "x"}, {"seconds": 1.0})
     plot_runs([run.path], run.path / "plot.png")
     modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in [run.path, *run.path.iterdir()]}
-    assert modes == {"run": "0o700", **{name: "0o600" for name in (
-        ".dpfl-run.lock", "config.json", "status.json", "metrics.jsonl", "diagnostics.jsonl", "checkpoint.npz",
-        "summary.json", "diagnostics-summary.json", "plot.png")}}
+    assert modes == {
+        "run": "0o700",
+        **{
+            name: "0o600"
+            for name in (
+                ".dpfl-run.lock",
+                "config.json",
+                "status.json",
+                "metrics.jsonl",
+                "diagnostics.jsonl",
+                "checkpoint.npz",
+                "summary.json",
+                "diagnostics-summary.json",
+                "plot.png",
+            )
+        },
+    }
 
 
 def test_the_launchers_flower_home_is_the_owners_only(tmp_path):
@@ -200,15 +280,18 @@ def test_a_run_folder_has_one_writer(tmp_path):
 
     from fl_app.results import RunDirectory, RunFolderLockedError, lock_run_folder
 
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(RunFolderLockedError) as err:
             RunDirectory(tmp_path)
-        assert str(err.value) == (f"results-dir {tmp_path} is being written by another run (pid {holder.pid} holds "
-                                  f"{tmp_path / '.dpfl-run.lock'}): wait for it to end, or choose another results-dir "
-                                  "or run-name")
+        assert str(err.value) == (
+            f"results-dir {tmp_path} is being written by another run (pid {holder.pid} holds "
+            f"{tmp_path / '.dpfl-run.lock'}): wait for it to end, or choose another results-dir "
+            "or run-name"
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -229,8 +312,9 @@ def test_two_runs_started_in_the_same_second_get_different_folders(monkeypatch):
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-120000")
     cfg = validate({})
     names = {resolve_run_dir(cfg).name for _ in range(20)}
-    assert len(names) == 20 and all(n.startswith("20260101-120000-") and n.endswith("-dp-fedsam-mnist-embedded")
-                                    for n in names), names
+    assert len(names) == 20 and all(
+        n.startswith("20260101-120000-") and n.endswith("-dp-fedsam-mnist-embedded") for n in names
+    ), names
     assert len({run_stamp() for _ in range(20)}) == 20
 
 
@@ -286,8 +370,10 @@ def test_resume_without_a_checkpoint_is_an_error_naming_it(tmp_path):
     folder = previous_run(tmp_path / "run", checkpoint=False)
     with pytest.raises(PreviousRunError) as err:
         RunDirectory(folder, resume=True)
-    assert str(err.value) == (f"resume = true, but {folder / 'checkpoint.npz'} does not exist (the run in {folder} "
-                              "completed no round, or this is not its folder): set resume = false to start afresh")
+    assert str(err.value) == (
+        f"resume = true, but {folder / 'checkpoint.npz'} does not exist (the run in {folder} "
+        "completed no round, or this is not its folder): set resume = false to start afresh"
+    )
     assert (folder / "metrics.jsonl").read_text().count("\n") == 2
 
 
@@ -336,6 +422,7 @@ def test_a_full_disk_leaves_no_half_written_file(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- bad data files and caches: one line naming the file
 
+
 def idx_bytes(array) -> bytes:
     """An unsigned-byte IDX file holding `array`."""
     import numpy as np
@@ -352,8 +439,12 @@ def mnist_folder(folder: Path, train: int = 20, test: int = 10, train_labels: in
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True)
     stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-    arrays = (rng.integers(0, 256, (train, 28, 28), np.uint8), rng.integers(0, 10, train_labels or train, np.uint8),
-              rng.integers(0, 256, (test, 28, 28), np.uint8), rng.integers(0, 10, test, np.uint8))
+    arrays = (
+        rng.integers(0, 256, (train, 28, 28), np.uint8),
+        rng.integers(0, 10, train_labels or train, np.uint8),
+        rng.integers(0, 256, (test, 28, 28), np.uint8),
+        rng.integers(0, 10, test, np.uint8),
+    )
     for stem, array in zip(stems, arrays):
         (folder / f"{stem}.gz").write_bytes(gzip.compress(idx_bytes(array)))
     return folder
@@ -379,16 +470,19 @@ def test_a_truncated_gz_names_the_file(tmp_path):
     folder = mnist_folder(tmp_path / "mnist")
     gz = folder / "train-images-idx3-ubyte.gz"
     gz.write_bytes(gz.read_bytes()[:200])
-    assert data_error(folder) == (f"{gz}: cannot be read as gzip (EOFError: Compressed file ended before the "
-                                  "end-of-stream marker was reached); replace it with a complete copy")
+    assert data_error(folder) == (
+        f"{gz}: cannot be read as gzip (EOFError: Compressed file ended before the "
+        "end-of-stream marker was reached); replace it with a complete copy"
+    )
 
 
 def test_garbage_named_gz_names_the_file(tmp_path):
     folder = mnist_folder(tmp_path / "mnist")
     gz = folder / "t10k-labels-idx1-ubyte.gz"
     gz.write_bytes(b"<html>404 Not Found</html>")
-    assert data_error(folder) == (f"{gz}: cannot be read as gzip (BadGzipFile: Not a gzipped file (b'<h')); "
-                                  "replace it with a complete copy")
+    assert data_error(folder) == (
+        f"{gz}: cannot be read as gzip (BadGzipFile: Not a gzipped file (b'<h')); replace it with a complete copy"
+    )
 
 
 def test_an_idx_file_shorter_than_its_header_says_names_the_file(tmp_path):
@@ -397,15 +491,19 @@ def test_an_idx_file_shorter_than_its_header_says_names_the_file(tmp_path):
     folder = mnist_folder(tmp_path / "mnist")
     gz = folder / "train-images-idx3-ubyte.gz"
     gz.write_bytes(gzip.compress(gzip.decompress(gz.read_bytes())[:1000]))
-    assert data_error(folder) == (f"{gz}: its header says shape (20, 28, 28) (15680 bytes of data), but it holds "
-                                  "984: truncated; replace it with a complete copy")
+    assert data_error(folder) == (
+        f"{gz}: its header says shape (20, 28, 28) (15680 bytes of data), but it holds "
+        "984: truncated; replace it with a complete copy"
+    )
 
 
 def test_images_and_labels_of_different_counts_are_refused(tmp_path):
     folder = mnist_folder(tmp_path / "mnist", train_labels=19)
-    assert data_error(folder) == (f"{folder / 'train-images-idx3-ubyte.gz'} holds images of shape (20, 28, 28) and "
-                                  f"{folder / 'train-labels-idx1-ubyte.gz'} labels of shape (19,): expected (N, H, W) "
-                                  "and (N,) with the same N")
+    assert data_error(folder) == (
+        f"{folder / 'train-images-idx3-ubyte.gz'} holds images of shape (20, 28, 28) and "
+        f"{folder / 'train-labels-idx1-ubyte.gz'} labels of shape (19,): expected (N, H, W) "
+        "and (N,) with the same N"
+    )
 
 
 def test_a_plain_file_shadowing_the_gz_is_named_with_the_gz(tmp_path):
@@ -414,7 +512,8 @@ def test_a_plain_file_shadowing_the_gz_is_named_with_the_gz(tmp_path):
     assert data_error(folder) == (
         f"{folder / 'train-labels-idx1-ubyte'}: not an unsigned-byte IDX file (it starts with b'part', not "
         "b'\\x00\\x00\\x08'); replace it with a complete copy (it is read instead of train-labels-idx1-ubyte.gz "
-        "beside it: remove one of the two)")
+        "beside it: remove one of the two)"
+    )
 
 
 @pytest.mark.parametrize("corruption", ["empty", "truncated", "wrong keys"])
@@ -459,6 +558,7 @@ def test_a_full_disk_leaves_no_half_written_cache_file(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- a SIGKILLed launcher takes its processes with it
 
+
 @pytest.mark.slow
 def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
     """SIGKILL (no handler, no `finally`) to the launcher alone, mid-run: its SuperLink, the simulation and the
@@ -474,9 +574,22 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
     results, log_path = tmp_path / "results", tmp_path / "launch.log"
     with open(log_path, "wb") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
-             "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "fl_app.launch",
+                "--clients",
+                "2",
+                "--results",
+                str(results),
+                "-c",
+                "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 300
         while not [m for m in results.glob("*-dp/metrics.jsonl") if m.read_text()]:
@@ -512,8 +625,13 @@ def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
     results = tmp_path / "results"
 
     def launch(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
-                               *argv], cwd=ROOT, capture_output=True, text=True, timeout=400)
+        return subprocess.run(
+            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results), *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
 
     first = launch("-c", "num-rounds=1 sample-rate=1.0 dataset='digits' model='mlp' partitioner='iid' local-steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -527,5 +645,6 @@ def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
     before = (run / "metrics.jsonl").read_bytes()
     changed = launch("--resume", str(run), "-c", "num-rounds=3 lr=0.5")
     assert changed.returncode == 1 and changed.stderr == (
-        f"resume = true, but the run in {run} was made with other settings: 'lr' = 0.1 there, 0.5 now\n")
+        f"resume = true, but the run in {run} was made with other settings: 'lr' = 0.1 there, 0.5 now\n"
+    )
     assert (run / "metrics.jsonl").read_bytes() == before

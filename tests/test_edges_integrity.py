@@ -34,8 +34,14 @@ def honest_reply(msg: Message, context: Context, lie: dict | None = None) -> Mes
     update[0].flat[0] = pid + 1.0
     steps = int(context.state["metrics"]["steps"]) + 1 if "metrics" in context.state else 1
     context.state["metrics"] = MetricRecord({"steps": steps})
-    metrics = {"partition-id": pid, "local-steps": 1, "dpsgd-steps": steps, "num-examples": public_size(pid, n),
-               "epsilon": epsilon_of([(1.0, 0.1, steps)], 1e-5), **(lie or {})}
+    metrics = {
+        "partition-id": pid,
+        "local-steps": 1,
+        "dpsgd-steps": steps,
+        "num-examples": public_size(pid, n),
+        "epsilon": epsilon_of([(1.0, 0.1, steps)], 1e-5),
+        **(lie or {}),
+    }
     return Message(RecordDict({"arrays": ArrayRecord(update), "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
@@ -44,16 +50,27 @@ def app_with_liar(lie: dict, from_round: int = 1, liar_pid: int = 0) -> ClientAp
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        lying = (int(context.node_config["partition-id"]) == liar_pid
-                 and int(msg.content["config"]["server-round"]) >= from_round)
+        lying = (
+            int(context.node_config["partition-id"]) == liar_pid
+            and int(msg.content["config"]["server-round"]) >= from_round
+        )
         return honest_reply(msg, context, lie if lying else None)
 
     return app
 
 
 def ali(**kwargs) -> ALIDPFL:
-    settings = dict(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
-                    target_epsilon=5.0, adaptive=False, local_steps=1, partition_size=public_size, secure_rng=False)
+    settings = dict(
+        sample_rate=1.0,
+        batch_sample_rate=0.1,
+        sample_noise_multiplier=1.0,
+        sample_clipping_norm=1.0,
+        target_epsilon=5.0,
+        adaptive=False,
+        local_steps=1,
+        partition_size=public_size,
+        secure_rng=False,
+    )
     return ALIDPFL(**{**settings, **kwargs})
 
 
@@ -115,8 +132,10 @@ def test_fewer_connected_nodes_than_partitions_are_weighted_by_the_deployments_p
     metrics = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
     assert metrics["clients"] == 2 and metrics["rejected"] == 0
     default = ali(min_available_nodes=2)  # 0: the connected count, 2 here: both rejected, said why
-    grid.contexts = {node: Context(run_id=1, node_id=node, node_config=dict(ctx.node_config), state=RecordDict(),
-                                   run_config={}) for node, ctx in grid.contexts.items()}
+    grid.contexts = {
+        node: Context(run_id=1, node_id=node, node_config=dict(ctx.node_config), state=RecordDict(), run_config={})
+        for node, ctx in grid.contexts.items()
+    }
     metrics = default.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
     assert metrics["clients"] == 0 and metrics["rejected"] == 2
 
@@ -146,11 +165,25 @@ NO_UPDATE_AGGREGATED = "no client update was aggregated in any round"
 def small_run_config(tmp_path, algorithm="ali-dpfl"):
     from fl_app.config import validate
 
-    common = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "sample-rate": 1.0, "num-rounds": 2,
-              "local-steps": 1, "results-dir": str(tmp_path)}
+    common = {
+        "dataset": "digits",
+        "model": "mlp",
+        "partitioner": "iid",
+        "sample-rate": 1.0,
+        "num-rounds": 2,
+        "local-steps": 1,
+        "results-dir": str(tmp_path),
+    }
     if algorithm == "ali-dpfl":
-        common.update({"batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5, "sample-clipping-norm": 1.0,
-                       "target-epsilon": 3.0, "adaptive": False})
+        common.update(
+            {
+                "batch-sample-rate": 0.1,
+                "sample-noise-multiplier": 1.5,
+                "sample-clipping-norm": 1.0,
+                "target-epsilon": 3.0,
+                "adaptive": False,
+            }
+        )
     return validate({"algorithm": algorithm, **common})
 
 

@@ -23,8 +23,15 @@ SKIP_NODES, SKIP_Q, SKIP_SIGMA, SKIP_DELTA, SKIP_ROUNDS = 3, 0.3, 1.0, 1e-3, 60
 
 def small_sample_dp() -> DPFedAvg:
     """3 nodes at q = 0.3: a third of the samples are empty, three quarters have fewer than 2 nodes."""
-    return DPFedAvg(sample_rate=SKIP_Q, clipping_norm=1.0, noise_multiplier=SKIP_SIGMA,
-                    noise_placement="distributed", delta=SKIP_DELTA, seed=5, secure_rng=False)
+    return DPFedAvg(
+        sample_rate=SKIP_Q,
+        clipping_norm=1.0,
+        noise_multiplier=SKIP_SIGMA,
+        noise_placement="distributed",
+        delta=SKIP_DELTA,
+        seed=5,
+        secure_rng=False,
+    )
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["legacy", "secagg+"])
@@ -35,15 +42,18 @@ def test_every_sampled_round_is_charged_on_the_legacy_and_secagg_paths(secure):
     rounds cost 5.57 (dp-accounting)."""
     dp = small_sample_dp()
     if secure:
-        strategy = SecAggPlusDPFedAvg(dp, evaluate_fn=legacy_evaluate,
-                                      initial_parameters=ndarrays_to_parameters(initial_weights()))
+        strategy = SecAggPlusDPFedAvg(
+            dp, evaluate_fn=legacy_evaluate, initial_parameters=ndarrays_to_parameters(initial_weights())
+        )
         mods = [secaggplus_mod, dp_mod]
     else:
-        strategy = LegacyDPFedAvg(dp, evaluate_fn=legacy_evaluate,
-                                  initial_parameters=ndarrays_to_parameters(initial_weights()))
+        strategy = LegacyDPFedAvg(
+            dp, evaluate_fn=legacy_evaluate, initial_parameters=ndarrays_to_parameters(initial_weights())
+        )
         mods = [dp_mod]
-    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(
-        strategy=strategy, config=ServerConfig(num_rounds=SKIP_ROUNDS)))
+    server_app = ServerApp(
+        server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=SKIP_ROUNDS))
+    )
     if secure:
         server_app = secagg_server_app(strategy)
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=mods), SKIP_NODES, {})
@@ -80,8 +90,17 @@ CAP_TARGET = 2.7
 
 
 def calibrated_dp() -> DPFedAvg:
-    return DPFedAvg(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=0.0, noise_placement="distributed",
-                    delta=1e-3, target_epsilon=CAP_TARGET, target_epsilon_mode="calibrate", seed=1, secure_rng=False)
+    return DPFedAvg(
+        sample_rate=1.0,
+        clipping_norm=1.0,
+        noise_multiplier=0.0,
+        noise_placement="distributed",
+        delta=1e-3,
+        target_epsilon=CAP_TARGET,
+        target_epsilon_mode="calibrate",
+        seed=1,
+        secure_rng=False,
+    )
 
 
 def test_calibrated_run_resumed_with_more_rounds_stops_at_its_target():
@@ -106,10 +125,12 @@ def test_calibrated_run_resumed_with_more_rounds_stops_at_its_target():
 def test_legacy_strategy_with_fewer_rounds_than_its_server_config_stops_at_its_target():
     """LegacyDPFedAvg(num_rounds=5) under ServerConfig(num_rounds=15): calibrated for 5, it stops at the target
     instead of running 15 rounds (before: 15 rounds, 5.369 against 2.7)."""
-    strategy = LegacyDPFedAvg(calibrated_dp(), initial_parameters=ndarrays_to_parameters(initial_weights()),
-                              num_rounds=5)
-    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(strategy=strategy,
-                                                                         config=ServerConfig(num_rounds=15)))
+    strategy = LegacyDPFedAvg(
+        calibrated_dp(), initial_parameters=ndarrays_to_parameters(initial_weights()), num_rounds=5
+    )
+    server_app = ServerApp(
+        server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=15))
+    )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), 4, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert max(r["epsilon"] for r in strategy.history) <= CAP_TARGET
@@ -117,6 +138,7 @@ def test_legacy_strategy_with_fewer_rounds_than_its_server_config_stops_at_its_t
 
 
 # ---------------------------------------------------------------- 3. every figure that is no guarantee says so
+
 
 def run_small(tmp_path, name, caplog, **overrides):
     import json
@@ -129,32 +151,50 @@ def run_small(tmp_path, name, caplog, **overrides):
     from fl_app.server_app import run_federated
     from tests.test_dashboards import events
 
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "num-rounds": 2,
-                    "sample-rate": 0.5, "results-dir": str(tmp_path / name), **overrides})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "local-steps": 2,
+            "num-rounds": 2,
+            "sample-rate": 0.5,
+            "results-dir": str(tmp_path / name),
+            **overrides,
+        }
+    )
     with caplog.at_level(logging.INFO, logger="flwr"):
         run_federated(InProcessGrid(client_app, 4, cfg), cfg)
     run = Path(cfg.output.results_dir)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Round ")]
     caplog.clear()
-    return (read_metrics(run), lines, json.loads((run / "summary.json").read_text()),
-            set(events(run).Tags()["scalars"]))
+    return (
+        read_metrics(run),
+        lines,
+        json.loads((run / "summary.json").read_text()),
+        set(events(run).Tags()["scalars"]),
+    )
 
 
-@pytest.mark.parametrize("case,mark,tag", [
-    ("distributed", "epsilon_against_server_is_guarantee", "privacy/epsilon_against_server_NOT_a_guarantee"),
-    ("top-k fixed", "epsilon_is_guarantee", "privacy/epsilon_NOT_a_guarantee"),
-    ("wavelet paper", "claimed_epsilon_is_guarantee", "privacy/epsilon_claimed_by_paper_NOT_a_guarantee"),
-])
+@pytest.mark.parametrize(
+    "case,mark,tag",
+    [
+        ("distributed", "epsilon_against_server_is_guarantee", "privacy/epsilon_against_server_NOT_a_guarantee"),
+        ("top-k fixed", "epsilon_is_guarantee", "privacy/epsilon_NOT_a_guarantee"),
+        ("wavelet paper", "claimed_epsilon_is_guarantee", "privacy/epsilon_claimed_by_paper_NOT_a_guarantee"),
+    ],
+)
 def test_figures_that_are_no_guarantee_say_so_on_every_per_round_output(case, mark, tag, tmp_path, caplog):
     """Distributed noise without SecAgg+: clients send their norm before clipping, loss and example count in the
     clear, so epsilon_against_server is no guarantee; top-k after distributed noise under fixed sampling (the
     zeros reveal who took part) and the wavelet's paper-calibrated claim neither. Every round's metrics.jsonl
     record, log line and TensorBoard tag say so, not only summary.json (before: only the summary, and nothing for
     the server figure)."""
-    overrides = {"distributed": {},
-                 "top-k fixed": {"algorithm": "dp-fedsam-topk", "sparsity": 0.5, "client-sampling": "fixed"},
-                 "wavelet paper": {"algorithm": "dp-fedavg-wav", "noise-placement": "central",
-                                   "wavelet-calibration": "paper"}}[case]
+    overrides = {
+        "distributed": {},
+        "top-k fixed": {"algorithm": "dp-fedsam-topk", "sparsity": 0.5, "client-sampling": "fixed"},
+        "wavelet paper": {"algorithm": "dp-fedavg-wav", "noise-placement": "central", "wavelet-calibration": "paper"},
+    }[case]
     rows, lines, summary, tags = run_small(tmp_path, case.replace(" ", "-"), caplog, **overrides)
     assert len(rows) == 2 and all(r[mark] is False for r in rows)
     assert len(lines) == 2 and all(f"{mark}=False" in line for line in lines)
@@ -173,6 +213,7 @@ def test_secagg_and_central_rounds_carry_no_mark(tmp_path, caplog):
 
 
 # ---------------------------------------------------------------- 4. outputs beside the model: covered or declared
+
 
 def test_short_secagg_rounds_leave_no_counting_line_in_the_log(caplog):
     """SecAgg+ halting on a sample of one node logged 'The number of samples should be greater than 1.' at
@@ -205,18 +246,26 @@ def test_outputs_that_epsilon_does_not_cover_are_listed_in_the_privacy_doc():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "privacy.md").read_text()
-    section = text[text.index("Outputs beside the model that epsilon does **not** cover"):]
-    section = section[:section.index("## Threat model")]
-    for output in ("checkpoint.npz", "epsilon_per_client", "_runtime", "wall_time", "quiet_workflow_logs",
-                   "The number of samples"):
+    section = text[text.index("Outputs beside the model that epsilon does **not** cover") :]
+    section = section[: section.index("## Threat model")]
+    for output in (
+        "checkpoint.npz",
+        "epsilon_per_client",
+        "_runtime",
+        "wall_time",
+        "quiet_workflow_logs",
+        "The number of samples",
+    ):
         assert output in section, output
 
 
 # ---------------------------------------------------------------- 5. ALI-DPFL's server mu never sees the test set
 
+
 @pytest.mark.parametrize("validation_fraction", [0.0, 0.1])
-def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measured_on(validation_fraction,
-                                                                                       tmp_path, monkeypatch):
+def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measured_on(
+    validation_fraction, tmp_path, monkeypatch
+):
     """mu steers tau (training), so the data it is estimated on must not be the test data the reported accuracy is
     measured on (the validation set, held out of the training data, is model-selection data: val_accuracy). Before: every mu gradient was taken on the server's test set (256 of its samples, all of them
     evaluated); now on the validation split, or on 256 test samples that evaluation leaves out."""
@@ -247,16 +296,30 @@ def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measu
 
     monkeypatch.setattr(server_app, "loss_gradient", spy_gradient)
     monkeypatch.setattr(server_app, "evaluate_model", spy_evaluate)
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "algorithm": "ali-dpfl",
-                    "num-rounds": 2, "sample-rate": 1.0, "batch-sample-rate": 0.2, "target-epsilon": 20.0,
-                    "mu-source": "server", "adaptive": True, "validation-fraction": validation_fraction,
-                    "tensorboard": False, "results-dir": str(tmp_path / "run")})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "algorithm": "ali-dpfl",
+            "num-rounds": 2,
+            "sample-rate": 1.0,
+            "batch-sample-rate": 0.2,
+            "target-epsilon": 20.0,
+            "mu-source": "server",
+            "adaptive": True,
+            "validation-fraction": validation_fraction,
+            "tensorboard": False,
+            "results-dir": str(tmp_path / "run"),
+        }
+    )
     server_app.run_federated(InProcessGrid(client_app, 3, cfg), cfg)
     assert len(mu_rows) > 100 and evaluated_rows
     assert not mu_rows & evaluated_rows
 
 
 # ---------------------------------------------------------------- 6. one derivation of the SecAgg+ server figure
+
 
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
 def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
@@ -269,8 +332,7 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
 
     from dpcore.privacy.ledger import ClientLevelLedger
 
-    ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True,
-                               client_sampling=sampling)
+    ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True, client_sampling=sampling)
     for _ in range(100):
         ledger.record_round(1.0, 0.1, 10, received=10)
     independent = pld.PLDAccountant(value_discretization_interval=1e-4)
@@ -280,6 +342,7 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
 
 
 # ---------------------------------------------------------------- 7. SecAgg+: the unmasked sum is bounded
+
 
 def test_secagg_refuses_a_sum_above_what_honest_clients_can_produce():
     """A sum 200x above k C plus the noise bound was aggregated (65 rounds seen). Now the sum is refused whole

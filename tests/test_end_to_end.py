@@ -59,13 +59,31 @@ def test_run_directory_contents(default_runs):
     assert [r["round"] for r in rows] == [r["round"] for r in diagnostics] == list(range(1, cfg.run.num_rounds + 1))
     for key in ("round", "accuracy", "loss", "epsilon", "delta", "epsilon_against_server"):
         assert all(key in r for r in rows), key
-    for key in ("clipped_fraction", "update_norm_mean", "update_norm_std", "clients", "rejected", "failures",
-                "train_loss", "seconds"):  # raw statistics of client replies: not covered by epsilon
+    for key in (
+        "clipped_fraction",
+        "update_norm_mean",
+        "update_norm_std",
+        "clients",
+        "rejected",
+        "failures",
+        "train_loss",
+        "seconds",
+    ):  # raw statistics of client replies: not covered by epsilon
         assert all(key in r for r in diagnostics) and not any(key in r for r in rows), key
     assert all(0 <= r["clipped_fraction"] <= 1 and r["update_norm_mean"] > 0 for r in diagnostics)
     on_disk = json.loads((run_dir / "summary.json").read_text())
-    for key in ("strategy", "dataset", "rounds_completed", "final_accuracy", "epsilon", "delta",
-                "noise_multiplier", "client_sampling_rate", "num_clients", "accountant"):
+    for key in (
+        "strategy",
+        "dataset",
+        "rounds_completed",
+        "final_accuracy",
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "client_sampling_rate",
+        "num_clients",
+        "accountant",
+    ):
         assert key in on_disk, key
     assert on_disk["num_clients"] == NUM_CLIENTS and on_disk["client_sampling_rate"] == cfg.federation.sample_rate
     assert (run_dir / "plot.png").stat().st_size > 10_000
@@ -98,9 +116,20 @@ def test_bad_config_fails_before_training(tmp_path):
 
 def test_eval_every_and_the_validation_split(tmp_path):
     """eval-every = 2 over 5 rounds: rounds 2, 4 and the last carry the server's test and validation figures."""
-    _, summary, run_dir = run(tmp_path, "v", **{"num-rounds": 5, "eval-every": 2, "validation-fraction": 0.1,
-                                                 "dataset": "digits", "model": "mlp", "local-steps": 2})
+    _, summary, run_dir = run(
+        tmp_path,
+        "v",
+        **{
+            "num-rounds": 5,
+            "eval-every": 2,
+            "validation-fraction": 0.1,
+            "dataset": "digits",
+            "model": "mlp",
+            "local-steps": 2,
+        },
+    )
     rows = read_metrics(run_dir)
-    assert [r["round"] for r in rows if "accuracy" in r] == [r["round"] for r in rows if "val_accuracy" in r] \
-        == [2, 4, 5]
+    assert (
+        [r["round"] for r in rows if "accuracy" in r] == [r["round"] for r in rows if "val_accuracy" in r] == [2, 4, 5]
+    )
     assert summary["final_accuracy"] == rows[-1]["accuracy"] and 0 <= rows[-1]["val_accuracy"] <= 1

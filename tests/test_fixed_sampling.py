@@ -23,8 +23,12 @@ def without_replacement(population: int, m: int, sigma: float, rounds: int, delt
     """dp-accounting directly: replace-one RDP of the Gaussian (multiplier sigma / 2 of the sensitivity 2C) on m of
     N sampled without replacement, composed over the rounds."""
     acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.SampledWithoutReplacementDpEvent(
-        population, m, dp_accounting.GaussianDpEvent(sigma / 2)), rounds))
+    acc.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(population, m, dp_accounting.GaussianDpEvent(sigma / 2)),
+            rounds,
+        )
+    )
     return acc.get_epsilon(delta)
 
 
@@ -41,12 +45,14 @@ def fixed_ledger(population: int, m: int, rounds: int, delta: float, sigma: floa
     return ledger
 
 
-@pytest.mark.parametrize("population,m,rounds,printed_before,wor,gauss", [
-    (100, 10, 100, 284.0, 83.94, 284.0),   # sampling without replacement is the smaller bound
-    (50, 25, 30, 105.9, 110.41, 105.9),     # no amplification is the smaller bound: it stays
-])
-def test_the_smaller_of_two_valid_bounds_each_against_dp_accounting(population, m, rounds, printed_before, wor,
-                                                                    gauss):
+@pytest.mark.parametrize(
+    "population,m,rounds,printed_before,wor,gauss",
+    [
+        (100, 10, 100, 284.0, 83.94, 284.0),  # sampling without replacement is the smaller bound
+        (50, 25, 30, 105.9, 110.41, 105.9),  # no amplification is the smaller bound: it stays
+    ],
+)
+def test_the_smaller_of_two_valid_bounds_each_against_dp_accounting(population, m, rounds, printed_before, wor, gauss):
     delta = 1e-5
     ledger = fixed_ledger(population, m, rounds, delta)
     independent_wor = without_replacement(population, m, 1.0, rounds, delta)
@@ -63,8 +69,9 @@ def test_the_smaller_of_two_valid_bounds_each_against_dp_accounting(population, 
 @pytest.mark.parametrize("population,m,rounds", [(6, 3, 1), (20, 2, 50), (1000, 10, 300)])
 def test_never_below_the_worst_pair_lower_bound(population, m, rounds):
     delta = 1 / population if population < 100 else 1e-5
-    assert fixed_ledger(population, m, rounds, delta).epsilon() >= worst_pair_lower_bound(population, m, 1.0, rounds,
-                                                                                         delta)
+    assert fixed_ledger(population, m, rounds, delta).epsilon() >= worst_pair_lower_bound(
+        population, m, 1.0, rounds, delta
+    )
 
 
 def test_a_round_without_its_sampling_record_falls_back_to_no_amplification():
@@ -82,10 +89,18 @@ def test_state_round_trip_and_budget_projection():
 
 
 def test_the_wrapper_records_each_rounds_population_and_sample():
-    strategy = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=1.0, sample_rate=0.2, client_sampling="fixed",
-                                   min_available_nodes=10, noise_placement="central", delta=1e-5)
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        sample_rate=0.2,
+        client_sampling="fixed",
+        min_available_nodes=10,
+        noise_placement="central",
+        delta=1e-5,
+    )
     grid = InProcessGrid(weights_client(), 10, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(8, np.float32))}), num_rounds=3)
     assert strategy.ledger.fixed_rounds == [(0.5, 10, 2, 3)]
     assert strategy.history[-1]["epsilon"] == pytest.approx(
-        min(without_replacement(10, 2, 1.0, 3, 1e-5), unamplified(1.0, 3, 1e-5)), rel=0.01)
+        min(without_replacement(10, 2, 1.0, 3, 1e-5), unamplified(1.0, 3, 1e-5)), rel=0.01
+    )

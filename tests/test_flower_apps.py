@@ -27,8 +27,12 @@ pytestmark = pytest.mark.slow
 def superlink(tmp_path_factory):
     """A simulation SuperLink of this module's own (free ports, private FLWR_HOME), ended by PID."""
     home = tmp_path_factory.mktemp("flwr-home")
-    base = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    base = {
+        **os.environ,
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    }
     env, http_port, control_port = own_superlink_env(base, home)
     proc = start_superlink(env, http_port, control_port, home / "superlink.log")
     yield env
@@ -39,9 +43,23 @@ def flwr_run(env: dict, app: Path, out: Path, **config) -> dict:
     """`flwr run <app>` with the run config; the ServerApp's results file."""
     values = {"results-file": str(out), "num-server-rounds": ROUNDS, "noise-multiplier": SIGMA, **config}
     run_config = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
-    subprocess.run([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", run_config,
-                    "--federation-config", f"num-supernodes={NODES} client-resources-num-cpus=1"],
-                   env=env, check=True, timeout=300, capture_output=True, text=True)
+    subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(app),
+            "--stream",
+            "--run-config",
+            run_config,
+            "--federation-config",
+            f"num-supernodes={NODES} client-resources-num-cpus=1",
+        ],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert out.exists(), f"the ServerApp wrote no results to {out}"
     return json.loads(out.read_text())
 
@@ -75,14 +93,30 @@ def check_result(result: dict, out: Path) -> None:
 
 def test_quickstart_app_with_the_wrapper_around_fedavg_unchanged_client(superlink, tmp_path):
     out = tmp_path / "fedavg.json"
-    check_result(flwr_run(superlink, app_copy(tmp_path, "quickstart.client_app:app"), out,
-                          strategy="fedavg", **{"noise-placement": "central"}), out)
+    check_result(
+        flwr_run(
+            superlink,
+            app_copy(tmp_path, "quickstart.client_app:app"),
+            out,
+            strategy="fedavg",
+            **{"noise-placement": "central"},
+        ),
+        out,
+    )
 
 
 def test_quickstart_app_with_the_wrapper_around_fedadam_and_the_mod(superlink, tmp_path):
     out = tmp_path / "fedadam.json"
-    check_result(flwr_run(superlink, app_copy(tmp_path, "quickstart.client_app:app_with_mod"), out,
-                          strategy="fedadam", **{"noise-placement": "distributed"}), out)
+    check_result(
+        flwr_run(
+            superlink,
+            app_copy(tmp_path, "quickstart.client_app:app_with_mod"),
+            out,
+            strategy="fedadam",
+            **{"noise-placement": "distributed"},
+        ),
+        out,
+    )
 
 
 def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(superlink, tmp_path):
@@ -90,14 +124,26 @@ def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(
     naming the key and the number to set, instead of waiting forever."""
     root = Path(__file__).resolve().parents[1]
     start = time.monotonic()
-    out = subprocess.run([str(BIN / "flwr"), "run", str(root), "--stream", "--run-config",
-                          f"min-nodes=3 num-rounds=1 results-dir='{tmp_path / 'run'}'",
-                          "--federation-config", "num-supernodes=2 client-resources-num-cpus=1"],
-                         env=superlink, timeout=240, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(root),
+            "--stream",
+            "--run-config",
+            f"min-nodes=3 num-rounds=1 results-dir='{tmp_path / 'run'}'",
+            "--federation-config",
+            "num-supernodes=2 client-resources-num-cpus=1",
+        ],
+        env=superlink,
+        timeout=240,
+        capture_output=True,
+        text=True,
+    )
     assert time.monotonic() - start < 120
     text = out.stdout + out.stderr
     assert "run-config key 'min-nodes' = 3, but the simulation has 2 SuperNodes" in text, text[-3000:]
-    assert 'num-supernodes=3' in text
+    assert "num-supernodes=3" in text
 
 
 def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink, tmp_path):
@@ -107,9 +153,22 @@ def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink
     out = tmp_path / "legacy.json"
     app = tmp_path / "legacy"
     shutil.copytree(Path(__file__).parent / "legacy_app", app, ignore=shutil.ignore_patterns("__pycache__"))
-    run = subprocess.run([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", f"results-file='{out}'",
-                          "--federation-config", f"num-supernodes={NODES} client-resources-num-cpus=1"],
-                         env=superlink, timeout=300, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(app),
+            "--stream",
+            "--run-config",
+            f"results-file='{out}'",
+            "--federation-config",
+            f"num-supernodes={NODES} client-resources-num-cpus=1",
+        ],
+        env=superlink,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert out.exists(), (run.stdout + run.stderr)[-3000:]
     result = json.loads(out.read_text())
     accuracy = result["metrics_distributed"]["mean_accuracy"]

@@ -42,8 +42,15 @@ def test_the_default_server_path_patches_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(server_app, "PromptGrid", lambda grid: grid)  # the in-process grid answers at once
 
     before = pull_defaults()
-    run_config = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 1, "local-steps": 1,
-                  "results-dir": str(tmp_path / "run"), "tensorboard": False}
+    run_config = {
+        "dataset": "digits",
+        "model": "mlp",
+        "partitioner": "iid",
+        "num-rounds": 1,
+        "local-steps": 1,
+        "results-dir": str(tmp_path / "run"),
+        "tensorboard": False,
+    }
     from fl_app.client_app import app as client_app
 
     grid = InProcessGrid(client_app, 2, run_config)
@@ -64,8 +71,8 @@ def test_a_simulation_smaller_than_min_nodes_is_refused_at_once_naming_the_keys(
     with pytest.raises(TooFewNodes) as error:
         wait_for_nodes(CountingGrid([0, 2]), 5, 600, simulation=True, poll=0.01, settle=0.2)
     assert time.monotonic() - start < 5
-    assert "'min-nodes' = 5" in str(error.value) and 'num-supernodes=5' in str(error.value)
-    assert 'min-nodes=2' in str(error.value)
+    assert "'min-nodes' = 5" in str(error.value) and "num-supernodes=5" in str(error.value)
+    assert "min-nodes=2" in str(error.value)
 
 
 def test_a_deployment_waits_for_late_nodes_then_gives_up_at_the_timeout():

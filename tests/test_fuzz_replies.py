@@ -63,8 +63,21 @@ def hostile_arrays(rng: random.Random, nprng: np.random.Generator) -> tuple[str,
 
 def hostile_metrics(rng: random.Random) -> tuple[str, dict | list]:
     """(kind, metrics) where the record or one value is malformed."""
-    key = rng.choice(["update-norm", "train-loss", "num-examples", "partition-id", "local-steps", "dpsgd-steps",
-                      "mu", "mu-releases", "epsilon", "budget-left", "kept-values"])
+    key = rng.choice(
+        [
+            "update-norm",
+            "train-loss",
+            "num-examples",
+            "partition-id",
+            "local-steps",
+            "dpsgd-steps",
+            "mu",
+            "mu-releases",
+            "epsilon",
+            "budget-left",
+            "kept-values",
+        ]
+    )
     value = rng.choice([[1.0], [1, 2], float("nan"), float("inf"), -float("inf"), -1.0, 1e300, 2.5, 10**15, -7])
     return f"{key}={value!r}", {key: value}
 
@@ -80,8 +93,17 @@ def reply(node: int, arrays, metrics: dict, extra_records: int = 0):
 
 
 def honest_metrics(pid: int) -> dict:
-    return {"update-norm": 0.4, "train-loss": 0.7, "num-examples": 10, "partition-id": pid, "local-steps": 1,
-            "dpsgd-steps": 1, "epsilon": 0.1, "budget-left": 1, keys.UPLOAD_KIND: keys.UPLOAD_UPDATE}
+    return {
+        "update-norm": 0.4,
+        "train-loss": 0.7,
+        "num-examples": 10,
+        "partition-id": pid,
+        "local-steps": 1,
+        "dpsgd-steps": 1,
+        "epsilon": 0.1,
+        "budget-left": 1,
+        keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
+    }
 
 
 def round_replies(rng: random.Random, nprng: np.random.Generator, encode=None) -> tuple[list, list[str]]:
@@ -121,15 +143,31 @@ def topk_encode(upload):
 
 
 MESSAGE_PATHS = {
-    "dp-fedavg central": (lambda: DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
-                                           noise_placement="central"), None, C),
-    "dp-fedavg distributed": (lambda: DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
-                                               noise_placement="distributed"), None, C * (1 + 1e-5)),
-    "top-k": (lambda: DPFedSAMTopK(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
-                                   noise_placement="distributed", sparsity=0.5), topk_encode, C * (1 + 1e-5)),
+    "dp-fedavg central": (
+        lambda: DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="central"),
+        None,
+        C,
+    ),
+    "dp-fedavg distributed": (
+        lambda: DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="distributed"),
+        None,
+        C * (1 + 1e-5),
+    ),
+    "top-k": (
+        lambda: DPFedSAMTopK(
+            sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="distributed", sparsity=0.5
+        ),
+        topk_encode,
+        C * (1 + 1e-5),
+    ),
     "wavelet": (lambda: DPFedAvgWavelet(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0), None, C),
-    "partial sharing": (lambda: PartialSharingDPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
-                                                       noise_placement="distributed"), None, C * (1 + 1e-5)),
+    "partial sharing": (
+        lambda: PartialSharingDPFedAvg(
+            sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="distributed"
+        ),
+        None,
+        C * (1 + 1e-5),
+    ),
 }
 
 
@@ -166,8 +204,16 @@ def test_message_api_strategies_survive_hostile_replies(path):
 
 def test_ali_dpfl_survives_hostile_replies():
     rng, nprng = random.Random(f"{SEED}-ali"), np.random.default_rng(SEED)
-    strategy = ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1, sample_noise_multiplier=1.0, sample_clipping_norm=1.0,
-                       target_epsilon=50.0, adaptive=False, local_steps=1, partition_size=lambda pid, n: 10)
+    strategy = ALIDPFL(
+        sample_rate=1.0,
+        batch_sample_rate=0.1,
+        sample_noise_multiplier=1.0,
+        sample_clipping_norm=1.0,
+        target_epsilon=50.0,
+        adaptive=False,
+        local_steps=1,
+        partition_size=lambda pid, n: 10,
+    )
     strategy.set_num_rounds(ROUNDS)
     strategy.setup_population(M + 2)
     arrays, hostile = initial(), 0
@@ -209,8 +255,9 @@ def fit_res(rng: random.Random, nprng: np.random.Generator, legacy_weight: int =
 
 def test_legacy_adapter_survives_hostile_results():
     rng, nprng = random.Random(f"{SEED}-legacy"), np.random.default_rng(SEED)
-    strategy = LegacyDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
-                                       noise_placement="central"))
+    strategy = LegacyDPFedAvg(
+        DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="central")
+    )
     strategy.dp.setup_population(M)
     weights, hostile = [np.zeros(s, np.float32) for s in SHAPES], 0
     for rnd in range(1, ROUNDS + 1):
@@ -218,9 +265,11 @@ def test_legacy_adapter_survives_hostile_results():
         hostile += sum(what != "honest" for _, what in pairs)
         strategy._global = weights
         strategy.dp.begin_round(ArrayRecord(weights))
-        parameters, metrics = strategy.aggregate_fit(rnd, [(FakeProxy(100 + i), r) for i, (r, _) in enumerate(pairs)],
-                                                     [])
+        parameters, metrics = strategy.aggregate_fit(
+            rnd, [(FakeProxy(100 + i), r) for i, (r, _) in enumerate(pairs)], []
+        )
         from flwr.common import parameters_to_ndarrays
+
         new = parameters_to_ndarrays(parameters)
         assert all(np.all(np.isfinite(a)) for a in new)
         assert set(metrics) <= {"epsilon", "delta", "epsilon_against_server"}  # what Flower's History prints
@@ -233,8 +282,9 @@ def test_legacy_adapter_survives_hostile_results():
 
 def test_secagg_sum_survives_hostile_results():
     rng, nprng = random.Random(f"{SEED}-secagg"), np.random.default_rng(SEED)
-    strategy = SecAggPlusDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0,
-                                           noise_placement="distributed"))
+    strategy = SecAggPlusDPFedAvg(
+        DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="distributed")
+    )
     strategy.dp.setup_population(M)
     weights, hostile = [np.zeros(s, np.float32) for s in SHAPES], 0
     for rnd in range(1, ROUNDS + 1):
@@ -246,6 +296,7 @@ def test_secagg_sum_survives_hostile_results():
         strategy._global = weights
         parameters, metrics = strategy.aggregate_fit(rnd, results, [])
         from flwr.common import parameters_to_ndarrays
+
         new = parameters_to_ndarrays(parameters)
         assert all(np.all(np.isfinite(a)) for a in new), what
         assert l2_norm(flatten(new) - flatten(weights)) <= ETA * 3 * C * (1 + 1e-5) / M + 1e-6 or what == "honest"
@@ -264,9 +315,13 @@ def test_client_evaluation_survives_hostile_metrics():
         result = personalized.aggregate_evaluate(rnd, replies)
         assert result is not None and result["personalized_accuracy"] == pytest.approx(0.8)
         loss = bad if isinstance(bad, float) else float("nan")
-        results = [(FakeProxy(100), EvaluateRes(Status(Code.OK, ""), 0.3, 10, {"accuracy": 0.8})),
-                   (FakeProxy(101), EvaluateRes(Status(Code.OK, ""), loss, rng.choice([10, 0, -1, 10**18]),
-                                                {"accuracy": bad}))]
+        results = [
+            (FakeProxy(100), EvaluateRes(Status(Code.OK, ""), 0.3, 10, {"accuracy": 0.8})),
+            (
+                FakeProxy(101),
+                EvaluateRes(Status(Code.OK, ""), loss, rng.choice([10, 0, -1, 10**18]), {"accuracy": bad}),
+            ),
+        ]
         legacy.aggregate_evaluate(rnd, results, [])
         hostile += 2
     record("evaluation", hostile)

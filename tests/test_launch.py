@@ -36,7 +36,9 @@ def processes_mentioning(text: str) -> list[int]:
         if entry.name.isdigit():
             try:
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z" and any(text.encode() in (entry / name).read_bytes() for name in ("cmdline", "environ")):
+                if state != "Z" and any(
+                    text.encode() in (entry / name).read_bytes() for name in ("cmdline", "environ")
+                ):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -100,8 +102,10 @@ def test_flwr_run_output_to_a_pipe_or_file_has_no_colour_codes(tmp_path, monkeyp
 
 def hint_commands(text: str) -> dict[str, str]:
     """The `flwr ls` and `flwr log` command lines the launcher prints, by subcommand."""
-    return {m.group(2): m.group(0).strip() for m in re.finditer(r"^  (FLWR_HOME=.*) (ls|log) ?(<run-id>)?$", text,
-                                                                re.MULTILINE)}
+    return {
+        m.group(2): m.group(0).strip()
+        for m in re.finditer(r"^  (FLWR_HOME=.*) (ls|log) ?(<run-id>)?$", text, re.MULTILINE)
+    }
 
 
 # a launcher's first steps: its network namespace, its SuperLink there, the hint; then waits for stdin
@@ -126,21 +130,30 @@ def test_the_printed_flwr_ls_reaches_the_launchers_superlink(tmp_path):
     """The hint names both ports and FLWR_HOME; its `flwr ls`, run from a shell with none of them set and
     outside the launcher's network namespace (which it enters with nsenter), talks to the launcher's
     SuperLink instead of starting one on Flower's default port."""
-    linker = subprocess.Popen([sys.executable, "-c", ISOLATED_SUPERLINK, str(tmp_path / "home"),
-                               str(tmp_path / "superlink.log")], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    linker = subprocess.Popen(
+        [sys.executable, "-c", ISOLATED_SUPERLINK, str(tmp_path / "home"), str(tmp_path / "superlink.log")],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         hint = "".join(linker.stdout.readline() for _ in range(3))
-        http_port, control_port = map(int, re.search(r"127.0.0.1:(\d+) \(HTTP API\), control API 127.0.0.1:(\d+) "
-                                                     r"in the launcher's private network namespace", hint).groups())
+        http_port, control_port = map(
+            int,
+            re.search(
+                r"127.0.0.1:(\d+) \(HTTP API\), control API 127.0.0.1:(\d+) "
+                r"in the launcher's private network namespace",
+                hint,
+            ).groups(),
+        )
         commands = hint_commands(hint)
         assert set(commands) == {"ls", "log"} and commands["log"].endswith("flwr log <run-id>")
         assert f"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT={http_port}" in commands["ls"]
         assert f"nsenter --target={linker.pid} --net" in commands["ls"], hint
         shell_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_LOCAL")}
         shell_env.update(QUIET_ENV, FLWR_HOME=str(tmp_path / "elsewhere"))
-        listed = subprocess.run(commands["ls"], shell=True, env=shell_env, capture_output=True, text=True,
-                                timeout=120)
+        listed = subprocess.run(commands["ls"], shell=True, env=shell_env, capture_output=True, text=True, timeout=120)
     finally:
         linker.communicate("")
     assert listed.returncode == 0, listed.stdout + listed.stderr
@@ -157,7 +170,8 @@ def test_sweep_makes_one_run_per_value():
     assert sweep_runs("num-rounds=10", "noise-multiplier=0.5, 1,2") == [
         ("noise-multiplier-0.5", "num-rounds=10 noise-multiplier=0.5"),
         ("noise-multiplier-1", "num-rounds=10 noise-multiplier=1"),
-        ("noise-multiplier-2", "num-rounds=10 noise-multiplier=2")]
+        ("noise-multiplier-2", "num-rounds=10 noise-multiplier=2"),
+    ]
     with pytest.raises(SystemExit, match="key=v1,v2"):
         sweep_runs("", "noise-multiplier")
 
@@ -171,12 +185,15 @@ def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_p
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
     head = start_ray_head(env, tmp_path / "ray-head.log")
-    job = ("import ray\nray.init(log_to_driver=False)\n"
-           "print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources()['CPU'])")
+    job = (
+        "import ray\nray.init(log_to_driver=False)\n"
+        "print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources()['CPU'])"
+    )
 
     def run_job(join_env: dict) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=120,
-                              env={**env, **join_env})
+        return subprocess.run(
+            [sys.executable, "-c", job], capture_output=True, text=True, timeout=120, env={**env, **join_env}
+        )
 
     try:
         assert wait_ray_head(head.proc, tmp_path / "ray-head.log"), (tmp_path / "ray-head.log").read_text()
@@ -213,11 +230,18 @@ def test_the_ray_head_never_picks_the_superlinks_ports(tmp_path, monkeypatch):
 def idle_workers_after_a_flower_like_driver_joins(env: dict, head, text: str) -> list[int]:
     """The Ray worker processes (`ray::IDLE`) that exist 3 s after a driver joined `head` with a runtime_env
     as Flower's RayBackend gives it (the driver's sys.path as PYTHONPATH), before it asked for anything."""
-    job = ("import os, sys, time, ray\n"
-           "ray.init(log_to_driver=False, runtime_env={'env_vars': {'PYTHONPATH': os.pathsep.join(sys.path)}})\n"
-           "print('joined', flush=True)\ntime.sleep(30)\n")
-    driver = subprocess.Popen([sys.executable, "-c", job], env={**env, **head.join_env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+    job = (
+        "import os, sys, time, ray\n"
+        "ray.init(log_to_driver=False, runtime_env={'env_vars': {'PYTHONPATH': os.pathsep.join(sys.path)}})\n"
+        "print('joined', flush=True)\ntime.sleep(30)\n"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", job],
+        env={**env, **head.join_env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert driver.stdout.readline().strip() == "joined"
         time.sleep(3)
@@ -253,8 +277,14 @@ def check_the_printed_flwr_commands(log: str) -> None:
     shell_env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
     listed = subprocess.run(commands["ls"], shell=True, env=shell_env, capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and run_id in listed.stdout, listed.stdout + listed.stderr
-    logged = subprocess.run(commands["log"].replace("<run-id>", f"--show {run_id}"), shell=True, env=shell_env,
-                            capture_output=True, text=True, timeout=120)
+    logged = subprocess.run(
+        commands["log"].replace("<run-id>", f"--show {run_id}"),
+        shell=True,
+        env=shell_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Round 1/200:" in logged.stdout + logged.stderr, logged.stdout + logged.stderr
 
 
@@ -265,12 +295,28 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
     results, log_path = tmp_path / "results", tmp_path / "launch.log"
     with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: a full pipe would block the launcher
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
-             "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
+            [
+                sys.executable,
+                "-m",
+                "fl_app.launch",
+                "--clients",
+                "2",
+                "--results",
+                str(results),
+                "-c",
+                "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_sigint,
+        )
     try:
         deadline = time.monotonic() + 300
-        while not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text():
+        while (
+            not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text()
+        ):
             assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.5)
         assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
@@ -287,8 +333,10 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
         except subprocess.TimeoutExpired:
             os.kill(launcher.pid, signal.SIGUSR1)  # the launcher's faulthandler: where it is stuck, into the log
             time.sleep(2)
-            pytest.fail(f"launcher alive 120 s after {how}; still running: {describe(processes_mentioning(str(results)))}"
-                        f"\n{log_path.read_text()[-6000:]}")
+            pytest.fail(
+                f"launcher alive 120 s after {how}; still running: {describe(processes_mentioning(str(results)))}"
+                f"\n{log_path.read_text()[-6000:]}"
+            )
         assert code != 0, log_path.read_text()[-3000:]
         deadline = time.monotonic() + 30
         while processes_mentioning(str(results)) and time.monotonic() < deadline:
@@ -315,9 +363,23 @@ def test_another_account_cannot_reach_a_running_launchs_superlink(tmp_path):
     results, log_path = tmp_path / "results", tmp_path / "launch.log"
     with open(log_path, "wb") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results),
-             "-c", "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
+            [
+                sys.executable,
+                "-m",
+                "fl_app.launch",
+                "--clients",
+                "2",
+                "--results",
+                str(results),
+                "-c",
+                "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_sigint,
+        )
     try:
         deadline = time.monotonic() + 300
         while not any(f.read_text() for f in results.glob("*-dp/metrics.jsonl")):  # round 1 done
@@ -327,8 +389,12 @@ def test_another_account_cannot_reach_a_running_launchs_superlink(tmp_path):
         for port in map(int, ports):
             assert not can_connect(port, python=python, preexec=as_nobody), f"uid 65534 reached port {port}"
             assert not can_connect(port), f"port {port} is on the machine's loopback"
-        entered = subprocess.run(["nsenter", f"--target={launcher.pid}", "--net", "true"], capture_output=True,
-                                 text=True, preexec_fn=as_nobody)
+        entered = subprocess.run(
+            ["nsenter", f"--target={launcher.pid}", "--net", "true"],
+            capture_output=True,
+            text=True,
+            preexec_fn=as_nobody,
+        )
         assert entered.returncode != 0, "uid 65534 entered the launcher's network namespace"
         check_the_printed_flwr_commands(log_path.read_text())
         os.killpg(launcher.pid, signal.SIGINT)
@@ -355,10 +421,27 @@ def test_a_launcher_without_cap_sys_admin_isolates_itself_through_a_user_namespa
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv, to drop CAP_SYS_ADMIN")
     out = subprocess.run(
-        ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m", "fl_app.launch",
-         "--clients", "2", "--results", str(tmp_path / "results"), "--network-isolation", "require",
-         "-c", "num-rounds=1 sample-rate=1.0 dataset='digits' model='mlp' partitioner='iid' local-steps=1"],  # every client: a round that samples none fails the run
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            "setpriv",
+            "--bounding-set=-sys_admin",
+            "--inh-caps=-sys_admin",
+            sys.executable,
+            "-m",
+            "fl_app.launch",
+            "--clients",
+            "2",
+            "--results",
+            str(tmp_path / "results"),
+            "--network-isolation",
+            "require",
+            "-c",
+            "num-rounds=1 sample-rate=1.0 dataset='digits' model='mlp' partitioner='iid' local-steps=1",
+        ],  # every client: a round that samples none fails the run
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if "[Errno 1]" in out.stderr or "[Errno 28]" in out.stderr:  # EPERM, ENOSPC: user namespaces refused
         pytest.skip(f"this kernel gives no user namespace here: {out.stderr.strip()}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -368,10 +451,12 @@ def test_a_launcher_without_cap_sys_admin_isolates_itself_through_a_user_namespa
 def test_stop_never_hangs_it_prints_where_and_exits():
     """Should ending the SuperLink's processes ever block, the launcher still exits (faulthandler's watchdog)
     and its log says where it was."""
-    code = ("import time, fl_app.launch as launch\n"
-            "launch.STOP_LIMIT = 1\n"
-            "launch.end_process_tree = lambda proc, grace: time.sleep(60)\n"
-            "launch.stop(object(), '/nonexistent-home')\n")
+    code = (
+        "import time, fl_app.launch as launch\n"
+        "launch.STOP_LIMIT = 1\n"
+        "launch.end_process_tree = lambda proc, grace: time.sleep(60)\n"
+        "launch.stop(object(), '/nonexistent-home')\n"
+    )
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert out.returncode != 0 and time.monotonic() - t0 < 30
@@ -381,11 +466,13 @@ def test_stop_never_hangs_it_prints_where_and_exits():
 def test_a_second_signal_waits_for_the_cleanup_to_finish():
     """SIGTERM (or a second Ctrl-C) arriving while stop() ends the processes is held until it is done, then
     ends the launcher as usual (exit 128 + 15)."""
-    code = ("import os, signal, time, fl_app.launch as launch\n"
-            "signal.signal(signal.SIGTERM, launch.exit_on_signal)\n"
-            "launch.end_process_tree = lambda proc, grace: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3))\n"
-            "launch.end_processes_with_home = lambda home: print('home cleaned', flush=True)\n"
-            "launch.stop(object(), '/nonexistent-home')\n"
-            "print('not reached', flush=True)\n")
+    code = (
+        "import os, signal, time, fl_app.launch as launch\n"
+        "signal.signal(signal.SIGTERM, launch.exit_on_signal)\n"
+        "launch.end_process_tree = lambda proc, grace: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3))\n"
+        "launch.end_processes_with_home = lambda home: print('home cleaned', flush=True)\n"
+        "launch.stop(object(), '/nonexistent-home')\n"
+        "print('not reached', flush=True)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 128 + signal.SIGTERM and out.stdout.splitlines() == ["home cleaned"], out

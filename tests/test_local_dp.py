@@ -32,8 +32,15 @@ def gaussian_epsilon(multiplier: float, releases: int, delta: float = DELTA) -> 
 
 
 def local_strategy(sample_rate=1.0, sigma=SIGMA, **kw):
-    return DifferentialPrivacy(clipping_norm=C, noise_multiplier=sigma, sample_rate=sample_rate, min_available_nodes=M,
-                               noise_placement="local", delta=DELTA, **kw)
+    return DifferentialPrivacy(
+        clipping_norm=C,
+        noise_multiplier=sigma,
+        sample_rate=sample_rate,
+        min_available_nodes=M,
+        noise_placement="local",
+        delta=DELTA,
+        **kw,
+    )
 
 
 def test_each_upload_is_dp_on_its_own_and_the_model_epsilon_is_the_local_one():
@@ -51,9 +58,15 @@ def test_each_upload_is_dp_on_its_own_and_the_model_epsilon_is_the_local_one():
     last = replies[-M:]  # every client took part in 3 rounds: its composed epsilon is the model's
     assert all(r[keys.LOCAL_ROUNDS] == 3 for r in last)
     assert all(r[keys.LOCAL_EPSILON] == pytest.approx(strategy.history[-1]["epsilon"], rel=1e-6) for r in last)
-    assert set(replies[0].keys()) == {keys.UPLOAD_KIND, keys.NUM_EXAMPLES, keys.LOCAL_NOISE_MULTIPLIER,
-                                      keys.LOCAL_EPSILON_ROUND, keys.LOCAL_EPSILON, keys.LOCAL_ROUNDS,
-                                      keys.LOCAL_DELTA}  # nothing else computed from the data
+    assert set(replies[0].keys()) == {
+        keys.UPLOAD_KIND,
+        keys.NUM_EXAMPLES,
+        keys.LOCAL_NOISE_MULTIPLIER,
+        keys.LOCAL_EPSILON_ROUND,
+        keys.LOCAL_EPSILON,
+        keys.LOCAL_ROUNDS,
+        keys.LOCAL_DELTA,
+    }  # nothing else computed from the data
     # the released average: the clipped update (C / sqrt(d) per coordinate, 3 rounds) plus the k = M local noises / m
     w = result.arrays["w"].numpy()
     assert w.std() == pytest.approx(SIGMA * C * np.sqrt(3 * M) / M, rel=0.02)
@@ -78,12 +91,16 @@ def test_the_client_ledger_counts_only_the_rounds_it_took_part_in():
 
 def test_uploads_without_local_noise_or_with_less_are_refused():
     plain = local_strategy()
-    plain.start(InProcessGrid(weights_client(), M, {}), ArrayRecord({"w": Array(np.zeros(10, np.float32))}),
-                num_rounds=1)
+    plain.start(
+        InProcessGrid(weights_client(), M, {}), ArrayRecord({"w": Array(np.zeros(10, np.float32))}), num_rounds=1
+    )
     assert plain.history[-1]["rejected"] == M and plain.history[-1]["clients"] == 0
     weak = local_strategy()
-    weak.start(InProcessGrid(weights_client([make_local_dp_mod(C, SIGMA / 2, DELTA, seed=1)]), M, {}),
-               ArrayRecord({"w": Array(np.zeros(10, np.float32))}), num_rounds=1)
+    weak.start(
+        InProcessGrid(weights_client([make_local_dp_mod(C, SIGMA / 2, DELTA, seed=1)]), M, {}),
+        ArrayRecord({"w": Array(np.zeros(10, np.float32))}),
+        num_rounds=1,
+    )
     assert weak.history[-1]["rejected"] == M
     assert all("below the configured" in p for p in weak.history[-1]["problems"])
 
@@ -91,21 +108,41 @@ def test_uploads_without_local_noise_or_with_less_are_refused():
 def test_run_config_route_rules():
     assert validate({"noise-placement": "local", "algorithm": "dp-fedavg"}).privacy.noise_placement == "local"
     with pytest.raises(ConfigError, match="calibrate"):
-        validate({"noise-placement": "local", "algorithm": "dp-fedavg", "target-epsilon": 5.0,
-                  "target-epsilon-mode": "calibrate"})
+        validate(
+            {
+                "noise-placement": "local",
+                "algorithm": "dp-fedavg",
+                "target-epsilon": 5.0,
+                "target-epsilon-mode": "calibrate",
+            }
+        )
     with pytest.raises(ConfigError, match="top-k"):
         validate({"noise-placement": "local", "algorithm": "dp-fedsam-topk"})
 
 
 def test_the_app_under_local_noise(tmp_path):
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "batch-size": 16,
-                    "num-rounds": 2, "sample-rate": 1.0, "min-nodes": 4, "algorithm": "dp-fedavg",
-                    "noise-placement": "local", "noise-multiplier": 4.0, "results-dir": str(tmp_path)})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "local-steps": 2,
+            "batch-size": 16,
+            "num-rounds": 2,
+            "sample-rate": 1.0,
+            "min-nodes": 4,
+            "algorithm": "dp-fedavg",
+            "noise-placement": "local",
+            "noise-multiplier": 4.0,
+            "results-dir": str(tmp_path),
+        }
+    )
     grid = InProcessGrid(client_app, 4, cfg)
     summary = run_federated(grid, cfg)
     printed = [r["epsilon"] for r in read_metrics(tmp_path)]
-    assert printed == pytest.approx([gaussian_epsilon(2.0, 1, summary["delta"]),
-                                     gaussian_epsilon(2.0, 2, summary["delta"])], rel=0.01)
+    assert printed == pytest.approx(
+        [gaussian_epsilon(2.0, 1, summary["delta"]), gaussian_epsilon(2.0, 2, summary["delta"])], rel=0.01
+    )
     train_replies = [r.content["metrics"] for r in grid.received if keys.LOCAL_EPSILON in r.content["metrics"]]
     assert len(train_replies) == 8 and max(r[keys.LOCAL_EPSILON] for r in train_replies) == pytest.approx(printed[-1])
     assert "local DP" in summary["server_threat_model"]

@@ -24,8 +24,15 @@ cfg = validate(json.loads(sys.argv[1]))
 run_federated(InProcessGrid(client_app, 4, cfg), cfg)
 print("root handlers:", len(logging.getLogger().handlers))
 """
-SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "num-rounds": 2,
-         "sample-rate": 1.0, "tensorboard": False}
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 2,
+    "num-rounds": 2,
+    "sample-rate": 1.0,
+    "tensorboard": False,
+}
 CASES = {  # each imports Opacus: the RDP accountant on the server; ALI-DPFL's model and DP-SGD clients
     "rdp accountant": {"accountant": "rdp"},
     "ali-dpfl": {"algorithm": "ali-dpfl", "target-epsilon": 4.0, "adaptive": False, "batch-sample-rate": 0.2},
@@ -33,8 +40,9 @@ CASES = {  # each imports Opacus: the RDP accountant on the server; ALI-DPFL's m
 
 
 def run_in_a_fresh_process(cfg: dict) -> str:
-    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(cfg)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 
@@ -72,9 +80,18 @@ def test_each_round_line_appears_once_and_reads_back_as_metrics(case, tmp_path):
 
 
 def test_the_line_format_reads_back():
-    record = {"round": 3, "accuracy": 0.91234, "loss": 0.3, "epsilon": math.inf, "delta": 1e-5, "tau": 4,
-              "epsilon_against_server": None}
-    line = f"INFO :      Round 3/30: {format_record(record)}  | not private: {format_record({'clients': 7}, ('clients',))}"
+    record = {
+        "round": 3,
+        "accuracy": 0.91234,
+        "loss": 0.3,
+        "epsilon": math.inf,
+        "delta": 1e-5,
+        "tau": 4,
+        "epsilon_against_server": None,
+    }
+    line = (
+        f"INFO :      Round 3/30: {format_record(record)}  | not private: {format_record({'clients': 7}, ('clients',))}"
+    )
     assert "epsilon_against_server" not in line  # None is left out
     published, diagnostics = parse_log_line(line)
     assert published == {"round": 3, "accuracy": 0.9123, "loss": 0.3, "epsilon": math.inf, "delta": 1e-5, "tau": 4}
@@ -93,8 +110,14 @@ print(len(logging.getLogger().handlers))
 
 
 def root_handlers_after_importing_opacus(how: str) -> int:
-    done = subprocess.run([sys.executable, "-c", OPACUS_ROOT_HANDLERS, how], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", OPACUS_ROOT_HANDLERS, how],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return int(done.stdout.split()[-1])
 
 

@@ -55,8 +55,9 @@ def test_gaussian_noise_std_and_seeding():
     assert abs(x.mean()) < 5 * std / np.sqrt(n)
     assert np.array_equal(x, gaussian_noise(n, std, make_rng(1, 2, 3)))
     assert not np.array_equal(x, gaussian_noise(n, std, make_rng(1, 2, 4)))
-    assert not np.array_equal(gaussian_noise(10, 1, make_rng(1, secure=True)),
-                              gaussian_noise(10, 1, make_rng(1, secure=True)))
+    assert not np.array_equal(
+        gaussian_noise(10, 1, make_rng(1, secure=True)), gaussian_noise(10, 1, make_rng(1, secure=True))
+    )
 
 
 def test_clip_and_noise_share():

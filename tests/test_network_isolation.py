@@ -51,9 +51,16 @@ def nobody_python() -> str:
 
 def start_listener(python: str, preexec=None) -> tuple[subprocess.Popen, int, list[str]]:
     """The LISTENER process, its port and the rest of what it printed; skips where the kernel refuses."""
-    proc = subprocess.Popen([python, "-c", LISTENER], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=preexec)
+    proc = subprocess.Popen(
+        [python, "-c", LISTENER],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec,
+    )
     line = proc.stdout.readline().split()
     if not line:
         error = proc.communicate()[1].strip().splitlines()
@@ -62,8 +69,12 @@ def start_listener(python: str, preexec=None) -> tuple[subprocess.Popen, int, li
 
 
 def can_connect(port: int, command_prefix: tuple[str, ...] = (), python: str = sys.executable, preexec=None) -> bool:
-    return subprocess.run([*command_prefix, python, "-c", CONNECT, str(port)], capture_output=True,
-                          preexec_fn=preexec, timeout=30).returncode == 0
+    return (
+        subprocess.run(
+            [*command_prefix, python, "-c", CONNECT, str(port)], capture_output=True, preexec_fn=preexec, timeout=30
+        ).returncode
+        == 0
+    )
 
 
 def test_a_port_in_the_namespace_is_reachable_inside_only():
@@ -85,9 +96,15 @@ def test_another_account_can_neither_connect_nor_enter():
     proc, port, _ = start_listener(sys.executable)
     try:
         assert not can_connect(port, python=python, preexec=as_nobody)
-        entered = subprocess.run([*nsenter_prefix(proc.pid, user_namespace=False), "true"], capture_output=True,
-                                 text=True, preexec_fn=as_nobody)
-        assert entered.returncode != 0 and re.search("Permission denied|Operation not permitted", entered.stderr), entered
+        entered = subprocess.run(
+            [*nsenter_prefix(proc.pid, user_namespace=False), "true"],
+            capture_output=True,
+            text=True,
+            preexec_fn=as_nobody,
+        )
+        assert entered.returncode != 0 and re.search("Permission denied|Operation not permitted", entered.stderr), (
+            entered
+        )
         assert can_connect(port, nsenter_prefix(proc.pid, user_namespace=False))  # while root can
     finally:
         proc.communicate("")
@@ -102,9 +119,19 @@ def test_a_non_root_user_isolates_through_a_user_namespace_of_their_own():
     try:
         assert (uid, gid) == (str(NOBODY), str(NOBODY))
         assert not can_connect(port)
-        inside = subprocess.run([*nsenter_prefix(proc.pid, user_namespace=True), python, "-c",
-                                 CONNECT + "; import os; print(os.getuid())", str(port)],
-                                capture_output=True, text=True, preexec_fn=as_nobody, timeout=30)
+        inside = subprocess.run(
+            [
+                *nsenter_prefix(proc.pid, user_namespace=True),
+                python,
+                "-c",
+                CONNECT + "; import os; print(os.getuid())",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            preexec_fn=as_nobody,
+            timeout=30,
+        )
         assert inside.returncode == 0 and inside.stdout.split() == [str(NOBODY)], inside
     finally:
         proc.communicate("")
@@ -113,18 +140,26 @@ def test_a_non_root_user_isolates_through_a_user_namespace_of_their_own():
 def test_a_dataset_downloaded_before_isolation_is_read_from_the_cache_inside(tmp_path):
     """What the launcher's prefetch relies on: load_dataset of a hub dataset (its download faked) fills the
     cache; a process in a network namespace, whose download would fail, reads the same arrays from it."""
-    fake = ("import numpy as np, dpcore.task.data as d\n"
-            "rng = np.random.default_rng(0)\n"
-            "d._download = lambda name: d._Raw(rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), np.arange(60) % 10,"
-            " rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), np.arange(20) % 10)\n")
-    offline = ("from fl_app.netns import isolate_network; isolate_network()\n"
-               "import dpcore.task.data as d\n"
-               "def no_network(name): raise RuntimeError('downloaded inside the namespace')\n"
-               "d._download = no_network\n")
+    fake = (
+        "import numpy as np, dpcore.task.data as d\n"
+        "rng = np.random.default_rng(0)\n"
+        "d._download = lambda name: d._Raw(rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), np.arange(60) % 10,"
+        " rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), np.arange(20) % 10)\n"
+    )
+    offline = (
+        "from fl_app.netns import isolate_network; isolate_network()\n"
+        "import dpcore.task.data as d\n"
+        "def no_network(name): raise RuntimeError('downloaded inside the namespace')\n"
+        "d._download = no_network\n"
+    )
     show = "train, test = d.load_dataset('mnist'); print(float(train.x.sum()), len(test.y))"
     env = {**os.environ, "DPFL_CACHE_DIR": str(tmp_path)}
-    outputs = [subprocess.run([sys.executable, "-c", code + show], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=120) for code in (fake, offline)]
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", code + show], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        for code in (fake, offline)
+    ]
     assert all(out.returncode == 0 for out in outputs), [out.stderr[-2000:] for out in outputs]
     assert outputs[0].stdout == outputs[1].stdout and outputs[1].stdout.split()[1] == "20"
 
@@ -151,9 +186,14 @@ sys.exit(launch.main(sys.argv[2:]))
 
 
 def launch_until_started(tmp_path, unshare: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", LAUNCH, unshare, "--clients", "2", "--results",
-                           str(tmp_path / "results"), *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", LAUNCH, unshare, "--clients", "2", "--results", str(tmp_path / "results"), *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 REACHABLE = "this launch's SuperLink is reachable by every local account on this machine"
@@ -196,8 +236,11 @@ def test_datasets_that_download_are_loaded_once_before_isolating_and_off_leaves_
     mnist = ["--reference", "-c", "dataset='mnist' model='mlp'"]
     isolated = launch_until_started(tmp_path, "allowed", *mnist)
     assert isolated.returncode == 0 and isolated.stdout.splitlines() == [
-        "Downloading dataset 'mnist' into the cache before the network namespace closes", "downloaded mnist",
-        "isolated", "started"], isolated
+        "Downloading dataset 'mnist' into the cache before the network namespace closes",
+        "downloaded mnist",
+        "isolated",
+        "started",
+    ], isolated
     embedded = launch_until_started(tmp_path, "allowed", "-c", "dataset='digits' model='mlp'")
     assert embedded.returncode == 0 and embedded.stdout.split() == ["isolated", "started"], embedded
     off = launch_until_started(tmp_path, "allowed", "--network-isolation", "off", *mnist)

@@ -39,8 +39,10 @@ def release_noise(arrived: int, trials: int = 3) -> np.ndarray:
     for rnd in range(1, trials + 1):
         strategy.begin_round(arrays)
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(strategy.client_train_config(rnd))})
-        asked = [Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)  # all nodes
-                 for node in grid.get_node_ids()]
+        asked = [
+            Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)  # all nodes
+            for node in grid.get_node_ids()
+        ]
         new, _ = strategy.aggregate_train(rnd, grid.send_and_receive(asked))  # `fail` decides who answers
         out.append(flatten(new.to_numpy_ndarrays()))
     assert strategy.noise_shares == M + 1  # P(Binomial(10, 0.5) >= 11) = 0: n_s = M + 1
@@ -71,8 +73,15 @@ def test_an_oversized_poisson_sample_keeps_n_s_clients():
     assert math.isinf(strategy.ledger.epsilon())  # no delta left: no guarantee claimed
 
 
-SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "num-rounds": 2,
-         "sample-rate": 1.0, "min-nodes": 5}
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 2,
+    "num-rounds": 2,
+    "sample-rate": 1.0,
+    "min-nodes": 5,
+}
 FAMILIES = {
     "distributed": {},
     "central": {"noise-placement": "central"},
@@ -81,10 +90,27 @@ FAMILIES = {
     "secagg+": {"secure-aggregation": True},
     "ali-dpfl": {"algorithm": "ali-dpfl", "target-epsilon": 8.0, "adaptive": False, "local-steps": 2},
 }
-RAW_KEYS = {"clients", "rejected", "failures", "failed_nodes", "problems", "clipped_fraction", "update_norm_mean",
-            "update_norm_std", "train_loss", "server_noise_std", "personalized_accuracy", "personalized_clients",
-            "upload_bytes", "dense_bytes", "upload_bytes_total", "dense_bytes_total", "seconds", "client_accuracy",
-            "client_loss"}
+RAW_KEYS = {
+    "clients",
+    "rejected",
+    "failures",
+    "failed_nodes",
+    "problems",
+    "clipped_fraction",
+    "update_norm_mean",
+    "update_norm_std",
+    "train_loss",
+    "server_noise_std",
+    "personalized_accuracy",
+    "personalized_clients",
+    "upload_bytes",
+    "dense_bytes",
+    "upload_bytes_total",
+    "dense_bytes_total",
+    "seconds",
+    "client_accuracy",
+    "client_loss",
+}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

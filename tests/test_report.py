@@ -20,8 +20,15 @@ from fl_app.server_app import run_federated
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 2, "num-rounds": 3,
-         "sample-rate": 1.0, "tensorboard": False}
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 2,
+    "num-rounds": 3,
+    "sample-rate": 1.0,
+    "tensorboard": False,
+}
 RUNS = {  # name: (overrides, clients)
     "sigma-0.7": ({"noise-multiplier": 0.7}, 4),
     "sigma-1.5": ({"noise-multiplier": 1.5}, 4),
@@ -45,8 +52,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def private_runs(runs) -> list[str]:
-    return [name for name, path in runs.items()
-            if json.loads((path / "summary.json").read_text())["epsilon"] is not None]
+    return [
+        name for name, path in runs.items() if json.loads((path / "summary.json").read_text())["epsilon"] is not None
+    ]
 
 
 def heatmap_cells(ali_run: Path) -> int:
@@ -87,10 +95,15 @@ def test_the_command_refuses_a_folder_without_a_finished_run(tmp_path, capsys):
 
 def browser_or_skip():
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install -y chromium) to open the "
-                    "report in a headless browser")
-    return pytest.importorskip("playwright.sync_api", reason="the playwright package is absent: "
-                               "pip install -e '.[test]' (never `playwright install`: the test uses Debian's chromium)")
+        pytest.skip(
+            f"{CHROMIUM} is absent: install Debian's chromium (apt-get install -y chromium) to open the "
+            "report in a headless browser"
+        )
+    return pytest.importorskip(
+        "playwright.sync_api",
+        reason="the playwright package is absent: "
+        "pip install -e '.[test]' (never `playwright install`: the test uses Debian's chromium)",
+    )
 
 
 @pytest.mark.slow
@@ -98,9 +111,17 @@ def test_the_report_opens_in_a_headless_browser_without_errors(runs, tmp_path):
     sync_api = browser_or_skip()
     report = write_report(list(runs.values()), tmp_path / "report.html")
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
+        )
         try:
             page = browser.new_page()
             errors, requests = [], []
@@ -121,12 +142,17 @@ def test_the_report_opens_in_a_headless_browser_without_errors(runs, tmp_path):
     assert box and box["width"] > 0  # drawn, not just present
 
 
-
 def fake_run(folder: Path, accuracies: list[float], epsilon: float | None = 2.0, **config) -> Path:
     """A finished run folder written by hand (no training): summary, config and one record per round."""
     folder.mkdir(parents=True)
-    summary = {"strategy": "dp-fedavg", "noise_multiplier": 1.0, "epsilon": epsilon, "delta": 1e-5,
-               "final_accuracy": accuracies[-1], "rounds_completed": len(accuracies)}
+    summary = {
+        "strategy": "dp-fedavg",
+        "noise_multiplier": 1.0,
+        "epsilon": epsilon,
+        "delta": 1e-5,
+        "final_accuracy": accuracies[-1],
+        "rounds_completed": len(accuracies),
+    }
     (folder / "summary.json").write_text(json.dumps(summary))
     (folder / "config.json").write_text(json.dumps({"noise-multiplier": 1.0, "results-dir": str(folder), **config}))
     rows = [{"round": i + 1, "accuracy": a, "epsilon": epsilon} for i, a in enumerate(accuracies)]
@@ -145,12 +171,17 @@ def legend(text: str) -> list[str]:
 
 
 def test_runs_that_differ_only_in_config_get_labels_that_say_how(tmp_path):
-    dirs = [fake_run(tmp_path / "a", [0.5], **{"sample-rate": 0.5, "seed": 1}),
-            fake_run(tmp_path / "b", [0.6], **{"sample-rate": 1.0, "seed": 1}),
-            fake_run(tmp_path / "c", [0.7], **{"sample-rate": 1.0, "seed": 2})]
+    dirs = [
+        fake_run(tmp_path / "a", [0.5], **{"sample-rate": 0.5, "seed": 1}),
+        fake_run(tmp_path / "b", [0.6], **{"sample-rate": 1.0, "seed": 1}),
+        fake_run(tmp_path / "c", [0.7], **{"sample-rate": 1.0, "seed": 2}),
+    ]
     labels = legend(write_report(dirs, tmp_path / "r.html").read_text())
-    assert labels == ["dp-fedavg sigma=1.0 (sample-rate=0.5 seed=1)", "dp-fedavg sigma=1.0 (sample-rate=1 seed=1)",
-                      "dp-fedavg sigma=1.0 (sample-rate=1 seed=2)"]
+    assert labels == [
+        "dp-fedavg sigma=1.0 (sample-rate=0.5 seed=1)",
+        "dp-fedavg sigma=1.0 (sample-rate=1 seed=1)",
+        "dp-fedavg sigma=1.0 (sample-rate=1 seed=2)",
+    ]
 
 
 def test_runs_with_the_same_config_are_told_apart_by_their_folder(tmp_path):
@@ -168,9 +199,19 @@ def test_a_single_run_frontier_keeps_accuracy_within_0_and_1(tmp_path):
     assert y_ticks(top, "frontier")[-1] == 1.0 and y_ticks(top, "frontier")[0] >= 0.9
 
 
-@pytest.mark.parametrize("damage", ["summary not json", "summary a list", "metrics line not json",
-                                    "metrics line a number", "config not json", "summary with wrong types",
-                                    "metrics binary", "output folder missing"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "summary not json",
+        "summary a list",
+        "metrics line not json",
+        "metrics line a number",
+        "config not json",
+        "summary with wrong types",
+        "metrics binary",
+        "output folder missing",
+    ],
+)
 def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
     """fl_app.report on damaged run folders: one line naming the file (or the output), exit 2, no traceback."""
     import subprocess
@@ -204,8 +245,13 @@ def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
     else:
         output = tmp_path / "missing" / "report.html"
         named = "cannot write"
-    out = subprocess.run([sys.executable, "-m", "fl_app.report", str(run), "-o", str(output)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "fl_app.report", str(run), "-o", str(output)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in out.stderr, out.stderr
     if damage == "summary with wrong types" and out.returncode == 0:
         return  # drawn anyway: nothing to refuse

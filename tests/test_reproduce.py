@@ -11,13 +11,28 @@ from benchmarks.reproduce import CLAIMS
 
 def test_quick_study_of_one_claim_writes_its_table(tmp_path):
     claim = CLAIMS["dp-fedsam"]
-    done = subprocess.run([sys.executable, "-m", "benchmarks.reproduce", "dp-fedsam", "--quick", "--workers", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.reproduce",
+            "dp-fedsam",
+            "--quick",
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "quick" / "dp-fedsam.json").read_text())
     # every arm at every level, one seed; one tuning run per tuned arm (--quick takes the first grid point)
     assert sorted((r["arm"], r["level"]) for r in report["runs"]) == sorted(
-        (arm, level.name) for arm in claim.arms for level in claim.levels)
+        (arm, level.name) for arm in claim.arms for level in claim.levels
+    )
     assert sorted(r["arm"] for r in report["tuning"]) == sorted(claim.grid)
     assert set(report["chosen"]) == set(claim.grid)
     for run in report["runs"]:  # equal accounted epsilon across the arms of a level (calibrated by the ledger)
@@ -25,7 +40,7 @@ def test_quick_study_of_one_claim_writes_its_table(tmp_path):
         assert max(same_level) - min(same_level) < 1e-9 and 0 <= run["metric"] <= 1
     table = (tmp_path / "quick" / "dp-fedsam.md").read_text().splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("| arm |"))
-    rows = table[header + 2: header + 2 + len(claim.arms)]
+    rows = table[header + 2 : header + 2 + len(claim.arms)]
     assert [row.split("|")[1].strip() for row in rows] == list(claim.arms)
     assert all(len(row.split("|")) == len(claim.levels) + 3 for row in rows)  # one cell per level
     assert sum(line.startswith("- ") for line in table) == len(claim.levels) * len(claim.compare)

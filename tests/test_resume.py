@@ -13,20 +13,40 @@ from fl_app.inprocess import InProcessGrid
 from fl_app.results import PreviousRunError, RunDirectory, read_metrics
 from fl_app.server_app import run_federated
 
-SMALL = {"dataset": "digits", "model": "mlp", "partitioner": "iid", "local-steps": 3, "batch-size": 16,
-         "num-rounds": 4, "sample-rate": 0.75, "secure-rng": False}  # seeded, so that the two runs can be compared
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 3,
+    "batch-size": 16,
+    "num-rounds": 4,
+    "sample-rate": 0.75,
+    "secure-rng": False,
+}  # seeded, so that the two runs can be compared
 FAMILIES = {
     "client-level, distributed noise": {"algorithm": "dp-fedavg"},
-    "client-level, central noise, fixed sampling": {"algorithm": "dp-fedsam", "noise-placement": "central",
-                                                    "client-sampling": "fixed"},
+    "client-level, central noise, fixed sampling": {
+        "algorithm": "dp-fedsam",
+        "noise-placement": "central",
+        "client-sampling": "fixed",
+    },
     "calibrated to a target": {"algorithm": "dp-fedavg", "target-epsilon": 6.0, "target-epsilon-mode": "calibrate"},
     "top-k": {"algorithm": "dp-fedsam-topk", "sparsity": 0.3},
     "wavelet": {"algorithm": "dp-fedavg-wav", "noise-placement": "central"},
-    "partial sharing, persistent heads": {"algorithm": "dp2-fedsam", "partitioner": "pathological",
-                                          "fraction-evaluate": 0.0},
-    "ali-dpfl, per-client ledgers": {"algorithm": "ali-dpfl", "target-epsilon": 3.0, "sample-rate": 1.0,
-                                     "batch-sample-rate": 0.1, "sample-noise-multiplier": 1.5, "local-steps": 2,
-                                     "adaptive": False},
+    "partial sharing, persistent heads": {
+        "algorithm": "dp2-fedsam",
+        "partitioner": "pathological",
+        "fraction-evaluate": 0.0,
+    },
+    "ali-dpfl, per-client ledgers": {
+        "algorithm": "ali-dpfl",
+        "target-epsilon": 3.0,
+        "sample-rate": 1.0,
+        "batch-sample-rate": 0.1,
+        "sample-noise-multiplier": 1.5,
+        "local-steps": 2,
+        "adaptive": False,
+    },
 }
 NODES = 4
 
@@ -76,8 +96,10 @@ def test_resumed_run_equals_the_uninterrupted_run(family, tmp_path):
     assert resumed["resumed_after_round"] == 2 and resumed["rounds_completed"] == whole["rounds_completed"]
     assert resumed["epsilon"] == whole["epsilon"]
     assert records(tmp_path / "killed") == records(tmp_path / "whole")  # every round once, same numbers
-    for a, b in zip(RunDirectory(tmp_path / "killed", resume=True).checkpoint[1],
-                    RunDirectory(tmp_path / "whole", resume=True).checkpoint[1]):
+    for a, b in zip(
+        RunDirectory(tmp_path / "killed", resume=True).checkpoint[1],
+        RunDirectory(tmp_path / "whole", resume=True).checkpoint[1],
+    ):
         np.testing.assert_array_equal(a, b)
     ledger = resumed["ledger"]
     if "model" in ledger:  # client level: one sampled-Gaussian event per completed round, no more
@@ -110,8 +132,9 @@ def test_a_folder_with_a_previous_run_is_refused_before_anything_trains(tmp_path
     with pytest.raises(PreviousRunError, match="resume = true"):
         run(cfg, grid)
     assert grid.sent == []
-    changed = validate({**SMALL, "num-rounds": 2, "noise-multiplier": 2.0, "results-dir": str(tmp_path),
-                        "resume": True})
+    changed = validate(
+        {**SMALL, "num-rounds": 2, "noise-multiplier": 2.0, "results-dir": str(tmp_path), "resume": True}
+    )
     with pytest.raises(PreviousRunError, match="'noise-multiplier' = 1.0 there, 2.0 now"):
         run(changed, grid)
     assert grid.sent == []

@@ -16,9 +16,15 @@ from dpcore.task.torch_helpers import as_tensors, evaluate_model
 # ---------------------------------------------------------------- memory-mapped datasets
 def two_datasets():
     rng = np.random.default_rng(0)
-    return (ArrayDataset(rng.standard_normal((50, 1, 4, 4), dtype=np.float32), np.arange(50) % 10, 10),
-            ArrayDataset(np.ones((7, 1, 4, 4), np.float32), np.zeros(7, np.int64), 10,
-                         np.array([f"w{i % 3}" for i in range(7)], dtype=object)))
+    return (
+        ArrayDataset(rng.standard_normal((50, 1, 4, 4), dtype=np.float32), np.arange(50) % 10, 10),
+        ArrayDataset(
+            np.ones((7, 1, 4, 4), np.float32),
+            np.zeros(7, np.int64),
+            10,
+            np.array([f"w{i % 3}" for i in range(7)], dtype=object),
+        ),
+    )
 
 
 def test_memory_mapped_datasets_are_written_once_and_mapped_read_only(tmp_path):

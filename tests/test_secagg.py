@@ -51,8 +51,7 @@ def secagg_stub_app(update_fn, uploads: dict) -> ClientApp:
 
     def client_fn(context):
         torch.manual_seed(0)
-        return FixedUpdateClient(nn.Linear(1000, 100), int(context.node_config["partition-id"]),
-                                 update_fn).to_client()
+        return FixedUpdateClient(nn.Linear(1000, 100), int(context.node_config["partition-id"]), update_fn).to_client()
 
     return ClientApp(client_fn=client_fn, mods=[secaggplus_mod, spy, uniform_weight_mod])
 
@@ -65,8 +64,9 @@ def initial() -> ArrayRecord:
 def run_secagg_round(num_nodes, update_fn, fail=None):
     uploads: dict = {}
     grid = InProcessGrid(secagg_stub_app(update_fn, uploads), num_nodes, {}, fail=fail)
-    dp = DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed",
-                  seed=3)  # q = 1: every node, every round
+    dp = DPFedAvg(
+        sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed", seed=3
+    )  # q = 1: every node, every round
     strategy = SpySecAggPlusDPFedAvg(dp)
     start = initial()
     result = strategy.start(grid, start, num_rounds=1)
@@ -76,7 +76,7 @@ def run_secagg_round(num_nodes, update_fn, fail=None):
 
 def signal(pid, rnd, size):  # each client: a different direction, norm 2 > C (clipped)
     v = np.zeros(size, np.float32)
-    v[pid * 10:(pid + 1) * 10] = 2.0 / math.sqrt(10)
+    v[pid * 10 : (pid + 1) * 10] = 2.0 / math.sqrt(10)
     return v
 
 
@@ -98,8 +98,7 @@ def test_strategy_receives_only_the_sum():
         assert all(len(record) == 0 for record in reply.content.array_records.values())
     # the quantizer range was not reached, and the model moved by (sum + the top-up for the sixth share) / m
     assert max(np.max(np.abs(u)) for u in uploads.values()) < settings["clipping_range"]
-    assert settings["clipping_range"] == pytest.approx(
-        secagg_clipping_range(C, SIGMA * C / math.sqrt(N_S), 100_100, 5))
+    assert settings["clipping_range"] == pytest.approx(secagg_clipping_range(C, SIGMA * C / math.sqrt(N_S), 100_100, 5))
     topup = delta * 5 - np.sum(list(uploads.values()), axis=0)
     assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C / math.sqrt(N_S))
     assert abs(topup.std() / (SIGMA * C / math.sqrt(N_S)) - 1) < 5 / math.sqrt(2 * topup.size)
@@ -111,8 +110,9 @@ def test_strategy_receives_only_the_sum():
     described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
     assert described["epsilon"] == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
     assert "epsilon_against_server" not in described and described["ledger"]["server"].startswith("in diagnostics")
-    assert diagnostics["epsilon_against_server"] == pytest.approx(epsilon_of([(SIGMA * math.sqrt(5 / 6) / 2, 1.0, 1)],
-                                                                             DELTA))
+    assert diagnostics["epsilon_against_server"] == pytest.approx(
+        epsilon_of([(SIGMA * math.sqrt(5 / 6) / 2, 1.0, 1)], DELTA)
+    )
     assert described["secure_aggregation"] is True
 
 
@@ -124,8 +124,10 @@ def masked_vector_stage(msg) -> bool:
 def test_dropout_under_secagg_is_topped_up_and_charged():
     dead = 101
     strategy, _, uploads, delta = run_secagg_round(
-        5, lambda pid, rnd, size: np.zeros(size, np.float32),
-        fail=lambda node, msg: node == dead and masked_vector_stage(msg))
+        5,
+        lambda pid, rnd, size: np.zeros(size, np.float32),
+        fail=lambda node, msg: node == dead and masked_vector_stage(msg),
+    )
     record = strategy.history[0]
     assert record["clients"] == 4 and record["failures"] == 1
     assert "node 101 crashed" in record["failed_nodes"][0]
@@ -136,7 +138,9 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/6) against it
     ledger = strategy.ledger
     assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
-    assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(SIGMA * math.sqrt(4 / N_S) / 2, 1.0, 1)], DELTA))
+    assert ledger.epsilon_against_server() == pytest.approx(
+        epsilon_of([(SIGMA * math.sqrt(4 / N_S) / 2, 1.0, 1)], DELTA)
+    )
     assert ledger.epsilon_against_server() > ledger.epsilon()
 
 
@@ -144,8 +148,7 @@ def test_secagg_halts_when_too_few_finish():
     """4 of 5 nodes drop before sending their masked vector: nothing can be unmasked; the round was sampled, so
     it releases the model with the full noise (sigma C / m) and is charged, like an empty round of DPFedAvg.start;
     the server saw no sum."""
-    strategy, _, _, delta = run_secagg_round(
-        5, signal, fail=lambda node, msg: node != 100 and masked_vector_stage(msg))
+    strategy, _, _, delta = run_secagg_round(5, signal, fail=lambda node, msg: node != 100 and masked_vector_stage(msg))
     [record] = strategy.history
     assert record["clients"] == 0 and "no aggregate" in record["problems"][0]
     assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C)
@@ -167,6 +170,7 @@ def test_secagg_rejects_unequal_weights():
     class Res:
         def __init__(self, n):
             from flwr.common import ndarrays_to_parameters
+
             self.num_examples, self.parameters, self.metrics = n, ndarrays_to_parameters([np.zeros(3)]), {}
 
     parameters, published = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
@@ -185,10 +189,22 @@ def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list, dict]:
 
     from fl_app.results import read_rounds
 
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
-                    "local-epochs": 1, "min-nodes": 4, "secure-aggregation": secure, "secure-rng": False,
-                    "noise-multiplier": 0.5, "results-dir": str(tmp_path / ("secure" if secure else "plain")),
-                    **overrides})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "num-rounds": 4,
+            "sample-rate": 1.0,
+            "local-epochs": 1,
+            "min-nodes": 4,
+            "secure-aggregation": secure,
+            "secure-rng": False,
+            "noise-multiplier": 0.5,
+            "results-dir": str(tmp_path / ("secure" if secure else "plain")),
+            **overrides,
+        }
+    )
     summary = run_federated(InProcessGrid(fl_client_app, 4, cfg), cfg)
     diagnostics = json.loads(Path(summary["results_dir"], "diagnostics-summary.json").read_text())
     return summary, read_rounds(summary["results_dir"]), diagnostics
@@ -207,7 +223,8 @@ def test_app_with_secagg_matches_plain_run(tmp_path):
     # shares (a diagnostic: it depends on how many arrived), without it each upload is a release of its own
     assert secure["epsilon"] == pytest.approx(plain["epsilon"])
     assert secure_diagnostics["epsilon_against_server"] == pytest.approx(
-        epsilon_of([(0.5 * math.sqrt(4 / 5) / 2, 1.0, 4)], secure["delta"]))
+        epsilon_of([(0.5 * math.sqrt(4 / 5) / 2, 1.0, 4)], secure["delta"])
+    )
     assert plain["epsilon_against_server"] > 5 * plain["epsilon"]
     assert secure["secure_aggregation"] is True and secure["secagg"]["max_weight"] == 1.0
     # nothing data-dependent travels in the clear next to the secure sum

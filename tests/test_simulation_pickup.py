@@ -29,13 +29,22 @@ def state_with_messages(num_nodes: int, num_messages: int):
     mapping = vce_api._register_nodes(num_nodes, factory)
     state = factory.state()
     state.run_ids[1] = RunRecord(run=dataclasses.replace(Run.create_empty(1), federation_id=NOOP_FEDERATION_ID))
-    nodes = list(mapping)[num_nodes // num_messages - 1::num_nodes // num_messages]
+    nodes = list(mapping)[num_nodes // num_messages - 1 :: num_nodes // num_messages]
     for node in nodes:
-        metadata = Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=1, dst_node_id=node,
-                            reply_to_message_id="", group_id="", created_at=time.time(), ttl=3600.0,
-                            message_type=MessageType.TRAIN)
-        state.message_ins_store[metadata.message_id] = Message(RecordDict({"c": ConfigRecord({"a": 1})}),
-                                                               metadata=metadata)
+        metadata = Metadata(
+            run_id=1,
+            message_id=uuid.uuid4().hex,
+            src_node_id=1,
+            dst_node_id=node,
+            reply_to_message_id="",
+            group_id="",
+            created_at=time.time(),
+            ttl=3600.0,
+            message_type=MessageType.TRAIN,
+        )
+        state.message_ins_store[metadata.message_id] = Message(
+            RecordDict({"c": ConfigRecord({"a": 1})}), metadata=metadata
+        )
     return state, mapping
 
 
@@ -103,13 +112,16 @@ def test_the_client_app_installs_the_pickup_only_where_asked_and_flowers_engine_
 
     from fl_app.pull_backoff import SPEED_PATCHES_ENV
 
-    code = ("import sys\nimport flwr.server.superlink.fleet.vce.vce_api as v\nimport fl_app.client_app\n"
-            "print(v.add_messages_to_queue.__module__)")
+    code = (
+        "import sys\nimport flwr.server.superlink.fleet.vce.vce_api as v\nimport fl_app.client_app\n"
+        "print(v.add_messages_to_queue.__module__)"
+    )
     env = {k: v for k, v in os.environ.items() if k != SPEED_PATCHES_ENV}
     stock = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert stock.strip() == "flwr.server.superlink.fleet.vce.vce_api"  # opt-in: Flower's own loop by default
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**env, SPEED_PATCHES_ENV: "1"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**env, SPEED_PATCHES_ENV: "1"}
+    ).stdout
     assert out.strip() == "fl_app.simulation_pickup"
     assert simulation_pickup.install() in (True, False)  # idempotent where it is in place
 

@@ -4,8 +4,10 @@
 import pytest
 import torch
 
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
-                             reason="this machine has CUDA: the refusal of a GPU share without a GPU cannot be shown")
+no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="this machine has CUDA: the refusal of a GPU share without a GPU cannot be shown"
+)
+
 
 def test_default_gpu_share_splits_the_gpus_between_the_clients_that_run_at_once():
     from fl_app.simulation_resources import default_gpus_per_client

@@ -75,11 +75,14 @@ def test_sparse_roundtrip_and_size(mode, p, form):
     masks = topk_sparsify(arrays, p, mode)
     if mode == "per-layer":
         assert [m.sum() for m in masks] == [topk_count(20000, p), topk_count(100, p)]
-        np.testing.assert_array_equal(np.flatnonzero(masks[0]), brute_force_topk(arrays[0].ravel(), topk_count(20000, p)))
+        np.testing.assert_array_equal(
+            np.flatnonzero(masks[0]), brute_force_topk(arrays[0].ravel(), topk_count(20000, p))
+        )
     else:
         assert sum(m.sum() for m in masks) == topk_count(20100, p)
-        np.testing.assert_array_equal(np.flatnonzero(np.concatenate(masks)),
-                                      brute_force_topk(flatten(arrays), topk_count(20100, p)))
+        np.testing.assert_array_equal(
+            np.flatnonzero(np.concatenate(masks)), brute_force_topk(flatten(arrays), topk_count(20100, p))
+        )
     encoded = sparse_encode(arrays, masks)
     assert encoded[0].dtype == form and encoded[1].dtype == np.float32
     decoded = sparse_decode(encoded, [a.shape for a in arrays], p, mode)
@@ -137,8 +140,15 @@ def expected_topk_sum(pids, size, p, mode):
 def test_server_divides_sparse_sum_by_m_and_counts_bytes(mode):
     p, n = 0.3, 6
     grid = InProcessGrid(sparse_stub(updates_of, p, mode), n, {})
-    s = DPFedSAMTopK(sparsity=p, topk_mode=mode, sample_rate=1.0, clipping_norm=1e6, noise_multiplier=0.0,
-                     noise_placement="distributed", client_sampling="fixed")
+    s = DPFedSAMTopK(
+        sparsity=p,
+        topk_mode=mode,
+        sample_rate=1.0,
+        clipping_norm=1e6,
+        noise_multiplier=0.0,
+        noise_placement="distributed",
+        client_sampling="fixed",
+    )
     delta, metrics = one_round(s, grid)
     assert metrics["clients"] == n and metrics["rejected"] == 0
     expected = expected_topk_sum(range(n), 1050, p, mode) / n  # fixed m, not the count of non-zeros
@@ -198,17 +208,30 @@ def _dense(enc):
     return [np.zeros(s, np.float32) for s in SHAPES]
 
 
-@pytest.mark.parametrize("corrupt,reason", [
-    (_out_of_range, "out of range"), (_duplicated, "duplicated index"), (_wrong_count, "keeps"),
-    (_padding_bits, "beyond"), (_float_indices, "support must be"), (_nan_value, "NaN"),
-    (_dense, "arrays, expected 4"),
-])
+@pytest.mark.parametrize(
+    "corrupt,reason",
+    [
+        (_out_of_range, "out of range"),
+        (_duplicated, "duplicated index"),
+        (_wrong_count, "keeps"),
+        (_padding_bits, "beyond"),
+        (_float_indices, "support must be"),
+        (_nan_value, "NaN"),
+        (_dense, "arrays, expected 4"),
+    ],
+)
 def test_bad_sparse_update_is_rejected_not_averaged(corrupt, reason):
     p, n = 0.3, 5
     app = sparse_stub(updates_of, p, corrupt=lambda pid, enc: corrupt(enc) if pid == 0 else enc)
     grid = InProcessGrid(app, n, {})
-    s = DPFedSAMTopK(sparsity=p, sample_rate=1.0, clipping_norm=1e6, noise_multiplier=0.0,
-                     noise_placement="distributed", client_sampling="fixed")
+    s = DPFedSAMTopK(
+        sparsity=p,
+        sample_rate=1.0,
+        clipping_norm=1e6,
+        noise_multiplier=0.0,
+        noise_placement="distributed",
+        client_sampling="fixed",
+    )
     delta, metrics = one_round(s, grid)
     assert metrics["rejected"] == 1 and metrics["clients"] == n - 1
     assert reason in s.round_problems[0]  # the round's diagnostics name why
@@ -216,10 +239,14 @@ def test_bad_sparse_update_is_rejected_not_averaged(corrupt, reason):
     np.testing.assert_allclose(delta, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(sparsity=0.0), "sparsity"), (dict(sparsity=1.2), "sparsity"),
-    (dict(topk_mode="row"), "topk_mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(sparsity=0.0), "sparsity"),
+        (dict(sparsity=1.2), "sparsity"),
+        (dict(topk_mode="row"), "topk_mode"),
+    ],
+)
 def test_strategy_rejects_bad_settings(kwargs, needle):
     args = dict(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=1.0, noise_placement="distributed") | kwargs
     with pytest.raises(ValueError, match=needle):
@@ -228,15 +255,31 @@ def test_strategy_rejects_bad_settings(kwargs, needle):
 
 # ---------------------------------------------------------------------------- end to end
 def tiny_config(tmp_path, name, **overrides):
-    return validate({"dataset": "digits", "model": "mlp", "num-rounds": 2, "sample-rate": 0.5,
-                     "client-sampling": "fixed", "local-steps": 3, "batch-size": 16, "noise-multiplier": 0.8,
-                     "clipping-norm": 0.5, "secure-rng": False, "results-dir": str(tmp_path / name), **overrides})
+    return validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "num-rounds": 2,
+            "sample-rate": 0.5,
+            "client-sampling": "fixed",
+            "local-steps": 3,
+            "batch-size": 16,
+            "noise-multiplier": 0.8,
+            "clipping-norm": 0.5,
+            "secure-rng": False,
+            "results-dir": str(tmp_path / name),
+            **overrides,
+        }
+    )
 
 
 def final_arrays(cfg, clients=6):
     strategy = build_strategy(cfg)
-    result = strategy.start(InProcessGrid(client_app, clients, cfg), ArrayRecord(get_weights(build_global_model(cfg))),
-                            num_rounds=cfg.run.num_rounds)
+    result = strategy.start(
+        InProcessGrid(client_app, clients, cfg),
+        ArrayRecord(get_weights(build_global_model(cfg))),
+        num_rounds=cfg.run.num_rounds,
+    )
     return flatten(result.arrays.to_numpy_ndarrays()), strategy
 
 
@@ -261,8 +304,9 @@ def test_run_writes_upload_and_dense_bytes(tmp_path):
         assert row["clients"] == 3 and row["rejected"] == 0
         per_client = row["upload_bytes"] / 3
         # per-layer masks + float32 values: about params/8 + 4 * 0.4 * params (+ npy headers)
-        assert per_client == pytest.approx(params / 8 + 4 * sum(
-            topk_count(s, 0.4) for s in (64 * 128, 128, 128 * 10, 10)), abs=8 * 128 + 8)
+        assert per_client == pytest.approx(
+            params / 8 + 4 * sum(topk_count(s, 0.4) for s in (64 * 128, 128, 128 * 10, 10)), abs=8 * 128 + 8
+        )
         assert row["dense_bytes"] / 3 == pytest.approx(4 * params, abs=4 * 128)
         assert row["upload_bytes_per_client"] == row["upload_bytes"] / 3  # published: one honest upload
     assert diagnostics["upload_bytes_total"] == sum(r["upload_bytes"] for r in rows)
@@ -284,9 +328,16 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
     # exactly 0.0 with probability 2^-23, and with noise from OS entropy one of the ~38,800 server draws that land
     # on a coordinate no client kept (60-65% of 1024, in the 60 trials with server noise) made an exact zero in
     # 0.46% of runs: a zero that says nothing about who took part, but the test counts zeros exactly.
-    strategy = DPFedSAMTopK(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=1.0, noise_placement=placement,
-                            sparsity=p, client_sampling="fixed",  # n_s = m = 5: no top-up when all arrive
-                            secure_rng=False, seed=present if placement == "central" else 10 + present)
+    strategy = DPFedSAMTopK(
+        sample_rate=1.0,
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        noise_placement=placement,
+        sparsity=p,
+        client_sampling="fixed",  # n_s = m = 5: no top-up when all arrive
+        secure_rng=False,
+        seed=present if placement == "central" else 10 + present,
+    )
     strategy.setup_population(5)
     zeros, rng = [], np.random.default_rng(0)
     arrays = ArrayRecord([np.zeros(d, np.float32)])
@@ -300,11 +351,13 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
                 continue
             update = rng.standard_normal(d).astype(np.float32)
             if config[keys.PRIVATIZE]:  # distributed: clip and add the share, then top-k (the paper's order)
-                update = update / max(1.0, float(np.linalg.norm(update))) + \
-                    rng.standard_normal(d).astype(np.float32) * np.float32(config[keys.NOISE_STD])
+                update = update / max(1.0, float(np.linalg.norm(update))) + rng.standard_normal(d).astype(
+                    np.float32
+                ) * np.float32(config[keys.NOISE_STD])
             encoded = sparse_encode([update], topk_sparsify([update], p))
-            replies.append(reply_message(100 + pid, RecordDict({"arrays": ArrayRecord(encoded),
-                                                               "metrics": MetricRecord({})})))
+            replies.append(
+                reply_message(100 + pid, RecordDict({"arrays": ArrayRecord(encoded), "metrics": MetricRecord({})}))
+            )
         new, _ = strategy.aggregate_train(trial, replies)
         zeros.append(int(np.count_nonzero(new.to_numpy_ndarrays()[0] == 0)))
     return zeros
@@ -331,6 +384,7 @@ def test_central_topk_app_run_clips_on_the_server(tmp_path):
     cfg = tiny_config(tmp_path, "central", algorithm="dp-fedsam-topk", sparsity=0.3, **{"noise-placement": "central"})
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
     assert summary["epsilon_is_guarantee"] is False  # tiny_config is seeded (secure-rng = false) ...
-    assert summary["epsilon_caveats"] == ["noise derivable from the seed (secure-rng = false): anyone who knows "
-                                          "'seed' can remove it"]  # ... but top-k itself adds no caveat
+    assert summary["epsilon_caveats"] == [
+        "noise derivable from the seed (secure-rng = false): anyone who knows 'seed' can remove it"
+    ]  # ... but top-k itself adds no caveat
     assert summary["upload_fraction_of_dense"] < 0.6 and summary["rounds_completed"] == 2

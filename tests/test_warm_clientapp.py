@@ -37,8 +37,9 @@ def test_forked_tasks_get_fresh_random_state_and_no_app_code(tmp_path):
     numpy's, Python's and torch's global generators (as two fresh processes would), and the app's own modules
     are not imported before a task loads them from its FAB."""
     paths = [str(tmp_path / f"{i}.json") for i in range(2)]
-    done = subprocess.run([sys.executable, "-c", "import os\n" + FORK_TWO_TASKS, *paths], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os\n" + FORK_TWO_TASKS, *paths], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     first, second = (json.loads(open(p).read()) for p in paths)
     assert first["numpy"] != second["numpy"] and first["python"] != second["python"]
@@ -71,11 +72,15 @@ def test_a_forked_task_imports_fl_app_from_the_runs_fab_not_the_executors(tmp_pa
     (fab / "fl_app" / "__init__.py").write_text("")
     (fab / "fl_app" / "client_app.py").write_text("from flwr.clientapp import ClientApp\napp = ClientApp()\n")
     out = tmp_path / "loaded.json"
-    done = subprocess.run([sys.executable, "-c", LOAD_FROM_FAB, str(fab), str(out)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_FROM_FAB, str(fab), str(out)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(out.read_text())
-    assert loaded == {"client_app": str(fab / "fl_app" / "client_app.py"), "fl_app": str(fab / "fl_app" / "__init__.py")}
+    assert loaded == {
+        "client_app": str(fab / "fl_app" / "client_app.py"),
+        "fl_app": str(fab / "fl_app" / "__init__.py"),
+    }
 
 
 def test_executor_preloads_libraries_only():

@@ -61,7 +61,7 @@ def paper_synthesis_matrix(n):
     while block >= 2:
         for start in range(0, n, block):
             col = np.zeros(n)
-            col[start:start + block // 2], col[start + block // 2:start + block] = 1, -1
+            col[start : start + block // 2], col[start + block // 2 : start + block] = 1, -1
             columns.append(col)
             weights.append(block)
         block //= 2
@@ -76,7 +76,7 @@ class BasisRng:
         self.z[i] = 1
 
     def standard_normal(self, size, dtype=np.float64):
-        out = self.z[self.pos:self.pos + size].astype(dtype)
+        out = self.z[self.pos : self.pos + size].astype(dtype)
         self.pos += size
         return out
 
@@ -100,7 +100,7 @@ def check_noise_covariance(n):
     assert math.sqrt(ones @ cov @ ones) == pytest.approx(sigma_h * clip / math.sqrt(n), rel=1e-9)
     # Lemma 1's per-coordinate variance (2 + log2 n)/2 sigma_H^2 is wrong as well: it is
     # sigma_H^2 (1/n^2 + sum_l 4^-l), below sigma_H^2 / 3 + 1/n^2
-    per_coord = (sigma_h * clip) ** 2 * (1 / n**2 + sum(4.0 ** -l for l in range(1, int(math.log2(n)) + 1)))
+    per_coord = (sigma_h * clip) ** 2 * (1 / n**2 + sum(4.0**-l for l in range(1, int(math.log2(n)) + 1)))
     np.testing.assert_allclose(np.diag(cov), per_coord, rtol=1e-9)
     # and the implementation (pywt + per-level weights) has exactly this covariance
     columns = [haar_wavelet_noise(np.zeros(n, np.float32), sigma_h * clip, BasisRng(n, i)) for i in range(n)]
@@ -127,8 +127,14 @@ def test_sampled_noise_along_all_ones_and_a_fine_detail():
 def run_wavelet(calibration, sigma, rounds=4, dim_in=7, dim_out=8, **kwargs):
     """nn.Linear(7, 8) has 64 parameters: n = 64."""
     grid = InProcessGrid(stub_app(zero_update, dim_in, dim_out), 10, {})
-    s = DPFedAvgWavelet(wavelet_calibration=calibration, sample_rate=0.3, clipping_norm=0.5,
-                        noise_multiplier=sigma, delta=1e-4, **kwargs)
+    s = DPFedAvgWavelet(
+        wavelet_calibration=calibration,
+        sample_rate=0.3,
+        clipping_norm=0.5,
+        noise_multiplier=sigma,
+        delta=1e-4,
+        **kwargs,
+    )
     arrays = ArrayRecord([np.zeros((dim_out, dim_in), np.float32), np.zeros(dim_out, np.float32)])
     result = s.start(grid, arrays, num_rounds=rounds)
     return s, result
@@ -162,13 +168,18 @@ def test_exact_noise_on_the_model_update():
     sigma sqrt(n) C sqrt(1/n^2 + sum_l 4^-l) / m."""
     sigma, clip, m = 1.0, 0.5, 3.0
     grid = InProcessGrid(stub_app(zero_update, 99, 10), 10, {})  # 990 + 10 = 1000 parameters
-    s = DPFedAvgWavelet(wavelet_calibration="exact", sample_rate=0.3, clipping_norm=clip,
-                        noise_multiplier=sigma, client_sampling="fixed")
+    s = DPFedAvgWavelet(
+        wavelet_calibration="exact",
+        sample_rate=0.3,
+        clipping_norm=clip,
+        noise_multiplier=sigma,
+        client_sampling="fixed",
+    )
     arrays = ArrayRecord([np.zeros((10, 99), np.float32), np.zeros(10, np.float32)])
     result = s.start(grid, arrays, num_rounds=1)
     assert s.padded_size == 1024 and s.expected_clients == m
     delta = flatten(result.arrays.to_numpy_ndarrays())
-    per_coord = sigma * math.sqrt(1024) * clip * math.sqrt(1 / 1024**2 + sum(4.0 ** -l for l in range(1, 11))) / m
+    per_coord = sigma * math.sqrt(1024) * clip * math.sqrt(1 / 1024**2 + sum(4.0**-l for l in range(1, 11))) / m
     # coordinates are correlated (the coarse levels have few coefficients): the ratio has standard deviation 0.025
     # (778 effective degrees of freedom), and 0.125 is 5 of those. From the exact quadratic form (Imhof's inversion
     # and 2e7 Monte Carlo draws): P(|ratio - 1| >= 0.125) < 1e-6; at the former 0.1 it was 8e-5 (OS-entropy noise).
@@ -191,19 +202,34 @@ def test_clients_clip_and_server_reports_their_norm():
     assert np.linalg.norm(flatten(result.arrays.to_numpy_ndarrays())) == pytest.approx(0.5, rel=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(wavelet_calibration="approx"), "wavelet_calibration"),
-    (dict(noise_placement="distributed"), "central"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(wavelet_calibration="approx"), "wavelet_calibration"),
+        (dict(noise_placement="distributed"), "central"),
+    ],
+)
 def test_strategy_rejects_bad_settings(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         DPFedAvgWavelet(**(dict(sample_rate=0.5, clipping_norm=1.0, noise_multiplier=1.0) | kwargs))
 
 
 def test_run_summary_reports_true_and_claimed_epsilon(tmp_path):
-    cfg = validate({"algorithm": "dp-fedavg-wav", "wavelet-calibration": "paper", "noise-placement": "central",
-                    "dataset": "digits", "model": "mlp", "num-rounds": 2, "sample-rate": 0.5, "local-steps": 3,
-                    "batch-size": 16, "noise-multiplier": 1.0, "results-dir": str(tmp_path / "wav")})
+    cfg = validate(
+        {
+            "algorithm": "dp-fedavg-wav",
+            "wavelet-calibration": "paper",
+            "noise-placement": "central",
+            "dataset": "digits",
+            "model": "mlp",
+            "num-rounds": 2,
+            "sample-rate": 0.5,
+            "local-steps": 3,
+            "batch-size": 16,
+            "noise-multiplier": 1.0,
+            "results-dir": str(tmp_path / "wav"),
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, 6, cfg), cfg)
     n = 16384  # 9,610 parameters
     assert summary["padded_size"] == n and summary["sigma_h"] == 1.0

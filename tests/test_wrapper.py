@@ -20,9 +20,14 @@ STEP = np.float32(0.01)  # what each client adds to every floating-point weight
 
 def model() -> ArrayRecord:
     """Named arrays of several dtypes, one of them an integer counter (BatchNorm's num_batches_tracked)."""
-    return ArrayRecord({"fc.weight": Array(np.ones((3, 2), np.float32)), "fc.bias": Array(np.zeros(2, np.float64)),
-                        "bn.num_batches_tracked": Array(np.array(5, np.int64)),
-                        "half": Array(np.full(4, 0.5, np.float16))})
+    return ArrayRecord(
+        {
+            "fc.weight": Array(np.ones((3, 2), np.float32)),
+            "fc.bias": Array(np.zeros(2, np.float64)),
+            "bn.num_batches_tracked": Array(np.array(5, np.int64)),
+            "half": Array(np.full(4, 0.5, np.float16)),
+        }
+    )
 
 
 def weights_client(mods=()) -> ClientApp:
@@ -36,8 +41,9 @@ def weights_client(mods=()) -> ClientApp:
         for k in sent.keys():
             a = sent[k].numpy()
             new[k] = Array(np.asarray(a + 7 if a.dtype.kind == "i" else (a + STEP).astype(a.dtype)))
-        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 10})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 10})}), reply_to=msg
+        )
 
     return app
 
@@ -49,8 +55,9 @@ def run(strategy, app=None, rounds=1):
 
 
 def no_noise(inner=None, **kw) -> DifferentialPrivacy:
-    return DifferentialPrivacy(inner, clipping_norm=100.0, noise_multiplier=0.0, sample_rate=1.0,
-                               min_available_nodes=M, **kw)
+    return DifferentialPrivacy(
+        inner, clipping_norm=100.0, noise_multiplier=0.0, sample_rate=1.0, min_available_nodes=M, **kw
+    )
 
 
 def test_keys_order_shapes_and_dtypes_come_back_and_integers_pass_through():
@@ -67,8 +74,14 @@ def test_keys_order_shapes_and_dtypes_come_back_and_integers_pass_through():
 
 def test_an_unmodified_client_works_under_central_noise_with_the_right_noise():
     sigma, clip = 2.0, 0.05
-    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), clipping_norm=clip, noise_multiplier=sigma,
-                                   sample_rate=1.0, min_available_nodes=M, noise_placement="central")
+    strategy = DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=clip,
+        noise_multiplier=sigma,
+        sample_rate=1.0,
+        min_available_nodes=M,
+        noise_placement="central",
+    )
     big = ArrayRecord({"w": Array(np.zeros(200_000, np.float32))})
     grid = InProcessGrid(weights_client(), M, {})
     result = strategy.start(grid, big, num_rounds=1)
@@ -79,14 +92,16 @@ def test_an_unmodified_client_works_under_central_noise_with_the_right_noise():
 
 
 def test_distributed_noise_refuses_a_client_without_the_mod_and_takes_it_with_the_mod():
-    plain = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M,
-                                noise_placement="distributed")
+    plain = DifferentialPrivacy(
+        clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
+    )
     run(plain)
     record = plain.history[-1]
     assert record["clients"] == 0 and record["rejected"] == M
     assert all("not privatized" in p and "dp_privatize_mod" in p for p in record["problems"])
-    with_mod = DifferentialPrivacy(clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M,
-                                   noise_placement="distributed")
+    with_mod = DifferentialPrivacy(
+        clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
+    )
     result, _ = run(with_mod, weights_client([make_dp_privatize_mod(seed=3)]))
     assert with_mod.history[-1]["clients"] == M and with_mod.history[-1]["rejected"] == 0
     assert int(result.arrays["bn.num_batches_tracked"].numpy()) == 5
@@ -96,8 +111,14 @@ def fedadam(**kw) -> FedAdam:
     return FedAdam(fraction_evaluate=0.0, eta=0.1, eta_l=0.1, beta_1=0.9, beta_2=0.99, tau=1e-3, **kw)
 
 
-@pytest.mark.parametrize("make", [fedadam, lambda: FedYogi(fraction_evaluate=0.0, eta=0.1, eta_l=0.1, tau=1e-3),
-                                  lambda: FedAvgM(fraction_evaluate=0.0, server_momentum=0.9)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        fedadam,
+        lambda: FedYogi(fraction_evaluate=0.0, eta=0.1, eta_l=0.1, tau=1e-3),
+        lambda: FedAvgM(fraction_evaluate=0.0, server_momentum=0.9),
+    ],
+)
 def test_a_server_optimizer_steps_on_the_privatized_average(make):
     """DP-FedAdam (one line): the wrapped optimizer's output equals the same optimizer run on the DP average."""
     result, _ = run(no_noise(make()), rounds=2)
@@ -105,10 +126,15 @@ def test_a_server_optimizer_steps_on_the_privatized_average(make):
     arrays = model()
     for rnd in (1, 2):
         list(reference.configure_train(rnd, arrays, ConfigRecord(), StubGrid()))
-        moved = ArrayRecord({k: Array(np.asarray(arrays[k].numpy() + (STEP if arrays[k].numpy().dtype.kind == "f" else 0)))
-                             for k in arrays.keys()})
-        arrays, _ = reference.aggregate_train(rnd, [reply_message(1, RecordDict(
-            {"arrays": moved, "metrics": MetricRecord({"num-examples": 1})}))])
+        moved = ArrayRecord(
+            {
+                k: Array(np.asarray(arrays[k].numpy() + (STEP if arrays[k].numpy().dtype.kind == "f" else 0)))
+                for k in arrays.keys()
+            }
+        )
+        arrays, _ = reference.aggregate_train(
+            rnd, [reply_message(1, RecordDict({"arrays": moved, "metrics": MetricRecord({"num-examples": 1})}))]
+        )
     for k in ("fc.weight", "fc.bias"):
         np.testing.assert_allclose(result.arrays[k].numpy(), arrays[k].numpy(), rtol=1e-5)
     assert not np.allclose(result.arrays["fc.weight"].numpy(), 1 + 2 * STEP)  # not plain averaging
@@ -142,9 +168,14 @@ def test_replies_it_cannot_interpret_are_refused_with_a_reason():
     bad = [
         RecordDict({"metrics": MetricRecord({"num-examples": 1})}),  # no arrays
         RecordDict({"arrays": ArrayRecord([np.ones((3, 2), np.float32)]), "metrics": MetricRecord({})}),  # 1 of 4
-        RecordDict({"arrays": ArrayRecord({**{k: Array(v) for k, v in good.items()},
-                                           "bn.num_batches_tracked": Array(np.zeros(3, np.int64))}),
-                    "metrics": MetricRecord({})}),  # the counter reshaped
+        RecordDict(
+            {
+                "arrays": ArrayRecord(
+                    {**{k: Array(v) for k, v in good.items()}, "bn.num_batches_tracked": Array(np.zeros(3, np.int64))}
+                ),
+                "metrics": MetricRecord({}),
+            }
+        ),  # the counter reshaped
     ]
     arrays, metrics = strategy.aggregate_train(1, [reply_message(100 + i, c) for i, c in enumerate(bad)])
     assert metrics["rejected"] == 3 and metrics["clients"] == 0
@@ -159,10 +190,22 @@ def test_the_app_runs_the_wrapper_around_the_configured_flower_strategy(tmp_path
     from fl_app.config import validate
     from fl_app.server_app import run_federated
 
-    cfg = validate({"dataset": "digits", "model": "mlp", "partitioner": "iid", "num-rounds": 4, "sample-rate": 1.0,
-                    "noise-multiplier": 0.3, "local-steps": 5, "server-strategy": server_strategy,
-                    "server-lr": 0.05 if server_strategy == "fedadam" else 1.0, "min-nodes": 5,
-                    "results-dir": str(tmp_path / "run"), "tensorboard": False})
+    cfg = validate(
+        {
+            "dataset": "digits",
+            "model": "mlp",
+            "partitioner": "iid",
+            "num-rounds": 4,
+            "sample-rate": 1.0,
+            "noise-multiplier": 0.3,
+            "local-steps": 5,
+            "server-strategy": server_strategy,
+            "server-lr": 0.05 if server_strategy == "fedadam" else 1.0,
+            "min-nodes": 5,
+            "results-dir": str(tmp_path / "run"),
+            "tensorboard": False,
+        }
+    )
     summary = run_federated(InProcessGrid(client_app, 5, cfg), cfg)
     assert summary["wrapped_strategy"] == wrapped
     assert summary["final_accuracy"] > 0.3, summary["final_accuracy"]  # 10 classes: chance is 0.1

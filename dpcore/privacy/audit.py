@@ -82,15 +82,20 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     return float(optimize.brentq(excess, 0.0, hi, xtol=1e-6))
 
 
-def audit_epsilon(final_delta: np.ndarray, seed: int, inserted: int, held_out: int, delta: float,
-                  kind: str = "isotropic") -> dict:
+def audit_epsilon(
+    final_delta: np.ndarray, seed: int, inserted: int, held_out: int, delta: float, kind: str = "isotropic"
+) -> dict:
     """The one-shot estimate from the final model delta: cosines with the inserted canaries (indices
     0 .. inserted-1) and with the never-inserted ones (indices inserted .. inserted+held_out-1)."""
     v = np.asarray(final_delta, dtype=np.float64)
     norm = float(np.linalg.norm(v))
     dim = v.size
-    cosines = np.array([float(np.dot(v, canary_direction(seed, i, dim, kind))) / norm if norm > 0 else 0.0
-                        for i in range(inserted + held_out)])
+    cosines = np.array(
+        [
+            float(np.dot(v, canary_direction(seed, i, dim, kind))) / norm if norm > 0 else 0.0
+            for i in range(inserted + held_out)
+        ]
+    )
     observed, null = cosines[:inserted], cosines[inserted:]
     mu_1, s_1 = float(observed.mean()), float(observed.std(ddof=1))
     mu_0, s_0 = float(null.mean()), float(max(null.std(ddof=1), 1e-12))
@@ -99,10 +104,20 @@ def audit_epsilon(final_delta: np.ndarray, seed: int, inserted: int, held_out: i
     # which leaving out understated the spread of the shift (seen: 0.21 stated, 0.30 over 150 runs of 50 canaries)
     standard_error = math.sqrt((s_1**2 / inserted + s_0**2 / held_out) / s_0**2 + shift**2 / (2 * (held_out - 1)))
     lower = max(0.0, shift - LOWER_BOUND_Z * standard_error)
-    return {"epsilon_estimate": gdp_epsilon(shift, delta), "gdp_mu": shift, "delta": delta,
-            "gdp_mu_standard_error": standard_error, "epsilon_lower_bound": gdp_epsilon(lower, delta),
-            "lower_bound_confidence": LOWER_BOUND_CONFIDENCE,
-            "canaries_inserted": inserted, "canaries_held_out": held_out, "canary_kind": kind,
-            "observed_cosine_mean": mu_1, "observed_cosine_std": s_1,
-            "null_cosine_mean": mu_0, "null_cosine_std": s_0, "dimension": dim,
-            "method": "one-shot empirical estimate, Andrew et al. (ICLR 2024, arXiv 2302.03098)"}
+    return {
+        "epsilon_estimate": gdp_epsilon(shift, delta),
+        "gdp_mu": shift,
+        "delta": delta,
+        "gdp_mu_standard_error": standard_error,
+        "epsilon_lower_bound": gdp_epsilon(lower, delta),
+        "lower_bound_confidence": LOWER_BOUND_CONFIDENCE,
+        "canaries_inserted": inserted,
+        "canaries_held_out": held_out,
+        "canary_kind": kind,
+        "observed_cosine_mean": mu_1,
+        "observed_cosine_std": s_1,
+        "null_cosine_mean": mu_0,
+        "null_cosine_std": s_0,
+        "dimension": dim,
+        "method": "one-shot empirical estimate, Andrew et al. (ICLR 2024, arXiv 2302.03098)",
+    }

@@ -34,8 +34,9 @@ class DPSGDNoise(NamedTuple):
         return self.accounted != self.budget
 
 
-def dpsgd_multipliers(noise_multiplier: float, noise: str = "gaussian", calibration: str = "exact",
-                dim: int = 1) -> DPSGDNoise:
+def dpsgd_multipliers(
+    noise_multiplier: float, noise: str = "gaussian", calibration: str = "exact", dim: int = 1
+) -> DPSGDNoise:
     """The multipliers of DP-SGD (`gaussian`: sigma for all three) or DP-SGD-WAV on d = `dim` parameters.
 
     DP-SGD-WAV, padded to n = 2^L >= d: its true multiplier is sigma_H / n
@@ -54,7 +55,12 @@ def dpsgd_multipliers(noise_multiplier: float, noise: str = "gaussian", calibrat
     return DPSGDNoise(noise_multiplier, coefficient_clipping_noise_multiplier(noise_multiplier, n), noise_multiplier)
 
 
-def max_local_steps(target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float,
-                    accountant: str = DEFAULT_ACCOUNTANT) -> int:
+def max_local_steps(
+    target_epsilon: float,
+    delta: float,
+    noise_multiplier: float,
+    sample_rate: float,
+    accountant: str = DEFAULT_ACCOUNTANT,
+) -> int:
     """R_c (ALI-DPFL Algorithm 3): the largest number of DP-SGD steps with eps(delta) <= target."""
     return PrivacyLedger(delta, accountant).max_steps_within(target_epsilon, noise_multiplier, sample_rate)

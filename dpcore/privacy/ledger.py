@@ -35,6 +35,7 @@ def default_client_delta(num_clients: int) -> float:
     1/M, the old default, is the boundary at which publishing one random client's data is allowed."""
     return min(1e-5, 0.01 / max(1, num_clients))
 
+
 Event = tuple[float, float, int]
 
 
@@ -152,12 +153,15 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
         # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
         # bound (within a few percent of theirs at epsilons this large).
         return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
-            f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} would need minutes and gigabytes)")
+            f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} would need minutes and gigabytes)"
+        )
     eps = chosen.epsilon(events, delta)
     if not math.isfinite(eps) and accountant != FALLBACK_ACCOUNTANT:
         # dp-accounting's PLD conversion can overflow near eps ~ 700 (seen in a log line as inf between 706 and
         # 727): RDP's bound, valid, finite
-        return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], f"rdp ({accountant}'s epsilon-for-delta conversion overflowed)"
+        return _bound(events, delta, FALLBACK_ACCOUNTANT)[
+            0
+        ], f"rdp ({accountant}'s epsilon-for-delta conversion overflowed)"
     # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
     return max(0.0, float(eps)), accountant
 
@@ -172,8 +176,9 @@ def _pld_epsilon(events: list[Event], delta: float) -> float:
     total = pld_lib.identity(value_discretization_interval=PLD_DISCRETIZATION)
     for sigma, q, steps in events:
         if q >= 1:  # k Gaussian releases compose exactly to one at sigma / sqrt(k)
-            part = pld_lib.from_gaussian_mechanism(standard_deviation=sigma / math.sqrt(steps),
-                                                   value_discretization_interval=PLD_DISCRETIZATION)
+            part = pld_lib.from_gaussian_mechanism(
+                standard_deviation=sigma / math.sqrt(steps), value_discretization_interval=PLD_DISCRETIZATION
+            )
         else:
             part = _sampled_gaussian_pld(sigma, q).self_compose(steps)
         total = total.compose(part)
@@ -186,8 +191,9 @@ def _sampled_gaussian_pld(sigma: float, q: float):
     each (sigma 0.2), so few are kept: a run uses a handful of (sigma, q); a calibration's probes pass through."""
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-    return pld_lib.from_gaussian_mechanism(standard_deviation=sigma, sampling_prob=q,
-                                           value_discretization_interval=PLD_DISCRETIZATION)
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=sigma, sampling_prob=q, value_discretization_interval=PLD_DISCRETIZATION
+    )
 
 
 def _quiet(fn, *args, **kwargs):
@@ -207,8 +213,13 @@ def _rdp_per_step(noise_multiplier: float, sample_rate: float):
     from opacus.accountants import RDPAccountant as OpacusRDP
     from opacus.accountants.analysis import rdp as rdp_analysis
 
-    rdp = _quiet(rdp_analysis.compute_rdp, q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
-                 orders=OpacusRDP.DEFAULT_ALPHAS)
+    rdp = _quiet(
+        rdp_analysis.compute_rdp,
+        q=sample_rate,
+        noise_multiplier=noise_multiplier,
+        steps=1,
+        orders=OpacusRDP.DEFAULT_ALPHAS,
+    )
     rdp.setflags(write=False)
     return rdp
 
@@ -239,8 +250,9 @@ class PrivacyLedger:
         """eps(delta) if `steps` more events were charged (nothing is recorded)."""
         return epsilon_of(self.history + [(noise_multiplier, sample_rate, steps)], self.delta, self.accountant)
 
-    def max_steps_within(self, target_epsilon: float, noise_multiplier: float, sample_rate: float,
-                         limit: int = 10**7) -> int:
+    def max_steps_within(
+        self, target_epsilon: float, noise_multiplier: float, sample_rate: float, limit: int = 10**7
+    ) -> int:
         """Largest n with epsilon_after(sigma, q, n) <= target (binary search; ALI-DPFL's R_c)."""
         if self.epsilon_after(noise_multiplier, sample_rate, 1) > target_epsilon:
             return 0
@@ -257,8 +269,12 @@ class PrivacyLedger:
         return lo
 
     def state_dict(self) -> dict:
-        return {"delta": self.delta, "accountant": self.accountant, "history": [list(e) for e in self.history],
-                "bound_by": accountant_used(self.history, self.delta, self.accountant)}
+        return {
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "history": [list(e) for e in self.history],
+            "bound_by": accountant_used(self.history, self.delta, self.accountant),
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "PrivacyLedger":
@@ -266,16 +282,26 @@ class PrivacyLedger:
         return cls(delta=float(state["delta"]), accountant=str(state["accountant"]), history=history)
 
 
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                               accountant: str = DEFAULT_ACCOUNTANT, low: float = 1e-3, high: float = 1e3) -> float:
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = DEFAULT_ACCOUNTANT,
+    low: float = 1e-3,
+    high: float = 1e3,
+) -> float:
     """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after `steps` (sigma, q) events:
     bisection on the ledger's own epsilon_of, so the ledger charges exactly what was calibrated."""
+
     def eps(sigma: float) -> float:
         return epsilon_of([(sigma, sample_rate, steps)], delta, accountant)
 
     if eps(high) > target_epsilon:
-        raise ValueError(f"target_epsilon={target_epsilon!r} cannot be met with a noise multiplier <= {high:g} "
-                         f"(epsilon {eps(high):.4g} after {steps} steps at q={sample_rate:g}, delta={delta:g})")
+        raise ValueError(
+            f"target_epsilon={target_epsilon!r} cannot be met with a noise multiplier <= {high:g} "
+            f"(epsilon {eps(high):.4g} after {steps} steps at q={sample_rate:g}, delta={delta:g})"
+        )
     lo, hi = low, high  # invariant: eps(hi) <= target (and eps(lo) > target unless lo is the answer)
     if eps(lo) <= target_epsilon:
         return lo
@@ -320,8 +346,10 @@ def _wor_rdp_per_step(sigma: float, population: int, sample: int):
     from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
     logging.getLogger("absl").setLevel(logging.ERROR)
-    rdp = np.asarray(rdp_lib._compute_rdp_sample_wor_gaussian(min(1.0, sample / population), sigma,
-                                                               rdp_lib.DEFAULT_RDP_ORDERS), dtype=float)
+    rdp = np.asarray(
+        rdp_lib._compute_rdp_sample_wor_gaussian(min(1.0, sample / population), sigma, rdp_lib.DEFAULT_RDP_ORDERS),
+        dtype=float,
+    )
     rdp.setflags(write=False)
     return rdp
 
@@ -417,14 +445,20 @@ class ClientLevelLedger:
     @property
     def relation(self) -> str:
         if self.noise_placement == "local":
-            return ("replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
-                    "amplification")
+            return (
+                "replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
+                "amplification"
+            )
         if self.client_sampling == "fixed":
-            return ("replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
-                    "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
-                    "without replacement")
-        return ("add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact), delta reduced by the "
-                "probability of truncating a round's sample to n_s noise shares")
+            return (
+                "replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
+                "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
+                "without replacement"
+            )
+        return (
+            "add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact), delta reduced by the "
+            "probability of truncating a round's sample to n_s noise shares"
+        )
 
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
         """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size
@@ -433,8 +467,9 @@ class ClientLevelLedger:
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
-    def _model_bounds(self, events: list[Event], truncation_delta: float,
-                      fixed_rounds: list[WorEvent] | None = None) -> tuple[float, str]:
+    def _model_bounds(
+        self, events: list[Event], truncation_delta: float, fixed_rounds: list[WorEvent] | None = None
+    ) -> tuple[float, str]:
         """(eps(delta) against the released model, the bound that gave it): the configured accountant's, or
         under fixed-size sampling the smaller of it and the sampling-without-replacement RDP bound (when every
         round's N and m are known)."""
@@ -443,31 +478,44 @@ class ClientLevelLedger:
             return math.inf, self.accountant
         eps, by = epsilon_of(events, delta, self.accountant), accountant_used(events, delta, self.accountant)
         fixed_rounds = self.fixed_rounds if fixed_rounds is None else fixed_rounds
-        if self.client_sampling == "fixed" and self.noise_placement != "local" and fixed_rounds and \
-                sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events):
+        if (
+            self.client_sampling == "fixed"
+            and self.noise_placement != "local"
+            and fixed_rounds
+            and sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events)
+        ):
             wor = fixed_size_epsilon(fixed_rounds, delta)
             if wor < eps:
                 return wor, "rdp-sampled-without-replacement (dp-accounting, replace-one)"
         return eps, by
 
-    def _model_epsilon(self, events: list[Event], truncation_delta: float,
-                       fixed_rounds: list[WorEvent] | None = None) -> float:
+    def _model_epsilon(
+        self, events: list[Event], truncation_delta: float, fixed_rounds: list[WorEvent] | None = None
+    ) -> float:
         return self._model_bounds(events, truncation_delta, fixed_rounds)[0]
 
-    def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float, rounds: int = 1,
-                             truncation_probability: float = 0.0) -> float:
+    def epsilon_after_rounds(
+        self, noise_multiplier: float, sample_rate: float, rounds: int = 1, truncation_probability: float = 0.0
+    ) -> float:
         """eps(delta) against the released model if `rounds` more rounds were charged (fixed-size sampling:
         at the last round's N and m)."""
         event = (*self.release_event(noise_multiplier, sample_rate), rounds)
         fixed = None
         if self.fixed_rounds:
             fixed = self.fixed_rounds + [(event[0], self.fixed_rounds[-1][1], self.fixed_rounds[-1][2], rounds)]
-        return self._model_epsilon(self.model.history + [event],
-                                   self.truncation_delta + rounds * truncation_probability, fixed)
+        return self._model_epsilon(
+            self.model.history + [event], self.truncation_delta + rounds * truncation_probability, fixed
+        )
 
-    def record_round(self, noise_multiplier: float, sample_rate: float, noise_shares: float,
-                     received: int | None = None, truncation_probability: float = 0.0,
-                     sampled_from: tuple[int, int] | None = None) -> None:
+    def record_round(
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        noise_shares: float,
+        received: int | None = None,
+        truncation_probability: float = 0.0,
+        sampled_from: tuple[int, int] | None = None,
+    ) -> None:
         """Charge one round. `noise_shares` = n_s; `received` = noise shares that reached the sum (None: all);
         `truncation_probability` = P(the round's sample is truncated to n_s), reserved out of delta;
         `sampled_from` = (N, m): fixed-size sampling drew m of N nodes (None: unknown, no amplification)."""
@@ -503,11 +551,19 @@ class ClientLevelLedger:
         return self.server.epsilon()
 
     def state_dict(self) -> dict:
-        return {"delta": self.delta, "accountant": self.accountant, "noise_placement": self.noise_placement,
-                "secure_aggregation": self.secure_aggregation, "client_sampling": self.client_sampling,
-                "truncation_delta": self.truncation_delta, "relation": self.relation,
-                "fixed_rounds": [list(e) for e in self.fixed_rounds], "model_bound_by": self.model_bound_by(),
-                "model": self.model.state_dict(), "server": self.server.state_dict()}
+        return {
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "noise_placement": self.noise_placement,
+            "secure_aggregation": self.secure_aggregation,
+            "client_sampling": self.client_sampling,
+            "truncation_delta": self.truncation_delta,
+            "relation": self.relation,
+            "fixed_rounds": [list(e) for e in self.fixed_rounds],
+            "model_bound_by": self.model_bound_by(),
+            "model": self.model.state_dict(),
+            "server": self.server.state_dict(),
+        }
 
     def model_bound_by(self) -> str:
         """Which bound gave the released model's epsilon."""
@@ -515,10 +571,15 @@ class ClientLevelLedger:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "ClientLevelLedger":
-        ledger = cls(float(state["delta"]), state["accountant"], state["noise_placement"],
-                     bool(state["secure_aggregation"]), state.get("client_sampling", "poisson"),
-                     float(state.get("truncation_delta", 0.0)),
-                     [(float(s), int(n), int(m), int(k)) for s, n, m, k in state.get("fixed_rounds", [])])
+        ledger = cls(
+            float(state["delta"]),
+            state["accountant"],
+            state["noise_placement"],
+            bool(state["secure_aggregation"]),
+            state.get("client_sampling", "poisson"),
+            float(state.get("truncation_delta", 0.0)),
+            [(float(s), int(n), int(m), int(k)) for s, n, m, k in state.get("fixed_rounds", [])],
+        )
         ledger.model = PrivacyLedger.from_state_dict(state["model"])
         ledger.server = PrivacyLedger.from_state_dict(state["server"])
         return ledger
@@ -551,13 +612,19 @@ class SampleLevelLedgers:
         return max(self.epsilon_per_client().values(), default=0.0)
 
     def state_dict(self) -> dict:
-        return {"delta": self.delta, "accountant": self.accountant,
-                "clients": {str(c): ledger.state_dict() for c, ledger in sorted(self.clients.items())}}
+        return {
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "clients": {str(c): ledger.state_dict() for c, ledger in sorted(self.clients.items())},
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "SampleLevelLedgers":
-        return cls(float(state["delta"]), state["accountant"],
-                   {int(c): PrivacyLedger.from_state_dict(s) for c, s in state["clients"].items()})
+        return cls(
+            float(state["delta"]),
+            state["accountant"],
+            {int(c): PrivacyLedger.from_state_dict(s) for c, s in state["clients"].items()},
+        )
 
 
 Tree = tuple[float, int]  # (noise multiplier of each node, steps of the tree)
@@ -580,8 +647,11 @@ def _tree_rdp_epsilon(trees: tuple[Tree, ...], delta: float) -> float:
     if any(sigma < MIN_SIGMA for sigma, _ in trees):
         return math.inf
     accountant = rdp_lib.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
-    accountant.compose(dp_accounting.ComposedDpEvent(
-        [dp_accounting.SingleEpochTreeAggregationDpEvent(sigma, steps) for sigma, steps in trees]))
+    accountant.compose(
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.SingleEpochTreeAggregationDpEvent(sigma, steps) for sigma, steps in trees]
+        )
+    )
     return max(0.0, float(accountant.get_epsilon(delta)))
 
 
@@ -589,10 +659,10 @@ def tree_gaussian_multiplier(trees: list[Tree]) -> float:
     """The multiplier of the one Gaussian mechanism the trees amount to: a client's leaf moves at most
     ceil(log2(steps + 1)) released nodes of a tree by up to C each, every node with its own N(0, sigma^2 C^2),
     so the trees compose (adaptively, Gaussian mechanisms compose exactly) to (sum_j depth_j / sigma_j^2)^(-1/2)."""
-    load = sum((int(steps).bit_length()) / sigma ** 2 for sigma, steps in trees if steps > 0 and sigma >= MIN_SIGMA)
+    load = sum((int(steps).bit_length()) / sigma**2 for sigma, steps in trees if steps > 0 and sigma >= MIN_SIGMA)
     if any(sigma < MIN_SIGMA for sigma, steps in trees if steps > 0):
         return 0.0
-    return math.inf if load == 0 else load ** -0.5
+    return math.inf if load == 0 else load**-0.5
 
 
 @dataclass
@@ -612,9 +682,11 @@ class TreeAggregationLedger:
 
     kind = "tree-aggregation"
     server_threat_model = "trusted server: it sees raw clipped updates, no DP against it"
-    relation = ("replace-special (a client's updates replaced by zero), no sampling: each client in at most one "
-                "round per epoch (enforced by the server), one binary tree per epoch; dp-accounting's "
-                "SingleEpochTreeAggregationDpEvent")
+    relation = (
+        "replace-special (a client's updates replaced by zero), no sampling: each client in at most one "
+        "round per epoch (enforced by the server), one binary tree per epoch; dp-accounting's "
+        "SingleEpochTreeAggregationDpEvent"
+    )
 
     def __post_init__(self) -> None:
         if self.accountant not in ACCOUNTANTS:
@@ -631,9 +703,15 @@ class TreeAggregationLedger:
             trees.append([float(noise_multiplier), 1])
         return trees
 
-    def record_round(self, noise_multiplier: float, sample_rate: float = 1.0, noise_shares: float = 0,
-                     received: int | None = None, truncation_probability: float = 0.0,
-                     sampled_from: tuple[int, int] | None = None) -> None:
+    def record_round(
+        self,
+        noise_multiplier: float,
+        sample_rate: float = 1.0,
+        noise_shares: float = 0,
+        received: int | None = None,
+        truncation_probability: float = 0.0,
+        sampled_from: tuple[int, int] | None = None,
+    ) -> None:
         """Charge one round: one more leaf of the current epoch's tree (no sampling, so q is not used)."""
         self.trees = self._with_round(self.trees, noise_multiplier)
 
@@ -652,8 +730,9 @@ class TreeAggregationLedger:
         """dp-accounting's RDP bound of the tree events alone."""
         return tree_aggregation_rdp_epsilon([tuple(t) for t in self.trees], self.delta)
 
-    def epsilon_after_rounds(self, noise_multiplier: float, sample_rate: float = 1.0, rounds: int = 1,
-                             truncation_probability: float = 0.0) -> float:
+    def epsilon_after_rounds(
+        self, noise_multiplier: float, sample_rate: float = 1.0, rounds: int = 1, truncation_probability: float = 0.0
+    ) -> float:
         trees = self.trees
         for _ in range(rounds):
             trees = self._with_round(trees, noise_multiplier)
@@ -666,13 +745,23 @@ class TreeAggregationLedger:
         return self._bounds(self.trees)[1]
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "delta": self.delta, "accountant": self.accountant,
-                "epoch_rounds": self.epoch_rounds, "trees": [list(t) for t in self.trees],
-                "relation": self.relation, "model_bound_by": self.model_bound_by(),
-                "rdp_tree_epsilon": self.rdp_epsilon(),
-                "gaussian_multiplier": tree_gaussian_multiplier([tuple(t) for t in self.trees]) if self.trees else None}
+        return {
+            "kind": self.kind,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "epoch_rounds": self.epoch_rounds,
+            "trees": [list(t) for t in self.trees],
+            "relation": self.relation,
+            "model_bound_by": self.model_bound_by(),
+            "rdp_tree_epsilon": self.rdp_epsilon(),
+            "gaussian_multiplier": tree_gaussian_multiplier([tuple(t) for t in self.trees]) if self.trees else None,
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "TreeAggregationLedger":
-        return cls(float(state["delta"]), state["accountant"], int(state["epoch_rounds"]),
-                   [[float(s), int(n)] for s, n in state["trees"]])
+        return cls(
+            float(state["delta"]),
+            state["accountant"],
+            int(state["epoch_rounds"]),
+            [[float(s), int(n)] for s, n in state["trees"]],
+        )

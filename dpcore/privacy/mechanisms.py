@@ -88,8 +88,9 @@ def clip_and_noise(
 TRUNCATION_PROBABILITY = 1e-12  # per round: how often a Poisson sample may exceed the noise shares n_s
 
 
-def noise_share_count(population: int, sample_rate: float, client_sampling: str = "poisson",
-                      tail: float = TRUNCATION_PROBABILITY) -> int:
+def noise_share_count(
+    population: int, sample_rate: float, client_sampling: str = "poisson", tail: float = TRUNCATION_PROBABILITY
+) -> int:
     """n_s, how many noise shares make up sigma^2 C^2 under distributed noise (docs/algorithms.md §0).
 
     Each client adds N(0, sigma^2 C^2 / n_s) and the server tops up the n_s - k shares that did not
@@ -177,10 +178,10 @@ def topk_mask(vector: np.ndarray, k: int) -> np.ndarray:
         band = np.flatnonzero((magnitude >= low) & ~mask)
         if 0 <= need <= band.size:
             if need:
-                mask[band[np.argpartition(magnitude[band], band.size - need)[band.size - need:]]] = True
+                mask[band[np.argpartition(magnitude[band], band.size - need)[band.size - need :]]] = True
             return mask
     mask = np.zeros(n, dtype=bool)
-    mask[np.argpartition(magnitude, n - k)[n - k:]] = True
+    mask[np.argpartition(magnitude, n - k)[n - k :]] = True
     return mask
 
 
@@ -220,8 +221,7 @@ def _indices_to_dense(j: int, support: np.ndarray, values: np.ndarray, size: int
     if support.ndim != 1 or support.size != values.size:
         raise ValueError(f"tensor {j}: {support.size} indices for {values.size} values")
     if support.size and (support.min() < 0 or support.max() >= size):
-        raise ValueError(f"tensor {j}: index out of range [0, {size}) "
-                         f"(min {support.min()}, max {support.max()})")
+        raise ValueError(f"tensor {j}: index out of range [0, {size}) (min {support.min()}, max {support.max()})")
     steps = np.diff(support)
     if np.any(steps == 0):
         raise ValueError(f"tensor {j}: duplicated index {support[1:][steps == 0][0]}")
@@ -241,8 +241,9 @@ def _mask_to_dense(j: int, support: np.ndarray, values: np.ndarray, size: int) -
         raise ValueError(f"tensor {j}: bit mask marks positions beyond the tensor's {size} entries")
     mask = bits[:size].astype(bool)
     if int(np.count_nonzero(mask)) != values.size:
-        raise ValueError(f"tensor {j}: bit mask keeps {np.count_nonzero(mask)} entries "
-                         f"but {values.size} values were sent")
+        raise ValueError(
+            f"tensor {j}: bit mask keeps {np.count_nonzero(mask)} entries but {values.size} values were sent"
+        )
     out = np.zeros(size, dtype=np.float32)
     out[mask] = values
     return out
@@ -259,8 +260,9 @@ def _decode_tensor(j: int, support: np.ndarray, values: np.ndarray, size: int) -
     raise ValueError(f"tensor {j}: support must be int32 indices or a uint8 bit mask, got {support.dtype}")
 
 
-def sparse_decode(encoded: Sequence[np.ndarray], shapes: Shapes, fraction: float,
-                  mode: str = "per-layer") -> list[np.ndarray]:
+def sparse_decode(
+    encoded: Sequence[np.ndarray], shapes: Shapes, fraction: float, mode: str = "per-layer"
+) -> list[np.ndarray]:
     """Dense arrays from `sparse_encode`'s form; ValueError if the upload is malformed.
 
     Checked: two arrays per tensor, support dtype (int32 indices or uint8 mask), indices in
@@ -269,23 +271,25 @@ def sparse_decode(encoded: Sequence[np.ndarray], shapes: Shapes, fraction: float
     (`per-layer`) or ceil(p * d) in all (`global`).
     """
     if len(encoded) != 2 * len(shapes):
-        raise ValueError(f"sparse update has {len(encoded)} arrays, expected {2 * len(shapes)} "
-                         "(support and values per tensor)")
+        raise ValueError(
+            f"sparse update has {len(encoded)} arrays, expected {2 * len(shapes)} (support and values per tensor)"
+        )
     dense, kept = [], 0
     for j, shape in enumerate(shapes):
         support, values = np.asarray(encoded[2 * j]), np.asarray(encoded[2 * j + 1])
         size = int(np.prod(shape))
         out = _decode_tensor(j, support, values, size)
         if mode == "per-layer" and values.size != topk_count(size, fraction):
-            raise ValueError(f"tensor {j}: {values.size} values kept, per-layer top-k with "
-                             f"p={fraction} keeps {topk_count(size, fraction)}")
+            raise ValueError(
+                f"tensor {j}: {values.size} values kept, per-layer top-k with "
+                f"p={fraction} keeps {topk_count(size, fraction)}"
+            )
         kept += values.size
         dense.append(out.reshape(shape))
     if mode == "global":
         total = sum(int(np.prod(s)) for s in shapes)
         if kept != topk_count(total, fraction):
-            raise ValueError(f"{kept} values kept, global top-k with p={fraction} keeps "
-                             f"{topk_count(total, fraction)}")
+            raise ValueError(f"{kept} values kept, global top-k with p={fraction} keeps {topk_count(total, fraction)}")
     elif mode != "per-layer":
         raise ValueError(f"topk mode={mode!r} is not one of: {', '.join(TOPK_MODES)}")
     return dense
@@ -301,7 +305,7 @@ def haar_weights(n: int) -> list[int]:
     """W per coefficient array of `pywt.wavedec(x, 'haar')` (base first, then details coarse to
     fine): n for the base coefficient, the node's block size 2^l for a level-l detail."""
     levels = int(math.log2(n))
-    return [n] + [2 ** l for l in range(levels, 0, -1)]
+    return [n] + [2**l for l in range(levels, 0, -1)]
 
 
 def haar_coefficients(vector: np.ndarray) -> list[np.ndarray]:
@@ -355,9 +359,9 @@ def haar_coefficient_norms(rows: np.ndarray, chunk: int = 8) -> np.ndarray:
     weights = haar_weights(n)
     norms = np.empty(len(rows))
     for start in range(0, len(rows), chunk):
-        block = np.pad(rows[start:start + chunk], ((0, 0), (0, n - rows.shape[1])))
+        block = np.pad(rows[start : start + chunk], ((0, 0), (0, n - rows.shape[1])))
         coeffs = pywt.wavedec(block, "haar", level=int(math.log2(n)), axis=-1)
-        norms[start:start + chunk] = np.sqrt(sum(np.einsum("ij,ij->i", c, c) / w for c, w in zip(coeffs, weights)))
+        norms[start : start + chunk] = np.sqrt(sum(np.einsum("ij,ij->i", c, c) / w for c, w in zip(coeffs, weights)))
     return norms
 
 

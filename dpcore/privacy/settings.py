@@ -35,60 +35,115 @@ def one_of(argument: str, value, choices: tuple) -> None:
     require(value in choices, argument, value, "must be one of: " + ", ".join(map(str, choices)))
 
 
-def check_client_level_dp(*, sample_rate: float, clipping_norm: float, noise_multiplier: float,
-                          noise_placement: str, client_sampling: str, target_epsilon: float = 0.0,
-                          target_epsilon_mode: str = "stop", delta: float = 0.0, accountant: str = "pld") -> None:
+def check_client_level_dp(
+    *,
+    sample_rate: float,
+    clipping_norm: float,
+    noise_multiplier: float,
+    noise_placement: str,
+    client_sampling: str,
+    target_epsilon: float = 0.0,
+    target_epsilon_mode: str = "stop",
+    delta: float = 0.0,
+    accountant: str = "pld",
+) -> None:
     """The rules every client-level DP strategy shares (docs/algorithms.md §0)."""
     require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
     require(clipping_norm >= 0, "clipping_norm", clipping_norm, "must be >= 0 (0: no clipping)")
     require(noise_multiplier >= 0, "noise_multiplier", noise_multiplier, "must be >= 0 (0: no noise)")
-    require(not (noise_multiplier > 0 and clipping_norm == 0), "noise_multiplier", noise_multiplier,
-            f"needs {name('clipping_norm')} > 0 (noise without clipping bounds nothing); set clipping-norm, or "
-            "noise-multiplier = 0 for a non-private run")
+    require(
+        not (noise_multiplier > 0 and clipping_norm == 0),
+        "noise_multiplier",
+        noise_multiplier,
+        f"needs {name('clipping_norm')} > 0 (noise without clipping bounds nothing); set clipping-norm, or "
+        "noise-multiplier = 0 for a non-private run",
+    )
     one_of("noise_placement", noise_placement, NOISE_PLACEMENTS)
     one_of("client_sampling", client_sampling, CLIENT_SAMPLINGS)
     one_of("target_epsilon_mode", target_epsilon_mode, TARGET_EPSILON_MODES)
     one_of("accountant", accountant, ACCOUNTANT_NAMES)
     require(target_epsilon >= 0, "target_epsilon", target_epsilon, "must be >= 0 (0: no target)")
     require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: min(1e-5, 0.01 / number of clients))")
-    require(not (target_epsilon > 0 and noise_multiplier == 0 and target_epsilon_mode == "stop"), "target_epsilon",
-            target_epsilon, f"cannot be met with {name('noise_multiplier')} = 0 (epsilon is infinite); use "
-            "target-epsilon-mode = 'calibrate' or a positive noise-multiplier")
-    require(not (target_epsilon > 0 and target_epsilon_mode == "calibrate" and clipping_norm == 0),
-            "target_epsilon_mode", target_epsilon_mode, f"'calibrate' needs {name('clipping_norm')} > 0")
-    require(not (noise_placement == "local" and noise_multiplier == 0), "noise_placement", noise_placement,
-            f"'local' needs {name('noise_multiplier')} > 0: each client noises its own update")
-    require(not (noise_placement == "local" and target_epsilon > 0 and target_epsilon_mode == "calibrate"),
-            "target_epsilon_mode", target_epsilon_mode, "'calibrate' cannot be used with noise_placement = 'local' "
-            "(run-config key 'noise-placement'): the clients choose their own noise; use 'stop'")
+    require(
+        not (target_epsilon > 0 and noise_multiplier == 0 and target_epsilon_mode == "stop"),
+        "target_epsilon",
+        target_epsilon,
+        f"cannot be met with {name('noise_multiplier')} = 0 (epsilon is infinite); use "
+        "target-epsilon-mode = 'calibrate' or a positive noise-multiplier",
+    )
+    require(
+        not (target_epsilon > 0 and target_epsilon_mode == "calibrate" and clipping_norm == 0),
+        "target_epsilon_mode",
+        target_epsilon_mode,
+        f"'calibrate' needs {name('clipping_norm')} > 0",
+    )
+    require(
+        not (noise_placement == "local" and noise_multiplier == 0),
+        "noise_placement",
+        noise_placement,
+        f"'local' needs {name('noise_multiplier')} > 0: each client noises its own update",
+    )
+    require(
+        not (noise_placement == "local" and target_epsilon > 0 and target_epsilon_mode == "calibrate"),
+        "target_epsilon_mode",
+        target_epsilon_mode,
+        "'calibrate' cannot be used with noise_placement = 'local' "
+        "(run-config key 'noise-placement'): the clients choose their own noise; use 'stop'",
+    )
 
 
 def require_noise_placement(algorithm: str, noise_placement: str, allowed: str, reason: str) -> None:
     """An algorithm that works with one noise placement only."""
-    require(noise_placement == allowed, "noise_placement", noise_placement,
-            f"{algorithm} {reason}, so it needs noise_placement = '{allowed}'")
+    require(
+        noise_placement == allowed,
+        "noise_placement",
+        noise_placement,
+        f"{algorithm} {reason}, so it needs noise_placement = '{allowed}'",
+    )
 
 
 def check_secure_aggregation(noise_placement: str, clipping_norm: float) -> None:
     """SecAgg+ sums what the clients privatized themselves, and quantizes bounded updates."""
-    require(noise_placement == "distributed", "secure_aggregation", True,
-            f"needs noise_placement='distributed', not {noise_placement!r}: under SecAgg+ the server cannot "
-            "clip or noise single updates")
-    require(clipping_norm > 0, "secure_aggregation", True,
-            f"needs {name('clipping_norm')} > 0: SecAgg+ quantizes bounded updates")
+    require(
+        noise_placement == "distributed",
+        "secure_aggregation",
+        True,
+        f"needs noise_placement='distributed', not {noise_placement!r}: under SecAgg+ the server cannot "
+        "clip or noise single updates",
+    )
+    require(
+        clipping_norm > 0,
+        "secure_aggregation",
+        True,
+        f"needs {name('clipping_norm')} > 0: SecAgg+ quantizes bounded updates",
+    )
 
 
-def check_dpsgd(*, sample_noise_multiplier: float, sample_clipping_norm: float, batch_sample_rate: float,
-                target_epsilon: float, dpsgd_noise: str, wavelet_calibration: str, grad_sample_mode: str,
-                accountant: str, mu_source: str, mu_noise_multiplier: float) -> None:
+def check_dpsgd(
+    *,
+    sample_noise_multiplier: float,
+    sample_clipping_norm: float,
+    batch_sample_rate: float,
+    target_epsilon: float,
+    dpsgd_noise: str,
+    wavelet_calibration: str,
+    grad_sample_mode: str,
+    accountant: str,
+    mu_source: str,
+    mu_noise_multiplier: float,
+) -> None:
     """The rules of sample-level DP-SGD in every client (ALI-DPFL, docs/algorithms.md §5 and §6)."""
     from .dpsgd_noise import WAVELET_CALIBRATIONS
 
     require(0 < batch_sample_rate <= 1, "batch_sample_rate", batch_sample_rate, "must be in (0, 1]")
     require(sample_noise_multiplier > 0, "sample_noise_multiplier", sample_noise_multiplier, "must be > 0")
     require(sample_clipping_norm > 0, "sample_clipping_norm", sample_clipping_norm, "must be > 0")
-    require(target_epsilon > 0, "target_epsilon", target_epsilon,
-            "must be > 0: each client's sample-level budget (R_c, the local step budget, follows from it)")
+    require(
+        target_epsilon > 0,
+        "target_epsilon",
+        target_epsilon,
+        "must be > 0: each client's sample-level budget (R_c, the local step budget, follows from it)",
+    )
     require(mu_noise_multiplier > 0, "mu_noise_multiplier", mu_noise_multiplier, "must be > 0")
     one_of("wavelet_calibration", wavelet_calibration, WAVELET_CALIBRATIONS)
     one_of("mu_source", mu_source, MU_SOURCES)
@@ -102,6 +157,10 @@ def check_dpsgd_clipping(grad_sample_mode: str, dpsgd_noise: str) -> None:
 
     one_of("grad_sample_mode", grad_sample_mode, GRAD_SAMPLE_MODES)
     one_of("dpsgd_noise", dpsgd_noise, DPSGD_NOISES)
-    require(not (dpsgd_noise == "wavelet" and grad_sample_mode == "ghost"), "grad_sample_mode", grad_sample_mode,
-            "'ghost' cannot clip per-sample gradients in the Haar domain that dpsgd_noise = 'wavelet' needs: "
-            "use hooks, functorch or ew")
+    require(
+        not (dpsgd_noise == "wavelet" and grad_sample_mode == "ghost"),
+        "grad_sample_mode",
+        grad_sample_mode,
+        "'ghost' cannot clip per-sample gradients in the Haar domain that dpsgd_noise = 'wavelet' needs: "
+        "use hooks, functorch or ew",
+    )

@@ -76,8 +76,12 @@ _EMNIST_CACHE = Path.home() / ".cache" / "dpfl"
 
 _IDX_STEMS = {  # train images, train labels, test images, test labels
     "mnist": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-    "emnist": ("emnist-byclass-train-images-idx3-ubyte", "emnist-byclass-train-labels-idx1-ubyte",
-               "emnist-byclass-test-images-idx3-ubyte", "emnist-byclass-test-labels-idx1-ubyte"),
+    "emnist": (
+        "emnist-byclass-train-images-idx3-ubyte",
+        "emnist-byclass-train-labels-idx1-ubyte",
+        "emnist-byclass-test-images-idx3-ubyte",
+        "emnist-byclass-test-labels-idx1-ubyte",
+    ),
 }
 _IDX_STEMS["fashion-mnist"] = _IDX_STEMS["mnist"]  # Fashion-MNIST uses MNIST's file names
 _CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
@@ -85,15 +89,16 @@ _CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-pytho
 # What to put in the data-dir folder, per dataset.
 _FILES_HELP = {
     "mnist": "put " + ", ".join(f"{s}.gz" for s in _IDX_STEMS["mnist"]) + " in a folder",
-    "fashion-mnist": "put the Fashion-MNIST files " + ", ".join(f"{s}.gz" for s in _IDX_STEMS["mnist"])
-                     + " (https://github.com/zalandoresearch/fashion-mnist) in a folder",
+    "fashion-mnist": "put the Fashion-MNIST files "
+    + ", ".join(f"{s}.gz" for s in _IDX_STEMS["mnist"])
+    + " (https://github.com/zalandoresearch/fashion-mnist) in a folder",
     "emnist": f"put {', '.join(f'{s}.gz' for s in _IDX_STEMS['emnist'])} (from {_EMNIST_URL}) in a folder",
     "cifar10": "extract https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz into a folder "
-               "(it then holds cifar-10-batches-py/)",
+    "(it then holds cifar-10-batches-py/)",
     "cifar100": "extract https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz into a folder "
-                "(it then holds cifar-100-python/)",
+    "(it then holds cifar-100-python/)",
     "femnist": "put the parquet files of the Hugging Face dataset flwrlabs/femnist (train-*.parquet, columns "
-               "image, character, writer_id) in a folder",
+    "image, character, writer_id) in a folder",
 }
 
 
@@ -182,9 +187,12 @@ def _decode_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDatase
     if not mean:
         pool = raw.x_train.astype(np.float32) / 255
         mean, std = (float(pool.mean()),), (float(pool.std()),)
-    return (ArrayDataset(_normalize(raw.x_train, mean, std), raw.y_train.astype(np.int64), spec.num_classes,
-                         raw.writers_train),
-            ArrayDataset(_normalize(raw.x_test, mean, std), raw.y_test.astype(np.int64), spec.num_classes))
+    return (
+        ArrayDataset(
+            _normalize(raw.x_train, mean, std), raw.y_train.astype(np.int64), spec.num_classes, raw.writers_train
+        ),
+        ArrayDataset(_normalize(raw.x_test, mean, std), raw.y_test.astype(np.int64), spec.num_classes),
+    )
 
 
 # ---------------------------------------------------------------- the binary cache of decoded data
@@ -265,8 +273,11 @@ def source_digest(name: str, data_dir: str = "") -> str:
         source = _file_digest(path) if path.exists() else "missing"
     elif data_dir:  # the folder's files: names, sizes, modification times
         folder = Path(data_dir).expanduser().resolve()
-        listing = sorted((str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns)
-                         for f in folder.rglob("*") if f.is_file())
+        listing = sorted(
+            (str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns)
+            for f in folder.rglob("*")
+            if f.is_file()
+        )
         source = hashlib.sha256(repr((str(folder), listing)).encode()).hexdigest()[:16]
     else:
         source = "hub"
@@ -313,8 +324,10 @@ def _hold_out(raw: _Raw) -> _Raw:
 
 def _read_local(name: str, folder: Path) -> _Raw:
     if not folder.is_dir():
-        raise FileNotFoundError(f"data-dir='{folder}' is not a folder: to use dataset {name!r} offline, "
-                                f"{_FILES_HELP[name]} and pass its absolute path as data-dir")
+        raise FileNotFoundError(
+            f"data-dir='{folder}' is not a folder: to use dataset {name!r} offline, "
+            f"{_FILES_HELP[name]} and pass its absolute path as data-dir"
+        )
     raw = None
     if name in _IDX_STEMS:
         raw = _read_idx_folder(folder, _IDX_STEMS[name])
@@ -325,9 +338,11 @@ def _read_local(name: str, folder: Path) -> _Raw:
     if raw is None:
         raw = _read_parquet_folder(name, folder)
     if raw is None:
-        raise FileNotFoundError(f"data-dir='{folder}' holds no files of dataset {name!r}: {_FILES_HELP[name]} "
-                                f"(or a Hugging Face parquet export: train*.parquet, test*.parquet) and pass "
-                                f"its absolute path as data-dir")
+        raise FileNotFoundError(
+            f"data-dir='{folder}' holds no files of dataset {name!r}: {_FILES_HELP[name]} "
+            f"(or a Hugging Face parquet export: train*.parquet, test*.parquet) and pass "
+            f"its absolute path as data-dir"
+        )
     _check_raw(name, raw, folder)
     return raw
 
@@ -340,11 +355,15 @@ def _check_raw(name: str, raw: _Raw, folder: Path) -> None:
             continue
         channels = 1 if x.ndim == 3 else x.shape[-1]
         if (channels, *x.shape[1:3]) != spec.input_shape:
-            raise DataFileError(f"data-dir='{folder}': the {split} images of dataset {name!r} are {x.shape[1:]}, "
-                                f"not {spec.input_shape[1:]} with {spec.input_shape[0]} channel(s): another dataset?")
+            raise DataFileError(
+                f"data-dir='{folder}': the {split} images of dataset {name!r} are {x.shape[1:]}, "
+                f"not {spec.input_shape[1:]} with {spec.input_shape[0]} channel(s): another dataset?"
+            )
         if len(y) and not 0 <= int(y.min()) <= int(y.max()) < spec.num_classes:
-            raise DataFileError(f"data-dir='{folder}': the {split} labels of dataset {name!r} span "
-                                f"[{int(y.min())}, {int(y.max())}], not [0, {spec.num_classes - 1}]: another dataset?")
+            raise DataFileError(
+                f"data-dir='{folder}': the {split} labels of dataset {name!r} span "
+                f"[{int(y.min())}, {int(y.max())}], not [0, {spec.num_classes - 1}]: another dataset?"
+            )
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -355,16 +374,22 @@ def _read_idx(path: Path) -> np.ndarray:
         with (gzip.open if gz else open)(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
-        raise DataFileError(f"{path}: cannot be read{' as gzip' if gz else ''} ({type(exc).__name__}: {exc}); "
-                            "replace it with a complete copy") from None
+        raise DataFileError(
+            f"{path}: cannot be read{' as gzip' if gz else ''} ({type(exc).__name__}: {exc}); "
+            "replace it with a complete copy"
+        ) from None
     if len(data) < 4 or data[:3] != b"\x00\x00\x08":
-        raise DataFileError(f"{path}: not an unsigned-byte IDX file (it starts with {data[:4]!r}, not "
-                            "b'\\x00\\x00\\x08'); replace it with a complete copy")
+        raise DataFileError(
+            f"{path}: not an unsigned-byte IDX file (it starts with {data[:4]!r}, not "
+            "b'\\x00\\x00\\x08'); replace it with a complete copy"
+        )
     ndim, header = data[3], 4 + 4 * data[3]
     shape = tuple(int(n) for n in np.frombuffer(data, ">i4", count=ndim, offset=4)) if len(data) >= header else None
     if shape is None or len(data) - header != math.prod(shape):
-        raise DataFileError(f"{path}: its header says shape {shape} ({math.prod(shape or (0,))} bytes of data), but "
-                            f"it holds {max(len(data) - header, 0)}: truncated; replace it with a complete copy")
+        raise DataFileError(
+            f"{path}: its header says shape {shape} ({math.prod(shape or (0,))} bytes of data), but "
+            f"it holds {max(len(data) - header, 0)}: truncated; replace it with a complete copy"
+        )
     return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
 
 
@@ -388,8 +413,10 @@ def _read_idx_folder(folder: Path, stems: tuple[str, ...]) -> _Raw | None:
             arrays = [_read_idx_file(p) for p in paths]
             for (images, labels), (image_file, label_file) in ((arrays[:2], paths[:2]), (arrays[2:], paths[2:])):
                 if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-                    raise DataFileError(f"{image_file} holds images of shape {images.shape} and {label_file} labels "
-                                        f"of shape {labels.shape}: expected (N, H, W) and (N,) with the same N")
+                    raise DataFileError(
+                        f"{image_file} holds images of shape {images.shape} and {label_file} labels "
+                        f"of shape {labels.shape}: expected (N, H, W) and (N,) with the same N"
+                    )
             return _Raw(*arrays)
     return None
 
@@ -415,8 +442,9 @@ def _read_parquet_folder(name: str, folder: Path) -> _Raw | None:
     files = {split: sorted(folder.rglob(f"{split}*.parquet")) for split in ("train", "test")}
     if not files["train"]:
         return None
-    return _raw_from_tables(name, {split: pa.concat_tables(pq.read_table(f) for f in paths)
-                                   for split, paths in files.items() if paths})
+    return _raw_from_tables(
+        name, {split: pa.concat_tables(pq.read_table(f) for f in paths) for split, paths in files.items() if paths}
+    )
 
 
 def _raw_from_tables(name: str, tables: dict) -> _Raw:
@@ -426,8 +454,12 @@ def _raw_from_tables(name: str, tables: dict) -> _Raw:
     _, image_col, label_col = _HUB.get(name, (None, "image", "label"))
 
     def arrays(table):
-        images = np.stack([np.asarray(Image.open(io.BytesIO(item["bytes"]) if item["bytes"] else item["path"]))
-                           for item in table.column(image_col).to_pylist()])
+        images = np.stack(
+            [
+                np.asarray(Image.open(io.BytesIO(item["bytes"]) if item["bytes"] else item["path"]))
+                for item in table.column(image_col).to_pylist()
+            ]
+        )
         writers = table.column("writer_id").to_numpy() if "writer_id" in table.column_names else None
         return images, table.column(label_col).to_numpy(), writers
 
@@ -443,7 +475,8 @@ def _offline_error(name: str, problem: str) -> RuntimeError:
     return RuntimeError(
         f"Could not download dataset {name!r}: {problem}. This machine looks offline. To use {name!r} without "
         f"internet, {_FILES_HELP[name]} and pass --run-config \"data-dir='/abs/path'\" (the run-config key "
-        f"data-dir) with that folder's absolute path.")
+        f"data-dir) with that folder's absolute path."
+    )
 
 
 def _check_online(name: str, url: str) -> None:
@@ -484,9 +517,16 @@ def _download_emnist() -> _Raw:
 # ---------------------------------------------------------------- partitioning
 
 
-def partition_indices(labels: np.ndarray, num_partitions: int, partitioner: str, *, alpha: float = 0.5,
-                      classes_per_client: int = 2, seed: int = 0,
-                      writer_ids: np.ndarray | None = None) -> list[np.ndarray]:
+def partition_indices(
+    labels: np.ndarray,
+    num_partitions: int,
+    partitioner: str,
+    *,
+    alpha: float = 0.5,
+    classes_per_client: int = 2,
+    seed: int = 0,
+    writer_ids: np.ndarray | None = None,
+) -> list[np.ndarray]:
     """Pool indices of each partition, built by the flwr-datasets partitioners; deterministic for a seed.
 
     iid: a seeded shuffle cut into equal shards. dirichlet: label proportions ~ Dir(alpha), self-balancing,
@@ -518,19 +558,29 @@ def partition_indices(labels: np.ndarray, num_partitions: int, partitioner: str,
         except ValueError as exc:
             if "max number of attempts" not in str(exc):
                 raise
-            warnings.warn(f"Dirichlet partitioning with alpha={alpha} and {num_partitions} partitions could not "
-                          f"give every partition {_MIN_DIRICHLET_PARTITION} samples: some partitions may be "
-                          f"empty (raise dirichlet-alpha or lower the number of partitions)", stacklevel=2)
+            warnings.warn(
+                f"Dirichlet partitioning with alpha={alpha} and {num_partitions} partitions could not "
+                f"give every partition {_MIN_DIRICHLET_PARTITION} samples: some partitions may be "
+                f"empty (raise dirichlet-alpha or lower the number of partitions)",
+                stacklevel=2,
+            )
             return _dirichlet(ds, num_partitions, alpha, seed, 0)
     if partitioner == "pathological":
-        part = PathologicalPartitioner(num_partitions, "label", num_classes_per_partition=classes_per_client,
-                                       class_assignment_mode="first-deterministic", seed=seed)
+        part = PathologicalPartitioner(
+            num_partitions,
+            "label",
+            num_classes_per_partition=classes_per_client,
+            class_assignment_mode="first-deterministic",
+            seed=seed,
+        )
         return _partition_all(part, ds, range(num_partitions))
     part = NaturalIdPartitioner("writer_id")
     part.dataset = ds
     if num_partitions > part.num_partitions:
-        raise ValueError(f"num_partitions={num_partitions} is more than the {part.num_partitions} writers "
-                         f"available to partitioner='natural'")
+        raise ValueError(
+            f"num_partitions={num_partitions} is more than the {part.num_partitions} writers "
+            f"available to partitioner='natural'"
+        )
     chosen = np.random.default_rng(seed).choice(part.num_partitions, size=num_partitions, replace=False)
     return [_pool_indices(part.load_partition(int(i))) for i in chosen]
 
@@ -547,8 +597,9 @@ def _pool_indices(partition) -> np.ndarray:
 def _dirichlet(ds, num_partitions: int, alpha: float, seed: int, min_size: int) -> list[np.ndarray]:
     from flwr_datasets.partitioner import DirichletPartitioner
 
-    part = DirichletPartitioner(num_partitions, "label", alpha=float(alpha), min_partition_size=min_size,
-                                self_balancing=True, seed=seed)
+    part = DirichletPartitioner(
+        num_partitions, "label", alpha=float(alpha), min_partition_size=min_size, self_balancing=True, seed=seed
+    )
     with warnings.catch_warnings():  # it warns at every retry
         warnings.simplefilter("ignore")
         return _partition_all(part, ds, range(num_partitions))
@@ -571,36 +622,69 @@ def load_validation(name: str, data_dir: str = "", fraction: float = 0.0) -> Arr
 
 
 @functools.lru_cache(maxsize=16)
-def _dataset_partitions(name: str, data_dir: str, num_partitions: int, partitioner: str, alpha: float,
-                        classes_per_client: int, seed: int, validation_fraction: float = 0.0) -> tuple[np.ndarray, ...]:
+def _dataset_partitions(
+    name: str,
+    data_dir: str,
+    num_partitions: int,
+    partitioner: str,
+    alpha: float,
+    classes_per_client: int,
+    seed: int,
+    validation_fraction: float = 0.0,
+) -> tuple[np.ndarray, ...]:
     if partitioner == "natural" and name != "femnist":
-        raise ValueError(f"partitioner='natural' splits by writer, which only dataset 'femnist' records: "
-                         f"dataset={name!r} needs one of: iid, dirichlet, pathological")
+        raise ValueError(
+            f"partitioner='natural' splits by writer, which only dataset 'femnist' records: "
+            f"dataset={name!r} needs one of: iid, dirichlet, pathological"
+        )
     pool, _ = load_dataset(name, data_dir)
 
     def build():  # flwr-datasets partitioners, once per setting; later processes read the cache
         clients = validation_split(len(pool), validation_fraction)[0]  # all of the pool when the fraction is 0
         writers = None if pool.writer_ids is None else pool.writer_ids[clients]
-        parts = partition_indices(pool.y[clients], num_partitions, partitioner, alpha=alpha,
-                                  classes_per_client=classes_per_client, seed=seed, writer_ids=writers)
+        parts = partition_indices(
+            pool.y[clients],
+            num_partitions,
+            partitioner,
+            alpha=alpha,
+            classes_per_client=classes_per_client,
+            seed=seed,
+            writer_ids=writers,
+        )
         return {f"p{i}": clients[idx] for i, idx in enumerate(parts)}
 
     held = f"-v{validation_fraction!r}" if validation_fraction else ""
-    key = (f"partitions-{source_digest(name, data_dir)}-n{num_partitions}-{partitioner}-a{alpha!r}"
-           f"-c{classes_per_client}-s{seed}{held}")
+    key = (
+        f"partitions-{source_digest(name, data_dir)}-n{num_partitions}-{partitioner}-a{alpha!r}"
+        f"-c{classes_per_client}-s{seed}{held}"
+    )
+
     def valid(arrays):
         parts = [arrays.get(f"p{i}") for i in range(num_partitions)]
         return len(arrays) == num_partitions and all(
-            p is not None and p.ndim == 1 and p.dtype.kind == "i" and (p.size == 0 or 0 <= p.min() <= p.max() < len(pool))
-            for p in parts)
+            p is not None
+            and p.ndim == 1
+            and p.dtype.kind == "i"
+            and (p.size == 0 or 0 <= p.min() <= p.max() < len(pool))
+            for p in parts
+        )
 
     arrays = _cached(key, build, valid)
     return tuple(arrays[f"p{i}"] for i in range(num_partitions))
 
 
-def load_partition(name: str, partition_id: int, num_partitions: int, partitioner: str = "dirichlet", *,
-                   alpha: float = 0.5, classes_per_client: int = 2, seed: int = 0,
-                   data_dir: str = "", validation_fraction: float = 0.0) -> tuple[ArrayDataset, ArrayDataset]:
+def load_partition(
+    name: str,
+    partition_id: int,
+    num_partitions: int,
+    partitioner: str = "dirichlet",
+    *,
+    alpha: float = 0.5,
+    classes_per_client: int = 2,
+    seed: int = 0,
+    data_dir: str = "",
+    validation_fraction: float = 0.0,
+) -> tuple[ArrayDataset, ArrayDataset]:
     """A client's (train, test): its partition shuffled with the seed and split 90/10 (the server's validation
     set, `validation_fraction` of the pool, is never partitioned).
 
@@ -608,11 +692,20 @@ def load_partition(name: str, partition_id: int, num_partitions: int, partitione
     """
     _check_dataset(name)
     if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition_id={partition_id} must be in [0, {num_partitions - 1}] "
-                         f"for num_partitions={num_partitions}")
+        raise ValueError(
+            f"partition_id={partition_id} must be in [0, {num_partitions - 1}] for num_partitions={num_partitions}"
+        )
     pool, _ = load_dataset(name, data_dir)
-    idx = _dataset_partitions(name, data_dir, num_partitions, partitioner, float(alpha), int(classes_per_client),
-                              int(seed), float(validation_fraction))[partition_id]
+    idx = _dataset_partitions(
+        name,
+        data_dir,
+        num_partitions,
+        partitioner,
+        float(alpha),
+        int(classes_per_client),
+        int(seed),
+        float(validation_fraction),
+    )[partition_id]
     idx = np.random.default_rng([seed, partition_id]).permutation(idx)
     n_test = max(1, len(idx) // 10) if len(idx) >= 2 else 0
     train, test = pool.subset(idx[n_test:]), pool.subset(idx[:n_test])

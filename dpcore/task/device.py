@@ -36,12 +36,16 @@ def device_problem(spec: str) -> str | None:
     if not spec.startswith("cuda"):
         return None
     if not torch.cuda.is_available():
-        return ("CUDA was asked for, but torch sees no CUDA device here (torch.cuda.is_available() is False: "
-                f"no GPU, no driver, or a CPU build of torch {torch.__version__}); use 'auto' or 'cpu'")
+        return (
+            "CUDA was asked for, but torch sees no CUDA device here (torch.cuda.is_available() is False: "
+            f"no GPU, no driver, or a CPU build of torch {torch.__version__}); use 'auto' or 'cpu'"
+        )
     count = torch.cuda.device_count()
     if match.group(1) is not None and int(match.group(1)) >= count:
-        return (f"CUDA device {match.group(1)} is out of range: torch sees {count} CUDA device(s), "
-                f"cuda:0 to cuda:{count - 1}")
+        return (
+            f"CUDA device {match.group(1)} is out of range: torch sees {count} CUDA device(s), "
+            f"cuda:0 to cuda:{count - 1}"
+        )
     return None
 
 

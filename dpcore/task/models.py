@@ -20,13 +20,17 @@ class ConvNet(nn.Module):
     the MNIST CNN) are bilinearly upsampled to that size first (`resize`, no parameters).
     """
 
-    def __init__(self, features: nn.Sequential, hidden: tuple[int, ...], input_shape: tuple[int, int, int],
-                 num_classes: int):
+    def __init__(
+        self, features: nn.Sequential, hidden: tuple[int, ...], input_shape: tuple[int, int, int], num_classes: int
+    ):
         super().__init__()
         channels, height, width = input_shape
         side = _min_input_side(features)
-        self.resize = (nn.Upsample(size=(max(height, side), max(width, side)), mode="bilinear", align_corners=False)
-                       if min(height, width) < side else nn.Identity())
+        self.resize = (
+            nn.Upsample(size=(max(height, side), max(width, side)), mode="bilinear", align_corners=False)
+            if min(height, width) < side
+            else nn.Identity()
+        )
         self.features = features
         with torch.no_grad():
             width_in = features(self.resize(torch.zeros(1, channels, height, width))).numel()
@@ -67,8 +71,12 @@ def cnn_mnist(input_shape: tuple[int, int, int], num_classes: int) -> ConvNet:
     The paper does not name the activation: ReLU, as in Opacus' MNIST example of the same network.
     """
     features = nn.Sequential(
-        nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=2), nn.ReLU(), nn.MaxPool2d(2, stride=1),
-        nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=1),
     )
     return ConvNet(features, (32,), input_shape, num_classes)
 
@@ -80,8 +88,12 @@ def cnn_emnist(input_shape: tuple[int, int, int], num_classes: int) -> ConvNet:
     pooling after each convolution and ReLU, as in the FedAvg paper's CNN (McMahan et al. 2017).
     """
     features = nn.Sequential(
-        nn.Conv2d(input_shape[0], 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(input_shape[0], 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
     )
     return ConvNet(features, (512,), input_shape, num_classes)
 
@@ -95,8 +107,13 @@ def cnn_cifar10(input_shape: tuple[int, int, int], num_classes: int) -> ConvNet:
     layers: list[nn.Module] = []
     channels = input_shape[0]
     for width in (32, 64, 128):
-        layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
-                   nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        layers += [
+            nn.Conv2d(channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        ]
         channels = width
     return ConvNet(nn.Sequential(*layers), (128,), input_shape, num_classes)
 
@@ -173,8 +190,10 @@ def head_parameter_names(model: nn.Module, head_prefix: str = "") -> list[str]:
         head = [name for name in names if name.startswith(head_prefix)]
         if not head:
             prefixes = dict.fromkeys(name.split(".")[0] for name in names)
-            raise ValueError(f"head_prefix={head_prefix!r} matches no parameter of the model; its top-level "
-                             f"prefixes are: {', '.join(prefixes)}")
+            raise ValueError(
+                f"head_prefix={head_prefix!r} matches no parameter of the model; its top-level "
+                f"prefixes are: {', '.join(prefixes)}"
+            )
         return head
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     if not linears:

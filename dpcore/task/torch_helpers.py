@@ -83,8 +83,8 @@ def loss_gradient(model: nn.Module, dataset, max_samples: int = 0, batch_size: i
     model.zero_grad(set_to_none=True)
     device = model_device(model)
     for i in range(0, len(y), batch_size):
-        out = model(x[i:i + batch_size].to(device))
-        loss = nn.functional.cross_entropy(out, y[i:i + batch_size].to(device), reduction="sum")
+        out = model(x[i : i + batch_size].to(device))
+        loss = nn.functional.cross_entropy(out, y[i : i + batch_size].to(device), reduction="sum")
         (loss / len(y)).backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     out = torch.cat([g.reshape(-1) for g in grads]).double().cpu().numpy()

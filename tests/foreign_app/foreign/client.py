@@ -18,5 +18,6 @@ def fit(msg: Message, context: Context) -> Message:
     if weights[0].shape[1] != classes:  # this node's model: same task, `classes` outputs
         weights = [weights[0][:, :classes], weights[1][:classes]]
     weights = train(weights, x, y)
-    return Message(RecordDict({"arrays": ArrayRecord(weights), "metrics": MetricRecord({"num-examples": len(y)})}),
-                   reply_to=msg)
+    return Message(
+        RecordDict({"arrays": ArrayRecord(weights), "metrics": MetricRecord({"num-examples": len(y)})}), reply_to=msg
+    )

@@ -28,22 +28,36 @@ class RecordingServer(Server):
     def fit(self, num_rounds, timeout):
         history, elapsed = super().fit(num_rounds, timeout)
         strategy = self.strategy
-        self.out.write_text(json.dumps({
-            "metrics_distributed": {k: v for k, v in history.metrics_distributed.items()},
-            "metrics_distributed_fit": {k: v for k, v in history.metrics_distributed_fit.items()},
-            "epsilon": strategy.describe()["epsilon"], "delta": strategy.describe()["delta"],
-            "rounds": len(strategy.history)}))
+        self.out.write_text(
+            json.dumps(
+                {
+                    "metrics_distributed": {k: v for k, v in history.metrics_distributed.items()},
+                    "metrics_distributed_fit": {k: v for k, v in history.metrics_distributed_fit.items()},
+                    "epsilon": strategy.describe()["epsilon"],
+                    "delta": strategy.describe()["delta"],
+                    "rounds": len(strategy.history),
+                }
+            )
+        )
         return history, elapsed
 
 
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = context.run_config
     rounds = int(cfg["num-server-rounds"])
-    strategy = LegacyDPFedAvg(DPFedAvg(sample_rate=1.0, clipping_norm=float(cfg["clipping-norm"]),
-                                       noise_multiplier=float(cfg["noise-multiplier"]), noise_placement="distributed",
-                                       delta=1e-3, fraction_evaluate=1.0),
-                              evaluate_metrics_aggregation_fn=mean_accuracy, num_rounds=rounds,
-                              initial_parameters=ndarrays_to_parameters(initial_weights()))
+    strategy = LegacyDPFedAvg(
+        DPFedAvg(
+            sample_rate=1.0,
+            clipping_norm=float(cfg["clipping-norm"]),
+            noise_multiplier=float(cfg["noise-multiplier"]),
+            noise_placement="distributed",
+            delta=1e-3,
+            fraction_evaluate=1.0,
+        ),
+        evaluate_metrics_aggregation_fn=mean_accuracy,
+        num_rounds=rounds,
+        initial_parameters=ndarrays_to_parameters(initial_weights()),
+    )
     server = RecordingServer(Path(str(cfg["results-file"])), client_manager=SimpleClientManager(), strategy=strategy)
     return ServerAppComponents(server=server, config=ServerConfig(num_rounds=rounds))
 

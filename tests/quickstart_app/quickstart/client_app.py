@@ -15,8 +15,12 @@ def train_fn(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     trainset, _ = load_data(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
     loss = train(model, trainset, int(context.run_config["local-epochs"]), float(context.run_config["lr"]))
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                          "metrics": MetricRecord({"train_loss": loss, "num-examples": len(trainset[1])})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"train_loss": loss, "num-examples": len(trainset[1])}),
+        }
+    )
     return Message(content=content, reply_to=msg)
 
 
