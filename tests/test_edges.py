@@ -565,36 +565,19 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
     Ray head go too (each child dies with its parent: PR_SET_PDEATHSIG, and its own cleanup on SIGTERM)."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.test_launch import describe, processes_mentioning, processes_named
+    from tests.test_launch import (
+        describe,
+        processes_mentioning,
+        processes_named,
+        start_long_launch,
+        wait_for_round_one,
+    )
 
-    results, log_path = tmp_path / "results", tmp_path / "launch.log"
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fl_app.launch",
-                "--clients",
-                "2",
-                "--results",
-                str(results),
-                "-c",
-                "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2",
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    launcher, results, log_path = start_long_launch(tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while not [m for m in results.glob("*-dp/metrics.jsonl") if m.read_text()]:
-            assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_for_round_one(launcher, results, log_path)
         assert processes_named("flwr-simulation", str(results)) and processes_named("gcs_server", str(results))
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)

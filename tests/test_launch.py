@@ -288,37 +288,37 @@ def check_the_printed_flwr_commands(log: str) -> None:
     assert "Round 1/200:" in logged.stdout + logged.stderr, logged.stdout + logged.stderr
 
 
+LONG_LAUNCH = "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2"  # the test ends it
+
+
+def start_long_launch(tmp_path: Path, preexec_fn=None) -> tuple[subprocess.Popen, Path, Path]:
+    """(launcher, results folder, log file) of a launch of 2 clients and 200 short rounds in a session of its
+    own, which the test ends; its output goes to a file, not a pipe nobody reads (a full pipe would block it)."""
+    results, log_path = tmp_path / "results", tmp_path / "launch.log"
+    command = [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results), "-c", LONG_LAUNCH]
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn
+        )
+    return launcher, results, log_path
+
+
+def wait_for_round_one(launcher: subprocess.Popen, results: Path, log_path: Path, timeout: float = 300) -> None:
+    """Until the launch's run folder has its first round (its metrics.jsonl is not empty); fails with the log's
+    end where the launcher exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not any(f.read_text() for f in results.glob("*-dp/metrics.jsonl")):
+        assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
     """Ctrl-C (SIGINT to the terminal's process group) and SIGTERM to the launcher alone (a scheduler)."""
-    results, log_path = tmp_path / "results", tmp_path / "launch.log"
-    with open(log_path, "wb") as log:  # a file, not a pipe nobody reads: a full pipe would block the launcher
-        launcher = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fl_app.launch",
-                "--clients",
-                "2",
-                "--results",
-                str(results),
-                "-c",
-                "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2",
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=default_sigint,
-        )
+    launcher, results, log_path = start_long_launch(tmp_path, preexec_fn=default_sigint)
     try:
-        deadline = time.monotonic() + 300
-        while (
-            not list(results.glob("*-dp/metrics.jsonl")) or not list(results.glob("*-dp/metrics.jsonl"))[0].read_text()
-        ):
-            assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_for_round_one(launcher, results, log_path)
         assert processes_mentioning(str(results))  # its SuperLink runs with our folder in its command line
         assert simulation_running(str(results))  # the simulation, which runs the rounds, is seen too
         # one Ray: the launcher's head, which the simulation joined (its own ray.init would start a second)
@@ -360,31 +360,9 @@ def test_another_account_cannot_reach_a_running_launchs_superlink(tmp_path):
     from tests.test_network_isolation import as_nobody, can_connect, nobody_python
 
     python = nobody_python()
-    results, log_path = tmp_path / "results", tmp_path / "launch.log"
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fl_app.launch",
-                "--clients",
-                "2",
-                "--results",
-                str(results),
-                "-c",
-                "num-rounds=200 dataset='digits' model='mlp' partitioner='iid' local-steps=2",
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=default_sigint,
-        )
+    launcher, results, log_path = start_long_launch(tmp_path, preexec_fn=default_sigint)
     try:
-        deadline = time.monotonic() + 300
-        while not any(f.read_text() for f in results.glob("*-dp/metrics.jsonl")):  # round 1 done
-            assert time.monotonic() < deadline and launcher.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_for_round_one(launcher, results, log_path)
         ports = re.search(r"127.0.0.1:(\d+) \(HTTP API\), control API 127.0.0.1:(\d+)", log_path.read_text()).groups()
         for port in map(int, ports):
             assert not can_connect(port, python=python, preexec=as_nobody), f"uid 65534 reached port {port}"
