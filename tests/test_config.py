@@ -22,6 +22,17 @@ def test_pyproject_defaults_equal_spec():
     assert text == with_app_config_table(text), "regenerate it: python -m fl_app.config --write"
 
 
+def test_the_readme_key_table_gives_the_declared_defaults():
+    """README's table of the keys that matter shows each key's default as fl_app/settings.py declares it."""
+    import re
+
+    from fl_app.config import literal
+
+    rows = re.findall(r"^\| `([a-z-]+)` \| `([^`]*)` \|", (ROOT / "README.md").read_text(), re.M)
+    assert len(rows) >= 10
+    assert {key: default for key, default in rows} == {key: literal(SPEC[key].default) for key, _ in rows}
+
+
 def test_each_key_is_one_typed_field_of_one_concern():
     """fl_app.settings declares every key once: a field of one concern's dataclass, whose annotation is the type
     of its default; SPEC is drawn from those fields."""
