@@ -141,7 +141,7 @@ def own_user_namespace(mode: str) -> bool | OSError:
 
 
 def network_need(settings: list[Settings], env: dict) -> str | None:
-    """Why runs with these configs (`run_settings`) need the machine's network after the launch has started,
+    """Why runs with these settings need the machine's network after the launch has started,
     if they do (then no network namespace): a Ray cluster named in RAY_ADDRESS, or W&B online mode, which
     the ServerApp logs through."""
     if env.get("RAY_ADDRESS"):
@@ -169,9 +169,7 @@ def prefetch_datasets(settings: list[Settings]) -> None:
                 raise SystemExit(str(exc)) from None
 
 
-def isolate(
-    mode: str, runs: list[tuple[str, str, Path]], env: dict, user_namespace: bool | OSError
-) -> list[str] | None:
+def isolate(mode: str, runs: list[PlannedRun], env: dict, user_namespace: bool | OSError) -> list[str] | None:
     """Move the launcher into a private network namespace (`netns.isolate_network`) before it starts anything,
     so that no other local account can reach its SuperLink and run code as this user; returns the `nsenter`
     command into it (for `superlink_hint`), None when not isolated. --network-isolation auto: where the
@@ -179,7 +177,7 @@ def isolate(
     require: exits with that reason instead; off: nothing."""
     if mode == "off":
         return None
-    settings = [run_settings(overrides) for _, overrides, _ in runs]
+    settings = [run.settings for run in runs]
     if need := network_need(settings, env):
         problem = f"not isolated because {need}"
     elif isinstance(user_namespace, OSError):
@@ -477,13 +475,6 @@ def app_defaults() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 
 
-def run_settings(overrides: str) -> Settings:
-    """A planned run's settings (`plan_runs` has validated them): the app's defaults with its overrides."""
-    from fl_app.config import validate
-
-    return validate({**app_defaults(), **parse_overrides(overrides)})
-
-
 CONFIG_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")  # flwr.common.config.parse_config_args' pattern
 
 
@@ -523,10 +514,19 @@ def resume_run_config(run_dir: Path, run_config: str) -> str:
     return format_run_config({**settings, "resume": True, "results-dir": str(run_dir)})
 
 
-def plan_runs(args: argparse.Namespace, stamp: str) -> list[tuple[str, str, Path]]:
-    """(name, run config for `flwr run`, run folder) of each run of this launch, each config (pyproject's
-    defaults and the overrides) validated as the ServerApp will, and --clients against min-nodes: a bad
-    value exits here with the one-line reason, before any process starts."""
+class PlannedRun(NamedTuple):
+    """One run of a launch: its name, its run config for `flwr run` (the overrides), its folder and its
+    settings (pyproject's defaults and the overrides, validated as the ServerApp will)."""
+
+    name: str
+    overrides: str
+    folder: Path
+    settings: Settings
+
+
+def plan_runs(args: argparse.Namespace, stamp: str) -> list[PlannedRun]:
+    """Each run of this launch, its config validated and --clients checked against min-nodes: a bad value
+    exits here with the one-line reason, before any process starts."""
     if args.resume:
         if args.sweep or args.reference:
             raise SystemExit("--resume continues one run: it takes no --sweep or --reference")
@@ -538,7 +538,7 @@ def plan_runs(args: argparse.Namespace, stamp: str) -> list[tuple[str, str, Path
     return [check_run(name, overrides, args, stamp, len(runs)) for name, overrides in runs]
 
 
-def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, count: int) -> tuple[str, str, Path]:
+def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, count: int) -> PlannedRun:
     """One run of `plan_runs`: its folder (the results-dir it names, else <--results>/<stamp>-<name>) and its
     validated config; SystemExit with the reason otherwise."""
     from fl_app.config import ConfigError, validate
@@ -568,7 +568,7 @@ def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, c
             f"the run would wait for nodes that never come; pass --clients {min_nodes} (or more), "
             f'or -c "min-nodes={max(args.clients, 1)}"'
         )
-    return name, overrides, Path(settings.output.results_dir)
+    return PlannedRun(name, overrides, Path(settings.output.results_dir), settings)
 
 
 def exit_on_signal(signum: int, _frame) -> None:
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {**os.environ, **QUIET_ENV}
     stamp = run_stamp()
     runs = plan_runs(args, stamp)  # every run's config checked before anything starts
-    if any(parse_overrides(overrides).get("flower-speed-patches") is True for _, overrides, _ in runs):
+    if any(run.settings.federation.flower_speed_patches for run in runs):
         base[SPEED_PATCHES_ENV] = "1"  # the simulation's opt-in patches (fl_app.simulation_pickup)
     enter = isolate(args.network_isolation, runs, base, user_namespace)  # before anything starts
     log_dir = Path(args.results)
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             stop(proc, env["FLWR_HOME"])
             del env["RAY_ADDRESS"]  # each run's own Ray, with the head's token
             proc = start_superlink(env, http_port, control_port, log_dir / "superlink.log")
-        for name, overrides, run_dir in runs:
+        for name, overrides, run_dir, _ in runs:
             started = time.time()
             rc = flwr_run(env, overrides, args.clients, gpus, args.cpus_per_client)
             status = run_status(run_dir, since=started)
