@@ -178,7 +178,7 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
         results=str(tmp_path / "results"),
         run_config=f"num-rounds=3 results-dir='{tmp_path / 'mine'}'",
     )
-    [(name, overrides, run_dir)] = plan_runs(args, "stamp")
+    [(name, overrides, run_dir, _)] = plan_runs(args, "stamp")
     assert run_dir == tmp_path / "mine" and parse_overrides(overrides)["results-dir"] == str(tmp_path / "mine")
     assert overrides.count("results-dir") == 1
 
@@ -198,7 +198,7 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
     args = argparse.Namespace(
         resume=str(run), sweep="", reference=False, clients=4, results=str(tmp_path / "r"), run_config="num-rounds=5"
     )
-    [(name, overrides, run_dir)] = plan_runs(args, "stamp")
+    [(name, overrides, run_dir, _)] = plan_runs(args, "stamp")
     assert run_dir == run and parse_overrides(overrides) == {
         "num-rounds": 5,
         "noise-multiplier": 2.0,
@@ -569,7 +569,8 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
 
     from tests.test_launch import (
         describe,
-        processes_mentioning,
+        kill_long_launch,
+        processes_left,
         processes_named,
         start_long_launch,
         wait_for_round_one,
@@ -582,17 +583,11 @@ def test_a_sigkilled_launcher_leaves_nothing_running(tmp_path):
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
         t0 = time.monotonic()
-        while processes_mentioning(str(results)) and time.monotonic() - t0 < 30:
-            time.sleep(0.5)
-        left = describe(processes_mentioning(str(results)))
+        left = describe(processes_left(results))
         print(f"{len(left)} processes left {time.monotonic() - t0:.1f} s after the launcher's SIGKILL")
         assert left == []
     finally:
-        for pid in processes_mentioning(str(results)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_long_launch(launcher, results)
 
 
 @pytest.mark.slow

@@ -312,6 +312,26 @@ def wait_for_round_one(launcher: subprocess.Popen, results: Path, log_path: Path
         time.sleep(0.5)
 
 
+def processes_left(results: Path, timeout: float = 30) -> list[int]:
+    """The launch's processes (those naming its results folder) still there after up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while processes_mentioning(str(results)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return processes_mentioning(str(results))
+
+
+def kill_long_launch(launcher: subprocess.Popen, results: Path) -> None:
+    """After a test, passed or failed: SIGKILL whatever of the launch is still running (the launcher's session,
+    and its SuperLink, which has a session of its own)."""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    for pid in processes_mentioning(str(results)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
@@ -338,18 +358,10 @@ def test_ctrl_c_leaves_nothing_running_and_exits_non_zero(tmp_path, how):
                 f"\n{log_path.read_text()[-6000:]}"
             )
         assert code != 0, log_path.read_text()[-3000:]
-        deadline = time.monotonic() + 30
-        while processes_mentioning(str(results)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert processes_mentioning(str(results)) == [], describe(processes_mentioning(str(results)))
-    finally:  # after a failure: leave nothing of this test running (its SuperLink has a session of its own)
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        for pid in processes_mentioning(str(results)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        left = processes_left(results)
+        assert left == [], describe(left)
+    finally:  # after a failure: leave nothing of this test running
+        kill_long_launch(launcher, results)
 
 
 @pytest.mark.slow
@@ -377,18 +389,10 @@ def test_another_account_cannot_reach_a_running_launchs_superlink(tmp_path):
         check_the_printed_flwr_commands(log_path.read_text())
         os.killpg(launcher.pid, signal.SIGINT)
         assert launcher.wait(timeout=120) != 0
-        deadline = time.monotonic() + 30
-        while processes_mentioning(str(results)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert processes_mentioning(str(results)) == [], describe(processes_mentioning(str(results)))
+        left = processes_left(results)
+        assert left == [], describe(left)
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        for pid in processes_mentioning(str(results)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_long_launch(launcher, results)
 
 
 @pytest.mark.slow
