@@ -19,7 +19,7 @@ from typing import Any
 
 from dpcore.task.device import device_problem
 from fl_app.algorithms import check_config
-from fl_app.settings import KEYS, Key, Settings
+from fl_app.settings import KEYS, Key, Settings, concern_keys
 
 # results-dir may not be the filesystem root nor lie in these trees (the launcher runs as any user, root included)
 SYSTEM_TREES = (
@@ -207,11 +207,7 @@ def app_config_table() -> str:
     lines = [APP_CONFIG_TABLE, "# drawn from fl_app/settings.py: regenerate with `python -m fl_app.config --write`"]
     for concern in fields(Settings):
         lines.append(f"# -- {concern.name}: {concern.default_factory.__doc__.strip()}")
-        lines += [
-            f"{f'{spec.name} = {literal(spec.default)}':<40}# {spec.help}"
-            for spec in KEYS
-            if spec.attribute.startswith(concern.name + ".")
-        ]
+        lines += [f"{f'{spec.name} = {literal(spec.default)}':<40}# {spec.help}" for spec in concern_keys(concern.name)]
     return "\n".join(lines) + "\n"
 
 
@@ -226,8 +222,7 @@ def key_reference() -> str:
     def section(concern) -> list[str]:
         rows = [
             f"| `{spec.name}` | `{literal(spec.default)}` | {spec.allowed()} | {spec.help} | `{spec.attribute}` |"
-            for spec in KEYS
-            if spec.attribute.startswith(concern.name + ".")
+            for spec in concern_keys(concern.name)
         ]
         doc = concern.default_factory.__doc__.strip()
         return [

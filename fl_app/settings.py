@@ -13,7 +13,7 @@ The run-config key of a field is its name with '-' for '_', unless `setting(...,
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from dpcore.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
@@ -504,16 +504,15 @@ def _keys() -> Iterator[Key]:
     for concern in fields(Settings):
         for f in fields(concern.default_factory):
             spec = f.metadata[KEY]
-            yield Key(
-                **{
-                    **spec.__dict__,
-                    "name": spec.name or f.name.replace("_", "-"),
-                    "attribute": f"{concern.name}.{f.name}",
-                }
-            )
+            yield replace(spec, name=spec.name or f.name.replace("_", "-"), attribute=f"{concern.name}.{f.name}")
 
 
 KEYS: tuple[Key, ...] = tuple(_keys())
 WHERE: dict[str, tuple[str, str]] = {spec.name: tuple(spec.attribute.split(".")) for spec in KEYS}  # key -> field
 CONCERNS: dict[str, type] = {concern.name: concern.default_factory for concern in fields(Settings)}
 Settings.DEFAULTS = {spec.name: spec.default for spec in KEYS}
+
+
+def concern_keys(concern: str) -> list[Key]:
+    """The keys of one concern (a field name of Settings), in declaration order."""
+    return [spec for spec in KEYS if WHERE[spec.name][0] == concern]
