@@ -31,6 +31,10 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import require
 
+from .noise_placement import noise_placement as make_noise_placement
+from .parts import AfterRound, Part
+from .reply_gate import MetricRule
+
 HONEST_BIT_BOUND_SIGMAS = math.sqrt(2 * math.log(1e12))  # an honest share exceeds 1/2 + this many stds w.p. <= 1e-12
 
 
@@ -44,10 +48,12 @@ def update_noise_multiplier(noise_multiplier: float, count_noise_multiplier: flo
     return rest**-0.5
 
 
-class AdaptiveClipping:
-    """The geometric quantile update of the clipping norm, with its noised count."""
+class AdaptiveClipping(Part):
+    """The geometric quantile update of the clipping norm, with its noised count (a part of the wrapper)."""
 
+    keyword = "adaptive_clipping"
     published_keys = frozenset({"clipping_norm", "clipping_norm_next", "unclipped_fraction_noisy"})  # DP outputs
+    reply_rules = {keys.CLIP_BIT: MetricRule(low=-1e15, high=1e15)}
 
     def __init__(
         self, target_quantile: float = 0.5, learning_rate: float = 0.2, count_noise_multiplier: float = 10.0
@@ -59,15 +65,9 @@ class AdaptiveClipping:
         self.learning_rate = learning_rate
         self.count_noise_multiplier = count_noise_multiplier
 
-    def check(
-        self,
-        *,
-        noise_multiplier: float,
-        noise_placement: str,
-        secure_aggregation: bool = False,
-        clipping_norm: float = 1.0,
-    ) -> None:
+    def check(self, privacy, others: frozenset[str]) -> None:
         """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
+        noise_multiplier, noise_placement = privacy.noise_multiplier, privacy.noise_placement
         require(
             noise_multiplier == 0 or self.count_noise_multiplier > noise_multiplier / 2,
             "clip_count_noise_multiplier",
@@ -77,48 +77,51 @@ class AdaptiveClipping:
             "(sigma^-2 - (2 sigma_b)^-2)^(-1/2) of Theorem 1 would be imaginary",
         )
         require(
-            noise_placement in ("central", "distributed"),
+            make_noise_placement(noise_placement).server_adds_noise,
             "noise_placement",
             noise_placement,
             "adaptive clipping (run-config key 'adaptive-clipping') needs 'central' or 'distributed' noise",
         )
         require(
-            not secure_aggregation,
+            "secure_aggregation" not in others,
             "secure_aggregation",
-            secure_aggregation,
+            "secure_aggregation" in others,
             "adaptive clipping (run-config key 'adaptive-clipping') needs the clipped bits in the clear, "
             "which SecAgg+ replies do not carry",
         )
-        require(clipping_norm > 0, "clipping_norm", clipping_norm, "adaptive clipping starts from C_0 > 0")
+        require(
+            privacy.clipping_norm > 0, "clipping_norm", privacy.clipping_norm, "adaptive clipping starts from C_0 > 0"
+        )
 
     def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        """sigma_Delta of Theorem 1: the count's noise takes the rest of sigma."""
         return update_noise_multiplier(noise_multiplier, self.count_noise_multiplier)
 
-    def client_config(self, noise_placement: str, noise_shares: int) -> dict:
-        """Distributed: each client's share of the count noise."""
-        if noise_placement != "distributed":
+    def client_config(self, dp, server_round: int) -> dict:
+        """Noise in client shares: each client's share of the count noise."""
+        if not dp.noise.noise_in_shares:
             return {}
-        return {keys.CLIP_COUNT_NOISE_STD: self.count_noise_multiplier / math.sqrt(max(1, noise_shares))}
+        return {keys.CLIP_COUNT_NOISE_STD: self.count_noise_multiplier / math.sqrt(max(1, dp.noise_shares))}
 
-    def reply_problem(self, metrics: dict, noise_placement: str, noise_shares: int) -> str | None:
-        """Distributed: the noisy bit is present and within what an honest one reaches (p <= 1e-12)."""
-        if noise_placement != "distributed":
+    def reply_problem(self, dp, metrics: dict) -> str | None:
+        """Noise in client shares: the noisy bit is present and within what an honest one reaches (p <= 1e-12)."""
+        if not dp.noise.noise_in_shares:
             return None
         if keys.CLIP_BIT not in metrics:
             return (
                 "no clipped bit: adaptive clipping under distributed noise needs "
                 "clients.adaptive_clipping.clip_bit_mod on the ClientApp's train"
             )
-        bound = 0.5 + HONEST_BIT_BOUND_SIGMAS * self.count_noise_multiplier / math.sqrt(max(1, noise_shares))
+        bound = 0.5 + HONEST_BIT_BOUND_SIGMAS * self.count_noise_multiplier / math.sqrt(max(1, dp.noise_shares))
         if abs(metrics[keys.CLIP_BIT]) > bound:
             return f"clipped bit {metrics[keys.CLIP_BIT]:.6g} outside [-{bound:.6g}, {bound:.6g}]"
         return None
 
     def noisy_count(
-        self, server_round: int, noise_placement: str, bits: list[float], noise_shares: int, seed: int, secure: bool
+        self, server_round: int, in_shares: bool, bits: list[float], noise_shares: int, seed: int, secure: bool
     ) -> float:
         """sum_i (b_i - 1/2) + N(0, sigma_b^2): all of the noise (central) or the top-up of the missing shares."""
-        if noise_placement == "distributed":
+        if in_shares:
             std = self.count_noise_multiplier * math.sqrt(max(0, noise_shares - len(bits)) / max(1, noise_shares))
         else:
             std = self.count_noise_multiplier
@@ -132,22 +135,25 @@ class AdaptiveClipping:
         b_bar = noisy_count / expected_clients + 0.5
         return clipping_norm * math.exp(-self.learning_rate * (b_bar - self.target_quantile)), b_bar
 
-    def after_round(
-        self, strategy, server_round: int, accepted: list[tuple[np.ndarray, dict]], norms: list[float]
-    ) -> dict:
-        """Set the wrapper's C to C_{t+1}; the round record's entries (C_t and C_{t+1} are published)."""
-        used = strategy.clipping_norm
-        if strategy.noise_placement == "distributed":
+    def after_round(self, dp, server_round: int, accepted: list[tuple[np.ndarray, dict]], norms: list) -> AfterRound:
+        """C_{t+1} from the noised count (after this round's noise used C_t): the wrapper's next clipping norm, and
+        the round record's entries (C_t and C_{t+1} are published)."""
+        used, in_shares = dp.clipping_norm, dp.noise.noise_in_shares
+        if in_shares:
             bits = [float(metrics[keys.CLIP_BIT]) for _, metrics in accepted]
         else:
             bits = [(1.0 if n <= used else 0.0) - 0.5 for n in norms]
-        count = self.noisy_count(
-            server_round, strategy.noise_placement, bits, strategy.noise_shares, strategy.seed, strategy.secure_rng
+        count = self.noisy_count(server_round, in_shares, bits, dp.noise_shares, dp.seed, dp.secure_rng)
+        following, b_bar = self.next_clipping_norm(used, count, dp.expected_clients)
+        return AfterRound(
+            record={"clipping_norm": used, "clipping_norm_next": following, "unclipped_fraction_noisy": b_bar},
+            settings={"clipping_norm": following},
         )
-        strategy.clipping_norm, b_bar = self.next_clipping_norm(used, count, strategy.expected_clients)
-        return {"clipping_norm": used, "clipping_norm_next": strategy.clipping_norm, "unclipped_fraction_noisy": b_bar}
 
-    def describe(self) -> dict:
+    def describe(self, dp) -> dict:
+        return {"adaptive_clipping": self.describe_settings()}
+
+    def describe_settings(self) -> dict:
         return {
             "target_quantile": self.target_quantile,
             "clip_learning_rate": self.learning_rate,

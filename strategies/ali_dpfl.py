@@ -44,6 +44,7 @@ from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers, epsilo
 from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
 from dpcore.privacy.settings import check_dpsgd, require
 
+from .options import RunOptions, SamplingOptions
 from .reply_gate import MetricRule
 from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
 
@@ -203,18 +204,18 @@ class ALIDPFL(DPRoundLoop):
         )
         super().__init__(
             strategy,
-            sample_rate=sample_rate,
-            client_sampling=client_sampling,
-            server_learning_rate=server_learning_rate,
+            sampling=SamplingOptions(sample_rate, client_sampling, min_available_nodes),
+            run=RunOptions(
+                server_learning_rate,
+                seed,
+                secure_rng,
+                fraction_evaluate,
+                publish_diagnostics,
+                on_round_end,
+                on_checkpoint,
+            ),
             delta=delta,
             accountant=accountant,
-            seed=seed,
-            secure_rng=secure_rng,
-            min_available_nodes=min_available_nodes,
-            fraction_evaluate=fraction_evaluate,
-            publish_diagnostics=publish_diagnostics,
-            on_round_end=on_round_end,
-            on_checkpoint=on_checkpoint,
         )
         self.batch_sample_rate = batch_sample_rate
         self.sample_noise_multiplier = sample_noise_multiplier
@@ -413,7 +414,7 @@ class ALIDPFL(DPRoundLoop):
             self.mu_rounds += 1
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
         rows, weights, nodes = [], [], []
-        for (vector, metrics), node in zip(accepted, self.round_accepted_nodes):
+        for (vector, metrics), node in zip(accepted, self.round.accepted_nodes):
             problem, weight = self.row_problem(node, metrics, tau)
             if problem:
                 rejected += 1
@@ -487,7 +488,7 @@ class ALIDPFL(DPRoundLoop):
             return None if bound == pid else f"partition id {pid} reported, the node is bound to {bound}"
         holder = next((n for n, p in self.partition_of.items() if p == pid), None)
         if holder is not None:
-            if holder in self.round_population:
+            if holder in self.round.population:
                 return f"partition id {pid} is bound to another node ({holder})"
             del self.partition_of[holder]
             assert self.ledger is not None

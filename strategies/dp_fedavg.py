@@ -24,61 +24,59 @@ losses and the clipped fraction are non-private diagnostics.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
-from dpcore.privacy.ledger import (
-    DEFAULT_ACCOUNTANT,
-    ClientLevelLedger,
-    calibrate_noise_multiplier,
-    default_client_delta,
-)
-from dpcore.privacy.mechanisms import (
-    TRUNCATION_PROBABILITY,
-    flatten,
-    gaussian_noise,
-    l2_norm,
-    make_rng,
-)
-from dpcore.privacy.settings import check_client_level_dp, check_secure_aggregation, one_of, require
+from dpcore.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier, default_client_delta
+from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
+from dpcore.privacy.settings import check_client_level_dp
 
+from .audit import AuditCanaries
+from .mechanism import GaussianMechanism
 from .noise_placement import noise_placement as make_noise_placement
+from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
+from .parts import Part, filling, keywords_of
 from .reply_gate import MetricRule
-from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
+from .round_loop import DPRoundLoop
+from .secure_aggregation import SecureAggregation
+
+ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's after_round may give new values
+
+
+def keyword_parts(keywords: dict, run: RunOptions) -> list[Part]:
+    """The parts the README's flat keywords name: `adaptive_clipping=`, `ftrl=` (the part itself),
+    `audit_canaries=` / `audit_canary_kind=`, `secure_aggregation=True`."""
+    given = [keywords.pop("adaptive_clipping", None), keywords.pop("ftrl", None)]
+    audit = AuditCanaries.from_keywords(keywords, run.seed, run.secure_rng)
+    return [p for p in (*given, audit, SecureAggregation.from_keywords(keywords)) if p is not None]
 
 
 class DifferentialPrivacy(DPRoundLoop):
-    """Client-level DP around a Flower strategy: clipping, Gaussian noise (central or distributed), sampling
-    with amplification, the privacy ledger, the budget stop or calibration, the canary audit.
+    """Client-level DP around a Flower strategy: clipping, Gaussian noise (central, distributed or local),
+    sampling with amplification, the privacy ledger, the budget stop or calibration, and whatever parts it is
+    composed with (`strategies.parts`).
 
-    Parameters (besides the round loop's: strategy (first, FedAvg if None), sample_rate, client_sampling,
-    server_learning_rate, delta (0: 1/M), accountant, seed, secure_rng, min_available_nodes, fraction_evaluate,
-    on_round_end, on_checkpoint)
+        DifferentialPrivacy(FedAdam(), clipping_norm=0.5, noise_multiplier=1.0, sample_rate=0.5)
+        DifferentialPrivacy(FedAdam(), 1.0, 0.5, privacy=..., sampling=SamplingOptions(0.5), parts=[...])
+
+    Parameters
     ----------
-    clipping_norm : C, bound on the global L2 norm of each update (0: no clipping,
-        only with noise_multiplier = 0, for the non-private reference).
-    noise_multiplier : sigma (0: no noise, epsilon = inf).
-    noise_placement : "central" (trusted server adds the noise), "distributed", or "local" (local DP: each client's
-        `clients.local_dp` mod noises its own update, docs/dp-toolbox.md §2).
-    target_epsilon, target_epsilon_mode : "stop" before a round would exceed the
-        target, or "calibrate" sigma up front for the configured number of rounds.
-    secure_aggregation : the server only ever sees the sum (SecAgg+, `strategies.secagg`);
-        changes the "against the server" figure only.
-    audit_canaries : K canary clients for the one-shot empirical privacy estimate
-        (`dpcore.privacy.audit`): each, sampled with probability q per round, adds C * u_i to the sum;
-        K more directions are never inserted; the estimate is in `describe()["audit"]`.
-    audit_canary_kind : "isotropic" (the paper's random directions) or "smooth" (coarse Haar directions).
-    adaptive_clipping : a `strategies.adaptive_clipping.AdaptiveClipping` (Andrew et al.): C moves toward a
-        quantile of the update norms each round; the update noise is sigma_Delta, the ledger charges sigma.
-    ftrl : a `strategies.dp_ftrl.DPFTRL` (Kairouz et al.): no sampling; each node at most once per epoch (enforced),
-        the running sum of clipped updates released by the binary-tree mechanism (docs/dp-toolbox.md §4).
+    strategy : the wrapped Flower strategy (first, FedAvg if None).
+    noise_multiplier, clipping_norm : sigma and C, positionally in Flower's order (or in `privacy`).
+    privacy, sampling, run : the option objects (`strategies.options`); or their fields as flat keywords
+        (sample_rate, noise_placement, delta, accountant, target_epsilon, seed, on_round_end, ...).
+    parts : the optional pieces of the round (`strategies.parts.Part`); the flat keywords `adaptive_clipping`
+        (`strategies.adaptive_clipping.AdaptiveClipping`, Andrew et al.), `ftrl` (`strategies.dp_ftrl.DPFTRL`,
+        Kairouz et al.), `audit_canaries` / `audit_canary_kind` (`strategies.audit`) and `secure_aggregation`
+        (`strategies.secure_aggregation`) add theirs. The noise placement is the first part; the selection,
+        mechanism and codec roles default to the round loop's sampling, `GaussianMechanism` and dense replies.
 
     Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
     of the bounds without amplification and with sampling without replacement (`dpcore.privacy.ledger.ClientLevelLedger`).
@@ -94,146 +92,103 @@ class DifferentialPrivacy(DPRoundLoop):
     def __init__(
         self,
         strategy: Strategy | None = None,
+        noise_multiplier: float | None = None,
+        clipping_norm: float | None = None,
         *,
-        sample_rate: float,
-        clipping_norm: float,
-        noise_multiplier: float,
-        noise_placement: str = "central",
-        client_sampling: str = "poisson",
-        server_learning_rate: float = 1.0,
-        delta: float = 0.0,
-        accountant: str = DEFAULT_ACCOUNTANT,
-        target_epsilon: float = 0.0,
-        target_epsilon_mode: str = "stop",
-        secure_aggregation: bool = False,
-        seed: int = 0,
-        secure_rng: bool = True,
-        min_available_nodes: int = 2,
-        fraction_evaluate: float | None = None,
-        audit_canaries: int = 0,
-        audit_canary_kind: str = "isotropic",
-        publish_diagnostics: bool = False,
-        adaptive_clipping=None,
-        ftrl=None,
-        on_round_end: RoundCallback | None = None,
-        on_checkpoint: CheckpointCallback | None = None,
+        privacy: PrivacyOptions | None = None,
+        sampling: SamplingOptions | None = None,
+        run: RunOptions | None = None,
+        parts: Sequence[Part] = (),
+        **keywords,
     ) -> None:
-        require(
-            audit_canaries == 0 or audit_canaries >= 2,
-            "audit_canaries",
-            audit_canaries,
-            "must be 0 (no audit) or >= 2 (the null cosines' spread needs two)",
+        privacy, sampling, run, parts = self.sort_keywords(
+            noise_multiplier, clipping_norm, privacy, sampling, run, parts, keywords
         )
-        one_of("audit_canary_kind", audit_canary_kind, CANARY_KINDS)
-        self.check_settings(
-            sample_rate=sample_rate,
-            clipping_norm=clipping_norm,
-            noise_multiplier=noise_multiplier,
-            noise_placement=noise_placement,
-            client_sampling=client_sampling,
-            target_epsilon=target_epsilon,
-            target_epsilon_mode=target_epsilon_mode,
-            delta=delta,
-            accountant=accountant,
-            secure_aggregation=secure_aggregation,
-            adaptive_clipping=adaptive_clipping,
-            ftrl=ftrl,
-            audit_canaries=audit_canaries,
-        )
+        self.check_options(privacy, sampling, parts)
+        self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)
+        self.parts = [self.noise, *parts]
         super().__init__(
             strategy,
-            sample_rate=sample_rate,
-            client_sampling=client_sampling,
-            server_learning_rate=server_learning_rate,
-            delta=delta,
-            accountant=accountant,
-            seed=seed,
-            secure_rng=secure_rng,
-            min_available_nodes=min_available_nodes,
-            fraction_evaluate=fraction_evaluate,
-            publish_diagnostics=publish_diagnostics,
-            on_round_end=on_round_end,
-            on_checkpoint=on_checkpoint,
+            sampling=sampling,
+            run=run,
+            delta=privacy.delta,
+            accountant=privacy.accountant,
+            selection=filling(parts, "selection", None),
         )
-        self.clipping_norm = clipping_norm
-        self.noise_multiplier = noise_multiplier
-        self.noise = make_noise_placement(noise_placement, self.clients_clip_under_central_noise)
-        self.target_epsilon = target_epsilon
-        self.target_epsilon_mode = target_epsilon_mode
-        self.secure_aggregation = secure_aggregation
-        self.last_server_noise_std = 0.0
-        self.audit_canaries, self.audit_canary_kind = audit_canaries, audit_canary_kind
-        self.canary_seed = new_canary_seed() if secure_rng else int(make_rng(seed, 8).integers(2**63))
-        self.audit_start: np.ndarray | None = None  # the global vector before round 1
+        self.privacy = privacy
+        self.clipping_norm = privacy.clipping_norm
+        self.noise_multiplier = privacy.noise_multiplier
+        self.target_epsilon = privacy.target_epsilon
+        self.target_epsilon_mode = privacy.target_epsilon_mode
+        self.mechanism = filling(parts, "mechanism", GaussianMechanism())
+        self.codec = filling(parts, "codec", self.codec)
         self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
-        self.adaptive_clipping = adaptive_clipping  # strategies.adaptive_clipping.AdaptiveClipping, or None
-        self.ftrl = ftrl  # strategies.dp_ftrl.DPFTRL, or None
-        if adaptive_clipping is not None:
-            self.reply_metric_rules = {**self.reply_metric_rules, keys.CLIP_BIT: MetricRule(low=-1e15, high=1e15)}
+        for part in self.parts:
+            self.reply_metric_rules = {**self.reply_metric_rules, **part.reply_rules}
 
     @classmethod
-    def check_settings(
-        cls,
-        *,
-        sample_rate: float,
-        clipping_norm: float,
-        noise_multiplier: float,
-        noise_placement: str = "central",
-        client_sampling: str = "poisson",
-        target_epsilon: float = 0.0,
-        target_epsilon_mode: str = "stop",
-        delta: float = 0.0,
-        accountant: str = DEFAULT_ACCOUNTANT,
-        secure_aggregation: bool = False,
-        adaptive_clipping=None,
-        ftrl=None,
-        audit_canaries: int = 0,
-        **_,
-    ) -> None:
-        """The rules of these settings (the same call checks a run config before training)."""
+    def sort_keywords(cls, noise_multiplier, clipping_norm, privacy, sampling, run, parts, keywords: dict) -> tuple:
+        """(PrivacyOptions, SamplingOptions, RunOptions, parts) from the option objects and the flat keywords."""
+        keywords = dict(keywords)
+        for name, value in (("noise_multiplier", noise_multiplier), ("clipping_norm", clipping_norm)):
+            if value is not None:
+                keywords[name] = value
+        privacy, sampling = take(PrivacyOptions, keywords, privacy), take(SamplingOptions, keywords, sampling)
+        run = take(RunOptions, keywords, run)
+        parts = [*parts, *cls.parts_from_keywords(keywords, run)]
+        refuse_unknown(cls.__name__, keywords)
+        return privacy, sampling, run, parts
+
+    @classmethod
+    def parts_from_keywords(cls, keywords: dict, run: RunOptions) -> list[Part]:
+        """The parts the flat keywords name (a variant adds its own: `strategies.topk`, `strategies.wavelet`)."""
+        return keyword_parts(keywords, run)
+
+    @classmethod
+    def check_options(cls, privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
+        """The rules of these settings: the client-level DP rules, then each part's with the others."""
         check_client_level_dp(
-            sample_rate=sample_rate,
-            clipping_norm=clipping_norm,
-            noise_multiplier=noise_multiplier,
-            noise_placement=noise_placement,
-            client_sampling=client_sampling,
-            target_epsilon=target_epsilon,
-            target_epsilon_mode=target_epsilon_mode,
-            delta=delta,
-            accountant=accountant,
+            sample_rate=sampling.sample_rate,
+            clipping_norm=privacy.clipping_norm,
+            noise_multiplier=privacy.noise_multiplier,
+            noise_placement=privacy.noise_placement,
+            client_sampling=sampling.client_sampling,
+            target_epsilon=privacy.target_epsilon,
+            target_epsilon_mode=privacy.target_epsilon_mode,
+            delta=privacy.delta,
+            accountant=privacy.accountant,
         )
-        if secure_aggregation:
-            check_secure_aggregation(noise_placement, clipping_norm)
-        if adaptive_clipping is not None:
-            adaptive_clipping.check(
-                noise_multiplier=noise_multiplier,
-                noise_placement=noise_placement,
-                secure_aggregation=secure_aggregation,
-                clipping_norm=clipping_norm,
-            )
-        if ftrl is not None:
-            ftrl.check(
-                noise_placement=noise_placement,
-                secure_aggregation=secure_aggregation,
-                adaptive_clipping=adaptive_clipping,
-                audit_canaries=audit_canaries,
-                target_epsilon_mode=target_epsilon_mode,
-                noise_multiplier=noise_multiplier,
-                clipping_norm=clipping_norm,
-            )
+        present = keywords_of(parts)
+        for part in sorted(parts, key=lambda p: p.keyword != "secure_aggregation"):  # SecAgg+'s own rules first
+            part.check(privacy, present - {part.keyword})
+        for role in ("selection", "mechanism", "codec"):
+            filling(parts, role, None)
+
+    @classmethod
+    def check_settings(cls, *, parts: Sequence[Part] = (), **keywords) -> None:
+        """The rules of these settings, as flat keywords (the same call checks a run config before training)."""
+        privacy, sampling, _, parts = cls.sort_keywords(None, None, None, None, None, parts, keywords)
+        cls.check_options(privacy, sampling, parts)
 
     @property
     def noise_placement(self) -> str:
         return self.noise.name
+
+    @property
+    def server_sees_only_the_sum(self) -> bool:
+        return any(part.server_sees_only_the_sum for part in self.parts)
+
+    def add_part(self, part: Part) -> None:
+        """Compose with one more part before the first round (SecAgg+'s adapter adds `SecureAggregation`)."""
+        part.check(self.privacy, keywords_of(self.parts))
+        self.parts.append(part)
 
     # ------------------------------------------------------------------ set-up
     def default_delta(self, num_clients: int) -> float:
         return default_client_delta(num_clients)
 
     def make_ledger(self, delta: float) -> ClientLevelLedger:
-        """The client-level ledger; for `calibrate`, sigma for the configured number of rounds first."""
-        if self.ftrl is not None:
-            return self.ftrl.make_ledger(self, delta)  # one tree-aggregation event per epoch, no sampling
+        """The mechanism's ledger; for `calibrate`, sigma for the configured number of rounds first."""
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
             rounds = max(1, self.num_rounds)
@@ -248,27 +203,25 @@ class DifferentialPrivacy(DPRoundLoop):
                 self.target_epsilon,
                 self.num_rounds,
             )
-        return ClientLevelLedger(
-            delta, self.accountant, self.noise_placement, self.secure_aggregation, self.client_sampling
-        )
+        return self.mechanism.make_ledger(self, delta)
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
-        if self.ftrl is not None:
-            raise ValueError(
-                "a DP-FTRL run cannot resume: its tree's noise is not checkpointed, and redrawing it "
-                "would release the same nodes twice"
-            )
-        return ClientLevelLedger.from_state_dict(state)
+        return self.mechanism.ledger_from_state(state)
 
     def extra_state(self) -> dict:
-        return {
+        state = {
             "noise_multiplier": self.noise_multiplier,
             "clipping_norm": self.clipping_norm,
         }  # as calibrated, adapted
+        for part in self.parts:
+            state.update(part.state_dict())
+        return state
 
     def load_extra_state(self, state: dict) -> None:
         self.noise_multiplier = float(state["noise_multiplier"])
         self.clipping_norm = float(state.get("clipping_norm", self.clipping_norm))
+        for part in self.parts:
+            part.load_state_dict(state)
 
     def summary(self) -> None:
         super().summary()
@@ -289,31 +242,26 @@ class DifferentialPrivacy(DPRoundLoop):
             self.target_epsilon or "none",
             self.target_epsilon_mode,
         )
+        for line in filter(None, (part.summary() for part in self.parts)):
+            log(INFO, "%s", line)
 
     # ------------------------------------------------------------------ train
-    def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
-        """DP-FTRL: the nodes its participation rule allows (no sampling); else the round loop's sampling."""
-        if self.ftrl is None:
-            return super().sample_clients(server_round, node_ids)
-        if self.ledger is None:
-            self.setup_population(len(node_ids))
-        chosen = self.ftrl.select(self, server_round, node_ids)
-        self.round_nodes = set(chosen)  # the reply gate takes replies from these nodes only, once each
-        return chosen
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, **kwargs) -> Result:
+        """DPRoundLoop.start, once the parts have seen the model it starts from."""
+        for part in self.parts:
+            part.see_model(self, initial_arrays)
+        return super().start(grid, initial_arrays, num_rounds, **kwargs)
 
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""
-        config = {
-            keys.SERVER_ROUND: server_round,
-            **self.noise.client_config(self.update_noise_multiplier(), self.clipping_norm, self.noise_shares),
-        }
-        if self.adaptive_clipping is not None:
-            config.update(self.adaptive_clipping.client_config(self.noise_placement, self.noise_shares))
+        config = {keys.SERVER_ROUND: server_round}
+        for part in self.parts:
+            config.update(part.client_config(self, server_round))
         return config
 
     def begin_round(self, arrays: ArrayRecord) -> None:
-        if self.audit_canaries and self.audit_start is None:
-            self.audit_start = flatten(arrays.to_numpy_ndarrays())
+        for part in self.parts:
+            part.see_model(self, arrays)
         super().begin_round(arrays)
         if not self.signal_checked and self.ledger is not None:
             self.signal_checked = True
@@ -322,142 +270,97 @@ class DifferentialPrivacy(DPRoundLoop):
             ):
                 log(WARNING, "%s", warning)
 
-    def canary_updates(self, server_round: int, dim: int) -> list[np.ndarray]:
-        """C * u_i of the canaries sampled this round (each with probability q, like a client)."""
-        if not self.audit_canaries:
-            return []
-        draws = make_rng(self.seed, 9, server_round, secure=self.secure_rng).random(self.audit_canaries)
-        return [
-            self.clipping_norm * canary_direction(self.canary_seed, i, dim, self.audit_canary_kind)
-            for i in np.flatnonzero(draws < self.sample_rate)
-        ]
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config, grid: Grid) -> Iterable[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        for part in self.parts:
+            part.round_begun(self)
+        return messages
 
-    def audit(self) -> dict | None:
-        """The one-shot estimate from the model delta of the rounds run so far (None without canaries)."""
-        if not self.audit_canaries or self.audit_start is None or self.latest_arrays is None:
-            return None
-        final = flatten(self.latest_arrays.to_numpy_ndarrays())
-        return audit_epsilon(
-            final - self.audit_start,
-            self.canary_seed,
-            self.audit_canaries,
-            self.audit_canaries,
-            self.ledger.delta,
-            self.audit_canary_kind,
-        )
+    def extra_updates(self, server_round: int, dim: int) -> list[np.ndarray]:
+        """The vectors the parts add to the round's sum (the audit's canaries)."""
+        return [v for part in self.parts for v in part.extra_updates(self, server_round, dim)]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.current_arrays is not None and self.ledger is not None
+        replies = list(replies)
+        measured = {k: v for part in self.parts for k, v in part.round_metrics(self, server_round, replies).items()}
         global_arrays = self.global_arrays()
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
         updates, norms, losses = [], [], []
         for vector, metrics in accepted:
-            vector, norm = self.server_clip(vector, metrics)
+            vector, norm = self.noise.server_clip(vector, metrics, self.clipping_norm)
             updates.append(vector)
             norms.append(norm)
             if keys.TRAIN_LOSS in metrics:
                 losses.append(float(metrics[keys.TRAIN_LOSS]))
 
-        canaries = self.canary_updates(server_round, sum(a.size for a in global_arrays))
-        new_global = self.noisy_average_step(
-            server_round, updates + canaries, flatten(global_arrays), received=len(updates)
-        )
-
-        finite_norms = np.array([n for n in norms if math.isfinite(n)])
-        clip_active = self.clipping_norm > 0
-        metrics = {
-            "clients": len(updates),
-            "rejected": rejected,
-            "failures": failures,
-            "clipped_fraction": float(np.mean(finite_norms > self.clipping_norm))
-            if clip_active and finite_norms.size
-            else 0.0,
-            "update_norm_mean": float(finite_norms.mean()) if finite_norms.size else 0.0,
-            "update_norm_std": float(finite_norms.std()) if finite_norms.size else 0.0,
-            "train_loss": float(np.mean(losses)) if losses else math.nan,
-            "server_noise_std": self.last_server_noise_std,
-            **self.privacy_metrics(),
-        }
-        if self.adaptive_clipping is not None:  # C_{t+1} from the noised count (after this round's noise used C_t)
-            metrics.update(self.adaptive_clipping.after_round(self, server_round, accepted, norms))
+        extra = self.extra_updates(server_round, sum(a.size for a in global_arrays))
+        new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
+        metrics = {**round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm), **measured}
+        metrics.update({"server_noise_std": self.round.server_noise_std, **self.privacy_metrics()})
+        for part in self.parts:  # e.g. C_{t+1} from the noised count (after this round's noise used C_t)
+            after = part.after_round(self, server_round, accepted, norms)
+            metrics.update(after.record)
+            for name, value in after.settings.items():
+                if name not in ADJUSTABLE:
+                    raise ValueError(f"{type(part).__name__} returned {name!r}: only {ADJUSTABLE} may change")
+                setattr(self, name, value)
         arrays, _ = self.release(server_round, new_global)
         return arrays, MetricRecord(metrics)
 
     def needs_marked_updates(self) -> bool:
-        """Distributed noise: a reply counts only if the client (or its mod) added its noise share."""
-        return self.noise_placement in ("distributed", "local") and self.noise_multiplier > 0
+        """Clients that add noise: a reply counts only if the client (or its mod) added its noise."""
+        return self.noise.clients_add_noise and self.noise_multiplier > 0
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
-        """Distributed noise: an upload above the bound an honest one stays under (p <= 1e-12) is refused."""
-        if problem := getattr(self.noise, "reply_problem", lambda *_: None)(metrics, self.noise_multiplier):
-            return problem
-        if self.adaptive_clipping is not None and (
-            problem := self.adaptive_clipping.reply_problem(metrics, self.noise_placement, self.noise_shares)
-        ):
-            return problem
+        """What a part refuses, or an upload above the bound an honest one stays under (p <= 1e-12)."""
+        for part in self.parts:
+            if problem := part.reply_problem(self, metrics):
+                return problem
         bound = self.noise.upload_norm_bound(
             self.update_noise_multiplier(), self.clipping_norm, self.noise_shares, vector.size
         )
         norm = l2_norm(vector)
         return f"upload norm {norm:.6g} above the bound {bound:.6g} of an honest noisy update" if norm > bound else None
 
-    def server_clip(self, vector: np.ndarray, metrics: dict) -> tuple[np.ndarray, float]:
-        """(update to sum, its norm before clipping), by the noise placement."""
-        return self.noise.server_clip(vector, metrics, self.clipping_norm)
-
     def update_noise_multiplier(self) -> float:
-        """The multiplier of the noise on the update sum: sigma, or under adaptive clipping sigma_Delta of
-        Theorem 1 (the count's noise takes the rest; the ledger still charges sigma)."""
-        if self.adaptive_clipping is None:
-            return self.noise_multiplier
-        return self.adaptive_clipping.update_noise_multiplier(self.noise_multiplier)
+        """The multiplier of the noise on the update sum: sigma, or what the parts leave of it (under adaptive
+        clipping sigma_Delta of Theorem 1; the ledger still charges sigma)."""
+        multiplier = self.noise_multiplier
+        for part in self.parts:
+            multiplier = part.update_noise_multiplier(multiplier)
+        return multiplier
 
     def accounted_noise_multiplier(self) -> float:
-        """The sigma the ledger charges per round (a strategy whose noise is not N(0, sigma^2 C^2 I)
-        returns the multiplier its noise really has)."""
-        return self.noise_multiplier
+        """The sigma the ledger charges per round (the mechanism's: a noise that is not N(0, sigma^2 C^2 I)
+        has its own)."""
+        return self.mechanism.accounted_noise_multiplier(self)
 
     def noisy_average_step(
         self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int | None = None
     ) -> np.ndarray:
-        """w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the ledger (with the
-        probability that this round's sample was truncated to n_s, reserved out of delta).
+        """The mechanism's release, w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the
+        ledger (with the probability that this round's sample was truncated to n_s, reserved out of delta).
 
         `received`: how many client noise shares the updates carry (default len(updates); under
         SecAgg+ one summed vector carries the shares of every client that made it into the sum).
         """
         assert self.ledger is not None
-        if self.ftrl is not None:  # w_0 + eta (tree-noised prefix sum) / m, charged to the tree ledger
-            return self.ftrl.step(self, server_round, updates, global_vector)
         received = len(updates) if received is None else received
-        aggregate = self.noisy_sum(server_round, updates, global_vector.size, received)
-        aggregate /= np.float32(self.expected_clients)
+        new_global, self.round.server_noise_std = self.mechanism.release(
+            self, server_round, updates, global_vector, received
+        )
         self.ledger.record_round(
             self.accounted_noise_multiplier(),
             self.sample_rate,
             self.noise_shares,
             received,
-            truncation_probability=self.round_truncation_probability,
-            sampled_from=self.round_sampled_from,
+            truncation_probability=self.round.truncation_probability,
+            sampled_from=self.round.sampled_from,
         )
-        return global_vector + np.float32(self.server_learning_rate) * aggregate
-
-    def noisy_sum(
-        self, server_round: int, updates: list[np.ndarray], size: int, received: int | None = None
-    ) -> np.ndarray:
-        """Sum of updates plus the server's noise: all of it (central) or the top-up (distributed)
-        for the n_s - received noise shares that did not arrive."""
-        total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        std = self.noise.server_noise_std(
-            self.update_noise_multiplier(),
-            self.clipping_norm,
-            self.noise_shares,
-            len(updates) if received is None else received,
-        )
-        self.last_server_noise_std = std
-        return total + gaussian_noise(size, std, make_rng(self.seed, 2, server_round, secure=self.secure_rng))
+        return new_global
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
@@ -487,37 +390,28 @@ class DifferentialPrivacy(DPRoundLoop):
         return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{calibrated}"
 
     def guarantee_caveats(self) -> list[str]:
-        """Seeded noise only matters when there is noise."""
-        return super().guarantee_caveats() if self.noise_multiplier > 0 else []
+        """Seeded noise only matters when there is noise; and what the parts say."""
+        caveats = super().guarantee_caveats() if self.noise_multiplier > 0 else []
+        return caveats + [c for part in self.parts for c in part.caveats(self)]
 
     def server_guarantee_caveats(self) -> list[str]:
-        """Distributed noise without SecAgg+: this project's clients and dp_privatize_mod send their update's norm
-        before clipping (and TrainingClient its training loss and example count) in the clear beside the noisy
-        upload; the per-upload figure covers the upload only. (Under SecAgg+ clients send weight 1 and no
-        metrics.)"""
-        if self.noise_placement != "distributed" or self.secure_aggregation or self.noise_multiplier <= 0:
-            return []
-        return [
-            "clients send their update norm before clipping, training loss and example count in the clear "
-            "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
-        ]
+        return [c for part in self.parts for c in part.server_caveats(self)]
+
+    def publishes_claimed_epsilon(self) -> bool:
+        return any(part.publishes_claimed_epsilon for part in self.parts)
 
     def published_keys(self) -> frozenset:
-        """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""
-        published = super().published_keys() | (
-            self.adaptive_clipping.published_keys if self.adaptive_clipping else frozenset()
-        )
-        return published - {"epsilon_against_server"} if self.secure_aggregation else published
+        published = super().published_keys()
+        for part in self.parts:
+            published = part.publish(published)
+        return published
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json (what the ledger covers)."""
         assert self.ledger is not None
-        ledger = self.ledger.state_dict()
-        if self.secure_aggregation:  # its per-round multipliers reveal how many shares arrived
-            ledger["server"] = "in diagnostics-summary.json (not private)"
         privacy = self.privacy_metrics()
         published = self.published_keys()
-        return {
+        summary = {
             "noise_multiplier": self.noise_multiplier,
             "clipping_norm": self.clipping_norm,
             **self.describe_sampling(),
@@ -525,22 +419,33 @@ class DifferentialPrivacy(DPRoundLoop):
             "noise_placement": self.noise_placement,
             "accounting_note": self.ledger.relation,
             "server_threat_model": self.ledger.server_threat_model,
-            "secure_aggregation": self.secure_aggregation,
-            **({"adaptive_clipping": self.adaptive_clipping.describe()} if self.adaptive_clipping else {}),
-            **({"ftrl": self.ftrl.describe()} if self.ftrl else {}),
-            "ledger": ledger,
-            **({"audit": self.audit()} if self.audit_canaries else {}),
+            "secure_aggregation": self.server_sees_only_the_sum,
+            "ledger": self.ledger.state_dict(),
             **{k: v for k, v in privacy.items() if k in published},
         }
+        for part in self.parts:
+            summary.update(part.describe(self))
+        return summary
 
     def describe_diagnostics(self) -> dict:
-        if not self.secure_aggregation:
-            return super().describe_diagnostics()
-        return {
-            **super().describe_diagnostics(),
-            "ledger": self.ledger.state_dict(),
-            "epsilon_against_server": self.ledger.epsilon_against_server(),
-        }
+        diagnostics = super().describe_diagnostics()
+        for part in self.parts:
+            diagnostics.update(part.describe_diagnostics(self))
+        return diagnostics
+
+
+def round_statistics(updates: list, rejected: int, failures: int, norms: list, losses: list, clip: float) -> dict:
+    """The round's non-private diagnostics: counts, the clipped fraction, the norms before clipping, the loss."""
+    finite_norms = np.array([n for n in norms if math.isfinite(n)])
+    return {
+        "clients": len(updates),
+        "rejected": rejected,
+        "failures": failures,
+        "clipped_fraction": float(np.mean(finite_norms > clip)) if clip > 0 and finite_norms.size else 0.0,
+        "update_norm_mean": float(finite_norms.mean()) if finite_norms.size else 0.0,
+        "update_norm_std": float(finite_norms.std()) if finite_norms.size else 0.0,
+        "train_loss": float(np.mean(losses)) if losses else math.nan,
+    }
 
 
 NOISE_TO_SIGNAL_LIMIT = 10.0  # sigma sqrt(d) / m above this: the default job learns at 6.4, stalls at 16

@@ -35,17 +35,25 @@ from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import require
 from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 
+from .noise_placement import noise_placement as make_noise_placement
+from .parts import Part
+from .sampling import Selection
+
 NOISE_STREAM = 21  # make_rng stream of the tree nodes' noise (seeded runs only)
 SELECTION_STREAM = 22
 
 
-class DPFTRL:
-    """The participation rule, the tree-aggregated noise and the FTRL model of DP-FTRL (one run per instance).
+class DPFTRL(Part):
+    """The participation rule (the selection role), the tree-aggregated noise and the FTRL model (the mechanism
+    role) of DP-FTRL (one run per instance).
 
     epoch_rounds : b, rounds per epoch; a node takes part at most once per epoch (0: M // m, the longest epoch in
         which every node can take part once with full rounds; b >= num-rounds: at most once in the run).
     momentum : gamma of DP-FTRLM's server momentum (0: plain DP-FTRL).
     """
+
+    roles = ("selection", "mechanism")
+    keyword = "ftrl"
 
     def __init__(self, epoch_rounds: int = 0, momentum: float = 0.0) -> None:
         require(
@@ -70,63 +78,68 @@ class DPFTRL:
         self.cumulative: np.ndarray | None = None  # v_1 + ... + v_t (momentum)
 
     # ------------------------------------------------------------------ rules
-    def check(
-        self,
-        *,
-        noise_placement: str,
-        secure_aggregation: bool = False,
-        adaptive_clipping=None,
-        audit_canaries: int = 0,
-        target_epsilon_mode: str = "stop",
-        noise_multiplier: float = 1.0,
-        clipping_norm: float = 1.0,
-    ) -> None:
+    def check(self, privacy, others: frozenset[str]) -> None:
         """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
         require(
-            noise_placement == "central",
+            not make_noise_placement(privacy.noise_placement).clients_add_noise,
             "noise_placement",
-            noise_placement,
+            privacy.noise_placement,
             "DP-FTRL (run-config algorithm 'dp-ftrl') adds the tree's noise at the server: use 'central'",
         )
         require(
-            not secure_aggregation,
+            "secure_aggregation" not in others,
             "secure_aggregation",
-            secure_aggregation,
+            "secure_aggregation" in others,
             "DP-FTRL keeps a running sum at the server; SecAgg+ is not supported with it",
         )
         require(
-            adaptive_clipping is None,
+            "adaptive_clipping" not in others,
             "adaptive_clipping",
-            adaptive_clipping,
+            "adaptive_clipping" in others,
             "DP-FTRL's tree charges a fixed clipping norm; adaptive clipping is not supported with it",
         )
-        require(audit_canaries == 0, "audit_canaries", audit_canaries, "the canary audit assumes sampling")
         require(
-            target_epsilon_mode == "stop",
+            "audit_canaries" not in others,
+            "audit_canaries",
+            "audit_canaries" in others,
+            "the canary audit assumes sampling",
+        )
+        require(
+            privacy.target_epsilon_mode == "stop",
             "target_epsilon_mode",
-            target_epsilon_mode,
+            privacy.target_epsilon_mode,
             "DP-FTRL supports 'stop' only (its noise is not calibrated to the sampled Gaussian)",
         )
         require(
-            noise_multiplier > 0 and clipping_norm > 0,
+            privacy.noise_multiplier > 0 and privacy.clipping_norm > 0,
             "noise_multiplier",
-            noise_multiplier,
+            privacy.noise_multiplier,
             "DP-FTRL needs noise_multiplier > 0 and clipping_norm > 0 (the non-private reference is dp-fedavg)",
         )
 
     # ------------------------------------------------------------------ population, ledger
     def make_ledger(self, strategy, delta: float) -> TreeAggregationLedger:
-        """Fix m and b from the population, and the ledger with one tree per epoch."""
+        """Fix m and b from the population, and the ledger with one tree per epoch (the part's own state)."""
         self.clients_per_round = max(1, round(strategy.sample_rate * strategy.num_clients))
         self.epoch_rounds = self.requested_epoch_rounds or max(1, strategy.num_clients // self.clients_per_round)
         return TreeAggregationLedger(delta, strategy.accountant, self.epoch_rounds)
+
+    def ledger_from_state(self, state: dict) -> TreeAggregationLedger:
+        raise ValueError(
+            "a DP-FTRL run cannot resume: its tree's noise is not checkpointed, and redrawing it "
+            "would release the same nodes twice"
+        )
+
+    def accounted_noise_multiplier(self, strategy) -> float:
+        return strategy.noise_multiplier
 
     def epoch(self, server_round: int) -> int:
         return (int(server_round) - 1) // self.epoch_rounds
 
     # ------------------------------------------------------------------ the participation rule
-    def select(self, strategy, server_round: int, node_ids: list[int]) -> list[int]:
-        """Up to m of the nodes that have not taken part in this epoch, marked as having taken part."""
+    def select(self, strategy, server_round: int, node_ids: list[int]) -> Selection:
+        """Up to m of the nodes that have not taken part in this epoch, marked as having taken part (no sampling:
+        nothing truncated, no sampling-without-replacement bound)."""
         epoch = self.epoch(server_round)
         eligible = [n for n in sorted(set(node_ids)) if self.last_epoch.get(n) != epoch]
         rng = make_rng(strategy.seed, SELECTION_STREAM, server_round, secure=strategy.secure_rng)
@@ -134,12 +147,18 @@ class DPFTRL:
         chosen = sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
         for node in chosen:
             self.last_epoch[node] = epoch
-        strategy.round_truncation_probability, strategy.round_sampled_from = 0.0, None
-        return chosen
+        return Selection(chosen)
+
+    def next_truncation_probability(self, strategy) -> float:
+        """The tree's ledger takes no sampling reserve."""
+        return 0.0
 
     # ------------------------------------------------------------------ the tree and the model
-    def step(self, strategy, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray) -> np.ndarray:
-        """w_0 + eta (noisy prefix sum, or its momentum form) / m, with this round charged to the ledger."""
+    def release(
+        self, strategy, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int
+    ) -> tuple[np.ndarray, float]:
+        """(w_0 + eta (noisy prefix sum, or its momentum form) / m, the std of the prefix sum's noise); the wrapper
+        charges the round (one more leaf of the epoch's tree)."""
         size = global_vector.size
         if self.initial is None:
             self.initial = global_vector.astype(np.float32, copy=True)
@@ -157,20 +176,21 @@ class DPFTRL:
         if updates:
             self.exact_sum += np.sum(updates, axis=0, dtype=np.float32)
         noise = self.tree.next_prefix_noise()
-        strategy.last_server_noise_std = float(
-            strategy.noise_multiplier * strategy.clipping_norm * np.sqrt(nodes_in_prefix(self.tree.steps))
-        )
+        std = float(strategy.noise_multiplier * strategy.clipping_norm * np.sqrt(nodes_in_prefix(self.tree.steps)))
         prefix = self.exact_sum + self.carried_noise + noise
-        strategy.ledger.record_round(strategy.noise_multiplier)
         if self.momentum > 0:
             gradient = prefix - (self.last_prefix if self.last_prefix is not None else 0.0)
             self.velocity = gradient if self.velocity is None else np.float32(self.momentum) * self.velocity + gradient
             self.cumulative = self.velocity.copy() if self.cumulative is None else self.cumulative + self.velocity
             self.last_prefix = prefix
             prefix = self.cumulative
-        return self.initial + np.float32(strategy.server_learning_rate) * prefix / np.float32(self.clients_per_round)
+        eta = np.float32(strategy.server_learning_rate)
+        return self.initial + eta * prefix / np.float32(self.clients_per_round), std
 
-    def describe(self) -> dict:
+    def describe(self, strategy) -> dict:
+        return {"ftrl": self.describe_settings()}
+
+    def describe_settings(self) -> dict:
         return {
             "epoch_rounds": self.epoch_rounds,
             "clients_per_round": self.clients_per_round,

@@ -8,6 +8,10 @@ fixed-clipping DP wrappers.
   the sum carries sigma^2 C^2 whatever the number k of participants (n_s: the round loop's
   `noise_shares`, `dpcore.privacy.mechanisms.noise_share_count`).
 - `LocalNoise`: local DP, each client adds N(0, sigma^2 C^2 I) to its own clipped update; no server noise.
+
+Each is a part of the wrapper (`strategies.parts.Part`): it writes the clients' privatizing config, refuses the
+replies it cannot take, and says what it means for the server figure. Code that needs to know who adds noise asks
+these objects (`server_adds_noise`, `clients_add_noise`, `noise_in_shares`), never their name.
 """
 
 from __future__ import annotations
@@ -19,10 +23,27 @@ import numpy as np
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
 
+from .parts import Part
 from .reply_gate import upload_norm_bound
 
 
-class CentralNoise:
+class NoisePlacement(Part):
+    """Who adds the noise; the wrapper's `noise` (one of the three below)."""
+
+    keyword = "noise_placement"
+    name = ""
+    server_adds_noise = True  # the server adds all of it or tops it up
+    clients_add_noise = False  # a reply counts only if its client (or mod) noised it: marked updates only
+    noise_in_shares = False  # the noise is split into n_s client shares, topped up for the missing ones
+
+    def privatize_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
+        raise NotImplementedError
+
+    def client_config(self, dp, server_round: int) -> dict:
+        return self.privatize_config(dp.update_noise_multiplier(), dp.clipping_norm, dp.noise_shares)
+
+
+class CentralNoise(NoisePlacement):
     """The server clips and adds all the noise. `clients_clip`: clients clip too (and report the
     norm they measured), as DP-FedAvg-WAV's Algorithm 2 has them do; the server clips again, so a
     client that did not clip still counts at most C."""
@@ -32,7 +53,7 @@ class CentralNoise:
     def __init__(self, clients_clip: bool = False) -> None:
         self.clients_clip = clients_clip
 
-    def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
+    def privatize_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
         return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: self.clients_clip, keys.NOISE_STD: 0.0}
 
     def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
@@ -53,12 +74,14 @@ class CentralNoise:
         return math.inf
 
 
-class DistributedNoise:
+class DistributedNoise(NoisePlacement):
     """Clients clip and add their noise share; the server tops up the shares that did not arrive."""
 
     name = "distributed"
+    clients_add_noise = True
+    noise_in_shares = True
 
-    def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
+    def privatize_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
         return {
             keys.CLIPPING_NORM: float(clipping_norm),
             keys.PRIVATIZE: True,
@@ -84,16 +107,29 @@ class DistributedNoise:
             clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm, noise_shares), dim
         )
 
+    def server_caveats(self, dp) -> list[str]:
+        """This project's clients and dp_privatize_mod send their update's norm before clipping (and TrainingClient
+        its training loss and example count) in the clear beside the noisy upload; the per-upload figure covers the
+        upload only. (Under SecAgg+ clients send weight 1 and no metrics.)"""
+        if dp.server_sees_only_the_sum or dp.noise_multiplier <= 0:
+            return []
+        return [
+            "clients send their update norm before clipping, training loss and example count in the clear "
+            "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
+        ]
 
-class LocalNoise:
+
+class LocalNoise(NoisePlacement):
     """Local DP (docs/dp-toolbox.md §2): each client clips and adds N(0, sigma^2 C^2 I) to its own update
     (`clients.local_dp.make_local_dp_mod`), so every upload is DP on its own and the server adds nothing. The
     server takes only uploads marked with a local noise multiplier of at least sigma, under the norm an honest
     one stays below."""
 
     name = "local"
+    server_adds_noise = False
+    clients_add_noise = True
 
-    def client_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
+    def privatize_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
         """The client's mod decides its own noise; its training client is asked for the raw update."""
         return {keys.CLIPPING_NORM: float(clipping_norm), keys.PRIVATIZE: False, keys.NOISE_STD: 0.0}
 
@@ -111,8 +147,9 @@ class LocalNoise:
             return math.inf
         return upload_norm_bound(clipping_norm, noise_multiplier * clipping_norm, dim)
 
-    def reply_problem(self, metrics: dict, noise_multiplier: float) -> str | None:
+    def reply_problem(self, dp, metrics: dict) -> str | None:
         """Why an upload is not locally private enough (no local noise multiplier, or a smaller one), else None."""
+        noise_multiplier = dp.noise_multiplier
         local = metrics.get(keys.LOCAL_NOISE_MULTIPLIER)
         if local is None:
             return (
@@ -124,7 +161,9 @@ class LocalNoise:
         return None
 
 
-def noise_placement(name: str, clients_clip: bool = False) -> CentralNoise | DistributedNoise | LocalNoise:
-    if name == "local":
-        return LocalNoise()
-    return DistributedNoise() if name == "distributed" else CentralNoise(clients_clip)
+PLACEMENTS = {placement.name: placement for placement in (CentralNoise, DistributedNoise, LocalNoise)}
+
+
+def noise_placement(name: str, clients_clip: bool = False) -> NoisePlacement:
+    """The placement called `name` (`clients_clip`: under central noise, clients clip too)."""
+    return CentralNoise(clients_clip) if PLACEMENTS[name] is CentralNoise else PLACEMENTS[name]()

@@ -25,7 +25,7 @@ from dpcore.privacy.mechanisms import make_rng
 
 from .dp_fedavg import DPFedAvg
 from .reply_gate import MetricRule, read_metrics
-from .round_loop import pick
+from .sampling import pick
 
 EVALUATION_RULES = {keys.ACCURACY: MetricRule(low=0.0, high=1.0), keys.LOSS: MetricRule(low=0.0)}
 

@@ -55,19 +55,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import (
-    TRUNCATION_PROBABILITY,
-    flatten,
-    float_indices,
-    make_rng,
-    noise_share_count,
-    truncation_probability,
-    unflatten,
-    update_problem,
-)
+from dpcore.privacy.mechanisms import flatten, noise_share_count, unflatten, update_problem
 from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
+from .dp_round import DPRound
+from .options import RunOptions, SamplingOptions
+from .parts import DenseCodec, Part
 from .reply_gate import MetricRule, read_metrics
+from .sampling import ClientSampling
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -112,21 +107,11 @@ class DPRoundLoop(Strategy):
     strategy : the wrapped Flower Message-API strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAvgM, a user's
         own); None: FedAvg with `fraction_evaluate` and `min_available_nodes`. Its aggregation and server
         optimizer act on the privatized model; its evaluation settings (fraction_evaluate) are its own.
-    sample_rate : q, the probability that a client is sampled in a round.
-    client_sampling : "poisson" (each with probability q) or "fixed" (exactly m = round(q M)).
-    server_learning_rate : eta_s in w <- w + eta_s * aggregate.
+    sampling : q, Poisson or fixed-size sampling, the nodes to wait for (`strategies.options.SamplingOptions`).
+    run : eta_s, the randomness, evaluation, outputs and hooks (`strategies.options.RunOptions`).
     delta : target delta; 0 means the strategy's default (`default_delta`).
     accountant : the ledger's accountant ("pld", the default, "rdp" or "prv").
-    seed, secure_rng : OS entropy for sampling and noise (default), or streams seeded from `seed`
-        (reproducible, but then anyone who knows the seed can remove the noise: the printed epsilon
-        is marked as no guarantee).
-    min_available_nodes : wait for this many connected nodes before round 1.
-    fraction_evaluate : fraction of clients evaluating each round (0: none); only with strategy=None (set it
-        on the wrapped strategy otherwise).
-    publish_diagnostics : also print the non-private diagnostics (counts, norms, rejected replies) in the log;
-        by default they go to the `on_round_end` hook's second argument only (diagnostics.jsonl).
-    on_round_end : called with each round's (published record, diagnostics) (the run directory, dashboards).
-    on_checkpoint : called with (state_dict(), global arrays) after each round, before on_round_end.
+    selection : who is sent the train message (the selection role); None: `sampling`'s Poisson or fixed-size.
 
     Subclasses implement `make_ledger`, `client_train_config`, `aggregate_train`,
     `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and `describe`, and declare the
@@ -137,32 +122,25 @@ class DPRoundLoop(Strategy):
 
     def __init__(
         self,
-        strategy: Strategy | None = None,
+        strategy: Strategy | None,
         *,
-        sample_rate: float,
-        client_sampling: str = "poisson",
-        server_learning_rate: float = 1.0,
+        sampling: SamplingOptions,
+        run: RunOptions,
         delta: float = 0.0,
         accountant: str = "pld",
-        seed: int = 0,
-        secure_rng: bool = True,
-        min_available_nodes: int = 2,
-        fraction_evaluate: float | None = None,
-        publish_diagnostics: bool = False,
-        on_round_end: RoundCallback | None = None,
-        on_checkpoint: CheckpointCallback | None = None,
+        selection: Part | None = None,
     ) -> None:
         if strategy is None:
             strategy = FedAvg(
                 fraction_train=1.0,
-                fraction_evaluate=fraction_evaluate or 0.0,
+                fraction_evaluate=run.fraction_evaluate or 0.0,
                 min_train_nodes=0,
                 min_evaluate_nodes=0,
-                min_available_nodes=min_available_nodes,
+                min_available_nodes=sampling.min_available_nodes,
             )
-        elif fraction_evaluate is not None:
+        elif run.fraction_evaluate is not None:
             raise ValueError(
-                f"fraction_evaluate = {fraction_evaluate!r} is set on the wrapped strategy "
+                f"fraction_evaluate = {run.fraction_evaluate!r} is set on the wrapped strategy "
                 f"({type(strategy).__name__}(fraction_evaluate=...)), not on the DP wrapper"
             )
         if not isinstance(strategy, Strategy):
@@ -172,39 +150,32 @@ class DPRoundLoop(Strategy):
                 "use strategies.legacy.LegacyDPFedAvg"
             )
         self.strategy = strategy
-        self.min_available_nodes = min_available_nodes
-        require(0 < sample_rate <= 1, "sample_rate", sample_rate, "must be in (0, 1]")
-        one_of("client_sampling", client_sampling, CLIENT_SAMPLINGS)
+        self.min_available_nodes = sampling.min_available_nodes
+        require(0 < sampling.sample_rate <= 1, "sample_rate", sampling.sample_rate, "must be in (0, 1]")
+        one_of("client_sampling", sampling.client_sampling, CLIENT_SAMPLINGS)
         require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: the default delta)")
-        self.sample_rate = sample_rate
-        self.client_sampling = client_sampling
-        self.server_learning_rate = server_learning_rate
+        self.sample_rate = sampling.sample_rate
+        self.client_sampling = sampling.client_sampling
+        self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == "fixed")
+        self.codec = DenseCodec()
+        self.server_learning_rate = run.server_learning_rate
         self.requested_delta = delta
         self.accountant = accountant
-        self.seed = seed
-        self.secure_rng = secure_rng
-        self.publish_diagnostics = publish_diagnostics
-        self.on_round_end = on_round_end
-        self.on_checkpoint = on_checkpoint
+        self.seed = run.seed
+        self.secure_rng = run.secure_rng
+        self.publish_diagnostics = run.publish_diagnostics
+        self.on_round_end = run.on_round_end
+        self.on_checkpoint = run.on_checkpoint
         self.completed_rounds = 0
         self.num_clients = 0  # M, set with the population
         self.expected_clients = 0.0  # m
         self.noise_shares = 0  # n_s: the most clients a round keeps (noise_share_count)
-        self.round_truncation_probability = 0.0  # P(this round's sample was truncated to n_s)
-        self.round_sampled_from: tuple[int, int] | None = None  # fixed-size sampling: m of N nodes this round
-        self.round_problems: list[str] = []  # failed and rejected replies of the round in flight (diagnostics)
-        self.round_nodes: set[int] | None = None  # the nodes sampled this round (None: not sampled here)
-        self.round_population: set[int] = set()  # the nodes connected when this round sampled
-        self.round_accepted_nodes: list[int] = []  # the node (SuperLink's id) of each accepted update, in order
+        self.round = DPRound()  # the round in flight (begin_round starts a new one)
         self.ledger = None
         self.stop_reason = ""
         self.history: list[dict] = []
         self.num_rounds = 0
-        self.current_arrays: ArrayRecord | None = None  # the global arrays of the round in flight
         self.latest_arrays: ArrayRecord | None = None  # the global arrays after the last completed round
-        self.round_global: list[np.ndarray] = []  # the current arrays, decoded (begin_round)
-        self.round_global_vector = np.zeros(0, np.float32)  # their floating-point part, flat
-        self.float_positions: list[int] = []  # which of the current arrays DP trains and noises (floating point)
 
     # ------------------------------------------------------------------ the wrapped strategy's keys
     @property
@@ -258,50 +229,39 @@ class DPRoundLoop(Strategy):
 
     # ------------------------------------------------------------------ train
     def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
-        """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson
-        sample larger than n_s keeps a uniform n_s of it (probability <= 1e-12 for the population the run
-        started with; the ledger reserves the round's probability out of delta)."""
+        """The nodes the selection role picks this round (`strategies.sampling`), noted in the round."""
         if self.ledger is None:  # sampling needs the population (n_s, delta)
             self.setup_population(len(node_ids))
-        rng = make_rng(self.seed, 1, server_round, secure=self.secure_rng)
-        nodes = sorted(node_ids)
-        self.round_population = set(nodes)
-        if self.client_sampling == "fixed":
-            self.round_truncation_probability = 0.0
-            k = min(len(nodes), int(self.expected_clients))
-            self.round_sampled_from = (len(nodes), k)  # (N, m): the ledger's sampling-without-replacement bound
-            sampled = pick(rng, nodes, k)
-        else:
-            self.round_truncation_probability = truncation_probability(len(nodes), self.sample_rate, self.noise_shares)
-            sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < self.sample_rate]
-            if len(sampled) > self.noise_shares:
-                sampled = pick(rng, sampled, self.noise_shares)
-        self.round_nodes = {int(n) for n in sampled}
-        return sampled
+        selection = self.selection.select(self, server_round, node_ids)
+        self.round.population = set(sorted(node_ids))
+        self.round.truncation_probability, self.round.sampled_from = (
+            selection.truncation_probability,
+            selection.sampled_from,
+        )
+        self.round.nodes = {int(n) for n in selection.nodes}
+        return selection.nodes
 
     def next_truncation_probability(self) -> float:
         """What the budget check assumes the next round reserves out of delta."""
-        return (
-            max(TRUNCATION_PROBABILITY, self.round_truncation_probability) if self.client_sampling == "poisson" else 0.0
-        )
+        return self.selection.next_truncation_probability(self)
 
     def client_train_config(self, server_round: int) -> dict:
         """What the sampled clients need this round (protocol keys)."""
         raise NotImplementedError
 
     def begin_round(self, arrays: ArrayRecord) -> None:
-        """The global arrays that this round's updates are measured against (a new round: no problems yet)."""
-        self.current_arrays = arrays
-        self.round_global = arrays.to_numpy_ndarrays()  # decoded once a round, not once per reply
-        self.float_positions = float_indices(self.round_global)
-        self.round_global_vector = flatten(self.global_arrays())  # what a weights reply's update is taken from
-        self.round_problems = []
-        self.round_nodes = None
+        """A new round (`DPRound`): the global arrays that its updates are measured against, no problems yet."""
+        self.round = DPRound.starting(arrays)
+
+    @property
+    def current_arrays(self) -> ArrayRecord | None:
+        """The global arrays of the round in flight."""
+        return self.round.arrays
 
     def global_arrays(self) -> list[np.ndarray]:
         """The floating-point arrays of the round's global model: what DP trains, clips and noises."""
-        assert self.current_arrays is not None
-        return [self.round_global[i] for i in self.float_positions]
+        assert self.round.arrays is not None
+        return self.round.global_arrays()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -336,8 +296,9 @@ class DPRoundLoop(Strategy):
         FedAdam steps on w' - w. Keys, order, shapes and dtypes are those the server sent; other arrays come
         back unchanged."""
         assert self.current_arrays is not None
-        names = list(self.current_arrays.keys())
-        proposal = conform(names, self.round_global, self.float_positions, new_global)
+        rnd = self.round
+        names = list(rnd.arrays.keys())
+        proposal = conform(names, rnd.everything, rnd.float_positions, new_global)
         reply = reply_message(
             0, RecordDict({self.arrayrecord_key: proposal, "metrics": MetricRecord({self.weighted_by_key: 1})})
         )
@@ -347,7 +308,7 @@ class DPRoundLoop(Strategy):
             return proposal, metrics
         returned = [arrays[k].numpy() for k in arrays.keys()]
         if list(arrays.keys()) != list(proposal.keys()) or [a.shape for a in returned] != [
-            a.shape for a in self.round_global
+            a.shape for a in rnd.everything
         ]:
             log(
                 WARNING,
@@ -357,7 +318,7 @@ class DPRoundLoop(Strategy):
             )
             return proposal, metrics
         return conform(
-            names, self.round_global, self.float_positions, flatten([returned[i] for i in self.float_positions])
+            names, rnd.everything, rnd.float_positions, flatten([returned[i] for i in rnd.float_positions])
         ), metrics
 
     def configure_evaluate(
@@ -385,19 +346,16 @@ class DPRoundLoop(Strategy):
 
     # ------------------------------------------------------------------ the reply gate
     def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
-        """(arrays of one reply, whether they are the update): the update itself when the reply is marked
-        `UPLOAD_UPDATE` (this project's clients and mod), else the client's new weights (a Flower client's
-        reply), whose update is derived. Subclasses decode compressed forms."""
-        is_update = any(
-            record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE for record in content.metric_records.values()
-        )
-        return content[self.arrayrecord_key].to_numpy_ndarrays(), is_update
+        """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.DenseCodec`:
+        the update itself when the reply is marked `UPLOAD_UPDATE`, else the client's new weights)."""
+        return self.codec.decode(self, content)
 
     def reply_update(self, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
         """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used)."""
-        assert self.current_arrays is not None
+        rnd = self.round
+        assert rnd.arrays is not None
         arrays, is_update = self.decode_update(content)
-        everything = self.round_global
+        everything = rnd.everything
         if len(arrays) != len(everything):
             return None, f"expected {len(everything)} arrays, got {len(arrays)}"
         if not is_update and self.needs_marked_updates():
@@ -405,15 +363,15 @@ class DPRoundLoop(Strategy):
                 "not privatized: under distributed noise the client adds its noise share; add "
                 "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
             )
-        global_floats = [everything[i] for i in self.float_positions]
-        floats = [np.asarray(arrays[i]) for i in self.float_positions]
+        global_floats = [everything[i] for i in rnd.float_positions]
+        floats = [np.asarray(arrays[i]) for i in rnd.float_positions]
         problem = update_problem(floats, [a.shape for a in global_floats])
         if problem is None and [np.shape(a) for a in arrays] != [a.shape for a in everything]:
             problem = "a non-floating-point array has the wrong shape"
         if problem:
             return None, problem
         vector = flatten(floats)
-        return (vector if is_update else vector - self.round_global_vector), None
+        return (vector if is_update else vector - rnd.global_vector), None
 
     def needs_marked_updates(self) -> bool:
         """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
@@ -426,14 +384,15 @@ class DPRoundLoop(Strategy):
         and the counts of failed and rejected replies. Nothing in a reply can raise here.
 
         Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
-        round did not sample, or a second reply from one node, is rejected. `round_accepted_nodes` lists the node of
-        each accepted update."""
+        round did not sample, or a second reply from one node, is rejected. The round's `accepted_nodes` lists the node
+        of each accepted update."""
         accepted, failures, rejected = [], 0, 0
-        self.round_accepted_nodes = []
+        rnd = self.round
+        rnd.accepted_nodes = []
         seen: set[int] = set()
         for msg in replies:
             node = int(msg.metadata.src_node_id)
-            if not msg.has_error() and (self.round_nodes is not None and node not in self.round_nodes or node in seen):
+            if not msg.has_error() and (rnd.nodes is not None and node not in rnd.nodes or node in seen):
                 rejected += 1
                 self.note_problem(
                     server_round,
@@ -459,13 +418,13 @@ class DPRoundLoop(Strategy):
                 continue
             seen.add(node)
             accepted.append((vector, metrics))
-            self.round_accepted_nodes.append(node)
+            rnd.accepted_nodes.append(node)
         return accepted, failures, rejected
 
     def note_problem(self, server_round: int, problem: str) -> None:
         """A failed or rejected reply: into the round's diagnostics (`problems`), and into the log only with
         publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
-        self.round_problems.append(problem)
+        self.round.problems.append(problem)
         log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
@@ -490,7 +449,7 @@ class DPRoundLoop(Strategy):
 
     def round_details(self) -> dict:
         """Entries for the round record that are not metrics (MetricRecord holds numbers only)."""
-        return {"problems": list(self.round_problems)} if self.round_problems else {}
+        return {"problems": list(self.round.problems)} if self.round.problems else {}
 
     def published_keys(self) -> frozenset:
         """The round-record keys the ledger covers for this strategy."""
@@ -768,12 +727,6 @@ def parse_log_line(line: str) -> tuple[dict, dict] | None:
 
 
 # ---------------------------------------------------------------------------- helpers of the wrapper
-def pick(rng: np.random.Generator, node_ids: list[int], k: int) -> list[int]:
-    """k of the node ids uniformly without replacement, sorted. Indices are drawn, not the ids: numpy would
-    hold Flower's 64-bit node ids as floats and return ids of nodes that do not exist."""
-    return sorted(node_ids[i] for i in rng.choice(len(node_ids), size=k, replace=False))
-
-
 def conform(names: list[str], template: list[np.ndarray], positions: list[int], vector: np.ndarray) -> ArrayRecord:
     """The arrays `template` (named `names`) with those at `positions` replaced by consecutive slices of `vector`,
     in their own dtype: same keys in the same order, same shapes and dtypes."""

@@ -36,6 +36,7 @@ from dpcore.privacy.settings import check_secure_aggregation
 from .dp_fedavg import DPFedAvg
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
 from .reply_gate import upload_norm_bound
+from .secure_aggregation import SecureAggregation
 
 SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
 SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate
@@ -88,12 +89,13 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         num_rounds: int = 0,
     ) -> None:
         check_secure_aggregation(dp.noise_placement, dp.clipping_norm)
-        if dp.ledger is not None and not dp.secure_aggregation:
+        if dp.ledger is not None and not dp.server_sees_only_the_sum:
             raise ValueError(
                 "build the strategy with secure_aggregation=True, or wrap it before the first round "
                 "(its ledger already exists)"
             )
-        dp.secure_aggregation = True  # the server-side figure: the server sees only the sum
+        if not dp.server_sees_only_the_sum:  # the server-side figure: the server sees only the sum
+            dp.add_part(SecureAggregation())
         super().__init__(
             dp,
             evaluate_fn=evaluate_fn,
@@ -142,15 +144,15 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
                 updates = [total]
         if problem:
             self.dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
-        canaries = self.dp.canary_updates(server_round, sum(a.size for a in self._global))
+        extra = self.dp.extra_updates(server_round, sum(a.size for a in self._global))
         new_global = self.dp.noisy_average_step(
-            server_round, updates + canaries, flatten(self._global), received=k if updates else 0
+            server_round, updates + extra, flatten(self._global), received=k if updates else 0
         )
         metrics = {
             "clients": k if updates else 0,
             "rejected": 0 if updates else k,
             "failures": len(failures),
-            "server_noise_std": self.dp.last_server_noise_std,
+            "server_noise_std": self.dp.round.server_noise_std,
             **self.dp.privacy_metrics(),
         }
         return unflatten(new_global, shapes), metrics

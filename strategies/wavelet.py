@@ -11,175 +11,156 @@ sigma_eff = sigma_H / sqrt(n), and that is what the ledger charges.
   WaveletNoise and what the paper accounts); the run warns with the true epsilon and
   reports the claimed one (ledger epsilon at sigma_H) next to it.
 - `exact`: sigma_H = sigma * sqrt(n), so sigma_eff = sigma and the configured epsilon holds.
+
+`WaveletMechanism` is that noise, a part of the wrapper (the mechanism role, `strategies.parts`);
+`DPFedAvgWavelet` is the wrapper composed with it from the flat keyword `wavelet_calibration`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord
 from flwr.common import log
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
 from dpcore.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
-from dpcore.privacy.ledger import PrivacyLedger
+from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpcore.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
-from dpcore.privacy.settings import one_of, require_noise_placement
+from dpcore.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg
+from .mechanism import NOISE_STREAM, GaussianMechanism
+from .noise_placement import noise_placement as make_noise_placement
+from .options import RunOptions
+from .parts import AfterRound, Part
 
 
-class DPFedAvgWavelet(DPFedAvg):
-    """DP-FedAvg with the server's Gaussian noise replaced by Haar-wavelet noise.
+class WaveletMechanism(GaussianMechanism):
+    """The server's Gaussian noise replaced by Haar-wavelet noise, with calibration `paper` or `exact` (see the
+    module docstring). Noise placement is `central` (Algorithm 2 adds the noise at aggregation)."""
 
-    Parameters (besides DPFedAvg's): wavelet_calibration `paper` or `exact` (see module
-    docstring). Noise placement is `central` (Algorithm 2 adds the noise at aggregation).
-    """
+    keyword = "wavelet_calibration"
+    publishes_claimed_epsilon = True  # claimed_epsilon (ledger at sigma_H) is in every round's record: no guarantee
 
-    clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
-
-    def __init__(self, strategy: Strategy | None = None, *, wavelet_calibration: str = "exact", **kwargs) -> None:
-        kwargs.setdefault("noise_placement", "central")
-        self.check_wavelet(wavelet_calibration, kwargs["noise_placement"])
-        super().__init__(strategy, **kwargs)
-        self.wavelet_calibration = wavelet_calibration
+    def __init__(self, calibration: str = "exact") -> None:
+        one_of("wavelet_calibration", calibration, WAVELET_CALIBRATIONS)
+        self.calibration = calibration
         self.dimension = 0  # d, set from the model
         self.padded_size = 0  # n = 2^L >= d
         self.claimed: PrivacyLedger | None = None  # what the paper's analysis would print
         self._warned = False
 
-    @classmethod
-    def check_settings(cls, *, wavelet_calibration: str = "exact", **settings) -> None:
-        settings.setdefault("noise_placement", "central")
-        cls.check_wavelet(wavelet_calibration, settings["noise_placement"])
-        super().check_settings(**settings)
-
-    @staticmethod
-    def check_wavelet(wavelet_calibration: str, noise_placement: str) -> None:
-        one_of("wavelet_calibration", wavelet_calibration, WAVELET_CALIBRATIONS)
-        require_noise_placement(
-            "DP-FedAvg-WAV", noise_placement, "central", "adds its wavelet noise at the server (Algorithm 2)"
+    def check(self, privacy, others: frozenset[str]) -> None:
+        require(
+            not make_noise_placement(privacy.noise_placement).clients_add_noise,
+            "noise_placement",
+            privacy.noise_placement,
+            "DP-FedAvg-WAV adds its wavelet noise at the server (Algorithm 2), so it needs noise_placement = 'central'",
         )
 
     # ------------------------------------------------------------------ calibration
-    def set_dimension(self, dimension: int) -> None:
+    def see_model(self, dp, arrays: ArrayRecord) -> None:
         """Fix d and n = 2^L (the model's size cannot change during a run)."""
+        dimension = sum(a.size for a in arrays.to_numpy_ndarrays())
         if self.dimension and dimension != self.dimension:
             raise ValueError(f"model size changed from {self.dimension} to {dimension}")
         self.dimension, self.padded_size = int(dimension), haar_padded_size(dimension)
 
-    @property
-    def sigma_h(self) -> float:
+    def sigma_h(self, dp) -> float:
         """sigma_H fed to the wavelet mechanism: sigma (`paper`) or sigma * sqrt(n) (`exact`)."""
         if not self.padded_size:
-            raise RuntimeError("the model size is not known yet (set_dimension)")
-        if self.wavelet_calibration == "exact":
-            return self.noise_multiplier * math.sqrt(self.padded_size)
-        return self.noise_multiplier
+            raise RuntimeError("the model size is not known yet (see_model)")
+        if self.calibration == "exact":
+            return dp.noise_multiplier * math.sqrt(self.padded_size)
+        return dp.noise_multiplier
 
-    def accounted_noise_multiplier(self) -> float:
+    def accounted_noise_multiplier(self, dp) -> float:
         """sigma_eff = sigma_H / sqrt(n) (= sigma under `exact`)."""
-        if self.wavelet_calibration == "exact":
-            return self.noise_multiplier
-        return wavelet_effective_noise_multiplier(self.sigma_h, self.padded_size)
+        if self.calibration == "exact":
+            return dp.noise_multiplier
+        return wavelet_effective_noise_multiplier(self.sigma_h(dp), self.padded_size)
 
-    def setup_population(self, num_clients: int) -> None:
-        super().setup_population(num_clients)
-        assert self.ledger is not None
-        self.claimed = PrivacyLedger(self.ledger.delta, self.accountant)
+    def make_ledger(self, dp, delta: float) -> ClientLevelLedger:
+        self.claimed = PrivacyLedger(delta, dp.accountant)
+        return super().make_ledger(dp, delta)
 
-    def extra_state(self) -> dict:
-        return {**super().extra_state(), "claimed": None if self.claimed is None else self.claimed.state_dict()}
+    def state_dict(self) -> dict:
+        return {"claimed": None if self.claimed is None else self.claimed.state_dict()}
 
-    def load_extra_state(self, state: dict) -> None:
-        super().load_extra_state(state)
+    def load_state_dict(self, state: dict) -> None:
         self.claimed = None if state["claimed"] is None else PrivacyLedger.from_state_dict(state["claimed"])
 
-    def warn_true_epsilon(self) -> None:
+    def round_begun(self, dp) -> None:
         """`paper`: say once what the paper would claim and what the run really spends."""
-        if self._warned or self.wavelet_calibration != "paper" or self.ledger is None:
+        if self._warned or self.calibration != "paper" or dp.ledger is None:
             return
         self._warned = True
-        rounds = max(1, self.num_rounds)
-        claimed = self.ledger.epsilon_after_rounds(self.sigma_h, self.sample_rate, rounds)
-        true = self.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(), self.sample_rate, rounds)
+        rounds = max(1, dp.num_rounds)
+        claimed = dp.ledger.epsilon_after_rounds(self.sigma_h(dp), dp.sample_rate, rounds)
+        true = dp.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(dp), dp.sample_rate, rounds)
         log(
             WARNING,
             "wavelet-calibration = 'paper': the paper accounts sigma_H = %.4g (epsilon %.4g after %d "
             "rounds, delta %.3g), but the wavelet noise along the all-ones direction has std "
             "sigma_H*C/sqrt(n) with n = %d: effective noise multiplier %.4g, TRUE epsilon %.4g. "
             "Use wavelet-calibration = 'exact' for the configured guarantee.",
-            self.sigma_h,
+            self.sigma_h(dp),
             claimed,
             rounds,
-            self.ledger.delta,
+            dp.ledger.delta,
             self.padded_size,
-            self.accounted_noise_multiplier(),
+            self.accounted_noise_multiplier(dp),
             true,
         )
 
     # ------------------------------------------------------------------ rounds
-    def begin_round(self, arrays: ArrayRecord) -> None:
-        """The round's global arrays fix d and n (Message API and legacy adapter alike)."""
-        self.set_dimension(sum(a.size for a in arrays.to_numpy_ndarrays()))
-        super().begin_round(arrays)
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
-        self.warn_true_epsilon()
-        return messages
-
     def noisy_sum(
-        self, server_round: int, updates: list[np.ndarray], size: int, received: int | None = None
-    ) -> np.ndarray:
-        """Sum of clipped updates + Haar-wavelet noise with scale sigma_H * C (all of it added here,
-        so `received` does not change it)."""
+        self, dp, server_round: int, updates: list[np.ndarray], size: int, received: int
+    ) -> tuple[np.ndarray, float]:
+        """Sum of clipped updates + Haar-wavelet noise with scale sigma_H * C (all of it added here, so `received`
+        does not change it)."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        scale = self.sigma_h * self.clipping_norm
-        self.last_server_noise_std = scale
-        rng = make_rng(self.seed, 2, server_round, secure=self.secure_rng)
-        return haar_wavelet_noise(total, scale, rng)
+        scale = self.sigma_h(dp) * dp.clipping_norm
+        rng = make_rng(dp.seed, NOISE_STREAM, server_round, secure=dp.secure_rng)
+        return haar_wavelet_noise(total, scale, rng), scale
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        assert self.claimed is not None and metrics is not None
-        self.claimed.record(self.sigma_h, self.sample_rate)
-        metrics["claimed_epsilon"] = self.claimed.epsilon()
-        return arrays, metrics
+    def after_round(self, dp, server_round: int, accepted: list, norms: list) -> AfterRound:
+        assert self.claimed is not None
+        self.claimed.record(self.sigma_h(dp), dp.sample_rate)
+        return AfterRound(record={"claimed_epsilon": self.claimed.epsilon()})
 
-    def publishes_claimed_epsilon(self) -> bool:
-        """claimed_epsilon (the paper's analysis, ledger at sigma_H) is in every round's record: no guarantee."""
-        return True
+    def summary(self) -> str:
+        return f"\t└──> Haar-wavelet noise, calibration={self.calibration}"
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, **kwargs) -> Result:
-        """DPRoundLoop.start, once d (and n, the ledger's true multiplier) is known from the initial arrays."""
-        self.set_dimension(sum(a.size for a in initial_arrays.to_numpy_ndarrays()))
-        return super().start(grid, initial_arrays, num_rounds, **kwargs)
-
-    def summary(self) -> None:
-        super().summary()
-        log(INFO, "\t└──> Haar-wavelet noise, calibration=%s", self.wavelet_calibration)
-
-    def describe(self) -> dict:
+    def describe(self, dp) -> dict:
         assert self.claimed is not None
         return {
-            **super().describe(),
-            "wavelet_calibration": self.wavelet_calibration,
+            "wavelet_calibration": self.calibration,
             "model_size": self.dimension,
             "padded_size": self.padded_size,
-            "sigma_h": self.sigma_h,
-            "effective_noise_multiplier": self.accounted_noise_multiplier(),
+            "sigma_h": self.sigma_h(dp),
+            "effective_noise_multiplier": self.accounted_noise_multiplier(dp),
             "claimed_epsilon": self.claimed.epsilon(),
             "privacy_note": (
                 "epsilon is the true one (ledger at sigma_H/sqrt(n)); claimed_epsilon is what "
                 "the paper's analysis prints (ledger at sigma_H)"
             ),
         }
+
+
+class DPFedAvgWavelet(DPFedAvg):
+    """DP-FedAvg with the server's Gaussian noise replaced by Haar-wavelet noise (`WaveletMechanism`; keyword
+    wavelet_calibration). Under central noise its clients clip too (Algorithm 2), and the server clips again."""
+
+    clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
+
+    @classmethod
+    def parts_from_keywords(cls, keywords: dict, run: RunOptions) -> list[Part]:
+        mechanism = WaveletMechanism(keywords.pop("wavelet_calibration", "exact"))
+        return [*super().parts_from_keywords(keywords, run), mechanism]
+
+    @property
+    def wavelet(self) -> WaveletMechanism:
+        return self.mechanism

@@ -55,7 +55,7 @@ def test_aggregated_noise_std_is_sigma_c_over_m(placement):
     assert metrics["clients"] == m and s.expected_clients == m
     assert_std(delta, SIGMA * C / m)
     # in distributed mode the server adds nothing when all m shares arrived
-    assert s.last_server_noise_std == (SIGMA * C if placement == "central" else 0.0)
+    assert s.round.server_noise_std == (SIGMA * C if placement == "central" else 0.0)
 
 
 def test_distributed_dropouts_are_topped_up():
@@ -66,7 +66,7 @@ def test_distributed_dropouts_are_topped_up():
     )
     delta, metrics = run_one_round(s, grid)
     assert metrics["failures"] == 4 and metrics["clients"] == 6
-    assert s.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(4 / 10))
+    assert s.round.server_noise_std == pytest.approx(SIGMA * C * math.sqrt(4 / 10))
     assert_std(delta, SIGMA * C / 10)
 
 

@@ -86,7 +86,7 @@ def test_the_released_model_carries_the_tree_noise_of_the_nodes_summed_across_ep
     models = []
     strategy.on_checkpoint = lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
     strategy.start(grid, start, num_rounds=7)
-    m = strategy.ftrl.clients_per_round
+    m = strategy.mechanism.clients_per_round  # the DPFTRL part fills the mechanism role
     assert m == 2
     # rounds 1-3: tree 1 at steps 1, 2, 3; rounds 4-6: Z of tree 1 at step 3 (2 nodes) + tree 2; round 7: + tree 3
     expected_nodes = [1, 1, 2, 2 + 1, 2 + 1, 2 + 2, 2 + 2 + 1]
@@ -126,7 +126,7 @@ def test_a_node_takes_part_at_most_once_per_epoch_and_ineligible_replies_are_ref
     replies = [reply_message(chosen[0], update), reply_message(chosen[0], update), reply_message(outsider, update)]
     _, metrics = strategy.aggregate_train(9, replies)
     assert metrics["clients"] == 1 and metrics["rejected"] == 2
-    problems = strategy.round_problems
+    problems = strategy.round.problems
     assert any(f"rejected a reply of node {chosen[0]}: a second reply" in p for p in problems)
     assert any(f"rejected a reply of node {outsider}: not sampled this round" in p for p in problems)
     # round 10 (same epoch): the nodes of round 9 are not asked again
@@ -205,7 +205,8 @@ def test_the_ftrl_model_and_its_momentum_form():
         strategy.ledger = part.make_ledger(strategy, 1e-5)
         w0, v, total = np.array([3.0, 3.0], np.float32), 0.0, 0.0
         for rnd in range(1, 8):
-            new = part.step(strategy, rnd, [u / 2, u / 2], w0 + 123)  # the current model is not used: w_0 is
+            new, _ = part.release(strategy, rnd, [u / 2, u / 2], w0 + 123, 2)  # the current model is not used: w_0 is
+            strategy.ledger.record_round(part.accounted_noise_multiplier(strategy))  # what the wrapper charges
             v = momentum * v + u
             total = total + v
             np.testing.assert_allclose(new, w0 + 123 + eta * total / m, rtol=1e-5)
@@ -274,8 +275,8 @@ def test_the_superlinks_64_bit_node_ids_are_kept_exactly():
     strategy = SimpleNamespace(sample_rate=0.5, num_clients=4, accountant="pld", seed=0, secure_rng=True)
     part.make_ledger(strategy, 1e-5)
     ids = [2**64 - 1, 2**63 + 12345, 9876543210987654321, 17]
-    first = part.select(strategy, 1, ids)
-    second = part.select(strategy, 2, ids)
+    first = part.select(strategy, 1, ids).nodes
+    second = part.select(strategy, 2, ids).nodes
     assert len(first) == len(second) == 2 and sorted(first + second) == sorted(ids)
     assert all(type(n) is int for n in first + second)  # exact ids, which the reply gate matches replies against
 

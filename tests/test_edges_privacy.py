@@ -370,4 +370,4 @@ def test_secagg_refuses_a_sum_above_what_honest_clients_can_produce():
     assert metrics["clients"] == 3 and l2_norm(moved) == pytest.approx(1.0, rel=1e-4)  # the sum 3C over m = 3
     moved, metrics = round_with(200 * honest)  # a sum 200x above what 3 honest clients can produce
     assert metrics["clients"] == 0 and metrics["rejected"] == 3
-    assert "above the bound" in dp.round_problems[0] and l2_norm(moved) == 0  # sigma = 0: no noise either
+    assert "above the bound" in dp.round.problems[0] and l2_norm(moved) == 0  # sigma = 0: no noise either

@@ -68,7 +68,7 @@ def test_an_oversized_poisson_sample_keeps_n_s_clients():
     grown = list(range(60))  # the pool tripled after the population was fixed: samples of ~54 > n_s
     sampled = strategy.sample_clients(3, grown)
     assert len(sampled) == n_s and set(sampled) <= set(grown)
-    assert strategy.round_truncation_probability > 0.99  # ... and the ledger is told: it reserves it out of delta
+    assert strategy.round.truncation_probability > 0.99  # ... and the ledger is told: it reserves it out of delta
     strategy.noisy_average_step(3, [np.zeros(4, np.float32)], np.zeros(4, np.float32), received=1)
     assert math.isinf(strategy.ledger.epsilon())  # no delta left: no guarantee claimed
 

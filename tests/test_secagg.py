@@ -100,7 +100,7 @@ def test_strategy_receives_only_the_sum():
     assert max(np.max(np.abs(u)) for u in uploads.values()) < settings["clipping_range"]
     assert settings["clipping_range"] == pytest.approx(secagg_clipping_range(C, SIGMA * C / math.sqrt(N_S), 100_100, 5))
     topup = delta * 5 - np.sum(list(uploads.values()), axis=0)
-    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C / math.sqrt(N_S))
+    assert strategy.dp.round.server_noise_std == pytest.approx(SIGMA * C / math.sqrt(N_S))
     assert abs(topup.std() / (SIGMA * C / math.sqrt(N_S)) - 1) < 5 / math.sqrt(2 * topup.size)
     # each client's share: clipped signal (norm C) + N(0, sigma^2 C^2 / n_s)
     noise = list(uploads.values())[0] - signal(0, 1, delta.size) * (C / 2.0)
@@ -132,7 +132,7 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     assert record["clients"] == 4 and record["failures"] == 1
     assert "node 101 crashed" in record["failed_nodes"][0]
     # 4 noise shares in the sum, the server adds the other 2 of n_s = 6: the model still gets N(0, sigma^2 C^2) / m
-    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C * math.sqrt(2 / N_S))
+    assert strategy.dp.round.server_noise_std == pytest.approx(SIGMA * C * math.sqrt(2 / N_S))
     expected = SIGMA * C / 5
     assert abs(delta.std() / expected - 1) < 5 / math.sqrt(2 * delta.size)
     # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/6) against it
@@ -151,7 +151,7 @@ def test_secagg_halts_when_too_few_finish():
     strategy, _, _, delta = run_secagg_round(5, signal, fail=lambda node, msg: node != 100 and masked_vector_stage(msg))
     [record] = strategy.history
     assert record["clients"] == 0 and "no aggregate" in record["problems"][0]
-    assert strategy.dp.last_server_noise_std == pytest.approx(SIGMA * C)
+    assert strategy.dp.round.server_noise_std == pytest.approx(SIGMA * C)
     assert abs(delta.std() / (SIGMA * C / 5) - 1) < 5 / math.sqrt(2 * delta.size)
     assert strategy.ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
     assert strategy.ledger.epsilon_against_server() == 0
@@ -176,7 +176,7 @@ def test_secagg_rejects_unequal_weights():
     parameters, published = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
     assert "rejected" not in published  # what Flower's History prints is the ledger's only
     metrics = dict(strategy.result.train_metrics_clientapp[1])
-    assert "num_examples = 1" in dp.round_problems[0]
+    assert "num_examples = 1" in dp.round.problems[0]
     assert metrics["rejected"] == 2 and metrics["clients"] == 0
     assert metrics["server_noise_std"] == pytest.approx(SIGMA * C)  # the top-up covers all m = 2 shares
     assert np.all(np.isfinite(parameters_to_ndarrays(parameters)[0]))

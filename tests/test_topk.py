@@ -234,7 +234,7 @@ def test_bad_sparse_update_is_rejected_not_averaged(corrupt, reason):
     )
     delta, metrics = one_round(s, grid)
     assert metrics["rejected"] == 1 and metrics["clients"] == n - 1
-    assert reason in s.round_problems[0]  # the round's diagnostics name why
+    assert reason in s.round.problems[0]  # the round's diagnostics name why
     expected = expected_topk_sum(range(1, n), 1050, p, "per-layer") / n  # node 0 left out, still / m
     np.testing.assert_allclose(delta, expected, rtol=1e-5, atol=1e-6)
 

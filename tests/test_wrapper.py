@@ -179,7 +179,7 @@ def test_replies_it_cannot_interpret_are_refused_with_a_reason():
     ]
     arrays, metrics = strategy.aggregate_train(1, [reply_message(100 + i, c) for i, c in enumerate(bad)])
     assert metrics["rejected"] == 3 and metrics["clients"] == 0
-    assert len(strategy.round_problems) == 3
+    assert len(strategy.round.problems) == 3
     np.testing.assert_array_equal(arrays["fc.weight"].numpy(), good["fc.weight"])
 
 

@@ -1,0 +1,54 @@
+"""The mechanism role: how a round's sum of updates becomes its release, and what the ledger charges for it.
+
+`GaussianMechanism` is the wrapper's default (docs/algorithms.md §0): the sum of the clipped updates plus the
+server's share of N(0, sigma^2 C^2 I) as the noise placement says (all of it, the top-up for the missing client
+shares, or none), divided by the fixed m, one sampled-Gaussian event per round in `ClientLevelLedger`.
+DP-FTRL's tree (`strategies.dp_ftrl.DPFTRL`) and the Haar-wavelet noise (`strategies.wavelet.WaveletMechanism`)
+fill the same role.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpcore.privacy.ledger import ClientLevelLedger
+from dpcore.privacy.mechanisms import gaussian_noise, make_rng
+
+from .parts import Part
+
+NOISE_STREAM = 2  # make_rng stream of the server's noise on the sum (seeded runs only)
+
+
+class GaussianMechanism(Part):
+    """The sum plus the server's Gaussian noise, over m; one sampled-Gaussian event per round."""
+
+    roles = ("mechanism",)
+
+    def make_ledger(self, dp, delta: float) -> ClientLevelLedger:
+        return ClientLevelLedger(delta, dp.accountant, dp.noise.name, dp.server_sees_only_the_sum, dp.client_sampling)
+
+    def ledger_from_state(self, state: dict) -> ClientLevelLedger:
+        return ClientLevelLedger.from_state_dict(state)
+
+    def accounted_noise_multiplier(self, dp) -> float:
+        """The sigma the ledger charges per round."""
+        return dp.noise_multiplier
+
+    def noisy_sum(
+        self, dp, server_round: int, updates: list[np.ndarray], size: int, received: int
+    ) -> tuple[np.ndarray, float]:
+        """(sum of the updates plus the server's noise, its std): all of it (central) or the top-up (distributed)
+        for the n_s - received noise shares that did not arrive."""
+        total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
+        std = dp.noise.server_noise_std(dp.update_noise_multiplier(), dp.clipping_norm, dp.noise_shares, received)
+        return total + gaussian_noise(
+            size, std, make_rng(dp.seed, NOISE_STREAM, server_round, secure=dp.secure_rng)
+        ), std
+
+    def release(
+        self, dp, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int
+    ) -> tuple[np.ndarray, float]:
+        """(w + eta_s * (sum_i Delta_i + server noise) / m, the std of the server's noise)."""
+        aggregate, std = self.noisy_sum(dp, server_round, updates, global_vector.size, received)
+        aggregate /= np.float32(dp.expected_clients)
+        return global_vector + np.float32(dp.server_learning_rate) * aggregate, std

@@ -1,0 +1,82 @@
+"""The option objects of the DP wrappers: what a strategy is configured with, grouped by concern.
+
+`DifferentialPrivacy(strategy, privacy=PrivacyOptions(...), sampling=SamplingOptions(...), run=RunOptions(...),
+parts=[...])` is the wrapper's own form; the flat keywords of the README (`clipping_norm=..., sample_rate=...,
+adaptive_clipping=..., audit_canaries=...`) are sorted into these objects and parts by `sort_keywords`, so both
+forms build the same strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT
+
+
+@dataclass(frozen=True)
+class PrivacyOptions:
+    """Client-level DP: C, sigma, who adds the noise, the ledger's delta and accountant, the budget.
+
+    clipping_norm : C, bound on the global L2 norm of each update (0: no clipping, only with sigma = 0).
+    noise_multiplier : sigma (0: no noise, epsilon = inf).
+    noise_placement : "central", "distributed" or "local" (`strategies.noise_placement`).
+    delta : target delta; 0: the strategy's default.
+    accountant : the ledger's accountant ("pld", "rdp" or "prv").
+    target_epsilon, target_epsilon_mode : "stop" before a round would exceed the target, or "calibrate" sigma up
+        front for the configured number of rounds.
+    """
+
+    clipping_norm: float
+    noise_multiplier: float
+    noise_placement: str = "central"
+    delta: float = 0.0
+    accountant: str = DEFAULT_ACCOUNTANT
+    target_epsilon: float = 0.0
+    target_epsilon_mode: str = "stop"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Who takes part: q, Poisson or fixed-size sampling, and how many nodes to wait for before round 1."""
+
+    sample_rate: float
+    client_sampling: str = "poisson"
+    min_available_nodes: int = 2
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the run goes: eta_s, the randomness, the wrapped strategy's evaluation, the outputs and their hooks.
+
+    seed, secure_rng : OS entropy (default), or streams seeded from `seed` (reproducible, no guarantee).
+    fraction_evaluate : only with strategy=None (set it on the wrapped strategy otherwise).
+    publish_diagnostics : also print the non-private diagnostics in the log.
+    on_round_end : called with each round's (published record, diagnostics).
+    on_checkpoint : called with (state_dict(), global arrays) after each round, before on_round_end.
+    """
+
+    server_learning_rate: float = 1.0
+    seed: int = 0
+    secure_rng: bool = True
+    fraction_evaluate: float | None = None
+    publish_diagnostics: bool = False
+    on_round_end: Callable | None = None
+    on_checkpoint: Callable | None = None
+
+
+def take(option_class, keywords: dict, given=None):
+    """`given`, else an `option_class` built from the keywords that name its fields (removed from `keywords`)."""
+    names = [f.name for f in fields(option_class)]
+    mine = {k: keywords.pop(k) for k in names if k in keywords}
+    if given is not None:
+        if mine:
+            raise TypeError(f"{', '.join(mine)} given both as keywords and in {option_class.__name__}")
+        return given
+    return option_class(**mine)
+
+
+def refuse_unknown(owner: str, keywords: dict) -> None:
+    """A keyword no option object or part took is a mistake, as for any Python call."""
+    if keywords:
+        raise TypeError(f"{owner}() got unexpected keyword arguments: {', '.join(sorted(keywords))}")

@@ -1,0 +1,144 @@
+"""The parts of a client-level DP round, behind one small protocol (docs/architecture.md, "Adding a part").
+
+`DifferentialPrivacy` runs a list of parts and calls the same hooks on each of them; it never asks which part
+it holds. A part overrides the hooks it needs; every hook here is a no-op. A part reads the wrapper (`dp`, read
+only) and the round in flight; what it changes comes back as a return value (`after_round`'s settings, e.g. the
+next clipping norm), never as a write into the wrapper.
+
+Roles: three jobs of a round are filled by exactly one part each; the wrapper supplies the default when none of
+its parts fills the role.
+
+- selection: who is sent the train message (Poisson or fixed-size sampling: the round loop's own;
+  DP-FTRL's participation rule, `strategies.dp_ftrl`);
+- mechanism: how the sum becomes a release and what the ledger charges (the Gaussian mechanism through the noise
+  placement, `strategies.mechanisms.GaussianMechanism`; DP-FTRL's tree; the Haar-wavelet noise);
+- codec: how a reply's arrays are read (dense, `DenseCodec`; top-k sparse, `strategies.topk.TopKCodec`).
+
+The other parts (adaptive clipping, the canary audit, secure aggregation, the noise placement's reply check) add
+to a round without replacing a job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, RecordDict
+
+from dpcore.privacy import protocol as keys
+
+from .reply_gate import MetricRule
+
+ROLES = ("selection", "mechanism", "codec")
+
+
+@dataclass(frozen=True)
+class AfterRound:
+    """What a part returns after a round: entries for the round record, and settings of the wrapper that take new
+    values from the next round on (names of `PrivacyOptions` fields, e.g. {"clipping_norm": C_next})."""
+
+    record: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+
+class Part:
+    """One optional piece of a client-level DP round. Each hook is a no-op here."""
+
+    roles: tuple[str, ...] = ()  # which of ROLES this part fills
+    keyword = ""  # the wrapper's keyword (and run-config key) that names the part in errors
+    published_keys: frozenset[str] = frozenset()  # round-record keys it adds that the ledger covers
+    reply_rules: dict[str, MetricRule] = {}  # metrics it reads from a train reply
+    server_sees_only_the_sum = False  # the server never sees a single update (secure aggregation)
+    publishes_claimed_epsilon = False  # its rounds publish a paper's claimed epsilon beside the true one
+
+    def check(self, privacy, others: frozenset[str]) -> None:
+        """Refuse settings the part cannot run with (`privacy`: the wrapper's `PrivacyOptions`; `others`: the
+        keywords of the other parts)."""
+
+    def see_model(self, dp, arrays: ArrayRecord) -> None:
+        """The global arrays the run starts from, and those each round starts from."""
+
+    def round_begun(self, dp) -> None:
+        """A round's train messages are composed (its sample drawn)."""
+
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        """The multiplier of the noise on the update sum, given the one the others leave (the ledger still
+        charges the mechanism's `accounted_noise_multiplier`)."""
+        return noise_multiplier
+
+    def client_config(self, dp, server_round: int) -> dict:
+        """What the train config gains for this part."""
+        return {}
+
+    def reply_problem(self, dp, metrics: dict) -> str | None:
+        """Why a well-formed reply is refused (logged with the node), else None."""
+        return None
+
+    def extra_updates(self, dp, server_round: int, dim: int) -> list[np.ndarray]:
+        """Vectors the part adds to the round's sum (the audit's canaries)."""
+        return []
+
+    def round_metrics(self, dp, server_round: int, replies: list) -> dict:
+        """Round-record entries measured on the raw replies, before the gate (e.g. bytes received)."""
+        return {}
+
+    def after_round(self, dp, server_round: int, accepted: list[tuple[np.ndarray, dict]], norms: list) -> AfterRound:
+        """The round is aggregated: record entries and settings for the next round."""
+        return AfterRound()
+
+    def publish(self, published: frozenset[str]) -> frozenset[str]:
+        """The round-record keys the ledger covers, given those the others publish."""
+        return published | self.published_keys
+
+    def caveats(self, dp) -> list[str]:
+        """Why the printed epsilon is not a guarantee with this part (empty: no reason)."""
+        return []
+
+    def server_caveats(self, dp) -> list[str]:
+        """Why epsilon_against_server is not a guarantee with this part."""
+        return []
+
+    def describe(self, dp) -> dict:
+        """summary.json entries."""
+        return {}
+
+    def describe_diagnostics(self, dp) -> dict:
+        """diagnostics-summary.json entries (not private)."""
+        return {}
+
+    def summary(self) -> str | None:
+        """One line for the start-up summary, or None."""
+        return None
+
+    def state_dict(self) -> dict:
+        """The part's state a resumed run needs (JSON-serializable)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the state `state_dict` gave."""
+
+
+class DenseCodec(Part):
+    """The codec of a dense reply: the arrays as sent, the update itself when the reply is marked
+    `UPLOAD_UPDATE` (this project's clients and mod), else the client's new weights."""
+
+    roles = ("codec",)
+
+    def decode(self, dp, content: RecordDict) -> tuple[list[np.ndarray], bool]:
+        is_update = any(
+            record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE for record in content.metric_records.values()
+        )
+        return content[dp.arrayrecord_key].to_numpy_ndarrays(), is_update
+
+
+def filling(parts: Sequence[Part], role: str, default: Part) -> Part:
+    """The part that fills `role` (at most one may), else `default`."""
+    found = [p for p in parts if role in p.roles]
+    if len(found) > 1:
+        raise ValueError(f"two parts fill the role {role!r}: {', '.join(type(p).__name__ for p in found)}")
+    return found[0] if found else default
+
+
+def keywords_of(parts: Iterable[Part]) -> frozenset[str]:
+    return frozenset(p.keyword for p in parts if p.keyword)

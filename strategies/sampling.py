@@ -1,0 +1,63 @@
+"""The selection role: who is sent a round's train message (docs/algorithms.md §0).
+
+`ClientSampling` is the round loop's own selection, Poisson (each node with probability q) or fixed-size (exactly
+m = round(q M)), seeded per round. DP-FTRL's participation rule (`strategies.dp_ftrl.DPFTRL`) fills the same role.
+A selection returns a `Selection`: the nodes, and what the ledger must know about how they were drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, truncation_probability
+
+from .parts import Part
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The nodes a round sends its train message to.
+
+    truncation_probability : P(this round's Poisson sample was truncated to n_s), reserved out of delta.
+    sampled_from : (N, m) for fixed-size sampling, m of N nodes (the ledger's sampling-without-replacement bound).
+    """
+
+    nodes: list[int]
+    truncation_probability: float = 0.0
+    sampled_from: tuple[int, int] | None = None
+
+
+class ClientSampling(Part):
+    """Poisson or fixed-size sampling of the connected nodes (`client_sampling`)."""
+
+    roles = ("selection",)
+
+    def __init__(self, fixed_size: bool = False) -> None:
+        self.fixed_size = fixed_size
+
+    def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
+        """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson sample larger
+        than n_s keeps a uniform n_s of it (probability <= 1e-12 for the population the run started with; the
+        ledger reserves the round's probability out of delta)."""
+        rng = make_rng(dp.seed, 1, server_round, secure=dp.secure_rng)
+        nodes = sorted(node_ids)
+        if self.fixed_size:
+            k = min(len(nodes), int(dp.expected_clients))
+            return Selection(pick(rng, nodes, k), 0.0, (len(nodes), k))
+        truncation = truncation_probability(len(nodes), dp.sample_rate, dp.noise_shares)
+        sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < dp.sample_rate]
+        if len(sampled) > dp.noise_shares:
+            sampled = pick(rng, sampled, dp.noise_shares)
+        return Selection(sampled, truncation)
+
+    def next_truncation_probability(self, dp) -> float:
+        """What the budget check assumes the next round reserves out of delta."""
+        return 0.0 if self.fixed_size else max(TRUNCATION_PROBABILITY, dp.round.truncation_probability)
+
+
+def pick(rng: np.random.Generator, node_ids: list[int], k: int) -> list[int]:
+    """k of the node ids uniformly without replacement, sorted. Indices are drawn, not the ids: numpy would
+    hold Flower's 64-bit node ids as floats and return ids of nodes that do not exist."""
+    return sorted(node_ids[i] for i in rng.choice(len(node_ids), size=k, replace=False))
