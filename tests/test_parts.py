@@ -1,0 +1,111 @@
+"""A part added from outside the wrapper's files (docs/architecture.md, "Adding a part"): a toy part and its
+settings, defined here only, run through a short in-process run. Nothing in strategies/ knows it exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from dpcore.privacy.settings import SettingError, require
+from fl_app.inprocess import InProcessGrid
+from strategies import DifferentialPrivacy
+from strategies.options import PrivacyOptions, RunOptions, SamplingOptions
+from strategies.parts import AfterRound, Part
+from strategies.reply_gate import MetricRule
+
+TOY_SHIFT, TOY_ECHO = "toy-shift", "toy-echo"
+
+
+@dataclass(frozen=True)
+class ToySettings:
+    """The toy part's settings: how far every client moves each weight."""
+
+    shift: float = 0.25
+
+
+class ToyShift(Part):
+    """Tells the clients a shift (client config), refuses a reply that does not echo it (reply problem), and
+    publishes the shift summed over the rounds so far (after-round, published keys). A number from the settings
+    only, so publishing it costs no privacy."""
+
+    keyword = "toy_shift"
+    published_keys = frozenset({"toy_shift_total"})
+    reply_rules = {TOY_ECHO: MetricRule(required=True)}
+
+    def __init__(self, settings: ToySettings) -> None:
+        self.settings = settings
+        self.total = 0.0
+
+    def check(self, privacy, others: frozenset[str]) -> None:
+        require(self.settings.shift >= 0, "toy_shift", self.settings.shift, "must be >= 0")
+
+    def client_config(self, dp, server_round: int) -> dict:
+        return {TOY_SHIFT: self.settings.shift}
+
+    def reply_problem(self, dp, metrics: dict) -> str | None:
+        return None if metrics[TOY_ECHO] == self.settings.shift else f"echoed {metrics[TOY_ECHO]}"
+
+    def after_round(self, dp, server_round: int, accepted: list, norms: list) -> AfterRound:
+        self.total += self.settings.shift
+        return AfterRound(record={"toy_shift_total": self.total, "toy_accepted": len(accepted)})
+
+    def describe(self, dp) -> dict:
+        return {"toy_shift": self.settings.shift}
+
+    def state_dict(self) -> dict:
+        return {"toy_shift_total": self.total}
+
+
+def shifting_app(liar: int | None = None) -> ClientApp:
+    """Clients that move every weight by the configured shift and echo it (node `liar` echoes a wrong one)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        shift = float(msg.content["config"][TOY_SHIFT])
+        arrays = [a + np.float32(shift) for a in msg.content["arrays"].to_numpy_ndarrays()]
+        echo = shift + 1.0 if int(context.node_config["partition-id"]) == liar else shift
+        metrics = MetricRecord({"num-examples": 1, TOY_ECHO: echo})
+        return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def toy_wrapper(published: list, shift: float = 0.25) -> DifferentialPrivacy:
+    """No noise and a large C: the released model moves by exactly the mean shift."""
+    return DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        privacy=PrivacyOptions(clipping_norm=100.0, noise_multiplier=0.0),
+        sampling=SamplingOptions(sample_rate=1.0, min_available_nodes=4),
+        run=RunOptions(seed=3, secure_rng=False, on_round_end=lambda record, _: published.append(record)),
+        parts=[ToyShift(ToySettings(shift))],
+    )
+
+
+def test_a_part_from_outside_runs_through_the_wrapper():
+    published: list[dict] = []
+    strategy = toy_wrapper(published)
+    start = ArrayRecord([np.zeros(3, np.float32)])
+    result = strategy.start(InProcessGrid(shifting_app(), 4, {}), start, num_rounds=2)
+    assert [r["toy_shift_total"] for r in published] == [0.25, 0.5]  # its published key, in the round record
+    assert "toy_accepted" not in published[0]  # not declared published: a diagnostic
+    np.testing.assert_array_equal(result.arrays.to_numpy_ndarrays()[0], np.full(3, 0.5, np.float32))  # config used
+    assert strategy.describe()["toy_shift"] == 0.25 and strategy.state_dict()["toy_shift_total"] == 0.5
+
+
+def test_the_parts_reply_problem_and_rules_refuse_a_reply():
+    published: list[dict] = []
+    strategy = toy_wrapper(published)
+    strategy.start(InProcessGrid(shifting_app(liar=2), 4, {}), ArrayRecord([np.zeros(3, np.float32)]), num_rounds=1)
+    assert strategy.history[0]["toy_accepted"] == 3 and strategy.history[0]["rejected"] == 1
+    assert any("echoed 1.25" in p for p in strategy.history[0]["problems"])
+
+
+def test_the_parts_settings_are_checked_when_the_wrapper_is_built():
+    with pytest.raises(SettingError, match="toy_shift=-1.0"):
+        toy_wrapper([], shift=-1.0)
