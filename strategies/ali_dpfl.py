@@ -40,73 +40,19 @@ from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers, epsilon_of
-from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
+from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers
+from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
 from dpcore.privacy.settings import check_dpsgd, require
 
+from .ali_dpfl_clients import claimed_epsilon, load_mirror_state, mirror_state, row_problem, update_ledgers
+from .local_steps import estimate_mu, next_local_steps
 from .options import RunOptions, SamplingOptions
 from .reply_gate import MetricRule
 from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
+from .wrapped import release
 
 GradientFn = Callable[[list[np.ndarray]], np.ndarray]
 PartitionSizeFn = Callable[[int, int], int]
-
-
-def optimal_local_steps(
-    *,
-    mu: float,
-    clipping_norm: float,
-    noise_multiplier: float,
-    dim: int,
-    batch_size: float,
-    gamma: float,
-    total_steps: float,
-) -> float:
-    """Eq. (9): tau* = sqrt(1 + (4/mu^2 + 3C^2 + 2 Gamma T mu + s) / ((2 + 1/T)(C^2 + s))),
-    s = sigma^2 C^2 d / B^2 (the real-valued optimum, before rounding)."""
-    c2 = clipping_norm**2
-    s = noise_multiplier**2 * c2 * dim / batch_size**2
-    numerator = 4.0 / mu**2 + 3.0 * c2 + 2.0 * gamma * total_steps * mu + s
-    return math.sqrt(1.0 + numerator / ((2.0 + 1.0 / total_steps) * (c2 + s)))
-
-
-def next_local_steps(
-    *,
-    rounds_budget: int,
-    steps_budget: int,
-    previous: int,
-    mu: float,
-    clipping_norm: float,
-    noise_multiplier: float,
-    dim: int,
-    batch_size: float,
-    gamma: float,
-) -> tuple[int, float]:
-    """(tau for the next round, real-valued tau* or nan) by Algorithm 2 lines 15-18.
-
-    tau = 1 if R_s >= R_c; else eq. (9) with T = min(R_s * tau_prev, R_c), rounded half
-    up, at least 1. Without a usable mu (not finite or <= 0) tau stays `previous`.
-    """
-    if rounds_budget >= steps_budget:
-        return 1, 1.0
-    if not (math.isfinite(mu) and mu > 0 and batch_size > 0):
-        return previous, math.nan
-    total = min(rounds_budget * previous, steps_budget)
-    try:
-        tau = optimal_local_steps(
-            mu=mu,
-            clipping_norm=clipping_norm,
-            noise_multiplier=noise_multiplier,
-            dim=dim,
-            batch_size=batch_size,
-            gamma=gamma,
-            total_steps=total,
-        )
-    except (ZeroDivisionError, OverflowError):  # mu so small that 1/mu^2 overflows: tau* is unbounded
-        tau = math.inf
-    if not math.isfinite(tau) or tau >= steps_budget:  # never more than R_c (and an int, even for tau* = inf)
-        return max(1, steps_budget), tau
-    return max(1, math.floor(tau + 0.5)), tau
 
 
 class ALIDPFL(DPRoundLoop):
@@ -279,11 +225,6 @@ class ALIDPFL(DPRoundLoop):
         require(mu_max > 0, "mu_max", mu_max, "must be > 0")
         require(local_steps >= 0, "local_steps", local_steps, "must be >= 0 (0: 1)")
 
-    @property
-    def accounted_multiplier(self) -> float:
-        """The true DP-SGD noise multiplier the ledgers charge (`dpcore.privacy.dpsgd_noise`)."""
-        return self.noise.accounted
-
     # ------------------------------------------------------------------ set-up
     def default_delta(self, num_clients: int) -> float:
         return DEFAULT_SAMPLE_DELTA
@@ -318,31 +259,12 @@ class ALIDPFL(DPRoundLoop):
         return SampleLevelLedgers.from_state_dict(state)
 
     def extra_state(self) -> dict:
-        def by_pid(d: dict) -> dict:
-            return {str(k): v for k, v in d.items()}
-
-        return {
-            "steps_budget": self.steps_budget,
-            "tau": self.tau,
-            "tau_list": self.tau_list,
-            "steps_taken": by_pid(self.steps_taken),
-            "mu_releases": by_pid(self.mu_releases),
-            "dataset_sizes": by_pid(self.dataset_sizes),
-            "partition_of": by_pid(self.partition_of),
-            "mu_rounds": self.mu_rounds,
-            "clients_out_of_budget": self.clients_out_of_budget,
-        }
+        return {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list, **mirror_state(self)}
 
     def load_extra_state(self, state: dict) -> None:
-        def by_pid(d: dict) -> dict:
-            return {int(k): int(v) for k, v in d.items()}
-
         self.steps_budget, self.tau = int(state["steps_budget"]), int(state["tau"])
         self.tau_list = [int(t) for t in state["tau_list"]]
-        self.steps_taken, self.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
-        self.dataset_sizes, self.mu_rounds = by_pid(state["dataset_sizes"]), int(state["mu_rounds"])
-        self.partition_of = by_pid(state.get("partition_of", {}))
-        self.clients_out_of_budget = bool(state["clients_out_of_budget"])
+        load_mirror_state(self, state)
 
     @property
     def rounds_budget(self) -> int:
@@ -407,7 +329,7 @@ class ALIDPFL(DPRoundLoop):
         assert self.current_arrays is not None and self.ledger is not None
         tau = self.round_local_steps()
         self.tau_list.append(tau)
-        global_arrays = self.global_arrays()
+        global_arrays = self.round.global_arrays()
         self.set_dimension(sum(a.size for a in global_arrays))
         shapes = [a.shape for a in global_arrays]
         if self.releases_mu():
@@ -415,7 +337,7 @@ class ALIDPFL(DPRoundLoop):
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
         rows, weights, nodes = [], [], []
         for (vector, metrics), node in zip(accepted, self.round.accepted_nodes):
-            problem, weight = self.row_problem(node, metrics, tau)
+            problem, weight = row_problem(self, node, metrics, tau)
             if problem:
                 rejected += 1
                 self.note_problem(
@@ -433,8 +355,8 @@ class ALIDPFL(DPRoundLoop):
             new_global = (global_vector + self.server_learning_rate * average).astype(np.float32)
         else:
             new_global = global_vector
-        self.update_ledgers(server_round, [m for _, m in rows], nodes)
-        mu = self.estimate_mu(global_arrays, shapes, rows, weights) if self.needs_mu() else math.nan
+        update_ledgers(self, server_round, [m for _, m in rows], nodes)
+        mu = estimate_mu(self, global_arrays, shapes, rows, weights) if self.needs_mu() else math.nan
         self.tau, tau_star = self.next_tau(mu, global_vector.size)
         self.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)
         taken = [int(m[keys.LOCAL_STEPS]) for _, m in rows]
@@ -455,79 +377,8 @@ class ALIDPFL(DPRoundLoop):
             "epsilon_min": min(eps.values(), default=0.0),
             **self.privacy_metrics(),
         }
-        arrays, _ = self.release(server_round, new_global)
+        arrays, _ = release(self, server_round, new_global)
         return arrays, MetricRecord(metrics)
-
-    def row_problem(self, node: int, metrics: dict, tau: int) -> tuple[str | None, float]:
-        """(why a DP-SGD client's reply cannot be used, or None; its averaging weight p_i before normalising).
-
-        The node's partition id is the one it first reported (`bind_partition`); its public size, the weight."""
-        problem = reply_metrics_problem(metrics)
-        pid, reported = int(metrics[keys.PARTITION_ID]), metrics[keys.NUM_EXAMPLES]
-        if problem is None and metrics[keys.LOCAL_STEPS] > tau:
-            problem = f"{metrics[keys.LOCAL_STEPS]} local steps taken, {tau} asked"
-        if problem is None and self.partition_size is not None:
-            try:
-                public = int(self.partition_size(pid, self.partitions))
-            except Exception as exc:  # e.g. out of range: nothing a client sends may raise
-                return f"partition id {pid}: {exc}", 0.0
-            if reported != public:
-                return f"num-examples {reported} differs from partition {pid}'s public size {public}", 0.0
-        if problem is None:
-            problem = self.bind_partition(node, pid)
-        if problem:
-            return problem, 0.0
-        return None, float(public) if self.partition_size is not None else 1.0
-
-    def bind_partition(self, node: int, pid: int) -> str | None:
-        """Bind `node` to partition `pid` for the run (None), or why it cannot claim it: it is bound to another
-        one, or another node that is still connected holds it. A partition whose node is gone (a restarted
-        SuperNode gets a new id) passes to the new node with that node's ledger and counts."""
-        bound = self.partition_of.get(node)
-        if bound is not None:
-            return None if bound == pid else f"partition id {pid} reported, the node is bound to {bound}"
-        holder = next((n for n, p in self.partition_of.items() if p == pid), None)
-        if holder is not None:
-            if holder in self.round.population:
-                return f"partition id {pid} is bound to another node ({holder})"
-            del self.partition_of[holder]
-            assert self.ledger is not None
-            for table in (self.ledger.clients, self.steps_taken, self.mu_releases, self.dataset_sizes):
-                if holder in table:
-                    table[node] = table.pop(holder)
-        self.partition_of[node] = pid
-        return None
-
-    def update_ledgers(self, server_round: int, replies: list[dict], nodes: list[int]) -> None:
-        """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts, never beyond
-        what the server asked for (the sum of tau over the rounds so far; the rounds that asked for mu).
-
-        Cumulative counts make the mirror whole again after a lost reply. The epsilon the
-        client computed itself must agree with the mirror; a mismatch is logged.
-        """
-        assert self.ledger is not None
-        asked_steps = sum(self.tau_list)
-        for m, pid in zip(replies, nodes):  # pid: the node id the SuperLink gave the reply
-            self.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
-            known_steps, known_releases = self.steps_taken.get(pid, 0), self.mu_releases.get(pid, 0)
-            steps = min(max(int(m[keys.DPSGD_STEPS]), known_steps), asked_steps)
-            releases = min(max(int(m.get(keys.MU_RELEASES, 0)), known_releases), self.mu_rounds)
-            if steps > known_steps:
-                self.ledger.record(pid, self.accounted_multiplier, self.batch_sample_rate, steps - known_steps)
-            if releases > known_releases:
-                self.ledger.record(pid, self.mu_noise_multiplier, 1.0, releases - known_releases)
-            self.steps_taken[pid], self.mu_releases[pid] = steps, releases
-            mirrored = self.ledger.clients[pid].epsilon() if pid in self.ledger.clients else 0.0
-            reported = float(m.get(keys.EPSILON, mirrored))
-            if not math.isclose(mirrored, reported, rel_tol=1e-6, abs_tol=1e-9):
-                log(
-                    WARNING,
-                    "Round %d: client %d reports epsilon %.6g, its mirrored ledger gives %.6g",
-                    server_round,
-                    pid,
-                    reported,
-                    mirrored,
-                )
 
     def set_dimension(self, dim: int) -> None:
         """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
@@ -545,51 +396,8 @@ class ALIDPFL(DPRoundLoop):
                 self.sample_noise_multiplier,
             )
 
-    def claimed_epsilon(self) -> float:
-        """max over clients of the epsilon the paper's analysis would print (DP-SGD at sigma_H)."""
-        assert self.ledger is not None
-        return max(
-            (
-                epsilon_of(
-                    [
-                        (self.sample_noise_multiplier, self.batch_sample_rate, steps),
-                        (self.mu_noise_multiplier, 1.0, self.mu_releases.get(pid, 0)),
-                    ],
-                    self.ledger.delta,
-                    self.accountant,
-                )
-                for pid, steps in self.steps_taken.items()
-            ),
-            default=0.0,
-        )
-
     def needs_mu(self) -> bool:
         return self.adaptive and self.rounds_budget < self.steps_budget
-
-    def estimate_mu(
-        self, global_arrays: list[np.ndarray], shapes: list, rows: list[tuple[np.ndarray, dict]], weights: np.ndarray
-    ) -> float:
-        """sum_i p_i ratio_i over the clients with a ratio (p renormalised over them); nan if none."""
-        ratios, used = [], []
-        if self.mu_source == "clients":
-            for (_, m), w in zip(rows, weights):
-                if keys.MU in m:  # finite (reply gate); clipped here as the client should have
-                    ratios.append(min(max(float(m[keys.MU]), 0.0), self.mu_max))
-                    used.append(w)
-        else:
-            assert self.gradient_fn is not None
-            g_global = np.asarray(self.gradient_fn(global_arrays), dtype=np.float64)
-            w_global = flatten(global_arrays)
-            for (v, _), w in zip(rows, weights):
-                distance = l2_norm(v)
-                if distance == 0:
-                    continue
-                g_local = np.asarray(self.gradient_fn(unflatten(w_global + v, shapes)), dtype=np.float64)
-                ratios.append(l2_norm(g_local - g_global) / distance)
-                used.append(w)
-        if not ratios:
-            return math.nan
-        return float(np.dot(np.asarray(used) / np.sum(used), ratios))
 
     def next_tau(self, mu: float, dim: int) -> tuple[int, float]:
         if not self.adaptive:
@@ -609,7 +417,7 @@ class ALIDPFL(DPRoundLoop):
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
-        claimed = {"epsilon_claimed": self.claimed_epsilon()} if self.noise.claims_differ else {}
+        claimed = {"epsilon_claimed": claimed_epsilon(self)} if self.noise.claims_differ else {}
         return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
 
     def publishes_claimed_epsilon(self) -> bool:
@@ -658,7 +466,7 @@ class ALIDPFL(DPRoundLoop):
             "dpsgd_noise": self.dpsgd_noise,
             "grad_sample_mode": self.grad_sample_mode,
             "wavelet_calibration": self.wavelet_calibration if self.dpsgd_noise == "wavelet" else None,
-            "accounted_noise_multiplier": self.accounted_multiplier,
+            "accounted_noise_multiplier": self.noise.accounted,
             "rounds_budget": self.rounds_budget,
             "steps_budget": self.steps_budget,
             "tau_list": list(self.tau_list),
@@ -667,10 +475,3 @@ class ALIDPFL(DPRoundLoop):
             "epsilon_per_client": self.ledger.epsilon_per_client(),
             **self.privacy_metrics(),
         }
-
-
-def reply_metrics_problem(metrics: dict) -> str | None:
-    """Why a DP-SGD client's gated metrics are inconsistent (more steps this round than in all), else None."""
-    if metrics[keys.DPSGD_STEPS] < metrics[keys.LOCAL_STEPS]:
-        return f"inconsistent step counts {metrics[keys.LOCAL_STEPS]!r} / {metrics[keys.DPSGD_STEPS]!r}"
-    return None

@@ -30,8 +30,7 @@ from logging import INFO, WARNING
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier, default_client_delta
@@ -42,10 +41,11 @@ from .audit import AuditCanaries
 from .mechanism import GaussianMechanism
 from .noise_placement import noise_placement as make_noise_placement
 from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
-from .parts import Part, filling, keywords_of
+from .parts import ROLES, Part, filling, keywords_of
 from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
+from .wrapped import release
 
 ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's after_round may give new values
 
@@ -56,6 +56,37 @@ def keyword_parts(keywords: dict, run: RunOptions) -> list[Part]:
     given = [keywords.pop("adaptive_clipping", None), keywords.pop("ftrl", None)]
     audit = AuditCanaries.from_keywords(keywords, run.seed, run.secure_rng)
     return [p for p in (*given, audit, SecureAggregation.from_keywords(keywords)) if p is not None]
+
+
+def sort_keywords(cls, privacy, sampling, run, parts, keywords: dict) -> tuple:
+    """(PrivacyOptions, SamplingOptions, RunOptions, parts) from the option objects and the flat keywords (the
+    parts `cls.keyword_parts` builds from them after the given ones)."""
+    keywords = dict(keywords)
+    privacy, sampling = take(PrivacyOptions, keywords, privacy), take(SamplingOptions, keywords, sampling)
+    run = take(RunOptions, keywords, run)
+    parts = [*parts, *cls.keyword_parts(keywords, run)]
+    refuse_unknown(cls.__name__, keywords)
+    return privacy, sampling, run, parts
+
+
+def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
+    """The rules of these settings: the client-level DP rules, then each part's with the others."""
+    check_client_level_dp(
+        sample_rate=sampling.sample_rate,
+        clipping_norm=privacy.clipping_norm,
+        noise_multiplier=privacy.noise_multiplier,
+        noise_placement=privacy.noise_placement,
+        client_sampling=sampling.client_sampling,
+        target_epsilon=privacy.target_epsilon,
+        target_epsilon_mode=privacy.target_epsilon_mode,
+        delta=privacy.delta,
+        accountant=privacy.accountant,
+    )
+    present = keywords_of(parts)
+    for part in sorted(parts, key=lambda p: p.keyword != "secure_aggregation"):  # SecAgg+'s own rules first
+        part.check(privacy, present - {part.keyword})
+    for role in ROLES:
+        filling(parts, role, None)
 
 
 class DifferentialPrivacy(DPRoundLoop):
@@ -83,6 +114,7 @@ class DifferentialPrivacy(DPRoundLoop):
     """
 
     clients_clip_under_central_noise = False
+    keyword_parts = staticmethod(keyword_parts)  # a variant adds its own (strategies.topk, strategies.wavelet)
     reply_metric_rules = {
         keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
         keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
@@ -101,12 +133,11 @@ class DifferentialPrivacy(DPRoundLoop):
         parts: Sequence[Part] = (),
         **keywords,
     ) -> None:
-        privacy, sampling, run, parts = self.sort_keywords(
-            noise_multiplier, clipping_norm, privacy, sampling, run, parts, keywords
-        )
-        self.check_options(privacy, sampling, parts)
+        given = {"noise_multiplier": noise_multiplier, "clipping_norm": clipping_norm}
+        keywords.update({k: v for k, v in given.items() if v is not None})  # Flower's positional order
+        privacy, sampling, run, parts = sort_keywords(type(self), privacy, sampling, run, parts, keywords)
+        check_options(privacy, sampling, parts)
         self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)
-        self.parts = [self.noise, *parts]
         super().__init__(
             strategy,
             sampling=sampling,
@@ -114,6 +145,7 @@ class DifferentialPrivacy(DPRoundLoop):
             delta=privacy.delta,
             accountant=privacy.accountant,
             selection=filling(parts, "selection", None),
+            parts=[self.noise, *parts],
         )
         self.privacy = privacy
         self.clipping_norm = privacy.clipping_norm
@@ -127,48 +159,10 @@ class DifferentialPrivacy(DPRoundLoop):
             self.reply_metric_rules = {**self.reply_metric_rules, **part.reply_rules}
 
     @classmethod
-    def sort_keywords(cls, noise_multiplier, clipping_norm, privacy, sampling, run, parts, keywords: dict) -> tuple:
-        """(PrivacyOptions, SamplingOptions, RunOptions, parts) from the option objects and the flat keywords."""
-        keywords = dict(keywords)
-        for name, value in (("noise_multiplier", noise_multiplier), ("clipping_norm", clipping_norm)):
-            if value is not None:
-                keywords[name] = value
-        privacy, sampling = take(PrivacyOptions, keywords, privacy), take(SamplingOptions, keywords, sampling)
-        run = take(RunOptions, keywords, run)
-        parts = [*parts, *cls.parts_from_keywords(keywords, run)]
-        refuse_unknown(cls.__name__, keywords)
-        return privacy, sampling, run, parts
-
-    @classmethod
-    def parts_from_keywords(cls, keywords: dict, run: RunOptions) -> list[Part]:
-        """The parts the flat keywords name (a variant adds its own: `strategies.topk`, `strategies.wavelet`)."""
-        return keyword_parts(keywords, run)
-
-    @classmethod
-    def check_options(cls, privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
-        """The rules of these settings: the client-level DP rules, then each part's with the others."""
-        check_client_level_dp(
-            sample_rate=sampling.sample_rate,
-            clipping_norm=privacy.clipping_norm,
-            noise_multiplier=privacy.noise_multiplier,
-            noise_placement=privacy.noise_placement,
-            client_sampling=sampling.client_sampling,
-            target_epsilon=privacy.target_epsilon,
-            target_epsilon_mode=privacy.target_epsilon_mode,
-            delta=privacy.delta,
-            accountant=privacy.accountant,
-        )
-        present = keywords_of(parts)
-        for part in sorted(parts, key=lambda p: p.keyword != "secure_aggregation"):  # SecAgg+'s own rules first
-            part.check(privacy, present - {part.keyword})
-        for role in ("selection", "mechanism", "codec"):
-            filling(parts, role, None)
-
-    @classmethod
     def check_settings(cls, *, parts: Sequence[Part] = (), **keywords) -> None:
         """The rules of these settings, as flat keywords (the same call checks a run config before training)."""
-        privacy, sampling, _, parts = cls.sort_keywords(None, None, None, None, None, parts, keywords)
-        cls.check_options(privacy, sampling, parts)
+        privacy, sampling, _, parts = sort_keywords(cls, None, None, None, parts, keywords)
+        check_options(privacy, sampling, parts)
 
     @property
     def noise_placement(self) -> str:
@@ -209,19 +203,11 @@ class DifferentialPrivacy(DPRoundLoop):
         return self.mechanism.ledger_from_state(state)
 
     def extra_state(self) -> dict:
-        state = {
-            "noise_multiplier": self.noise_multiplier,
-            "clipping_norm": self.clipping_norm,
-        }  # as calibrated, adapted
-        for part in self.parts:
-            state.update(part.state_dict())
-        return state
+        return {"noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm}  # calibrated, adapted
 
     def load_extra_state(self, state: dict) -> None:
         self.noise_multiplier = float(state["noise_multiplier"])
         self.clipping_norm = float(state.get("clipping_norm", self.clipping_norm))
-        for part in self.parts:
-            part.load_state_dict(state)
 
     def summary(self) -> None:
         super().summary()
@@ -246,12 +232,6 @@ class DifferentialPrivacy(DPRoundLoop):
             log(INFO, "%s", line)
 
     # ------------------------------------------------------------------ train
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, **kwargs) -> Result:
-        """DPRoundLoop.start, once the parts have seen the model it starts from."""
-        for part in self.parts:
-            part.see_model(self, initial_arrays)
-        return super().start(grid, initial_arrays, num_rounds, **kwargs)
-
     def client_train_config(self, server_round: int) -> dict:
         """What clients need to privatize their update this round."""
         config = {keys.SERVER_ROUND: server_round}
@@ -266,19 +246,9 @@ class DifferentialPrivacy(DPRoundLoop):
         if not self.signal_checked and self.ledger is not None:
             self.signal_checked = True
             if warning := noise_to_signal_warning(
-                self.noise_multiplier, self.expected_clients, sum(a.size for a in self.global_arrays())
+                self.noise_multiplier, self.expected_clients, sum(a.size for a in self.round.global_arrays())
             ):
                 log(WARNING, "%s", warning)
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config, grid: Grid) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
-        for part in self.parts:
-            part.round_begun(self)
-        return messages
-
-    def extra_updates(self, server_round: int, dim: int) -> list[np.ndarray]:
-        """The vectors the parts add to the round's sum (the audit's canaries)."""
-        return [v for part in self.parts for v in part.extra_updates(self, server_round, dim)]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -286,7 +256,7 @@ class DifferentialPrivacy(DPRoundLoop):
         assert self.current_arrays is not None and self.ledger is not None
         replies = list(replies)
         measured = {k: v for part in self.parts for k, v in part.round_metrics(self, server_round, replies).items()}
-        global_arrays = self.global_arrays()
+        global_arrays = self.round.global_arrays()
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
         updates, norms, losses = [], [], []
         for vector, metrics in accepted:
@@ -296,7 +266,7 @@ class DifferentialPrivacy(DPRoundLoop):
             if keys.TRAIN_LOSS in metrics:
                 losses.append(float(metrics[keys.TRAIN_LOSS]))
 
-        extra = self.extra_updates(server_round, sum(a.size for a in global_arrays))
+        extra = extra_updates(self, server_round, sum(a.size for a in global_arrays))
         new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
         metrics = {**round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm), **measured}
         metrics.update({"server_noise_std": self.round.server_noise_std, **self.privacy_metrics()})
@@ -307,7 +277,7 @@ class DifferentialPrivacy(DPRoundLoop):
                 if name not in ADJUSTABLE:
                     raise ValueError(f"{type(part).__name__} returned {name!r}: only {ADJUSTABLE} may change")
                 setattr(self, name, value)
-        arrays, _ = self.release(server_round, new_global)
+        arrays, _ = release(self, server_round, new_global)
         return arrays, MetricRecord(metrics)
 
     def needs_marked_updates(self) -> bool:
@@ -380,7 +350,7 @@ class DifferentialPrivacy(DPRoundLoop):
             return False
         return (
             self.ledger.epsilon_after_rounds(
-                self.accounted_noise_multiplier(), self.sample_rate, 1, self.next_truncation_probability()
+                self.accounted_noise_multiplier(), self.sample_rate, 1, self.selection.next_truncation_probability(self)
             )
             > self.target_epsilon
         )
@@ -393,18 +363,6 @@ class DifferentialPrivacy(DPRoundLoop):
         """Seeded noise only matters when there is noise; and what the parts say."""
         caveats = super().guarantee_caveats() if self.noise_multiplier > 0 else []
         return caveats + [c for part in self.parts for c in part.caveats(self)]
-
-    def server_guarantee_caveats(self) -> list[str]:
-        return [c for part in self.parts for c in part.server_caveats(self)]
-
-    def publishes_claimed_epsilon(self) -> bool:
-        return any(part.publishes_claimed_epsilon for part in self.parts)
-
-    def published_keys(self) -> frozenset:
-        published = super().published_keys()
-        for part in self.parts:
-            published = part.publish(published)
-        return published
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json (what the ledger covers)."""
@@ -427,11 +385,10 @@ class DifferentialPrivacy(DPRoundLoop):
             summary.update(part.describe(self))
         return summary
 
-    def describe_diagnostics(self) -> dict:
-        diagnostics = super().describe_diagnostics()
-        for part in self.parts:
-            diagnostics.update(part.describe_diagnostics(self))
-        return diagnostics
+
+def extra_updates(dp: DifferentialPrivacy, server_round: int, dim: int) -> list[np.ndarray]:
+    """The vectors the parts add to the round's sum (the audit's canaries)."""
+    return [v for part in dp.parts for v in part.extra_updates(dp, server_round, dim)]
 
 
 def round_statistics(updates: list, rejected: int, failures: int, norms: list, losses: list, clip: float) -> dict:

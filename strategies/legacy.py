@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import Result
 from dpcore.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
-from .round_loop import filtered_flower_log, reply_message
+from .wrapped import filtered_flower_log, reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 

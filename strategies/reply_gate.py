@@ -15,9 +15,15 @@ in the ServerApp: metric values are read only through `read_metrics`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from logging import DEBUG, WARNING
 
-from flwr.app import RecordDict
+import numpy as np
+from flwr.app import Message, RecordDict
+from flwr.common import log
+
+from dpcore.privacy.mechanisms import flatten, update_problem
 
 METRICS_RECORD = "metrics"  # the name the clients' adapter and Flower's NumPyClient use
 HONEST_REJECTION_PROBABILITY = 1e-12  # per upload: how often the norm bound may reject an honest one
@@ -66,6 +72,100 @@ def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dic
             return {}, problem
         clean[key] = int(record[key]) if rule.integer else float(record[key])
     return clean, None
+
+
+class ReplyGate:
+    """The round loop's reply path (`DPRoundLoop`): every train reply decoded and checked before anything reads it.
+    Reads the strategy's round in flight (`round`), its codec and its `reply_metric_rules`."""
+
+    reply_metric_rules: dict[str, MetricRule] = {}
+    publish_diagnostics = False
+
+    def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
+        """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.DenseCodec`:
+        the update itself when the reply is marked `UPLOAD_UPDATE`, else the client's new weights)."""
+        return self.codec.decode(self, content)
+
+    def reply_update(self, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
+        """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used)."""
+        rnd = self.round
+        assert rnd.arrays is not None
+        arrays, is_update = self.decode_update(content)
+        everything = rnd.everything
+        if len(arrays) != len(everything):
+            return None, f"expected {len(everything)} arrays, got {len(arrays)}"
+        if not is_update and self.needs_marked_updates():
+            return None, (
+                "not privatized: under distributed noise the client adds its noise share; add "
+                "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
+            )
+        global_floats = [everything[i] for i in rnd.float_positions]
+        floats = [np.asarray(arrays[i]) for i in rnd.float_positions]
+        problem = update_problem(floats, [a.shape for a in global_floats])
+        if problem is None and [np.shape(a) for a in arrays] != [a.shape for a in everything]:
+            problem = "a non-floating-point array has the wrong shape"
+        if problem:
+            return None, problem
+        vector = flatten(floats)
+        return (vector if is_update else vector - rnd.global_vector), None
+
+    def needs_marked_updates(self) -> bool:
+        """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
+        return False
+
+    def accepted_updates(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
+        """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
+        and the counts of failed and rejected replies. Nothing in a reply can raise here.
+
+        Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
+        round did not sample, or a second reply from one node, is rejected. The round's `accepted_nodes` lists the node
+        of each accepted update."""
+        accepted, failures, rejected = [], 0, 0
+        rnd = self.round
+        rnd.accepted_nodes = []
+        seen: set[int] = set()
+        for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            if not msg.has_error() and (rnd.nodes is not None and node not in rnd.nodes or node in seen):
+                rejected += 1
+                self.note_problem(
+                    server_round,
+                    f"rejected a reply of node {node}: "
+                    + ("a second reply" if node in seen else "not sampled this round"),
+                )
+                continue
+            if msg.has_error():
+                failures += 1
+                self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
+                continue
+            try:
+                vector, problem = self.reply_update(msg.content)
+                if problem is None:
+                    metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
+                if problem is None:
+                    problem = self.upload_problem(vector, metrics)
+            except Exception as exc:  # malformed content of any kind
+                problem = f"undecodable reply ({type(exc).__name__}: {exc})"
+            if problem:
+                rejected += 1
+                self.note_problem(server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
+                continue
+            seen.add(node)
+            accepted.append((vector, metrics))
+            rnd.accepted_nodes.append(node)
+        return accepted, failures, rejected
+
+    def note_problem(self, server_round: int, problem: str) -> None:
+        """A failed or rejected reply: into the round's diagnostics (`problems`), and into the log only with
+        publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
+        self.round.problems.append(problem)
+        log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
+
+    def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
+        """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
+        return None
 
 
 def upload_norm_bound(

@@ -41,28 +41,26 @@ from Flower's legacy workflow.
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
-from logging import DEBUG, INFO, WARNING
+from logging import INFO, WARNING
 
-import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, noise_share_count, unflatten, update_problem
+from dpcore.privacy.mechanisms import noise_share_count
 from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .dp_round import DPRound
 from .options import RunOptions, SamplingOptions
 from .parts import DenseCodec, Part
-from .reply_gate import MetricRule, read_metrics
+from .reply_gate import ReplyGate
+from .run_record import RunRecord
 from .sampling import ClientSampling
+from .wrapped import quiet_flower_info, wrapped_train_content
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -99,7 +97,7 @@ PUBLISHED_KEYS = frozenset(
 )
 
 
-class DPRoundLoop(Strategy):
+class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     """Sampling, reply gate, budget stop and round record for a DP strategy, around a Flower strategy.
 
     Parameters
@@ -118,8 +116,6 @@ class DPRoundLoop(Strategy):
     metrics they read from a train reply in `reply_metric_rules`.
     """
 
-    reply_metric_rules: dict[str, MetricRule] = {}
-
     def __init__(
         self,
         strategy: Strategy | None,
@@ -129,6 +125,7 @@ class DPRoundLoop(Strategy):
         delta: float = 0.0,
         accountant: str = "pld",
         selection: Part | None = None,
+        parts: list[Part] = (),
     ) -> None:
         if strategy is None:
             strategy = FedAvg(
@@ -158,6 +155,7 @@ class DPRoundLoop(Strategy):
         self.client_sampling = sampling.client_sampling
         self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == "fixed")
         self.codec = DenseCodec()
+        self.parts = list(parts)  # the optional pieces of the round (strategies.parts), in the order they run
         self.server_learning_rate = run.server_learning_rate
         self.requested_delta = delta
         self.accountant = accountant
@@ -185,10 +183,6 @@ class DPRoundLoop(Strategy):
     @property
     def configrecord_key(self) -> str:
         return getattr(self.strategy, "configrecord_key", "config")
-
-    @property
-    def weighted_by_key(self) -> str:
-        return getattr(self.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
 
     @property
     def fraction_evaluate(self) -> float:
@@ -241,10 +235,6 @@ class DPRoundLoop(Strategy):
         self.round.nodes = {int(n) for n in selection.nodes}
         return selection.nodes
 
-    def next_truncation_probability(self) -> float:
-        """What the budget check assumes the next round reserves out of delta."""
-        return self.selection.next_truncation_probability(self)
-
     def client_train_config(self, server_round: int) -> dict:
         """What the sampled clients need this round (protocol keys)."""
         raise NotImplementedError
@@ -258,11 +248,6 @@ class DPRoundLoop(Strategy):
         """The global arrays of the round in flight."""
         return self.round.arrays
 
-    def global_arrays(self) -> list[np.ndarray]:
-        """The floating-point arrays of the round's global model: what DP trains, clips and noises."""
-        assert self.round.arrays is not None
-        return self.round.global_arrays()
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -270,56 +255,14 @@ class DPRoundLoop(Strategy):
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.begin_round(arrays)
         node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic, not logged
-        content = self.wrapped_train_content(server_round, arrays, config)
+        content = wrapped_train_content(self, server_round, arrays, config)
         wrapped_config = content.config_records.get(self.configrecord_key, ConfigRecord())
         content[self.configrecord_key] = ConfigRecord(
             {**dict(wrapped_config), **self.client_train_config(server_round)}
         )
+        for part in self.parts:
+            part.round_begun(self)
         return [Message(content=content, dst_node_id=int(node), message_type=MessageType.TRAIN) for node in node_ids]
-
-    def wrapped_train_content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
-        """What the wrapped strategy would send this round (its own sampling is discarded, and so is its log
-        line, which counts nodes): asked on a stand-in grid of as many nodes as it waits for, so it never waits."""
-        grid = StandInGrid(
-            max(1, getattr(self.strategy, "min_available_nodes", 1), getattr(self.strategy, "min_train_nodes", 1))
-        )
-        with quiet_flower_info():
-            messages = list(self.strategy.configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
-        if not messages:
-            return RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(dict(config))})
-        return RecordDict(dict(messages[0].content.items()))
-
-    # ------------------------------------------------------------------ the wrapped strategy's part
-    def release(self, server_round: int, new_global: np.ndarray) -> tuple[ArrayRecord, MetricRecord | None]:
-        """The privatized model w' (flat, floating-point arrays only) through the wrapped strategy's aggregation
-        and server optimizer (post-processing): it receives one reply holding w', so FedAvg returns w' and
-        FedAdam steps on w' - w. Keys, order, shapes and dtypes are those the server sent; other arrays come
-        back unchanged."""
-        assert self.current_arrays is not None
-        rnd = self.round
-        names = list(rnd.arrays.keys())
-        proposal = conform(names, rnd.everything, rnd.float_positions, new_global)
-        reply = reply_message(
-            0, RecordDict({self.arrayrecord_key: proposal, "metrics": MetricRecord({self.weighted_by_key: 1})})
-        )
-        with quiet_flower_info():
-            arrays, metrics = self.strategy.aggregate_train(server_round, [reply])
-        if arrays is None:
-            return proposal, metrics
-        returned = [arrays[k].numpy() for k in arrays.keys()]
-        if list(arrays.keys()) != list(proposal.keys()) or [a.shape for a in returned] != [
-            a.shape for a in rnd.everything
-        ]:
-            log(
-                WARNING,
-                "Round %d: %s returned arrays that do not match the model; the DP average is kept",
-                server_round,
-                type(self.strategy).__name__,
-            )
-            return proposal, metrics
-        return conform(
-            names, rnd.everything, rnd.float_positions, flatten([returned[i] for i in rnd.float_positions])
-        ), metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -344,93 +287,6 @@ class DPRoundLoop(Strategy):
         log(INFO, "\t├──> Wrapped strategy: %s", type(self.strategy).__name__)
         self.strategy.summary()
 
-    # ------------------------------------------------------------------ the reply gate
-    def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
-        """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.DenseCodec`:
-        the update itself when the reply is marked `UPLOAD_UPDATE`, else the client's new weights)."""
-        return self.codec.decode(self, content)
-
-    def reply_update(self, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
-        """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used)."""
-        rnd = self.round
-        assert rnd.arrays is not None
-        arrays, is_update = self.decode_update(content)
-        everything = rnd.everything
-        if len(arrays) != len(everything):
-            return None, f"expected {len(everything)} arrays, got {len(arrays)}"
-        if not is_update and self.needs_marked_updates():
-            return None, (
-                "not privatized: under distributed noise the client adds its noise share; add "
-                "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
-            )
-        global_floats = [everything[i] for i in rnd.float_positions]
-        floats = [np.asarray(arrays[i]) for i in rnd.float_positions]
-        problem = update_problem(floats, [a.shape for a in global_floats])
-        if problem is None and [np.shape(a) for a in arrays] != [a.shape for a in everything]:
-            problem = "a non-floating-point array has the wrong shape"
-        if problem:
-            return None, problem
-        vector = flatten(floats)
-        return (vector if is_update else vector - rnd.global_vector), None
-
-    def needs_marked_updates(self) -> bool:
-        """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
-        return False
-
-    def accepted_updates(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
-        """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
-        and the counts of failed and rejected replies. Nothing in a reply can raise here.
-
-        Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
-        round did not sample, or a second reply from one node, is rejected. The round's `accepted_nodes` lists the node
-        of each accepted update."""
-        accepted, failures, rejected = [], 0, 0
-        rnd = self.round
-        rnd.accepted_nodes = []
-        seen: set[int] = set()
-        for msg in replies:
-            node = int(msg.metadata.src_node_id)
-            if not msg.has_error() and (rnd.nodes is not None and node not in rnd.nodes or node in seen):
-                rejected += 1
-                self.note_problem(
-                    server_round,
-                    f"rejected a reply of node {node}: "
-                    + ("a second reply" if node in seen else "not sampled this round"),
-                )
-                continue
-            if msg.has_error():
-                failures += 1
-                self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
-                continue
-            try:
-                vector, problem = self.reply_update(msg.content)
-                if problem is None:
-                    metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
-                if problem is None:
-                    problem = self.upload_problem(vector, metrics)
-            except Exception as exc:  # malformed content of any kind
-                problem = f"undecodable reply ({type(exc).__name__}: {exc})"
-            if problem:
-                rejected += 1
-                self.note_problem(server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
-                continue
-            seen.add(node)
-            accepted.append((vector, metrics))
-            rnd.accepted_nodes.append(node)
-        return accepted, failures, rejected
-
-    def note_problem(self, server_round: int, problem: str) -> None:
-        """A failed or rejected reply: into the round's diagnostics (`problems`), and into the log only with
-        publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
-        self.round.problems.append(problem)
-        log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
-
-    def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
-        """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
-        return None
-
     # ------------------------------------------------------------------ budget and record
     def privacy_metrics(self) -> dict:
         raise NotImplementedError
@@ -447,13 +303,12 @@ class DPRoundLoop(Strategy):
         budget allows)."""
         return server_round % eval_every == 0 or server_round == num_rounds or self.budget_exhausted()
 
-    def round_details(self) -> dict:
-        """Entries for the round record that are not metrics (MetricRecord holds numbers only)."""
-        return {"problems": list(self.round.problems)} if self.round.problems else {}
-
     def published_keys(self) -> frozenset:
-        """The round-record keys the ledger covers for this strategy."""
-        return PUBLISHED_KEYS
+        """The round-record keys the ledger covers for this strategy (and what its parts add or withdraw)."""
+        published = PUBLISHED_KEYS
+        for part in self.parts:
+            published = part.publish(published)
+        return published
 
     def split_record(self, record: dict) -> tuple[dict, dict]:
         """(what the ledger covers, the non-private diagnostics with the round number)."""
@@ -481,44 +336,6 @@ class DPRoundLoop(Strategy):
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
 
-    # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs, JSON-serializable (the ledger's own state included)."""
-        return {
-            "completed_rounds": self.completed_rounds,
-            "history": self.history,
-            "stop_reason": self.stop_reason,
-            "num_clients": self.num_clients,
-            "expected_clients": self.expected_clients,
-            "noise_shares": self.noise_shares,
-            "ledger": None if self.ledger is None else self.ledger.state_dict(),
-            **self.extra_state(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue after `state["completed_rounds"]` with the ledger as it was then."""
-        self.completed_rounds = int(state["completed_rounds"])
-        self.history = list(state["history"])
-        self.stop_reason = state["stop_reason"]
-        self.num_clients, self.expected_clients = int(state["num_clients"]), float(state["expected_clients"])
-        self.noise_shares = int(state["noise_shares"])
-        self.ledger = None if state["ledger"] is None else self.ledger_from_state(state["ledger"])
-        self.load_extra_state(state)
-
-    def extra_state(self) -> dict:
-        """The strategy's own state beyond the round loop's."""
-        return {}
-
-    def load_extra_state(self, state: dict) -> None:
-        pass
-
-    def ledger_from_state(self, state: dict):
-        raise NotImplementedError
-
-    def client_evaluation_record(self, metrics: MetricRecord) -> dict:
-        """How the clients' aggregated evaluation metrics appear in the round's record."""
-        return {f"client_{k}": v for k, v in metrics.items()}
-
     def start(
         self,
         grid: Grid,
@@ -536,6 +353,8 @@ class DPRoundLoop(Strategy):
         self.set_num_rounds(num_rounds)
         log(INFO, "Starting %s strategy:", type(self).__name__)
         self.summary()
+        for part in self.parts:
+            part.see_model(self, initial_arrays)
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
         result, arrays = Result(), initial_arrays
@@ -578,60 +397,6 @@ class DPRoundLoop(Strategy):
                 record.update(dict(res))
             self.finish_round(record, started, arrays)
         return result
-
-    def guarantee_caveats(self) -> list[str]:
-        """Why the printed epsilon is not a guarantee (empty: it is one)."""
-        if not self.secure_rng:
-            return ["noise derivable from the seed (secure-rng = false): anyone who knows 'seed' can remove it"]
-        return []
-
-    def server_guarantee_caveats(self) -> list[str]:
-        """Why `epsilon_against_server` is not a guarantee (empty: it is one, or there is no such figure)."""
-        return []
-
-    def guarantee_marks(self) -> dict:
-        """What every per-round output carries when a figure beside it is not a guarantee (metrics.jsonl, the
-        round's log line, TensorBoard and W&B, whose tags then say so): nothing when both are guarantees."""
-        marks = {}
-        if self.guarantee_caveats():
-            marks["epsilon_is_guarantee"] = False
-        if self.server_guarantee_caveats():
-            marks["epsilon_against_server_is_guarantee"] = False
-        if self.publishes_claimed_epsilon():
-            marks["claimed_epsilon_is_guarantee"] = False
-        return marks
-
-    def publishes_claimed_epsilon(self) -> bool:
-        """Whether the rounds publish a paper's claimed epsilon beside the true one (wavelet noise under `paper`
-        calibration): that figure is no guarantee."""
-        return False
-
-    def describe_diagnostics(self) -> dict:
-        """End-of-run figures computed from raw client replies (diagnostics-summary.json, not private)."""
-        rounds = [r for r in self.history if "problems" in r]
-        return {"rounds_with_failed_or_rejected_replies": [r["round"] for r in rounds]} if rounds else {}
-
-    def describe_sampling(self) -> dict:
-        """The summary.json entries every DP strategy shares."""
-        caveats, server_caveats = self.guarantee_caveats(), self.server_guarantee_caveats()
-        server = (
-            {"epsilon_against_server_is_guarantee": False, "epsilon_against_server_caveats": server_caveats}
-            if server_caveats
-            else {}
-        )
-        return {
-            **server,
-            "wrapped_strategy": type(self.strategy).__name__,
-            "client_sampling_rate": self.sample_rate,
-            "client_sampling": self.client_sampling,
-            "num_clients": self.num_clients,
-            "expected_clients_per_round": self.expected_clients,
-            "accountant": self.accountant,
-            "stop_reason": self.stop_reason,
-            "secure_rng": self.secure_rng,
-            "epsilon_is_guarantee": not caveats,
-            "epsilon_caveats": caveats,
-        }
 
 
 NO_REPLY = "no reply before round-timeout"
@@ -724,65 +489,3 @@ def parse_log_line(line: str) -> tuple[dict, dict] | None:
     published, _, diagnostics = match.group(2).partition(DIAGNOSTICS_MARK.strip())
     round_number = {"round": int(match.group(1))} if match.group(1) else {}
     return {**round_number, **values(published)}, values(diagnostics)
-
-
-# ---------------------------------------------------------------------------- helpers of the wrapper
-def conform(names: list[str], template: list[np.ndarray], positions: list[int], vector: np.ndarray) -> ArrayRecord:
-    """The arrays `template` (named `names`) with those at `positions` replaced by consecutive slices of `vector`,
-    in their own dtype: same keys in the same order, same shapes and dtypes."""
-    everything = list(template)
-    parts = unflatten(np.asarray(vector), [everything[i].shape for i in positions])
-    for i, part in zip(positions, parts):
-        everything[i] = part.astype(everything[i].dtype, copy=False)
-    return ArrayRecord({name: Array(np.asarray(a, order="C")) for name, a in zip(names, everything)})
-
-
-class StandInGrid:
-    """Just enough of a Grid for a wrapped strategy's configure_train to write its content: `n` node ids."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def get_node_ids(self) -> list[int]:
-        return list(range(1, self.n + 1))
-
-
-class FlowerInfoFilter(logging.Filter):
-    """Drops Flower's INFO lines (a wrapped strategy's "Sampled N nodes", "Received N results"): they count
-    nodes, which epsilon does not cover. Warnings and errors pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
-
-
-@contextmanager
-def filtered_flower_log(log_filter: logging.Filter, enabled: bool = True):
-    """While active (and `enabled`), the flwr logger passes its records through `log_filter`."""
-    flower_logger = logging.getLogger("flwr")
-    if enabled:
-        flower_logger.addFilter(log_filter)
-    try:
-        yield
-    finally:
-        flower_logger.removeFilter(log_filter)
-
-
-def quiet_flower_info(enabled: bool = True):
-    """While active (and `enabled`), the flwr logger drops INFO lines (`FlowerInfoFilter`)."""
-    return filtered_flower_log(FlowerInfoFilter(), enabled)
-
-
-def reply_message(node_id: int, content: RecordDict | None = None, error=None) -> Message:
-    """A reply Message from `node_id`, as a Message-API strategy's aggregate_train expects one."""
-    metadata = Metadata(
-        run_id=0,
-        message_id="",
-        src_node_id=node_id,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id="",
-        created_at=time.time(),
-        ttl=0.0,
-        message_type=MessageType.TRAIN,
-    )
-    return Message(content, metadata=metadata) if error is None else Message(error, metadata=metadata)

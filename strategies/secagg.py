@@ -33,7 +33,7 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
 from dpcore.privacy.settings import check_secure_aggregation
 
-from .dp_fedavg import DPFedAvg
+from .dp_fedavg import DPFedAvg, extra_updates
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
 from .reply_gate import upload_norm_bound
 from .secure_aggregation import SecureAggregation
@@ -144,7 +144,7 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
                 updates = [total]
         if problem:
             self.dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
-        extra = self.dp.extra_updates(server_round, sum(a.size for a in self._global))
+        extra = extra_updates(self.dp, server_round, sum(a.size for a in self._global))
         new_global = self.dp.noisy_average_step(
             server_round, updates + extra, flatten(self._global), received=k if updates else 0
         )

@@ -20,9 +20,8 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
 from dpcore.privacy.settings import one_of, require
 
-from .dp_fedavg import DPFedAvg
+from .dp_fedavg import DPFedAvg, keyword_parts
 from .noise_placement import noise_placement as make_noise_placement
-from .options import RunOptions
 from .parts import Part
 from .reply_gate import MetricRule
 
@@ -142,7 +141,9 @@ class TopKCodec(Part):
 class DPFedSAMTopK(DPFedAvg):
     """DPFedAvg whose clients upload top-k sparse updates (`TopKCodec`; keywords sparsity and topk_mode)."""
 
-    @classmethod
-    def parts_from_keywords(cls, keywords: dict, run: RunOptions) -> list[Part]:
-        codec = TopKCodec(keywords.pop("sparsity", 0.4), keywords.pop("topk_mode", "per-layer"))
-        return [codec, *super().parts_from_keywords(keywords, run)]
+    keyword_parts = staticmethod(lambda keywords, run: [topk_codec(keywords), *keyword_parts(keywords, run)])
+
+
+def topk_codec(keywords: dict) -> TopKCodec:
+    """The codec the flat keywords `sparsity` and `topk_mode` name."""
+    return TopKCodec(keywords.pop("sparsity", 0.4), keywords.pop("topk_mode", "per-layer"))

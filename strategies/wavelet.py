@@ -30,11 +30,10 @@ from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpcore.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
 from dpcore.privacy.settings import one_of, require
 
-from .dp_fedavg import DPFedAvg
+from .dp_fedavg import DPFedAvg, keyword_parts
 from .mechanism import NOISE_STREAM, GaussianMechanism
 from .noise_placement import noise_placement as make_noise_placement
-from .options import RunOptions
-from .parts import AfterRound, Part
+from .parts import AfterRound
 
 
 class WaveletMechanism(GaussianMechanism):
@@ -156,10 +155,12 @@ class DPFedAvgWavelet(DPFedAvg):
 
     clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
 
-    @classmethod
-    def parts_from_keywords(cls, keywords: dict, run: RunOptions) -> list[Part]:
-        mechanism = WaveletMechanism(keywords.pop("wavelet_calibration", "exact"))
-        return [*super().parts_from_keywords(keywords, run), mechanism]
+    keyword_parts = staticmethod(
+        lambda keywords, run: [
+            *keyword_parts(keywords, run),
+            WaveletMechanism(keywords.pop("wavelet_calibration", "exact")),
+        ]
+    )
 
     @property
     def wavelet(self) -> WaveletMechanism:

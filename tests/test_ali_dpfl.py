@@ -23,7 +23,8 @@ from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
-from strategies.ali_dpfl import ALIDPFL, next_local_steps, optimal_local_steps
+from strategies.ali_dpfl import ALIDPFL
+from strategies.local_steps import estimate_mu, next_local_steps, optimal_local_steps
 from tests.independent_accountant import dp_accounting_epsilons
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -510,4 +511,4 @@ def test_client_mu_is_clipped_on_the_server():
         mu_max=0.5,
     )
     rows = [(np.ones(3, np.float32), {"mu": 1e6}), (np.ones(3, np.float32), {"mu": -3.0})]
-    assert strategy.estimate_mu([np.zeros(3, np.float32)], [(3,)], rows, np.array([1.0, 1.0])) == pytest.approx(0.25)
+    assert estimate_mu(strategy, [np.zeros(3, np.float32)], [(3,)], rows, np.array([1.0, 1.0])) == pytest.approx(0.25)

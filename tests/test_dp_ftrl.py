@@ -26,7 +26,7 @@ from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies import DifferentialPrivacy
 from strategies.dp_ftrl import DPFTRL
-from strategies.round_loop import reply_message
+from strategies.wrapped import reply_message
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 

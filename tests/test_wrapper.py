@@ -12,7 +12,7 @@ from clients.mods import make_dp_privatize_mod
 from dpcore.privacy import protocol as keys
 from fl_app.inprocess import InProcessGrid
 from strategies import DifferentialPrivacy
-from strategies.round_loop import reply_message
+from strategies.wrapped import reply_message
 
 M = 4
 STEP = np.float32(0.01)  # what each client adds to every floating-point weight
