@@ -53,9 +53,10 @@ ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's afte
 def keyword_parts(keywords: dict, run: RunOptions) -> list[Part]:
     """The parts the README's flat keywords name: `adaptive_clipping=`, `ftrl=` (the part itself),
     `audit_canaries=` / `audit_canary_kind=`, `secure_aggregation=True`."""
+    secure = SecureAggregation.from_keywords(keywords)  # first: its rules are checked before the others'
     given = [keywords.pop("adaptive_clipping", None), keywords.pop("ftrl", None)]
     audit = AuditCanaries.from_keywords(keywords, run.seed, run.secure_rng)
-    return [p for p in (*given, audit, SecureAggregation.from_keywords(keywords)) if p is not None]
+    return [p for p in (secure, *given, audit) if p is not None]
 
 
 def sort_keywords(cls, privacy, sampling, run, parts, keywords: dict) -> tuple:
@@ -83,7 +84,7 @@ def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Seq
         accountant=privacy.accountant,
     )
     present = keywords_of(parts)
-    for part in sorted(parts, key=lambda p: p.keyword != "secure_aggregation"):  # SecAgg+'s own rules first
+    for part in parts:
         part.check(privacy, present - {part.keyword})
     for role in ROLES:
         filling(parts, role, None)

@@ -109,3 +109,36 @@ def test_the_parts_reply_problem_and_rules_refuse_a_reply():
 def test_the_parts_settings_are_checked_when_the_wrapper_is_built():
     with pytest.raises(SettingError, match="toy_shift=-1.0"):
         toy_wrapper([], shift=-1.0)
+
+
+def test_flat_keywords_positional_order_and_option_objects_build_the_same_wrapper():
+    """The README's keywords, Flower's positional order (strategy, noise_multiplier, clipping_norm) and the option
+    objects give the same settings; a keyword nobody takes is refused as Python refuses it."""
+    flat = DifferentialPrivacy(FedAvg(), clipping_norm=0.5, noise_multiplier=1.2, sample_rate=0.3, seed=4)
+    positional = DifferentialPrivacy(FedAvg(), 1.2, 0.5, sample_rate=0.3, seed=4)
+    options = DifferentialPrivacy(
+        FedAvg(),
+        privacy=PrivacyOptions(clipping_norm=0.5, noise_multiplier=1.2),
+        sampling=SamplingOptions(sample_rate=0.3),
+        run=RunOptions(seed=4),
+    )
+    for strategy in (flat, positional, options):
+        assert (strategy.noise_multiplier, strategy.clipping_norm, strategy.sample_rate, strategy.seed) == (
+            1.2,
+            0.5,
+            0.3,
+            4,
+        )
+        assert [type(p).__name__ for p in strategy.parts] == ["CentralNoise"]
+    with pytest.raises(TypeError, match="noise_placment"):
+        DifferentialPrivacy(FedAvg(), 1.2, 0.5, sample_rate=0.3, noise_placment="central")
+    with pytest.raises(TypeError, match="sample_rate given both"):
+        DifferentialPrivacy(FedAvg(), 1.2, 0.5, sample_rate=0.3, sampling=SamplingOptions(sample_rate=0.3))
+
+
+def test_the_wrappers_constructor_takes_at_most_twelve_parameters():
+    import inspect
+
+    parameters = inspect.signature(DifferentialPrivacy.__init__).parameters
+    assert len(parameters) - 1 <= 12  # self left out
+    assert list(parameters)[1:4] == ["strategy", "noise_multiplier", "clipping_norm"]  # Flower's order
