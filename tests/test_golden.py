@@ -7,8 +7,11 @@ in tests/golden/<route>.json, written on main 7f236f5 before the redesign:
 - metrics.jsonl, diagnostics.jsonl, summary.json, diagnostics-summary.json, status.json, config.json;
 - the checkpoint's state (history and ledger) and a digest of its global arrays (the model after the run);
 - the TensorBoard scalars (tag, round, value);
-- the log lines the run prints (the flwr logger, INFO and up);
-- the names of the files in the run folder.
+- the log lines the project's code prints (the flwr logger, INFO and up; Flower's own lines are left out);
+- the names of the files in the run folder (plot.png's pixels are not compared).
+
+Every run goes through `run_route`, the one function that knows the app's import paths: when a module moves,
+change its import there.
 
 Floats are compared by repr (exact round trip), with their type, so 1 and 1.0, 0.0 and -0.0, differ. Only what
 legitimately differs between two runs of the same code is left out: `DROPPED_KEYS` (the one place that says
