@@ -60,7 +60,7 @@ def _check_type(key: str, value: Any, spec: Key) -> Any:
 def _check_value(key: str, value: Any, spec: Key) -> None:
     bad = bool(spec.choices) and value not in spec.choices
     if isinstance(value, str):
-        bad |= any(ord(c) < 32 or ord(c) == 127 for c in value)
+        bad |= any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in value)  # controls, surrogates
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
@@ -113,11 +113,13 @@ def _unknown_keys(run_config: Mapping[str, Any]) -> ConfigError:
     """The error for keys not in SPEC: each with its close matches (a misspelling), then every known key."""
 
     def one(key: str) -> str:
+        if not isinstance(key, str):
+            return f"{key!r} (a {type(key).__name__}: run-config keys are strings)"
         close = difflib.get_close_matches(key, SPEC, n=3, cutoff=0.6)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         return f"'{key}' = {run_config[key]!r}{hint}"
 
-    unknown = sorted(set(run_config) - set(SPEC))
+    unknown = sorted(set(run_config) - set(SPEC), key=repr)
     return ConfigError(f"unknown run-config key(s) {', '.join(map(one, unknown))}; known keys: {', '.join(SPEC)}")
 
 

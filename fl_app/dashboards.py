@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from logging import INFO
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +95,12 @@ def round_scalars(published: dict, diagnostics: dict | None, publish_diagnostics
     return values
 
 
+def owner_only(files) -> None:
+    """chmod 0600, as every other file of a run (the tensorboard package creates its event files 0644)."""
+    for file in files:
+        os.chmod(file, 0o600)
+
+
 class TensorBoardWriter:
     """Writes a run's round records as TensorBoard scalars into `run_dir` (events.out.tfevents.*);
     the diagnostics too when `publish_diagnostics`."""
@@ -102,6 +109,7 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter  # the tensorboard package writes the files
 
         self.writer = SummaryWriter(log_dir=str(run_dir))
+        owner_only(Path(self.writer.get_logdir()).glob("events.out.tfevents.*"))
         self.publish_diagnostics = publish_diagnostics
         self.wall_time = 0.0  # every event's: an event's wall_time would tell when its round ended (its timing)
         if publish_diagnostics:

@@ -20,6 +20,7 @@ import secrets
 import sys
 import time
 import weakref
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,9 +55,9 @@ def append_line(path: Path, line: str) -> None:
         try:
             with os.fdopen(os.dup(fd), "wb") as f:
                 f.write(line.encode())
-        except OSError:
+        except OSError as exc:
             os.ftruncate(fd, size)
-            raise
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
     finally:
         os.close(fd)
 
@@ -86,6 +87,36 @@ RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoint.npz", LO
 TERMINAL_STATUSES = ("completed", "failed")  # written last: the lock is released with them
 
 
+def unreadable_checkpoint_error(file: Path, why: str) -> PreviousRunError:
+    """One line naming a checkpoint that cannot be resumed from, and what to do."""
+    return PreviousRunError(
+        f"cannot resume from {file}: {why}. The file is damaged (a truncated copy, a full disk, or not written "
+        f"by this program): restore it from a backup, or set resume = false with another results-dir or run-name "
+        f"to start afresh"
+    )
+
+
+def read_checkpoint(file: Path) -> tuple[dict, list]:
+    """(strategy state, global arrays) from checkpoint.npz; PreviousRunError naming the file if it is not one
+    this program wrote (truncated, garbage, an object array, state that is not a JSON object)."""
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            names = set(data.files)
+            arrays_expected = {f"array_{i}" for i in range(len(names) - 1)}
+            if "state" not in names or names - {"state"} != arrays_expected:
+                raise ValueError(f"its arrays are {sorted(names)}, not 'state' and array_0.. array_N")
+            state = json.loads(data["state"].tobytes().decode())
+            arrays = [data[f"array_{i}"] for i in range(len(arrays_expected))]
+    except (OSError, EOFError, ValueError, KeyError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
+        raise unreadable_checkpoint_error(file, f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict):
+        raise unreadable_checkpoint_error(file, f"its state is a JSON {type(state).__name__}, not an object")
+    rounds = state.get("completed_rounds")
+    if type(rounds) is not int or rounds < 0:
+        raise unreadable_checkpoint_error(file, f"its state's completed_rounds = {rounds!r} is not a round count")
+    return state, arrays
+
+
 def no_checkpoint_error(path: Path) -> PreviousRunError:
     """The error of a resume with no checkpoint to continue from (never a silent fresh start)."""
     return PreviousRunError(
@@ -112,6 +143,7 @@ def check_resumable(path: Path, s: Settings) -> None:
     if not; the launcher asks before it starts anything."""
     if not (path / "checkpoint.npz").is_file():
         raise no_checkpoint_error(path)
+    read_checkpoint(path / "checkpoint.npz")
     differ = config_differences(path, s)
     if differ:
         raise PreviousRunError(
@@ -163,6 +195,7 @@ class RunDirectory:
         self.checkpoint_file = self.path / "checkpoint.npz"
         self._lock = lock_run_folder(self.path)
         self._release = weakref.finalize(self, os.close, self._lock)
+        self.saved_rounds = 0  # rounds the checkpoint holds: what a resume continues from
         try:
             self.checkpoint = self.read_checkpoint()
             previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
@@ -179,6 +212,8 @@ class RunDirectory:
             raise
         if not resume:
             self.rewrite_rounds([])
+        elif self.checkpoint is not None:
+            self.saved_rounds = self.checkpoint[0]["completed_rounds"]
 
     def close(self) -> None:
         """Release the folder's lock (another process may then write it)."""
@@ -225,15 +260,11 @@ class RunDirectory:
         state_bytes = np.frombuffer(json.dumps(json_safe(state)).encode(), dtype=np.uint8)
         payload = {f"array_{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
         atomic_write(self.checkpoint_file, lambda f: np.savez(f, state=state_bytes, **payload))
+        self.saved_rounds = int(state.get("completed_rounds", self.saved_rounds))
 
     def read_checkpoint(self) -> tuple[dict, list] | None:
         """(strategy state, global arrays) of the last completed round, or None."""
-        if not self.checkpoint_file.exists():
-            return None
-        with np.load(self.checkpoint_file, allow_pickle=False) as data:
-            state = json.loads(data["state"].tobytes().decode())
-            arrays = [data[f"array_{i}"] for i in range(len(data.files) - 1)]
-        return state, arrays
+        return read_checkpoint(self.checkpoint_file) if self.checkpoint_file.exists() else None
 
     def write_summary(self, summary: dict, diagnostics: dict) -> None:
         """summary.json (what the ledger covers) and diagnostics-summary.json (not private)."""

@@ -21,7 +21,7 @@ from fl_app.algorithms import algorithm, load_client_partition
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
 from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
-from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
+from fl_app.results import RunDirectory, plot_runs, resolve_run_dir, unreadable_checkpoint_error
 from fl_app.settings import Settings
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
@@ -119,7 +119,13 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     initial, resumed_from = ArrayRecord(shared_weights(model, s)), 0
     if run_dir.checkpoint is not None:
         state, arrays = run_dir.checkpoint
-        strategy.load_state_dict(state)
+        try:
+            strategy.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            run_dir.close()
+            raise unreadable_checkpoint_error(
+                run_dir.checkpoint_file, f"its state does not fit this run ({type(exc).__name__}: {exc})"
+            ) from None
         initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
@@ -132,7 +138,7 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             eval_every=s.run.eval_every,
         )
     except BaseException as exc:
-        run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
+        run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=run_dir.saved_rounds)
         raise
     server_eval = result.evaluate_metrics_serverapp
     final = server_eval[max(server_eval)] if server_eval else (strategy.history[-1] if strategy.history else {})

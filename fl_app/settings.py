@@ -68,7 +68,7 @@ class Key:
             bool: "true or false",
             int: "an integer",
             float: "a number",
-            str: "a string without control characters",
+            str: "a string without control characters or lone surrogates",
         }[type(self.default)]
         if type(self.default) in (int, float):
             lo = "-inf" if self.low is None else self.low

@@ -491,16 +491,25 @@ class DifferentialPrivacy(DPRoundLoop):
         return super().guarantee_caveats() if self.noise_multiplier > 0 else []
 
     def server_guarantee_caveats(self) -> list[str]:
-        """Distributed noise without SecAgg+: this project's clients and dp_privatize_mod send their update's norm
-        before clipping (and TrainingClient its training loss and example count) in the clear beside the noisy
-        upload; the per-upload figure covers the upload only. (Under SecAgg+ clients send weight 1 and no
-        metrics.)"""
-        if self.noise_placement != "distributed" or self.secure_aggregation or self.noise_multiplier <= 0:
+        """Distributed or local noise without SecAgg+: what reaches the server in the clear beside the noisy
+        upload, which the per-upload figure does not cover. Under distributed noise, this project's clients and
+        dp_privatize_mod send their update's norm before clipping (and TrainingClient its training loss and
+        example count); under either, with fraction_evaluate > 0, the clients' evaluate replies (loss, accuracy,
+        example count). (Under SecAgg+ clients send weight 1 and no metrics, and the figure is a diagnostic.)"""
+        if self.noise_placement == "central" or self.secure_aggregation or self.noise_multiplier <= 0:
             return []
-        return [
-            "clients send their update norm before clipping, training loss and example count in the clear "
-            "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
-        ]
+        caveats = []
+        if self.noise_placement == "distributed":
+            caveats.append(
+                "clients send their update norm before clipping, training loss and example count in the clear "
+                "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
+            )
+        if self.fraction_evaluate > 0:
+            caveats.append(
+                "clients' evaluate replies (loss, accuracy, example count; fraction-evaluate > 0) reach the server "
+                "in the clear: epsilon_against_server covers the noisy uploads only, not those replies"
+            )
+        return caveats
 
     def published_keys(self) -> frozenset:
         """Under SecAgg+ the server figure depends on how many noise shares reached the sum: a diagnostic."""
