@@ -384,7 +384,7 @@ def collect(folder: Path, job: dict) -> dict:
         "val_accuracy": evaluated[-1]["val_accuracy"] if evaluated else None,
         "epsilon": summary.get("epsilon"),
         "delta": summary.get("delta"),
-        "claimed_epsilon": summary.get("claimed_epsilon", summary.get("epsilon_claimed")),
+        "claimed_epsilon": summary.get("claimed_epsilon"),
         "noise_multiplier": summary.get("noise_multiplier", summary.get("sample_noise_multiplier")),
         "rounds": summary.get("rounds_completed"),
         "update_norm_mean": mean_of("update_norm_mean"),

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpcore.privacy.figures import with_current_names
 from fl_app.results import read_diagnostics, read_metrics, run_label
 from fl_app.run_files import RunFileError, read_json_object
 
@@ -69,8 +70,8 @@ def load_run(path: Path | str, diagnostics: bool = False, color: str = COLORS[0]
         run_label(summary),
         str(summary.get("strategy")),
         config,
-        summary,
-        read_metrics(path),
+        with_current_names(summary),
+        [with_current_names(r) for r in read_metrics(path)],
         read_diagnostics(path) if shown else [],
         color,
     )
@@ -336,7 +337,7 @@ def topk_chart(run: Run) -> str:
 
 
 def claimed_epsilon_chart(run: Run) -> str:
-    claimed = run.series("claimed_epsilon") or run.series("epsilon_claimed")
+    claimed = run.series("claimed_epsilon")
     if not claimed:
         return ""
     series = [

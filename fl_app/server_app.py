@@ -12,6 +12,7 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
+from dpcore.privacy import figures
 from dpcore.task.data import dataset_info, load_dataset, load_validation
 from dpcore.task.device import resolve_device
 from dpcore.task.models import build_model, count_parameters, split_state_keys
@@ -235,23 +236,16 @@ DIAGNOSTICS_NOTICE = (
 )
 
 
-SUMMARY_LOG_KEYS = (
-    "rounds_completed",
-    "final_accuracy",
-    "final_loss",
-    "epsilon",
-    "delta",
-    "epsilon_against_server",
-    "claimed_epsilon",
-)
+SUMMARY_LOG_KEYS = figures.finish_line_names()  # summary.json's figures on the `Finished:` line
+DIAGNOSTIC_SUMMARY_LOG_KEYS = figures.finish_line_names(published=False)  # diagnostics-summary.json's, after them
 
 
 def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
     """The run's last lines: `Finished:` with summary.json's figures (what the ledger covers) as `key=value`
     (strategies.round_loop.parse_log_line reads it), the audit, where the files and the diagnostics are."""
     line = format_record(summary, SUMMARY_LOG_KEYS)
-    if publish_diagnostics and diagnostics.get("personalized_accuracy") is not None:
-        line += DIAGNOSTICS_MARK + format_record(diagnostics, ("personalized_accuracy",))
+    if publish_diagnostics and format_record(diagnostics, DIAGNOSTIC_SUMMARY_LOG_KEYS):
+        line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_SUMMARY_LOG_KEYS)
     log(INFO, "Finished: %s", line)
     if not summary["epsilon_is_guarantee"]:
         log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))

@@ -608,11 +608,11 @@ class ALIDPFL(DPRoundLoop):
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
-        claimed = {"epsilon_claimed": self.claimed_epsilon()} if self.noise.claims_differ else {}
+        claimed = {"claimed_epsilon": self.claimed_epsilon()} if self.noise.claims_differ else {}
         return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
 
     def publishes_claimed_epsilon(self) -> bool:
-        """DP-SGD-WAV under `paper` calibration publishes epsilon_claimed, the paper's figure: no guarantee."""
+        """DP-SGD-WAV under `paper` calibration publishes claimed_epsilon, the paper's figure: no guarantee."""
         return self.noise.claims_differ
 
     def round_details(self) -> dict:

@@ -190,7 +190,7 @@ def test_wavelet_run_reports_true_and_claimed_epsilon(tmp_path, calibration):
     assert summary["accounted_noise_multiplier"] == pytest.approx(true_sigma)
     assert summary["epsilon"] == pytest.approx(epsilon_of([(true_sigma, 0.1, 6)], 1e-5))
     if calibration == "paper":
-        assert summary["epsilon_claimed"] == pytest.approx(epsilon_of([(1.5, 0.1, 6)], 1e-5))
-        assert summary["epsilon"] > 1000 * summary["epsilon_claimed"]
+        assert summary["claimed_epsilon"] == pytest.approx(epsilon_of([(1.5, 0.1, 6)], 1e-5))
+        assert summary["epsilon"] > 1000 * summary["claimed_epsilon"]
     else:
-        assert "epsilon_claimed" not in summary and summary["epsilon"] <= 3.0
+        assert "claimed_epsilon" not in summary and summary["epsilon"] <= 3.0
