@@ -64,7 +64,7 @@ def train_mods(context: Context) -> list:
     under distributed noise: the noisy clipped bit)."""
     from clients.adaptive_clipping import make_clip_bit_mod
     from clients.local_dp import make_local_dp_mod
-    from dpcore.privacy.ledger import default_client_delta
+    from dpcore.privacy.calibration import default_client_delta
 
     s = validate(context.run_config)
     privacy, seed = s.privacy, None if s.privacy.secure_rng else s.run.seed

@@ -8,7 +8,7 @@ registry) before any training starts.
 
 from __future__ import annotations
 
-from dpcore.privacy.ledger import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
+from dpcore.privacy.accountants import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
 
 NOISE_PLACEMENTS = ("central", "distributed", "local")
 CLIENT_SAMPLINGS = ("poisson", "fixed")
