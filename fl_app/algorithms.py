@@ -73,7 +73,7 @@ class ClientSetup:
 
 def load_client_partition(s: Settings, partition_id: int, num_partitions: int) -> tuple[Any, Any]:
     """(train, test) of one client: the run's data and partitioner (the ClientApp's, and the server's sizes)."""
-    from dpcore.task.data import load_partition
+    from dpcore.task.partitions import load_partition
 
     d = s.data
     return load_partition(
@@ -340,7 +340,7 @@ def dpsgd_client(setup: ClientSetup) -> NumPyClient:
 # ---------------------------------------------------------------------------- extra config rules
 def check_head_prefix(s: Settings) -> None:
     """The head prefix must name some but not all of the model's parameters."""
-    from dpcore.task.data import dataset_info
+    from dpcore.task.catalogue import dataset_info
     from dpcore.task.models import build_model, split_state_keys
 
     prefix, model = s.personalization.head_prefix, s.training.model

@@ -12,9 +12,11 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
-from dpcore.task.data import dataset_info, load_dataset, load_validation
+from dpcore.task.catalogue import dataset_info
+from dpcore.task.data import load_dataset
 from dpcore.task.device import resolve_device
 from dpcore.task.models import build_model, count_parameters, split_state_keys
+from dpcore.task.partitions import load_validation
 from dpcore.task.threads import limit_blas_threads
 from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
 from fl_app.algorithms import algorithm, load_client_partition

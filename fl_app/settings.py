@@ -25,9 +25,10 @@ from dpcore.privacy.settings import (
     NOISE_PLACEMENTS,
     TARGET_EPSILON_MODES,
 )
-from dpcore.task.data import DATASETS, PARTITIONERS
+from dpcore.task.catalogue import DATASETS
 from dpcore.task.device import DEVICE_CHOICES
 from dpcore.task.models import MODELS
+from dpcore.task.partitions import PARTITIONERS
 from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, SERVER_STRATEGIES
 
 FLOAT_MAX = 1e6  # no float key needs more; larger values overflow the accountants or the model
