@@ -92,6 +92,7 @@ def test_cached_partitions_equal_freshly_computed_ones(tmp_path, monkeypatch):
 FIRST_TRAINING = """
 import sys, json, torch
 from flwr.app import Context, RecordDict
+from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.server_app import shared_weights
@@ -102,7 +103,7 @@ for algorithm in ("dp-fedsam", "dp2-fedsam"):
     client = build_client(Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50},
                                   state=RecordDict(), run_config=cfg.run_config()))
     before = [w.copy() for w in get_weights(client.model)]
-    client.fit(shared_weights(client.model, cfg), {"server-round": 1})
+    client.fit(shared_weights(client.model, cfg, ALGORITHMS[cfg.run.algorithm]), {"server-round": 1})
     out[algorithm] = any((a != b).any() for a, b in zip(get_weights(client.model), before))
 print(json.dumps({"trained": out, "dynamo": "torch._dynamo" in sys.modules}))
 """
