@@ -58,7 +58,7 @@ def test_cache_is_rebuilt_when_the_source_or_the_partition_settings_change(tmp_p
     x1, _ = data._embedded_images("digits")
     x2, _ = data._embedded_images("digits")
     assert len(calls) == 1 and np.array_equal(x1, x2)  # decoded once, then read from the cache
-    monkeypatch.setattr(data, "_file_digest", lambda path: "another-source-file")
+    monkeypatch.setattr(data, "file_digest", lambda path: "another-source-file")
     data._embedded_images("digits")
     assert len(calls) == 2  # a changed source file means a new decode
 

@@ -21,7 +21,7 @@ class _Spec:
     std: tuple[float, ...] = ()
 
 
-_SPECS = {
+SPECS = {
     "mnist-embedded": _Spec((1, 28, 28), 10, _MNIST_MEAN, _MNIST_STD),
     "digits": _Spec((1, 8, 8), 10),
     "mnist": _Spec((1, 28, 28), 10, _MNIST_MEAN, _MNIST_STD),
@@ -31,7 +31,7 @@ _SPECS = {
     "cifar100": _Spec((3, 32, 32), 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "femnist": _Spec((1, 28, 28), 62, _MNIST_MEAN, _MNIST_STD),
 }
-DATASETS = tuple(_SPECS)
+DATASETS = tuple(SPECS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,13 +51,13 @@ class ArrayDataset:
         return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, writers)
 
 
-def _check_dataset(name: str) -> _Spec:
-    if name not in _SPECS:
+def check_dataset(name: str) -> _Spec:
+    if name not in SPECS:
         raise ValueError(f"dataset={name!r} is not one of: {', '.join(DATASETS)}")
-    return _SPECS[name]
+    return SPECS[name]
 
 
 def dataset_info(name: str) -> dict:
     """{"input_shape": (C, H, W), "num_classes": int} of a dataset, without loading it."""
-    spec = _check_dataset(name)
+    spec = check_dataset(name)
     return {"input_shape": spec.input_shape, "num_classes": spec.num_classes}

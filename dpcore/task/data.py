@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpcore.task.catalogue import _SPECS, ArrayDataset, _check_dataset
-from dpcore.task.data_cache import CACHE_VERSION, _cached, _file_digest, cache_dir
-from dpcore.task.data_files import _download, _Raw, _read_local
+from dpcore.task.catalogue import SPECS, ArrayDataset, check_dataset
+from dpcore.task.data_cache import CACHE_VERSION, cache_dir, cached_arrays, file_digest
+from dpcore.task.data_files import RawImages, download, read_local
 from dpcore.task.mapped import memory_mapped
 
-_SPLIT_SEED = 0  # fixed seed of the pool/test splits that the sources do not provide
+SPLIT_SEED = 0  # fixed seed of the pool/test splits that the sources do not provide
 
 
 def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayDataset]:
@@ -32,7 +32,7 @@ def load_dataset(name: str, data_dir: str = "") -> tuple[ArrayDataset, ArrayData
 
     The arrays are shared between callers and memory-mapped read-only.
     """
-    _check_dataset(name)
+    check_dataset(name)
     return _load_dataset(name, data_dir)
 
 
@@ -45,22 +45,22 @@ def downloads(name: str, data_dir: str = "") -> bool:
 @functools.lru_cache(maxsize=4)
 def _load_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
     """Decoded once into the cache, then memory-mapped (dpcore.task.mapped): a process holds only what it reads."""
-    spec_digest = hashlib.sha256(repr(_SPECS[name]).encode()).hexdigest()[:8]
+    spec_digest = hashlib.sha256(repr(SPECS[name]).encode()).hexdigest()[:8]
     folder = cache_dir() / f"normalized-{source_digest(name, data_dir)}-{spec_digest}"
     return memory_mapped(folder, lambda: _decode_dataset(name, data_dir), ArrayDataset)
 
 
 def _decode_dataset(name: str, data_dir: str) -> tuple[ArrayDataset, ArrayDataset]:
-    spec = _SPECS[name]
+    spec = SPECS[name]
     if name in _EMBEDDED:
         x, y = _embedded_images(name)
         split = _EMBEDDED[name][1]
-        perm = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
-        raw = _Raw(x[perm[:split]], y[perm[:split]], x[perm[split:]], y[perm[split:]])
+        perm = np.random.default_rng(SPLIT_SEED).permutation(len(y))
+        raw = RawImages(x[perm[:split]], y[perm[:split]], x[perm[split:]], y[perm[split:]])
     elif data_dir:
-        raw = _read_local(name, Path(data_dir).expanduser())
+        raw = read_local(name, Path(data_dir).expanduser())
     else:
-        raw = _download(name)
+        raw = download(name)
     if raw.x_test is None:
         raw = _hold_out(raw)
     if name == "femnist" and raw.x_train[:1000].mean() > 127.5:
@@ -105,7 +105,7 @@ def source_digest(name: str, data_dir: str = "") -> str:
     folder (local files) or the hub id; and the cache version."""
     if name in _EMBEDDED:
         path, _ = _EMBEDDED[name][0]()
-        source = _file_digest(path) if path.exists() else "missing"
+        source = file_digest(path) if path.exists() else "missing"
     elif data_dir:  # the folder's files: names, sizes, modification times
         folder = Path(data_dir).expanduser().resolve()
         listing = sorted(
@@ -130,7 +130,7 @@ def _embedded_images(name: str) -> tuple[np.ndarray, np.ndarray]:
     def valid(arrays):
         return set(arrays) == {"x", "y"} and arrays["x"].ndim == 3 and arrays["x"].shape[0] == arrays["y"].shape[0] > 0
 
-    arrays = _cached(f"decoded-{source_digest(name)}", build, valid)
+    arrays = cached_arrays(f"decoded-{source_digest(name)}", build, valid)
     return arrays["x"], arrays["y"]
 
 
@@ -144,11 +144,11 @@ def _normalize(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ..
     return x
 
 
-def _hold_out(raw: _Raw) -> _Raw:
+def _hold_out(raw: RawImages) -> RawImages:
     """Server test set for sources with a train split only: a seeded 10% of the writers (femnist) or samples."""
     groups = raw.writers_train if raw.writers_train is not None else np.arange(len(raw.y_train))
     unique = np.unique(groups)
-    held_out = np.random.default_rng(_SPLIT_SEED).choice(unique, size=max(1, len(unique) // 10), replace=False)
+    held_out = np.random.default_rng(SPLIT_SEED).choice(unique, size=max(1, len(unique) // 10), replace=False)
     test = np.isin(groups, held_out)
     writers = None if raw.writers_train is None else raw.writers_train[~test]
-    return _Raw(raw.x_train[~test], raw.y_train[~test], raw.x_train[test], raw.y_train[test], writers)
+    return RawImages(raw.x_train[~test], raw.y_train[~test], raw.x_train[test], raw.y_train[test], writers)

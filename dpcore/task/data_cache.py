@@ -25,7 +25,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dpfl"
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
@@ -47,7 +47,7 @@ def _read_cache(path: Path, valid) -> dict[str, np.ndarray] | None:
     return None
 
 
-def _cached(key: str, build, valid=lambda arrays: True) -> dict[str, np.ndarray]:
+def cached_arrays(key: str, build, valid=lambda arrays: True) -> dict[str, np.ndarray]:
     """The arrays stored under `key` in the cache, or `build()`'s, stored first; a cache file that cannot be
     read or fails `valid` (a predicate on the arrays) is rebuilt and replaced, with a warning naming it."""
     path = cache_dir() / f"{key}.npz"

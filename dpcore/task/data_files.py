@@ -1,8 +1,8 @@
 """Dataset files: the readers of local files (IDX, CIFAR python batches, Hugging Face parquet) and the downloads.
 
-`_read_local` reads a `data_dir` folder and `_download` fetches from the Hugging Face hub (EMNIST: from NIST via
+`read_local` reads a `data_dir` folder and `download` fetches from the Hugging Face hub (EMNIST: from NIST via
 torchvision), raising a RuntimeError that says which files to put where when offline; both return the raw
-uint8 images (`_Raw`) that `dpcore.task.data` normalizes.
+uint8 images (`RawImages`) that `dpcore.task.data` normalizes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dpcore.task.catalogue import _SPECS
+from dpcore.task.catalogue import SPECS
 
 # Hugging Face hub id, image column, label column of the downloadable datasets.
 _HUB = {
@@ -61,7 +61,7 @@ class DataFileError(ValueError):
     """A dataset file that cannot be used (corrupted, truncated, another format); the message names it."""
 
 
-class _Raw(NamedTuple):
+class RawImages(NamedTuple):
     """Images as uint8 (N, H, W) or (N, H, W, C) before normalization; test may be missing."""
 
     x_train: np.ndarray
@@ -71,7 +71,7 @@ class _Raw(NamedTuple):
     writers_train: np.ndarray | None = None
 
 
-def _read_local(name: str, folder: Path) -> _Raw:
+def read_local(name: str, folder: Path) -> RawImages:
     if not folder.is_dir():
         raise FileNotFoundError(
             f"data-dir='{folder}' is not a folder: to use dataset {name!r} offline, "
@@ -96,9 +96,9 @@ def _read_local(name: str, folder: Path) -> _Raw:
     return raw
 
 
-def _check_raw(name: str, raw: _Raw, folder: Path) -> None:
+def _check_raw(name: str, raw: RawImages, folder: Path) -> None:
     """The images have the dataset's size and the labels its classes; DataFileError naming the folder if not."""
-    spec = _SPECS[name]
+    spec = SPECS[name]
     for split, x, y in (("train", raw.x_train, raw.y_train), ("test", raw.x_test, raw.y_test)):
         if x is None:
             continue
@@ -153,7 +153,7 @@ def _read_idx_file(path: Path) -> np.ndarray:
         raise
 
 
-def _read_idx_folder(folder: Path, stems: tuple[str, ...]) -> _Raw | None:
+def _read_idx_folder(folder: Path, stems: tuple[str, ...]) -> RawImages | None:
     """The four IDX files in `folder` or in a torchvision-style `<folder>/*/raw`; None if absent; DataFileError
     if one is unreadable or images and labels disagree."""
     for candidate in (folder, *sorted(folder.glob("*/raw"))):
@@ -166,11 +166,11 @@ def _read_idx_folder(folder: Path, stems: tuple[str, ...]) -> _Raw | None:
                         f"{image_file} holds images of shape {images.shape} and {label_file} labels "
                         f"of shape {labels.shape}: expected (N, H, W) and (N,) with the same N"
                     )
-            return _Raw(*arrays)
+            return RawImages(*arrays)
     return None
 
 
-def _read_cifar(name: str, folder: Path) -> _Raw | None:
+def _read_cifar(name: str, folder: Path) -> RawImages | None:
     """torchvision's CIFAR python batches under `folder` (or `folder` itself); None if absent."""
     from torchvision.datasets import CIFAR10, CIFAR100
 
@@ -180,10 +180,10 @@ def _read_cifar(name: str, folder: Path) -> _Raw | None:
         return None
     cls = CIFAR10 if name == "cifar10" else CIFAR100
     train, test = cls(str(root), train=True, download=False), cls(str(root), train=False, download=False)
-    return _Raw(train.data, np.asarray(train.targets), test.data, np.asarray(test.targets))
+    return RawImages(train.data, np.asarray(train.targets), test.data, np.asarray(test.targets))
 
 
-def _read_parquet_folder(name: str, folder: Path) -> _Raw | None:
+def _read_parquet_folder(name: str, folder: Path) -> RawImages | None:
     """A Hugging Face parquet export: train*.parquet (and test*.parquet) anywhere under `folder`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -196,7 +196,7 @@ def _read_parquet_folder(name: str, folder: Path) -> _Raw | None:
     )
 
 
-def _raw_from_tables(name: str, tables: dict) -> _Raw:
+def _raw_from_tables(name: str, tables: dict) -> RawImages:
     """Arrow tables in the Hugging Face layout (image structs with PNG bytes, labels, optional writer_id)."""
     from PIL import Image
 
@@ -214,7 +214,7 @@ def _raw_from_tables(name: str, tables: dict) -> _Raw:
 
     train = arrays(tables["train"])
     test = arrays(tables["test"]) if "test" in tables else (None, None, None)
-    return _Raw(train[0], train[1], test[0], test[1], train[2])
+    return RawImages(train[0], train[1], test[0], test[1], train[2])
 
 
 def _offline_error(name: str, problem: str) -> RuntimeError:
@@ -235,7 +235,7 @@ def _check_online(name: str, url: str) -> None:
         raise _offline_error(name, f"{url} is unreachable ({exc})") from exc
 
 
-def _download(name: str) -> _Raw:
+def download(name: str) -> RawImages:
     if name == "emnist":
         return _download_emnist()
     hub_id = _HUB[name][0]
@@ -249,7 +249,7 @@ def _download(name: str) -> _Raw:
     return _raw_from_tables(name, {split: ds.with_format("arrow")[:] for split, ds in splits.items()})
 
 
-def _download_emnist() -> _Raw:
+def _download_emnist() -> RawImages:
     from torchvision.datasets import EMNIST
 
     _check_online("emnist", _EMNIST_URL)
@@ -257,4 +257,4 @@ def _download_emnist() -> _Raw:
         EMNIST(str(_EMNIST_CACHE), split="byclass", train=False, download=True)
     except Exception as exc:  # any download problem: network, server, disk
         raise _offline_error("emnist", f"downloading {_EMNIST_URL} failed ({exc})") from exc
-    return _read_local("emnist", _EMNIST_CACHE)
+    return read_local("emnist", _EMNIST_CACHE)

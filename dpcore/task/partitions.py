@@ -12,9 +12,9 @@ import warnings
 
 import numpy as np
 
-from dpcore.task.catalogue import ArrayDataset, _check_dataset
-from dpcore.task.data import _SPLIT_SEED, load_dataset, source_digest
-from dpcore.task.data_cache import _cached
+from dpcore.task.catalogue import ArrayDataset, check_dataset
+from dpcore.task.data import SPLIT_SEED, load_dataset, source_digest
+from dpcore.task.data_cache import cached_arrays
 from dpcore.task.mapped import release_pages
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
@@ -114,7 +114,7 @@ def _dirichlet(ds, num_partitions: int, alpha: float, seed: int, min_size: int) 
 def validation_split(pool_size: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(client pool indices, server validation indices): a fixed shuffle of the training pool whose first
     round(f N) samples the server holds out; clients are never given them."""
-    order = np.random.default_rng([_SPLIT_SEED, 1]).permutation(pool_size)
+    order = np.random.default_rng([SPLIT_SEED, 1]).permutation(pool_size)
     held = int(round(fraction * pool_size))
     return np.sort(order[held:]), np.sort(order[:held])
 
@@ -175,7 +175,7 @@ def _dataset_partitions(
             for p in parts
         )
 
-    arrays = _cached(key, build, valid)
+    arrays = cached_arrays(key, build, valid)
     return tuple(arrays[f"p{i}"] for i in range(num_partitions))
 
 
@@ -196,7 +196,7 @@ def load_partition(
 
     The test part gets at least one sample when the partition has two or more.
     """
-    _check_dataset(name)
+    check_dataset(name)
     if not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition_id={partition_id} must be in [0, {num_partitions - 1}] for num_partitions={num_partitions}"
