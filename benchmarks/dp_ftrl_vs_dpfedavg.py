@@ -22,7 +22,8 @@ import statistics
 import tempfile
 import time
 
-from dpcore.privacy.ledger import calibrate_noise_multiplier, epsilon_of
+from dpcore.privacy.accountants import epsilon_of
+from dpcore.privacy.calibration import calibrate_noise_multiplier
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from clients.personalized import ContextHeadStore
-from dpcore.task.data import load_partition
+from dpcore.task.partitions import load_partition
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid

@@ -24,8 +24,8 @@ from flwr.app import Context, Message, MessageType
 
 from clients.sam import sam_step
 from dpcore.privacy import protocol as keys
-from dpcore.task.data import load_partition
 from dpcore.task.models import build_model
+from dpcore.task.partitions import load_partition
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
 from fl_app.inprocess import InProcessGrid

@@ -146,7 +146,8 @@ class TreeSampler(threading.Thread):
 
 def warm_caches(data_dir: str, clients: list[int], seed: int) -> float:
     """Build the dataset and partition caches the runs read (seconds taken)."""
-    from dpcore.task.data import load_dataset, load_partition
+    from dpcore.task.data import load_dataset
+    from dpcore.task.partitions import load_partition
 
     start = time.perf_counter()
     load_dataset("mnist", data_dir)

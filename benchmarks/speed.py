@@ -38,7 +38,7 @@ from dpcore.task.models import build_model
 from fl_app.config import validate
 
 READY = (
-    "import fl_app.client_app; from dpcore.task.data import load_partition; "
+    "import fl_app.client_app; from dpcore.task.partitions import load_partition; "
     "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)"
 )
 

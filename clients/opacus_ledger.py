@@ -31,7 +31,8 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.compat.common import recorddict_compat as compat
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, accountant_used
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, accountant_used
+from dpcore.privacy.ledger import PrivacyLedger
 from dpcore.task.opacus_import import import_opacus
 
 STATE_KEY = "dpfl.sample-ledger"  # the ConfigRecord in Context.state that holds the node's ledger

@@ -4,8 +4,9 @@
     python -m fl_app.import_graph --write    # ... written into docs/architecture.md
 
 `import_edges()` lists (importer, imported, lazy) for every import of a project module by
-another; `lazy` marks imports inside a function (made only when that code runs). Imports under
-`if TYPE_CHECKING:` are for annotations only, never run, and are not edges.
+another; `lazy` marks imports inside a function (made only when that code runs) and imports under
+`if TYPE_CHECKING:` (for annotations, never run). Both are knowledge of the imported module all the
+same, so they count for the layer rules and the import cycles.
 tests/test_architecture.py checks the layer rules on these edges and that the diagram in
 docs/architecture.md is the current one.
 """
@@ -58,7 +59,8 @@ def _is_type_checking_block(node: ast.AST) -> bool:
 
 
 def import_edges() -> list[tuple[str, str, bool]]:
-    """(importer, imported project module, lazy) for every import between project modules."""
+    """(importer, imported project module, lazy) for every import between project modules (lazy: inside a
+    function, or under `if TYPE_CHECKING:`)."""
     modules = project_modules()
     edges = set()
     for name, path in modules.items():
@@ -67,19 +69,19 @@ def import_edges() -> list[tuple[str, str, bool]]:
         lazy_nodes = {id(n) for f in functions for n in ast.walk(f)}
         typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block) for n in ast.walk(block)}
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for target in _resolve(name, node, path.name == "__init__.py"):
                 if target in modules and target != name:
-                    edges.add((name, target, id(node) in lazy_nodes))
+                    edges.add((name, target, id(node) in lazy_nodes or id(node) in typing_only))
     # an import that is made both eagerly and lazily counts as eager
     eager = {(a, b) for a, b, lazy in edges if not lazy}
     return sorted(e for e in edges if not (e[2] and (e[0], e[1]) in eager))
 
 
 def import_cycles(edges: list[tuple[str, str, bool]]) -> list[list[str]]:
-    """Groups of modules that import each other, directly or through others (lazy imports count): Tarjan's
-    strongly connected components with more than one module, each sorted."""
+    """Groups of modules that import each other, directly or through others (lazy and TYPE_CHECKING imports
+    count): Tarjan's strongly connected components with more than one module, each sorted."""
     graph: dict[str, list[str]] = {}
     for a, b, _ in edges:
         graph.setdefault(a, []).append(b)
@@ -118,7 +120,7 @@ def layer_of(module: str) -> str:
 
 
 def mermaid() -> str:
-    """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy imports)."""
+    """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy or TYPE_CHECKING imports)."""
     modules = [
         m
         for m in project_modules()

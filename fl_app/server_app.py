@@ -13,12 +13,15 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
 from dpcore.privacy import figures
-from dpcore.task.data import dataset_info, load_dataset, load_validation
+from dpcore.task.catalogue import dataset_info
+from dpcore.task.data import load_dataset
 from dpcore.task.device import resolve_device
 from dpcore.task.models import build_model, count_parameters, split_state_keys
+from dpcore.task.partitions import load_validation
 from dpcore.task.threads import limit_blas_threads
 from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from fl_app.algorithms import algorithm, load_client_partition
+from fl_app.algorithms import Algorithm, algorithm
+from fl_app.builders import load_client_partition
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
 from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
@@ -44,11 +47,10 @@ def mu_split(testset, validation):
 
 
 def build_strategy(
-    s: Settings, on_round_end=None, gradient_fn=None, on_checkpoint=None
+    s: Settings, algo: Algorithm, on_round_end=None, gradient_fn=None, on_checkpoint=None
 ) -> DPRoundLoop | SecAggPlusDPFedAvg:
-    """The server strategy of the run's algorithm (from the registry); under secure-aggregation the same
-    strategy run through Flower's SecAgg+ workflow."""
-    algo = algorithm(s.run.algorithm)
+    """The server strategy of the run's algorithm (`algo`, its registry record); under secure-aggregation the
+    same strategy run through Flower's SecAgg+ workflow."""
     hooks = {"on_round_end": on_round_end, "on_checkpoint": on_checkpoint}
     if algo.privacy_unit == "sample":
         hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(s))
@@ -71,15 +73,15 @@ def partition_size_fn(s: Settings):
     return size
 
 
-def build_global_model(s: Settings) -> torch.nn.Module:
+def build_global_model(s: Settings, algo: Algorithm) -> torch.nn.Module:
     info = dataset_info(s.data.dataset)
     model = build_model(s.training.model, info["input_shape"], info["num_classes"], seed=s.run.seed)
-    return opacus_compatible(model) if algorithm(s.run.algorithm).opacus_model else model
+    return opacus_compatible(model) if algo.opacus_model else model
 
 
-def shared_weights(model: torch.nn.Module, s: Settings) -> list:
+def shared_weights(model: torch.nn.Module, s: Settings, algo: Algorithm) -> list:
     """What the server holds and broadcasts: the body under partial sharing, else the whole model."""
-    if not algorithm(s.run.algorithm).shares_body_only:
+    if not algo.shares_body_only:
         return get_weights(model)
     body_keys, _ = split_state_keys(model, s.personalization.head_prefix)
     state = model.state_dict()
@@ -94,6 +96,7 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     arrays, the history and the ledger as they were after the last completed round.
     """
     t0 = time.perf_counter()
+    algo = algorithm(s.run.algorithm)  # the run's registry record, resolved once and passed down
     limit_blas_threads()
     run_dir = RunDirectory(resolve_run_dir(s), resume=s.output.resume)
     run_dir.write_config(s)
@@ -106,8 +109,8 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
             "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee",
         )
-    model = build_global_model(s).to(resolve_device(s.training.device))  # the server evaluates on the run's device
-    evaluate_fn, gradient_fn = server_functions(model, s)
+    model = build_global_model(s, algo).to(resolve_device(s.training.device))  # evaluated on the run's device
+    evaluate_fn, gradient_fn = server_functions(model, s, algo)
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)
@@ -115,9 +118,9 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             dashboard.on_round(published, diagnostics)
 
     strategy = build_strategy(
-        s, on_round_end=on_round_end, gradient_fn=gradient_fn, on_checkpoint=run_dir.write_checkpoint
+        s, algo, on_round_end=on_round_end, gradient_fn=gradient_fn, on_checkpoint=run_dir.write_checkpoint
     )
-    initial, resumed_from = ArrayRecord(shared_weights(model, s)), 0
+    initial, resumed_from = ArrayRecord(shared_weights(model, s, algo)), 0
     if run_dir.checkpoint is not None:
         state, arrays = run_dir.checkpoint
         try:
@@ -165,14 +168,14 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     )
 
 
-def server_functions(model: torch.nn.Module, s: Settings):
+def server_functions(model: torch.nn.Module, s: Settings, algo: Algorithm):
     """(evaluate_fn, gradient_fn) of the server: the global model on the server's test set (and validation set,
     held out of the training data), None under partial sharing (the server holds no head); ALI-DPFL's gradient
     on held-out server data (`mu_split`: never the evaluation data)."""
     _, testset = load_dataset(s.data.dataset, s.data.data_dir)
     validation = load_validation(s.data.dataset, s.data.data_dir, s.data.validation_fraction)
     mu_set = None
-    if algorithm(s.run.algorithm).privacy_unit == "sample" and s.dpsgd.mu_source == "server":
+    if algo.privacy_unit == "sample" and s.dpsgd.mu_source == "server":
         testset, mu_set = mu_split(testset, validation)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -187,7 +190,7 @@ def server_functions(model: torch.nn.Module, s: Settings):
         set_weights(model, arrays)
         return loss_gradient(model, mu_set, MU_SAMPLES)
 
-    return (None if algorithm(s.run.algorithm).shares_body_only else evaluate_fn), gradient_fn
+    return (None if algo.shares_body_only else evaluate_fn), gradient_fn
 
 
 def finish_run(

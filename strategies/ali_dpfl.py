@@ -39,8 +39,9 @@ from flwr.common import log
 from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers, epsilon_of
+from dpcore.privacy.ledger import SampleLevelLedgers
 from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
 from dpcore.privacy.settings import check_dpsgd, require
 

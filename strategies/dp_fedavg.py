@@ -33,13 +33,10 @@ from flwr.common import log
 from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
-from dpcore.privacy.ledger import (
-    DEFAULT_ACCOUNTANT,
-    ClientLevelLedger,
-    calibrate_noise_multiplier,
-    default_client_delta,
-)
+from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
+from dpcore.privacy.ledger import ClientLevelLedger
 from dpcore.privacy.mechanisms import (
     TRUNCATION_PROBABILITY,
     flatten,

@@ -11,11 +11,11 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.dpsgd import DPSGDClient, dpsgd_steps, load_ledger
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
 from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
-from dpcore.privacy.ledger import epsilon_of
 from dpcore.privacy.mechanisms import flatten
-from dpcore.task.data import ArrayDataset
+from dpcore.task.catalogue import ArrayDataset
 from dpcore.task.models import build_model
 from dpcore.task.torch_helpers import get_weights
 from fl_app.client_app import app as client_app

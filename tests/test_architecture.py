@@ -2,9 +2,11 @@
 
 - the neutral core (dpcore.privacy, dpcore.task) imports no strategy, client or app module;
 - no module under clients/ imports a server strategy, and no strategy imports a client;
-- no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one);
+- no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one), but for
+  the `algorithm` key's declared default in fl_app/settings.py;
 - no file of the project points outside the repository;
-- no two modules import each other, directly or through others (lazy imports included);
+- no two modules import each other, directly or through others (lazy and TYPE_CHECKING imports included: a
+  circle of knowledge all the same), and no import points back up a layer (those included too);
 - the import graph drawn in docs/architecture.md is the code's current one;
 - the FAB that `flwr run` builds holds every project module and no docs, benchmarks or tests.
 """
@@ -27,25 +29,56 @@ EDGES = import_edges()
 def test_the_graph_sees_the_known_imports():
     assert ("strategies.dp_fedavg", "strategies.round_loop", False) in EDGES
     assert ("clients.base", "dpcore.privacy.mechanisms", False) in EDGES
-    assert ("fl_app.algorithms", "clients.dpsgd", True) in EDGES  # lazy: only DP-SGD needs Opacus
+    assert ("fl_app.builders", "clients.dpsgd", True) in EDGES  # lazy: only DP-SGD needs Opacus
     assert len(EDGES) > 60
 
 
-@pytest.mark.parametrize(
-    "importer_layer,forbidden",
-    [
-        ("neutral core", ("server strategies", "clients", "app wiring")),
-        ("clients", ("server strategies", "app wiring")),
-        ("server strategies", ("clients", "app wiring")),
-    ],
-)
-def test_layers_import_only_downwards(importer_layer, forbidden):
-    bad = [(a, b) for a, b, _ in EDGES if layer_of(a) == importer_layer and layer_of(b) in forbidden]
-    assert bad == [], f"{importer_layer} must not import {forbidden}: {bad}"
+FORBIDDEN = {  # importer layer -> the layers it must not import
+    "neutral core": ("server strategies", "clients", "app wiring"),
+    "clients": ("server strategies", "app wiring"),
+    "server strategies": ("clients", "app wiring"),
+}
+
+
+def arrows_back_up(edges) -> list[tuple[str, str]]:
+    """Imports (lazy and TYPE_CHECKING ones included) from a layer of a module it must not import."""
+    return [(a, b) for a, b, _ in edges if layer_of(b) in FORBIDDEN.get(layer_of(a), ())]
+
+
+@pytest.mark.parametrize("importer_layer", FORBIDDEN)
+def test_layers_import_only_downwards(importer_layer):
+    bad = [(a, b) for a, b in arrows_back_up(EDGES) if layer_of(a) == importer_layer]
+    assert bad == [], f"{importer_layer} must not import {FORBIDDEN[importer_layer]}: {bad}"
 
 
 def test_no_import_cycles():
     assert import_cycles(EDGES) == []
+
+
+def test_type_checking_imports_count_for_cycles_and_layers(tmp_path, monkeypatch):
+    """An import under `if TYPE_CHECKING:` is an edge: two modules that know each other only through one are a
+    circle, and a core module that names an app type under it points back up."""
+    import fl_app.import_graph
+
+    for package, name, text in (
+        ("fl_app", "registry", "from fl_app.knobs import Knobs\n"),
+        ("fl_app", "knobs", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fl_app.registry import R\n"),
+        ("dpcore", "core", "import typing\nif typing.TYPE_CHECKING:\n    from fl_app.knobs import Knobs\n"),
+    ):
+        (tmp_path / package).mkdir(exist_ok=True)
+        (tmp_path / package / f"{name}.py").write_text(text)
+    monkeypatch.setattr(fl_app.import_graph, "ROOT", tmp_path)
+    edges = import_edges()
+    assert ("fl_app.knobs", "fl_app.registry", True) in edges
+    assert import_cycles(edges) == [["fl_app.knobs", "fl_app.registry"]]
+    assert arrows_back_up(edges) == [("dpcore.core", "fl_app.knobs")]
+
+
+def test_the_settings_know_nothing_of_the_registry():
+    """fl_app.settings (the declarations) is below the registry: the registry reads Settings, never the other
+    way round, not even for annotations."""
+    assert [b for a, b, _ in EDGES if a == "fl_app.settings" and b.startswith("fl_app.")] == ["fl_app.run_config_keys"]
+    assert ("fl_app.algorithms", "fl_app.settings", False) in EDGES
 
 
 def test_an_import_cycle_would_be_caught():
@@ -119,13 +152,18 @@ def string_constants(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_registry_names_algorithms():
+    """...but for the `algorithm` key's declared default (fl_app.settings.DEFAULT_ALGORITHM, one of the registry's
+    names: validation checks it like any value)."""
+    from fl_app.settings import DEFAULT_ALGORITHM
+
     names = set(ALGORITHMS)
+    assert DEFAULT_ALGORITHM in names
     found = [
         f"{name}:{line}: {value!r}"
         for name, path in project_modules().items()
         if name != "fl_app.algorithms"
         for line, value in string_constants(path)
-        if value in names
+        if value in names and (name, value) != ("fl_app.settings", DEFAULT_ALGORITHM)
     ]
     assert found == [], "branch on the registry's records instead of algorithm names: " + "; ".join(found)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import noise_share_count, topup_noise_std
 from fl_app.local_deployment import ROOT, Deployment, make_node_keys
 from fl_app.results import read_rounds

@@ -19,9 +19,9 @@ from clients.personalized import ContextHeadStore, DP2FedSAMClient
 from clients.sam import SAMClient
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import flatten, make_rng
-from dpcore.task.data import load_partition
 from dpcore.task.device import CHANNELS_LAST_MODELS, device_problem, resolve_device, use_channels_last
 from dpcore.task.models import build_model, split_state_keys
+from dpcore.task.partitions import load_partition
 from dpcore.task.torch_helpers import get_weights
 from fl_app.client_app import build_client
 from fl_app.config import ConfigError, validate

@@ -8,7 +8,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
 from dpcore.task.torch_helpers import get_weights
 from fl_app.inprocess import InProcessGrid

@@ -15,7 +15,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from dpcore.privacy.ledger import TreeAggregationLedger, epsilon_of, tree_gaussian_multiplier
+from dpcore.privacy.accountants import epsilon_of, tree_gaussian_multiplier
+from dpcore.privacy.ledger import TreeAggregationLedger
 from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import SettingError
 from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth

@@ -8,8 +8,8 @@ import torch
 from flwr.app import RecordDict
 
 from clients.dpsgd import DPSGDClient, dpsgd_steps
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.dpsgd_noise import dpsgd_multipliers, max_local_steps
-from dpcore.privacy.ledger import epsilon_of
 from dpcore.privacy.mechanisms import (
     coefficient_clipping_noise_multiplier,
     flatten,

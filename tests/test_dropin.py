@@ -16,7 +16,7 @@ from flwr.server.workflow import DefaultWorkflow
 from sklearn.datasets import load_digits
 
 from clients.mods import make_dp_privatize_mod, uniform_weight_mod
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
 from fl_app.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg

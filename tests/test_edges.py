@@ -451,7 +451,8 @@ def mnist_folder(folder: Path, train: int = 20, test: int = 10, train_labels: in
 
 
 def data_error(folder: Path) -> str:
-    from dpcore.task.data import DataFileError, load_dataset
+    from dpcore.task.data import load_dataset
+    from dpcore.task.data_files import DataFileError
 
     with pytest.raises(DataFileError) as err:
         load_dataset("mnist", str(folder))

@@ -10,7 +10,7 @@ import pytest
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
 from fl_app.inprocess import InProcessGrid
 from strategies.ali_dpfl import ALIDPFL

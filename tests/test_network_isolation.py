@@ -143,14 +143,14 @@ def test_a_dataset_downloaded_before_isolation_is_read_from_the_cache_inside(tmp
     fake = (
         "import numpy as np, dpcore.task.data as d\n"
         "rng = np.random.default_rng(0)\n"
-        "d._download = lambda name: d._Raw(rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), np.arange(60) % 10,"
+        "d.download = lambda name: d.RawImages(rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), np.arange(60) % 10,"
         " rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), np.arange(20) % 10)\n"
     )
     offline = (
         "from fl_app.netns import isolate_network; isolate_network()\n"
         "import dpcore.task.data as d\n"
         "def no_network(name): raise RuntimeError('downloaded inside the namespace')\n"
-        "d._download = no_network\n"
+        "d.download = no_network\n"
     )
     show = "train, test = d.load_dataset('mnist'); print(float(train.x.sum()), len(test.y))"
     env = {**os.environ, "DPFL_CACHE_DIR": str(tmp_path)}

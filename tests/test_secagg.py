@@ -14,7 +14,7 @@ from flwr.compat.common import recorddict_compat as compat
 from torch import nn
 
 from clients.mods import uniform_weight_mod
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
 from dpcore.task.torch_helpers import get_weights
 from fl_app.client_app import app as fl_client_app

@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord
 from threadpoolctl import threadpool_limits
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import (
     flatten,
     haar_coefficients,
