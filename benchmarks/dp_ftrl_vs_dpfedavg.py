@@ -23,9 +23,9 @@ import tempfile
 import time
 
 from dpcore.privacy.ledger import calibrate_noise_multiplier, epsilon_of
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 
 JOB = {
