@@ -1,6 +1,7 @@
-"""The one way the tooling starts a `flower-superlink`: its command line (`superlink_command`) and a start that waits
-until it is ready (`start_superlink`); the launcher's own simulation SuperLink on free ports with a private
-FLWR_HOME (`own_superlink_env`, `start_local_superlink`), the hint that reaches it, and its stop.
+"""The one way the tooling starts a `flower-superlink`, for the launcher and the loopback deployment alike: its
+command line (`superlink_command`) and the wait until it is ready (`wait_ready`). Then the launcher's own
+simulation SuperLink on free ports with a private FLWR_HOME (`own_superlink_env`, `start_local_superlink`), the
+hint that reaches it, and its stop.
 """
 
 from __future__ import annotations
