@@ -24,9 +24,9 @@ import time
 
 from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.calibration import calibrate_noise_multiplier
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 
 JOB = {

@@ -12,9 +12,9 @@ from flwr.clientapp import ClientApp
 
 from dpcore.task.data import load_dataset
 from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import build_client
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import build_global_model
 from fl_app.settings import Settings
 

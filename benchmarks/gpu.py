@@ -110,9 +110,9 @@ def channels_last_on_cuda(repeats: int, batch_size: int) -> list[dict]:
 
 def inprocess_rounds(device: str, rounds: int, clients: int) -> dict:
     """The default job on the in-process grid: per-round seconds (from metrics.jsonl) and the final accuracy."""
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,7 @@
 A record names the server strategy and how to build it from the run config, the client and how
 to build it, the run-config keys the algorithm owns, the settings it ignores, its non-private
 reference and its plot label. `fl_app.server_app`, `fl_app.client_app`, `fl_app.config`,
-`fl_app.launch` and `fl_app.results` read these records and never branch on an algorithm's
+the launcher (`dpfl_tools.plan`) and `fl_app.results` read these records and never branch on an algorithm's
 name. The rules between DP settings live with the strategies (`check_settings`), so a strategy
 built from Python checks exactly what `fl_app.config.validate` checks for a run config.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from logging import ERROR, INFO, WARNING
 
 import numpy as np
@@ -20,11 +21,11 @@ from dpcore.task.models import build_model, count_parameters, split_state_keys
 from dpcore.task.partitions import load_validation
 from dpcore.task.threads import limit_blas_threads
 from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
+from fl_app import speed_patches
 from fl_app.algorithms import Algorithm, algorithm
 from fl_app.builders import load_client_partition
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
-from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
 from fl_app.results import RunDirectory, plot_runs, resolve_run_dir, unreadable_checkpoint_error
 from fl_app.settings import Settings
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
@@ -279,10 +280,12 @@ def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_
 class PromptGrid(Grid):
     """A Grid that looks for replies every `interval` seconds (Flower 1.41's deployed Grid waits 3 s between
     looks, which a round pays once per message exchange: four times per round under SecAgg+). Public Grid API
-    only; with `flower-speed-patches` the pulls of a reply's objects also end at the timeout."""
+    only. `pulls_end_by(deadline)`: a context in which the pulls of a reply's objects end at the timeout
+    (`flower-speed-patches`: dpfl_tools.pull_backoff.object_pulls_end_by; default: none, Flower's own limit)."""
 
-    def __init__(self, grid: Grid, interval: float = 0.1) -> None:
+    def __init__(self, grid: Grid, interval: float = 0.1, pulls_end_by=None) -> None:
         self.grid, self.interval = grid, interval
+        self.pulls_end_by = pulls_end_by or (lambda deadline: nullcontext())
 
     def set_run(self, run: Run) -> None:
         self.grid.set_run(run)
@@ -308,14 +311,14 @@ class PromptGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
         """Flower's send_and_receive (push, then pull until every reply is in or `timeout`), polling faster.
-        Pulls of a reply's objects end at the timeout too (`object_pulls_end_by`), and one last pull at the
+        Pulls of a reply's objects end at the timeout too (`pulls_end_by`), and one last pull at the
         timeout takes the replies already complete: replies that came while a withheld one held a pull."""
         pending = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
 
         def pull() -> None:
-            with object_pulls_end_by(deadline):
+            with self.pulls_end_by(deadline):
                 got = list(self.pull_messages(pending))
             replies.extend(got)
             pending.difference_update(m.metadata.reply_to_message_id for m in got)
@@ -388,7 +391,12 @@ def wait_for_nodes(
 def main(grid: Grid, context: Context) -> None:
     settings = validate(context.run_config)
     federation = settings.federation
-    if federation.flower_speed_patches:  # opt-in: patches of Flower internals (fl_app.pull_backoff), version-checked
-        log(INFO, apply_server_patches())
+    pulls_end_by = None
+    if (
+        federation.flower_speed_patches
+    ):  # opt-in: patches of Flower internals (dpfl_tools.pull_backoff), version-checked
+        pull_backoff = speed_patches("pull_backoff")
+        log(INFO, pull_backoff.apply_server_patches())
+        pulls_end_by = pull_backoff.object_pulls_end_by
     wait_for_nodes(grid, federation.min_nodes, federation.node_wait_timeout, simulation=is_simulation(grid))
-    run_federated(PromptGrid(grid), settings, context.run_id)
+    run_federated(PromptGrid(grid, pulls_end_by=pulls_end_by), settings, context.run_id)

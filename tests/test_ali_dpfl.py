@@ -18,9 +18,9 @@ from dpcore.privacy.mechanisms import flatten
 from dpcore.task.catalogue import ArrayDataset
 from dpcore.task.models import build_model
 from dpcore.task.torch_helpers import get_weights
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies.ali_dpfl import ALIDPFL, next_local_steps, optimal_local_steps

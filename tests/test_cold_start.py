@@ -158,7 +158,7 @@ from threadpoolctl import threadpool_info
 before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 from fl_app.client_app import app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 cfg = validate({"dataset": "digits", "model": "mlp", "num-rounds": 1, "sample-rate": 1.0, "local-steps": 1,
                 "tensorboard": False, "results-dir": RESULTS})

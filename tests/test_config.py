@@ -268,7 +268,7 @@ def rule_arguments() -> set[str]:
     project's modules (strategies, clients, dpcore), read with ast."""
     import ast
 
-    from fl_app.import_graph import project_modules
+    from dpfl_tools.import_graph import project_modules
 
     position = {"require": 1, "one_of": 0, "name": 0}
     found = set()

@@ -232,8 +232,8 @@ def test_secure_torch_generators_ignore_the_run_seed():
 # ---------------------------------------------------------------- on CUDA (skipped without it)
 @needs_cuda
 def test_a_round_on_cuda_returns_cpu_float32_and_learns(tmp_path):
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     cfg = validate(

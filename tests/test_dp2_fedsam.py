@@ -17,11 +17,11 @@ from clients.personalized import ContextHeadStore, DP2FedSAMClient, FileHeadStor
 from dpcore.privacy.mechanisms import clip_to_norm, flatten
 from dpcore.task import atomic
 from dpcore.task.models import MODELS, build_model, head_parameter_names, split_state_keys
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import app as client_app
 from fl_app.client_app import build_client
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import build_global_model, build_strategy, run_federated, shared_weights
 from strategies.partial_sharing import PartialSharingDPFedAvg
 

@@ -20,9 +20,9 @@ from dpcore.privacy.ledger import TreeAggregationLedger
 from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import SettingError
 from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies import DifferentialPrivacy

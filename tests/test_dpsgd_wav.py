@@ -22,9 +22,9 @@ from dpcore.privacy.mechanisms import (
     make_rng,
 )
 from dpcore.task.torch_helpers import get_weights
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 from tests.test_ali_dpfl import tensors, tiny_data, tiny_model
 

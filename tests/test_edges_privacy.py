@@ -9,7 +9,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import ndarrays_to_parameters
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from strategies.secagg import SecAggPlusDPFedAvg

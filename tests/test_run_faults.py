@@ -10,10 +10,10 @@ import stat
 import numpy as np
 import pytest
 
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
 from fl_app.dashboards import TensorBoardWriter
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import PreviousRunError, RunDirectory
 from fl_app.server_app import run_federated
 

@@ -1,7 +1,7 @@
 """The project's import graph, read from the code with `ast` (nothing is imported or run).
 
-    python -m fl_app.import_graph            # Mermaid diagram of module imports
-    python -m fl_app.import_graph --write    # ... written into docs/architecture.md
+    python -m dpfl_tools.import_graph            # Mermaid diagram of module imports
+    python -m dpfl_tools.import_graph --write    # ... written into docs/architecture.md
 
 `import_edges()` lists (importer, imported, lazy) for every import of a project module by
 another; `lazy` marks imports inside a function (made only when that code runs) and imports under
@@ -16,14 +16,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from dpfl_tools import ROOT
 from fl_app import PROJECT_PACKAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+GRAPH_PACKAGES = (*PROJECT_PACKAGES, "dpfl_tools")  # the app's packages (what the FAB ships) and the tooling
+
 LAYERS = {  # subgraph title -> module prefixes, from the bottom layer up
     "neutral core": ("dpcore",),
     "server strategies": ("strategies",),
     "clients": ("clients",),
     "app wiring": ("fl_app",),
+    "tooling": ("dpfl_tools",),
 }
 
 
@@ -32,8 +35,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PROJECT_PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+def project_modules(packages: tuple[str, ...] = GRAPH_PACKAGES) -> dict[str, Path]:
+    """Module name -> file of every module of `packages` (default: the app's and the tooling's)."""
+    return {module_name(p): p for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _resolve(importer: str, node: ast.ImportFrom | ast.Import, is_package: bool) -> list[str]:
@@ -124,7 +128,7 @@ def mermaid() -> str:
     modules = [
         m
         for m in project_modules()
-        if not m.endswith("__init__") and m not in PROJECT_PACKAGES and m not in ("dpcore.privacy", "dpcore.task")
+        if not m.endswith("__init__") and m not in GRAPH_PACKAGES and m not in ("dpcore.privacy", "dpcore.task")
     ]
     node_id = {m: m.replace(".", "_") for m in modules}
     lines = ["flowchart BT"]
