@@ -98,13 +98,12 @@ def release_watchdog(proc: subprocess.Popen) -> None:
 
 
 def run_status(run_dir: Path, since: float = 0.0) -> str:
-    """What the run folder says: completed, failed, running (a ServerApp that died), or missing; `stale` when
+    """What the run folder says: completed, failed, interrupted (a ServerApp that died), or missing; `stale` when
     its status.json was written before `since` (a previous run's, e.g. of a resume that was refused)."""
-    status = run_dir / "status.json"
-    if not status.exists():
-        return "missing"
-    record = json.loads(status.read_text())
-    return record.get("status", "missing") if record.get("time", 0) >= since else "stale"
+    from fl_app.results import read_status  # numpy: not before the namespace is made
+
+    record = read_status(run_dir)
+    return record.get("status", "missing") if record.get("time", since) >= since else "stale"
 
 
 def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:

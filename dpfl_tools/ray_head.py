@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
@@ -32,6 +33,44 @@ class RayHead(NamedTuple):
     proc: subprocess.Popen
     temp: Path
     join_env: dict[str, str]
+    owner_lock: int = -1  # an open descriptor of temp/OWNER_LOCK, flock'ed while this launch lives
+
+
+TEMP_PREFIX = "dpfl-ray-"
+OWNER_LOCK = ".dpfl-launch.lock"
+
+
+def hold_owner_lock(temp: Path) -> int:
+    """Lock temp/OWNER_LOCK for as long as this process lives (the kernel drops it when the launch dies, however
+    it dies): what tells a later launch that the folder is stale."""
+    fd = os.open(temp / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def remove_stale_ray_temps(parent: Path | None = None) -> list[Path]:
+    """Remove the Ray temp folders of this user's dead launches (their owner lock is free, or they have none: a
+    launch killed before it took it); those of live launches stay. Returns what was removed."""
+    removed = []
+    for folder in Path(parent or tempfile.gettempdir()).glob(TEMP_PREFIX + "*"):
+        try:
+            if not folder.is_dir() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(folder / OWNER_LOCK, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = None
+        except OSError:
+            continue
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live launch's
+            finally:
+                os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> RayHead:
@@ -43,7 +82,9 @@ def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> 
     waits for it, `stop_ray_head` ends it by PID and group. `taken`: ports it must not use (the SuperLink's,
     free until it starts)."""
     taken = set(taken)
-    temp = Path(tempfile.mkdtemp(prefix="dpfl-ray-"))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
+    remove_stale_ray_temps()
+    temp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))  # 0700; Ray makes its own --temp-dir 0777, so that goes inside
+    owner_lock = hold_owner_lock(temp)
     port = free_port(taken)
     auth = ray_token_auth()
     cmd = [
@@ -80,7 +121,7 @@ def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> 
             start_new_session=True,
             preexec_fn=die_with_launcher(),
         )
-    return RayHead(proc, temp, {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth})
+    return RayHead(proc, temp, {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth}, owner_lock)
 
 
 def wait_ray_head(proc: subprocess.Popen, log_file: Path, timeout: float = 60) -> bool:
@@ -104,3 +145,5 @@ def stop_ray_head(head: RayHead | None) -> None:
     if head is not None:
         end_process_tree(head.proc, grace=0)
         shutil.rmtree(head.temp, ignore_errors=True)
+        if head.owner_lock >= 0:
+            os.close(head.owner_lock)

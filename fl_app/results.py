@@ -151,6 +151,42 @@ def check_resumable(path: Path, s: Settings) -> None:
         )
 
 
+def writer_alive(path: Path) -> bool:
+    """Does a live process hold `path`'s lock file (the run's one writer)? The kernel drops a dead process's
+    flock, so a SIGKILLed ServerApp or launcher holds none."""
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock just taken
+    return False
+
+
+def read_status(path: Path | str, lock_held: bool = False) -> dict:
+    """status.json as it stands, except that a run whose status says `running` while no process writes it any
+    more (killed: SIGKILL, a crash of the machine) is `interrupted`; {"status": "missing"} without the file.
+    `lock_held`: the caller holds the folder's lock, so no other writer can be alive."""
+    path = Path(path)
+    try:
+        record = json.loads((path / "status.json").read_text())
+    except FileNotFoundError:
+        return {"status": "missing"}
+    if record.get("status") == "running" and (lock_held or not writer_alive(path)):
+        record = {**record, "status": "interrupted", "note": INTERRUPTED_NOTE}
+    return record
+
+
+INTERRUPTED_NOTE = (
+    "its process was killed while the run went on (status.json still said running): the rounds in metrics.jsonl "
+    "stand and the checkpoint holds the last of them; continue it with resume = true"
+)
+
+
 def lock_run_folder(path: Path) -> int:
     """An open descriptor of `path`'s lock file, flock'ed exclusively (released when it is closed, also when the
     process dies); RunFolderLockedError, naming the folder and the holder's pid, if another writer has it."""
@@ -201,12 +237,14 @@ class RunDirectory:
             previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
             if resume and self.checkpoint is None:
                 raise no_checkpoint_error(self.path)
+            previous_status = read_status(self.path, lock_held=True)["status"]
             if not resume and (self.checkpoint is not None or previous_rounds):
                 raise PreviousRunError(
-                    f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
-                    f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue "
-                    "it, or choose another results-dir or run-name"
+                    f"results-dir {self.path} holds a previous run ({previous_status}, {previous_rounds} rounds in "
+                    f"metrics.jsonl{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to "
+                    "continue it, or choose another results-dir or run-name"
                 )
+            self.resumed_status = previous_status if resume else None
         except BaseException:
             self.close()
             raise

@@ -26,7 +26,13 @@ from fl_app.algorithms import Algorithm, algorithm
 from fl_app.builders import load_client_partition
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
-from fl_app.results import RunDirectory, plot_runs, resolve_run_dir, unreadable_checkpoint_error
+from fl_app.results import (
+    INTERRUPTED_NOTE,
+    RunDirectory,
+    plot_runs,
+    resolve_run_dir,
+    unreadable_checkpoint_error,
+)
 from fl_app.settings import Settings
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
@@ -102,6 +108,8 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     run_dir = RunDirectory(resolve_run_dir(s), resume=s.output.resume)
     run_dir.write_config(s)
     dashboards = open_dashboards(run_dir.path, s, flower_run_id)  # e.g. wandb missing: fails before "running"
+    if run_dir.resumed_status == "interrupted":
+        log(WARNING, "Resuming an interrupted run in %s: %s", run_dir.path, INTERRUPTED_NOTE.split(":")[0])
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
     if not s.privacy.secure_rng:

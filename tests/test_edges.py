@@ -167,6 +167,8 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
     import argparse
     import json
 
+    import numpy as np
+
     from dpfl_tools.plan import parse_overrides, plan_runs
     from fl_app.config import SPEC
 
@@ -194,7 +196,8 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
             }
         )
     )
-    (run / "checkpoint.npz").write_bytes(b"")
+    with open(run / "checkpoint.npz", "wb") as f:  # a checkpoint the resume check reads
+        np.savez(f, state=np.frombuffer(b'{"completed_rounds": 2}', np.uint8), array_0=np.zeros(1, np.float32))
     args = argparse.Namespace(
         resume=str(run), sweep="", reference=False, clients=4, results=str(tmp_path / "r"), run_config="num-rounds=5"
     )

@@ -6,6 +6,9 @@ import errno
 import json
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,3 +172,63 @@ def test_tensorboard_event_files_are_the_owners_only(tmp_path):
     writer.on_round({"round": 1, "accuracy": 0.5, "epsilon": 1.0})
     events = list(tmp_path.glob("events.out.tfevents.*"))
     assert events and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in events)
+
+
+# ---------------------------------------------------------------- a killed run reads "interrupted"
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def hold_lock(file):
+    """A live process that holds `file`'s flock until it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(file)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_run_whose_writer_was_killed_reads_interrupted(tmp_path):
+    from dpfl_tools.launch import run_status
+    from fl_app.results import LOCK_FILE, read_status
+
+    code = (
+        "import sys, os, signal; from fl_app.results import RunDirectory; r = RunDirectory(sys.argv[1]); "
+        "r.write_status('running'); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=Path(__file__).parents[1])
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "running"  # what the dead run left
+    assert read_status(tmp_path)["status"] == "interrupted" and "resume = true" in read_status(tmp_path)["note"]
+    assert run_status(tmp_path) == "interrupted"  # the launcher's view
+    writer = hold_lock(tmp_path / LOCK_FILE)  # a live writer: still running
+    try:
+        assert read_status(tmp_path)["status"] == "running"
+    finally:
+        writer.kill()
+        writer.wait()
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
+    with pytest.raises(PreviousRunError, match="holds a previous run \\(interrupted, 1 rounds"):
+        RunDirectory(tmp_path)
+
+
+def test_the_next_launch_removes_the_ray_folders_of_dead_launches(tmp_path):
+    from dpfl_tools.ray_head import OWNER_LOCK, TEMP_PREFIX, hold_owner_lock, remove_stale_ray_temps
+
+    live, dead, unlocked, other = (tmp_path / f"{TEMP_PREFIX}{n}" for n in ("live", "dead", "unlocked", "x"))
+    for folder in (live, dead, unlocked):
+        folder.mkdir()
+        (folder / "r").mkdir()
+    other_name = tmp_path / "not-ours"
+    other_name.mkdir()
+    owner = hold_lock(live / OWNER_LOCK)
+    os.close(hold_owner_lock(dead))  # its launch ended without cleaning up: the lock is free
+    try:
+        removed = remove_stale_ray_temps(tmp_path)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert sorted(removed) == sorted([dead, unlocked])
+    assert live.is_dir() and other_name.is_dir() and not dead.exists() and not unlocked.exists() and not other.exists()
