@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dpcore.privacy.figures import with_current_names
 from dpfl_tools.svg_charts import Series, chart, fmt, heatmap, number
-from fl_app.results import read_diagnostics, read_metrics, run_label
+from fl_app.results import read_diagnostics, read_metrics, read_status, run_label
 from fl_app.run_files import RunFileError, read_json_object
 
 NOT_PRIVATE = "not private: not covered by epsilon"
@@ -315,6 +315,12 @@ def write_report(run_dirs: list[Path | str], out: Path | str, diagnostics: bool 
     return Path(out)
 
 
+def unfinished(run: str) -> str:
+    """A run folder without summary.json, with what its status says (an interrupted run: what to do)."""
+    record = read_status(run)
+    return f"{run} ({record['status']}{': ' + record['note'] if 'note' in record else ''})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders (with summary.json)")
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [r for r in args.runs if not Path(r, "summary.json").is_file()]
     if missing:
-        parser.error("no summary.json (not a finished run folder): " + ", ".join(missing))
+        parser.error("no summary.json (not a finished run folder): " + "; ".join(map(unfinished, missing)))
     try:
         print("report written to", write_report(args.runs, args.output, args.diagnostics))
     except RunFileError as exc:

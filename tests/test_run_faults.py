@@ -232,3 +232,13 @@ def test_the_next_launch_removes_the_ray_folders_of_dead_launches(tmp_path):
         owner.wait()
     assert sorted(removed) == sorted([dead, unlocked])
     assert live.is_dir() and other_name.is_dir() and not dead.exists() and not unlocked.exists() and not other.exists()
+
+
+def test_the_report_names_an_interrupted_run_and_what_to_do(tmp_path, capsys):
+    from dpfl_tools.report import main
+
+    (tmp_path / "status.json").write_text('{"status": "running", "pid": 1, "time": 0}')  # nobody holds its lock
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "-o", str(tmp_path / "r.html")])
+    err = capsys.readouterr().err
+    assert f"{tmp_path} (interrupted: its process was killed" in err and "resume = true" in err
