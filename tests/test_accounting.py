@@ -159,6 +159,7 @@ def worst_pair_lower_bound(num_clients: int, m: int, sigma: float, rounds: int, 
     return acc.get_epsilon(delta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_clients,m,rounds", [(6, 3, 1), (50, 25, 30), (100, 10, 100)])
 def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clients, m, rounds):
     import dp_accounting
@@ -178,6 +179,7 @@ def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clien
     assert "replace-one" in ledger.state_dict()["relation"]
 
 
+@pytest.mark.slow
 def test_secagg_server_figure_composes_without_amplification():
     """The server chose the sample, so against it the sum of each round is the unamplified Gaussian mechanism at
     sensitivity 2C (it knows who is in the sum: replace-one): at sigma = 1, q = 0.1, 100 rounds, delta 1e-5

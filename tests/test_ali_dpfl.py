@@ -133,6 +133,7 @@ def test_config_and_client_list_the_same_grad_sample_modes():
 # ---------------------------------------------------------------- R_c and the client ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "target,sigma,q", [(1.0, 1.5, 0.05), (2.0, 1.0, 0.05), (4.0, 1.5, 0.1), (8.0, 1.0, 0.01), (3.0, 0.8, 0.02)]
 )

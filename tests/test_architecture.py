@@ -9,6 +9,7 @@
 - no file of the project points outside the repository;
 - no two modules import each other, directly or through others (lazy and TYPE_CHECKING imports included: a
   circle of knowledge all the same), and no import points back up a layer (those included too);
+- the public namespace `dpfl` imports only strategies, clients and the core, and nothing of the product imports it;
 - the import graph drawn in docs/architecture.md is the code's current one;
 - the FAB that `flwr run` builds holds every app module and no tooling, docs, benchmarks or tests.
 """
@@ -70,6 +71,40 @@ def test_the_app_package_holds_only_what_the_fab_needs():
     lines = {path.name: len(path.read_text().splitlines()) for path in sorted((ROOT / "fl_app").glob("*.py"))}
     assert sum(lines.values()) <= FL_APP_MAX_LINES, lines
     assert "launch.py" not in lines and "report.py" not in lines and "pull_backoff.py" not in lines
+
+
+PUBLIC_API_IMPORTS = {"strategies", "clients", "dpcore", "importlib"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an `import` or `from ... import` of the file names (lazy imports included)."""
+    return {
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+
+
+def test_the_public_api_layer_sits_on_top_and_nothing_imports_it():
+    """`dpfl` re-exports strategies, clients and the core (its lazy names too); no module of the product
+    imports it, so it stays a namespace for users and never a knot in the graph."""
+    import dpfl
+
+    modules = {m for path in (ROOT / "dpfl").rglob("*.py") for m in imported_modules(path)}
+    modules |= set(dpfl._TORCH_NAMES.values())
+    assert {m.split(".")[0] for m in modules} <= PUBLIC_API_IMPORTS, modules
+    assert [
+        name
+        for name, path in project_modules().items()
+        if any(m.split(".")[0] == "dpfl" for m in imported_modules(path))
+    ] == []
+
+
+def test_the_public_api_check_sees_an_import_of_dpfl(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from dpfl import DPFedAvg\n    import dpfl.x\n")
+    assert imported_modules(module) == {"dpfl", "dpfl.x"}
 
 
 def test_no_import_cycles():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from dpcore.task import data, partitions
 
@@ -32,6 +33,7 @@ def fresh_process(cache) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_client_app_for_dp_fedsam_imports_neither_opacus_nor_flwr_datasets_once_cached(tmp_path):
     first = fresh_process(tmp_path)
     assert "opacus" not in first["loaded"]  # only DP-SGD (ali-dpfl) needs it
@@ -109,6 +111,7 @@ print(json.dumps({"trained": out, "dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
+@pytest.mark.slow
 def test_local_training_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):
     """A torch.optim.Optimizer's first construction imports torch._dynamo (about 1 s in every new process);
     local training uses clients.base.LocalSGD instead."""
@@ -168,6 +171,7 @@ print(json.dumps({"before": before, "after": after}))
 """
 
 
+@pytest.mark.slow
 def test_a_run_puts_numpy_blas_on_one_thread(tmp_path):
     """OpenBLAS' worker threads busy-wait after each call and, on a loaded machine, take the core training needs
     (dpcore.task.threads): the ServerApp and every ClientApp call limit it to one thread."""

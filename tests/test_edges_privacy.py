@@ -34,6 +34,7 @@ def small_sample_dp() -> DPFedAvg:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("secure", [False, True], ids=["legacy", "secagg+"])
 def test_every_sampled_round_is_charged_on_the_legacy_and_secagg_paths(secure):
     """60 sampled rounds cost the 60-round sampled Gaussian, whatever the samples held: a round whose sample
@@ -336,6 +337,7 @@ def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measu
 # ---------------------------------------------------------------- 6. one derivation of the SecAgg+ server figure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
 def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     """Against the server (it chose the sample, so it knows who is in the sum) each SecAgg+ round is the

@@ -45,6 +45,7 @@ def fixed_ledger(population: int, m: int, rounds: int, delta: float, sigma: floa
     return ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "population,m,rounds,printed_before,wor,gauss",
     [

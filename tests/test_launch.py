@@ -170,6 +170,7 @@ def test_sweep_makes_one_run_per_value():
         sweep_runs("", "noise-multiplier")
 
 
+@pytest.mark.slow
 def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_path):
     """The launcher's Ray head: up, a driver that joins it as each run's simulation does (RAY_ADDRESS and the
     head's token) runs a task on it, and a driver without the token is refused; a driver that joins with a
