@@ -26,6 +26,7 @@ from flwr.client import NumPyClient
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from dpcore.privacy.settings import check_calibration_reachable
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
@@ -333,6 +334,7 @@ def dpsgd_client(setup: ClientSetup) -> NumPyClient:
         mu_noise_multiplier=d.mu_noise_multiplier,
         noise=d.noise,
         wavelet_calibration=setup.settings.wavelet.calibration,
+        num_partitions=int(setup.context.node_config["num-partitions"]),
         **setup.training_kwargs(),
     )
 
@@ -558,6 +560,19 @@ def check_config(s: Settings) -> None:
         )
     try:
         algo.strategy_class.check_settings(**algo.strategy_kwargs(s))
+        if (
+            algo.privacy_unit == "client"
+            and s.privacy.target_epsilon > 0
+            and s.privacy.target_epsilon_mode == "calibrate"
+        ):
+            check_calibration_reachable(
+                target_epsilon=s.privacy.target_epsilon,
+                delta=s.privacy.delta,
+                sample_rate=s.federation.sample_rate,
+                rounds=s.run.num_rounds,
+                client_sampling=s.federation.client_sampling,
+                accountant=s.privacy.accountant,
+            )
     except ValueError as exc:
         raise ValueError(f"algorithm {algo.name!r}: {exc}") from None
     if algo.check_config:
