@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 
 import numpy as np
@@ -90,8 +90,9 @@ def legacy_content(array_key: str, res: FitRes) -> RecordDict:
 
 
 def fit_res_problem(res: FitRes) -> str | None:
-    """Why a legacy FitRes is refused before it is read (its metrics must be a dict, as Flower declares), or None."""
-    if not isinstance(res.metrics, dict):
+    """Why a legacy FitRes is refused before it is read (its metrics must be a mapping: a dict, as Flower declares,
+    or the ConfigRecord Flower's own compat layer hands over), or None."""
+    if not isinstance(res.metrics, Mapping):
         return f"FitRes.metrics is {type(res.metrics).__name__}, not a dict: the reply is refused"
     return None
 
