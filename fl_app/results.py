@@ -57,7 +57,9 @@ def append_line(path: Path, line: str) -> None:
                 f.write(line.encode())
         except OSError as exc:
             os.ftruncate(fd, size)
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+            if exc.errno is not None and exc.filename is None:  # a full disk: say which file
+                exc.filename = str(path)
+            raise
     finally:
         os.close(fd)
 

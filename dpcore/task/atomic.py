@@ -27,8 +27,8 @@ def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> None:
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.filename is None:  # e.g. a full disk: say which file
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:  # a full disk: which file
+            exc.filename = str(path)
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
         dir_fd = os.open(path.parent, os.O_RDONLY)
