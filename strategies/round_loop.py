@@ -226,6 +226,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         """The nodes the selection role picks this round (`strategies.sampling`), noted in the round."""
         if self.ledger is None:  # sampling needs the population (n_s, delta)
             self.setup_population(len(node_ids))
+        self.cover_population(len(node_ids))
         selection = self.selection.select(self, server_round, node_ids)
         self.round.population = set(sorted(node_ids))
         self.round.truncation_probability, self.round.sampled_from = (
@@ -234,6 +235,39 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         )
         self.round.nodes = {int(n) for n in selection.nodes}
         return selection.nodes
+
+    def cover_population(self, population: int) -> None:
+        """Poisson sampling: n_s re-derived for the round's population N (`noise_share_count(N, q)`), so that the
+        noise shares cover the sample the round may draw (P(Binomial(N, q) >= n_s) <= 1e-12) whether the
+        population grew or shrank. Each client's share std sigma C / sqrt(n_s), the server's top-up and the
+        ledger's truncation reserve follow the round's n_s. Fixed-size sampling keeps n_s = m (a smaller
+        population's sample is topped up)."""
+        if self.client_sampling != "poisson":
+            return
+        shares = noise_share_count(population, self.sample_rate, "poisson")
+        if shares != self.noise_shares:
+            log(
+                INFO,
+                "Population %d nodes: n_s re-derived for it, %d -> %d noise shares (each client's noise std "
+                "sigma C / sqrt(n_s))",
+                population,
+                self.noise_shares,
+                shares,
+            )
+            self.noise_shares = shares
+
+    def open_round(self, server_round: int, arrays: ArrayRecord, node_ids: list[int]) -> list[int]:
+        """Begin the round and sample it, then check the budget at the round's own (N, m) and truncation
+        probability, before anything is sent: a round that would spend more than the budget allows is refused
+        (`round.refused`, `stop_reason` says why) and nothing is sent."""
+        self.begin_round(arrays)
+        nodes = self.sample_clients(server_round, node_ids)
+        if self.budget_exhausted():
+            self.round.refused = True
+            self.stop_reason = self.budget_stop_reason(server_round)
+            log(WARNING, "Stopping before round %d: %s", server_round, self.stop_reason)
+            return []
+        return nodes
 
     def client_train_config(self, server_round: int) -> dict:
         """What the sampled clients need this round (protocol keys)."""
@@ -253,8 +287,9 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's train content (its config, arrays) with the DP keys, to the nodes sampled here."""
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
-        self.begin_round(arrays)
-        node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic, not logged
+        node_ids = self.open_round(server_round, arrays, list(grid.get_node_ids()))  # how many: a diagnostic
+        if self.round.refused:
+            return []
         content = wrapped_train_content(self, server_round, arrays, config)
         wrapped_config = content.config_records.get(self.configrecord_key, ConfigRecord())
         content[self.configrecord_key] = ConfigRecord(
@@ -370,12 +405,10 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 self.privacy_metrics().get("epsilon"),
             )
         for rnd in range(self.completed_rounds + 1, num_rounds + 1):
-            if self.budget_exhausted():
-                self.stop_reason = self.budget_stop_reason(rnd)
-                log(WARNING, "Stopping before round %d: %s", rnd, self.stop_reason)
-                break
             started = time.perf_counter()
             instructions = list(self.configure_train(rnd, arrays, train_config, grid))
+            if self.round.refused:  # over the budget at the round's own sample: nothing was sent
+                break
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
             result.arrays = arrays

@@ -39,8 +39,8 @@ class ClientSampling(Part):
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
         """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson sample larger
-        than n_s keeps a uniform n_s of it (probability <= 1e-12 for the population the run started with; the
-        ledger reserves the round's probability out of delta)."""
+        than n_s keeps a uniform n_s of it (probability <= 1e-12: n_s is re-derived for the round's population,
+        `DPRoundLoop.cover_population`; the ledger reserves the round's probability out of delta)."""
         rng = make_rng(dp.seed, 1, server_round, secure=dp.secure_rng)
         nodes = sorted(node_ids)
         if self.fixed_size:
