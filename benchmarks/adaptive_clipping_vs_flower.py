@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping, FedAvg
 
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as our_client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import run_federated
 from fl_app.settings import Settings

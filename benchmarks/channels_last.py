@@ -24,7 +24,7 @@ from torch import nn
 
 from clients.base import LocalSGD, sgd_step
 from clients.sam import sam_step
-from dpcore.task.data import dataset_info
+from dpcore.task.catalogue import dataset_info
 from dpcore.task.device import CHANNELS_LAST_MODELS, place_input, place_model
 from dpcore.task.models import MODELS, build_model
 

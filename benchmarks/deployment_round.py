@@ -5,11 +5,11 @@
 The default job (dp-fedsam, mnist-embedded, cnn-mnist) on N partitions with every client in every
 round (sample-rate 1), the same local steps everywhere:
 - in process: `InProcessGrid`, the N clients one after the other in this process;
-- deployed: a real flower-superlink and N flower-supernodes on loopback (`fl_app.local_deployment`),
-  `flwr run`, with warm ClientApps (`--isolation process` + `fl_app.clientapp_executor`) and, with
+- deployed: a real flower-superlink and N flower-supernodes on loopback (`dpfl_tools.local_deployment`),
+  `flwr run`, with warm ClientApps (`--isolation process` + `dpfl_tools.clientapp_executor`) and, with
   `--cold`, also Flower's default (`--isolation subprocess`: a fresh `flwr-clientapp` per message);
 - SecAgg+: the same deployed job with `secure-aggregation = true`;
-- both deployed jobs again on `python -m fl_app.supernode --idle-poll 0.2` nodes (Flower's SuperNode with its
+- both deployed jobs again on `python -m dpfl_tools.supernode --idle-poll 0.2` nodes (Flower's SuperNode with its
   3 s idle sleep capped).
 Seconds per round are the medians of the run folders' `seconds` (round start to the round's record).
 """
@@ -24,10 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from fl_app.local_deployment import Deployment
+from dpfl_tools.local_deployment import Deployment
 from fl_app.results import read_diagnostics
 
-IDLE_POLL = 0.2  # fl_app.supernode --idle-poll
+IDLE_POLL = 0.2  # dpfl_tools.supernode --idle-poll
 JOB = {
     "sample-rate": 1.0,
     "noise-multiplier": 0.0,
@@ -86,9 +86,9 @@ def inprocess_round_seconds(nodes: int, rounds: int) -> list[float]:
     """The same job on the in-process grid (clients one after the other, one thread)."""
     import torch
 
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def inprocess_round_seconds(nodes: int, rounds: int) -> list[float]:
 
 def measure(nodes: int, rounds: int, cold: bool) -> dict[str, float]:
     """Median seconds per round: in-process, deployed (warm; cold if asked), deployed with SecAgg+, and both
-    again on `fl_app.supernode` nodes (Flower's idle sleeps capped at IDLE_POLL)."""
+    again on `dpfl_tools.supernode` nodes (Flower's idle sleeps capped at IDLE_POLL)."""
     t0 = time.perf_counter()
     result = {"inprocess": statistics.median(inprocess_round_seconds(nodes, rounds))}
     warm = deployed_round_seconds(nodes, rounds, {"plain": {}, "secagg": {"secure-aggregation": True}}, warm=True)
@@ -134,7 +134,7 @@ def main() -> None:
         f"SecAgg+ / plain deployed: {r['secagg'] / r['deployed']:.2f}x"
     )
     print(
-        f"with fl_app.supernode --idle-poll {IDLE_POLL}: deployed / in-process {r['deployed_fast'] / r['inprocess']:.2f}x; "
+        f"with dpfl_tools.supernode --idle-poll {IDLE_POLL}: deployed / in-process {r['deployed_fast'] / r['inprocess']:.2f}x; "
         f"SecAgg+ / plain deployed: {r['secagg_fast'] / r['deployed_fast']:.2f}x"
     )
     if "deployed_cold" in r:

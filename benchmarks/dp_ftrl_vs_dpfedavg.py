@@ -22,10 +22,11 @@ import statistics
 import tempfile
 import time
 
-from dpcore.privacy.ledger import calibrate_noise_multiplier, epsilon_of
+from dpcore.privacy.accountants import epsilon_of
+from dpcore.privacy.calibration import calibrate_noise_multiplier
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 
 JOB = {

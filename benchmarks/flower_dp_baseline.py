@@ -26,9 +26,9 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as our_client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_rounds
 from fl_app.server_app import run_federated
 from fl_app.settings import Settings

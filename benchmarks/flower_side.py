@@ -12,8 +12,9 @@ from flwr.clientapp import ClientApp
 
 from dpcore.task.data import load_dataset
 from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
+from dpfl_tools.inprocess import InProcessGrid
+from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import build_client
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import build_global_model
 from fl_app.settings import Settings
 
@@ -45,7 +46,7 @@ def weights_client_app(mods=()) -> ClientApp:
 def timed_run(strategy, cfg: Settings, clients: int, client_app: ClientApp) -> tuple[list[float], list[float]]:
     """(seconds between consecutive server evaluations, i.e. per round after the first; accuracy after each
     round) of `strategy.start` on an in-process grid of `clients` nodes, from the run config's model."""
-    model = build_global_model(cfg)
+    model = build_global_model(cfg, ALGORITHMS[cfg.run.algorithm])
     _, testset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     marks, accuracies = [], []
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from clients.personalized import ContextHeadStore
-from dpcore.task.data import load_partition
+from dpcore.task.partitions import load_partition
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_summary
 from fl_app.server_app import run_federated
 

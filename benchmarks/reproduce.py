@@ -9,7 +9,7 @@ tau >= the best fixed tau) and wavelet (DP-FedAvg-WAV against DP-FedAvg at the p
 honest one).
 
 Every run is a real in-process federated run of the product (`fl_app.server_app.run_federated` on
-`fl_app.inprocess.InProcessGrid`, the ServerApp and ClientApp code `flwr run` executes), one process per run,
+`dpfl_tools.inprocess.InProcessGrid`, the ServerApp and ClientApp code `flwr run` executes), one process per run,
 `--workers` at a time, one torch thread each. Within a claim all arms share the data, the partition, the rounds,
 the sampling rate and the local work; privacy levels are set by `target-epsilon` (the ledger calibrates sigma, so
 the arms of a level have the same accounted epsilon) or, for the wavelet claim, by the noise scale the paper
@@ -342,9 +342,9 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.ERROR)
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     folder = Path(job["folder"])
@@ -384,7 +384,7 @@ def collect(folder: Path, job: dict) -> dict:
         "val_accuracy": evaluated[-1]["val_accuracy"] if evaluated else None,
         "epsilon": summary.get("epsilon"),
         "delta": summary.get("delta"),
-        "claimed_epsilon": summary.get("claimed_epsilon", summary.get("epsilon_claimed")),
+        "claimed_epsilon": summary.get("claimed_epsilon"),
         "noise_multiplier": summary.get("noise_multiplier", summary.get("sample_noise_multiplier")),
         "rounds": summary.get("rounds_completed"),
         "update_norm_mean": mean_of("update_norm_mean"),

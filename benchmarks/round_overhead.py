@@ -24,11 +24,11 @@ from flwr.app import Context, Message, MessageType
 
 from clients.sam import sam_step
 from dpcore.privacy import protocol as keys
-from dpcore.task.data import load_partition
 from dpcore.task.models import build_model
+from dpcore.task.partitions import load_partition
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_rounds
 from fl_app.server_app import run_federated
 from fl_app.settings import Settings

@@ -3,7 +3,7 @@
     python -m benchmarks.scale --data-dir /path/to/mnist [--clients 1000 10000] [--algorithm dp-fedsam]
         [--sample-rate 0.01] [--rounds 3] [--extra "key=value ..."] [--checkout DIR] [--out FILE]
 
-Per client count: `python -m fl_app.launch --clients N -c "dataset='mnist' data-dir=... partitioner='iid'
+Per client count: `python -m dpfl_tools.launch --clients N -c "dataset='mnist' data-dir=... partitioner='iid'
 sample-rate=q num-rounds=R algorithm=..."` (the full MNIST, IID partitions), with the process tree of the
 launcher sampled every 0.5 s: the launcher, `flwr run`, the SuperLink and its SuperExec, `flwr-simulation`
 (the ServerApp and Flower's simulation engine with every node's Context), the Ray workers running the
@@ -39,7 +39,7 @@ GROUPS = (  # (group, what its command line contains), first match wins
     ("SuperLink", "flower-superlink"),
     ("SuperExec", "flower-superexec"),
     ("flwr run", "bin/flwr run"),
-    ("launcher", "fl_app.launch"),
+    ("launcher", "dpfl_tools.launch"),
 )
 OTHER = "ray system (head, GCS, raylet, agents)"
 
@@ -146,7 +146,8 @@ class TreeSampler(threading.Thread):
 
 def warm_caches(data_dir: str, clients: list[int], seed: int) -> float:
     """Build the dataset and partition caches the runs read (seconds taken)."""
-    from dpcore.task.data import load_dataset, load_partition
+    from dpcore.task.data import load_dataset
+    from dpcore.task.partitions import load_partition
 
     start = time.perf_counter()
     load_dataset("mnist", data_dir)
@@ -161,7 +162,7 @@ def launch(clients: int, run_config: str, checkout: Path, interval: float, launc
         cmd = [
             sys.executable,
             "-m",
-            "fl_app.launch",
+            "dpfl_tools.launch",
             "--clients",
             str(clients),
             "--results",
@@ -260,7 +261,7 @@ def main() -> None:
         help="the project checkout whose launcher runs (default: this one)",
     )
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between memory samples")
-    parser.add_argument("--launcher-args", default="", help="more arguments of fl_app.launch, e.g. --no-ray-head")
+    parser.add_argument("--launcher-args", default="", help="more arguments of dpfl_tools.launch, e.g. --no-ray-head")
     parser.add_argument("--out", default="", help="append the results (one JSON line per run) to this file")
     parser.add_argument(
         "--per-node",

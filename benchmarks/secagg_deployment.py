@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fl_app.local_deployment import Deployment
+from dpfl_tools.local_deployment import Deployment
 from fl_app.results import read_rounds, read_summary
 
 RUN = {

@@ -3,7 +3,7 @@ where round 1's extra time goes.
 
     python -m benchmarks.simulation_round [--clients 50] [--rounds 6]
 
-1. `python -m fl_app.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink and Ray head, N
+1. `python -m dpfl_tools.launch --clients N -c "num-rounds=R"`: the launcher's own SuperLink and Ray head, N
    simulated clients with one CPU each (two Ray actors on two cores); seconds per round from the run folder.
    Also with `--no-ray-head`, where the simulation starts Ray itself (as under a plain `flwr run`), and with
    5x the local work (`local-epochs=10`, 4 rounds): round 1's start-up is a fixed cost, not a share of a round.
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fl_app.launch import QUIET_ENV
+from dpfl_tools.launch import QUIET_ENV
 from fl_app.results import read_rounds
 
 PARTS = r"""
@@ -78,7 +78,7 @@ print(json.dumps({"first_fit": times[0], "second_fit": times[1]}))
 def launch_rounds(
     clients: int, rounds: int, ray_head: bool = True, overrides: str = ""
 ) -> tuple[list[float], list[int], float]:
-    """(seconds per round, clients per round, wall seconds) of one `python -m fl_app.launch` run; `ray_head`
+    """(seconds per round, clients per round, wall seconds) of one `python -m dpfl_tools.launch` run; `ray_head`
     False: `--no-ray-head` (the simulation starts Ray itself, as under a plain `flwr run`); `overrides`: more
     run-config, 'key=value ...'."""
     import time
@@ -89,7 +89,7 @@ def launch_rounds(
             [
                 sys.executable,
                 "-m",
-                "fl_app.launch",
+                "dpfl_tools.launch",
                 "--clients",
                 str(clients),
                 "--results",

@@ -38,7 +38,7 @@ from dpcore.task.models import build_model
 from fl_app.config import validate
 
 READY = (
-    "import fl_app.client_app; from dpcore.task.data import load_partition; "
+    "import fl_app.client_app; from dpcore.task.partitions import load_partition; "
     "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)"
 )
 
@@ -180,12 +180,12 @@ def main() -> None:
         ]
         rows += [
             (
-                f"deployed round on fl_app.supernode (idle poll {deployment_round.IDLE_POLL} s) / in-process round",
+                f"deployed round on dpfl_tools.supernode (idle poll {deployment_round.IDLE_POLL} s) / in-process round",
                 dep["deployed_fast"] / dep["inprocess"],
                 1.5,
             ),
             (
-                "SecAgg+ / plain deployed round, both on fl_app.supernode",
+                "SecAgg+ / plain deployed round, both on dpfl_tools.supernode",
                 dep["secagg_fast"] / dep["deployed_fast"],
                 2.0,
             ),
@@ -204,7 +204,7 @@ def main() -> None:
             f"(its ClientApp tasks {dep['deployed_clientapps_busy']:.2f} s), SecAgg+ {dep['secagg']:.2f} s "
             f"(its 4 exchanges' ClientApp tasks {dep['secagg_clientapps_busy']:.2f} s)"
             + (f", Flower's default isolation {dep['deployed_cold']:.2f} s" if args.cold else "")
-            + f"; on fl_app.supernode: deployed {dep['deployed_fast']:.2f} s, SecAgg+ {dep['secagg_fast']:.2f} s"
+            + f"; on dpfl_tools.supernode: deployed {dep['deployed_fast']:.2f} s, SecAgg+ {dep['secagg_fast']:.2f} s"
         )
     print("| ratio | measured | target |\n|---|---|---|")
     for name, value, target in rows:

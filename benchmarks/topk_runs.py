@@ -2,7 +2,7 @@
 
     python -m benchmarks.topk_runs [--rounds 30] [--clients 50] [--seeds 42]
 
-In-process federated runs (fl_app.inprocess.InProcessGrid, the same ServerApp/ClientApp
+In-process federated runs (dpfl_tools.inprocess.InProcessGrid, the same ServerApp/ClientApp
 code as `flwr run`) on mnist-embedded with the default job (cnn-mnist, Poisson q = 0.5,
 sigma = 1.0, C = 0.5, distributed noise, SAM rho = 0.05). Top-k is post-processing, so
 every run has the same epsilon; what changes is the accuracy and the bytes uploaded.
@@ -32,9 +32,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
     args = parser.parse_args()
 
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
-    from fl_app.inprocess import InProcessGrid
     from fl_app.results import read_summary
     from fl_app.server_app import run_federated
 

@@ -76,9 +76,9 @@ RUNS = [
 
 
 def accuracy_runs(rounds: int, clients: int, seeds: list[int]) -> None:
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     logging.getLogger("flwr").setLevel(logging.WARNING)

@@ -41,8 +41,9 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
 from dpcore.privacy.dpsgd_noise import dpsgd_multipliers
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger, epsilon_of
+from dpcore.privacy.ledger import PrivacyLedger
 from dpcore.privacy.mechanisms import (
     flatten,
     gaussian_noise,

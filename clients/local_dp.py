@@ -28,7 +28,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, PrivacyLedger
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpcore.privacy.ledger import PrivacyLedger
 from dpcore.privacy.mechanisms import clip_and_noise, flatten, float_indices, make_rng, unflatten, update_problem
 
 STATE_KEY = "local-dp-ledger"  # the ConfigRecord in Context.state holding the client's ledger (JSON)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from flwr.app import Context, Message
 from flwr.client import Client, NumPyClient
 from flwr.client.mod import secaggplus_mod
@@ -12,12 +14,26 @@ from clients.mods import uniform_weight_mod
 from dpcore.privacy import protocol as keys
 from dpcore.task.models import build_model
 from dpcore.task.threads import one_thread_per_client
-from fl_app.algorithms import ClientSetup, algorithm, load_client_partition
+from fl_app import SPEED_PATCHES_ENV, speed_patches
+from fl_app.algorithms import algorithm
+from fl_app.builders import ClientSetup, load_client_partition
 from fl_app.config import validate
-from fl_app.simulation_pickup import install as install_simulation_pickup
 
 app = ClientApp()
-install_simulation_pickup()  # in Flower's simulation process: a message pickup that scales (fl_app.simulation_pickup)
+
+
+def install_speed_patches() -> bool:
+    """Flower's simulation engine with a message pickup that scales (dpfl_tools.simulation_pickup), where the
+    tooling asked for it: SPEED_PATCHES_ENV = 1 in this process's environment, which the launcher sets for runs
+    with run-config key 'flower-speed-patches' = true. Flower imports the ClientApp in its simulation process
+    before it starts the loop the pickup replaces, so this runs at import; without the variable it imports and
+    patches nothing."""
+    if os.environ.get(SPEED_PATCHES_ENV) != "1":
+        return False
+    return speed_patches("simulation_pickup").install()
+
+
+install_speed_patches()
 
 
 def partition_of(context: Context) -> tuple[int, int]:
@@ -43,7 +59,8 @@ def build_client(context: Context) -> NumPyClient:
     pid, n = partition_of(context)
     trainset, testset = load_client_partition(settings, pid, n)
     model = build_model(settings.training.model, trainset.x.shape[1:], trainset.num_classes, seed=settings.run.seed)
-    return algorithm(settings.run.algorithm).build_client(ClientSetup(settings, context, pid, trainset, testset, model))
+    algo = algorithm(settings.run.algorithm)  # the run's registry record
+    return algo.build_client(ClientSetup(settings, context, pid, trainset, testset, model))
 
 
 # secure-aggregation = true: SecAgg+ speaks Flower's legacy protocol, so the same NumPyClient answers
@@ -64,7 +81,7 @@ def train_mods(context: Context) -> list:
     under distributed noise: the noisy clipped bit)."""
     from clients.adaptive_clipping import make_clip_bit_mod
     from clients.local_dp import make_local_dp_mod
-    from dpcore.privacy.ledger import default_client_delta
+    from dpcore.privacy.calibration import default_client_delta
 
     s = validate(context.run_config)
     privacy, seed = s.privacy, None if s.privacy.secure_rng else s.run.seed

@@ -1,7 +1,8 @@
 """The run config's one validation pass at start-up, and its key reference.
 
 The keys are declared in `fl_app.settings` (one dataclass per concern); `SPEC` maps each run-config key to
-its declaration. `validate()` turns a run config into typed `Settings`, or raises ConfigError naming the
+its declaration, the `algorithm` key's with the registry's names as its choices (the settings know nothing
+of the registry). `validate()` turns a run config into typed `Settings`, or raises ConfigError naming the
 key, the value and what is allowed, before any training starts. `[tool.flwr.app.config]` in
 pyproject.toml carries the same keys and defaults, and docs/run-config.md is drawn from them (tests keep
 both equal).
@@ -14,12 +15,13 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from dpcore.task.device import device_problem
-from fl_app.algorithms import check_config
-from fl_app.settings import KEYS, Key, Settings, concern_keys
+from fl_app.algorithms import ALGORITHMS, algorithm, check_config
+from fl_app.run_config_keys import Key
+from fl_app.settings import KEYS, WHERE, Settings
 
 # results-dir may not be the filesystem root nor lie in these trees (the launcher runs as any user, root included)
 SYSTEM_TREES = (
@@ -42,7 +44,14 @@ class ConfigError(ValueError):
     """A run-config key has a value that is not allowed."""
 
 
-SPEC: dict[str, Key] = {spec.name: spec for spec in KEYS}  # every run-config key (fl_app.settings declares them)
+SPEC: dict[str, Key] = {  # every run-config key (fl_app.settings declares them)
+    spec.name: replace(spec, choices=tuple(ALGORITHMS)) if spec.attribute == "run.algorithm" else spec for spec in KEYS
+}
+
+
+def concern_keys(concern: str) -> list[Key]:
+    """The keys of one concern (a field name of Settings), in declaration order."""
+    return [spec for spec in SPEC.values() if WHERE[spec.name][0] == concern]
 
 
 def _check_type(key: str, value: Any, spec: Key) -> Any:
@@ -60,7 +69,7 @@ def _check_type(key: str, value: Any, spec: Key) -> Any:
 def _check_value(key: str, value: Any, spec: Key) -> None:
     bad = bool(spec.choices) and value not in spec.choices
     if isinstance(value, str):
-        bad |= any(ord(c) < 32 or ord(c) == 127 for c in value)
+        bad |= any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in value)  # controls, surrogates
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"run-config key '{key}' = {value!r}: must be {spec.allowed()}")
@@ -113,11 +122,13 @@ def _unknown_keys(run_config: Mapping[str, Any]) -> ConfigError:
     """The error for keys not in SPEC: each with its close matches (a misspelling), then every known key."""
 
     def one(key: str) -> str:
+        if not isinstance(key, str):
+            return f"{key!r} (a {type(key).__name__}: run-config keys are strings)"
         close = difflib.get_close_matches(key, SPEC, n=3, cutoff=0.6)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         return f"'{key}' = {run_config[key]!r}{hint}"
 
-    unknown = sorted(set(run_config) - set(SPEC))
+    unknown = sorted(set(run_config) - set(SPEC), key=repr)
     return ConfigError(f"unknown run-config key(s) {', '.join(map(one, unknown))}; known keys: {', '.join(SPEC)}")
 
 
@@ -183,7 +194,7 @@ def _check_combinations(s: Settings) -> None:
             "(Flower's SecAgg+ workflow numbers rounds from 1)"
         )
     try:
-        check_config(s)
+        check_config(s, algorithm(s.run.algorithm))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -2,9 +2,10 @@
 shows all runs side by side.
 
 `TAGS` maps the published round record's keys (metrics.jsonl: what the ledger covers) to TensorBoard
-tags, in one table. The non-private diagnostics (diagnostics.jsonl: counts, update norms, clipped
-fraction, losses, client evaluation) appear under `nonprivate/` only when the run publishes them
-(`publish-diagnostics = true`), with a text note that epsilon does not cover them.
+tags, drawn from the one table of figures (dpcore/privacy/figures.py). The non-private diagnostics
+(diagnostics.jsonl: counts, update norms, clipped fraction, losses, client evaluation) appear under
+`nonprivate/` only when the run publishes them (`publish-diagnostics = true`), with a text note that
+epsilon does not cover them.
 `python -m fl_app.results --tensorboard RUN...` writes the events of older run folders.
 
 Weights & Biases (`wandb = true`, the `wandb` extra) logs the same scalars under the same names (`WandbWriter`),
@@ -16,33 +17,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from logging import INFO
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flwr.common import log
 
+from dpcore.privacy import figures
 from fl_app.run_files import read_diagnostics, read_metrics
 
 if TYPE_CHECKING:
     from fl_app.settings import Settings
 
-TAGS = {
-    "accuracy": "eval/accuracy",
-    "loss": "eval/loss",
-    "epsilon": "privacy/epsilon",
-    "epsilon_against_server": "privacy/epsilon_against_server",
-    "epsilon_claimed": "privacy/epsilon_claimed_by_paper",
-    "claimed_epsilon": "privacy/epsilon_claimed_by_paper",
-    "epsilon_min": "privacy/epsilon_min_client",
-    "clipping_norm": "adaptive_clipping/clipping_norm",
-    "unclipped_fraction_noisy": "adaptive_clipping/unclipped_fraction_noisy",
-    "tau": "ali_dpfl/tau",
-    "tau_star": "ali_dpfl/tau_star",
-    "mu": "ali_dpfl/mu",
-    "upload_bytes_per_client": "topk/upload_bytes_per_client",
-    "dense_bytes_per_client": "topk/dense_bytes_per_client",
-}
+TAGS = figures.dashboard_tags()  # {published key: tag}, from the one table of figures
 NONPRIVATE_PREFIX = "nonprivate/"
 DIAGNOSTICS_NOTE = (
     "Scalars under nonprivate/ (counts, update norms, clipped fraction, losses, client evaluation, "
@@ -52,22 +40,17 @@ DIAGNOSTICS_NOTE = (
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """{tag: value} of a published round record's finite numbers (per-client epsilon under
-    privacy/epsilon_client/)."""
+    """{tag: value} of a published round record's finite numbers, and of its dicts of numbers one scalar per
+    entry under <tag>/<entry> (ALI-DPFL's per-client epsilon under privacy/epsilon_client/)."""
     out = {tag_of(k, record): float(v) for k, v in record.items() if k in TAGS and finite_number(v)}
-    for client, eps in (record.get("epsilon_per_client") or {}).items():
-        if finite_number(eps):
-            out[f"privacy/epsilon_client/{client}"] = float(eps)
+    for key, values in record.items():
+        if key in TAGS and isinstance(values, dict):
+            out.update({f"{TAGS[key]}/{entry}": float(v) for entry, v in values.items() if finite_number(v)})
     return out
 
 
 NOT_A_GUARANTEE = "_NOT_a_guarantee"  # appended to the tag of a figure its round record marks as no guarantee
-GUARANTEE_MARKS = {
-    "epsilon": "epsilon_is_guarantee",
-    "epsilon_against_server": "epsilon_against_server_is_guarantee",
-    "claimed_epsilon": "claimed_epsilon_is_guarantee",
-    "epsilon_claimed": "claimed_epsilon_is_guarantee",
-}
+GUARANTEE_MARKS = figures.guarantee_marks()  # {figure: the key that is False when it is no guarantee}
 
 
 def tag_of(key: str, record: dict) -> str:
@@ -94,6 +77,12 @@ def round_scalars(published: dict, diagnostics: dict | None, publish_diagnostics
     return values
 
 
+def owner_only(files) -> None:
+    """chmod 0600, as every other file of a run (the tensorboard package creates its event files 0644)."""
+    for file in files:
+        os.chmod(file, 0o600)
+
+
 class TensorBoardWriter:
     """Writes a run's round records as TensorBoard scalars into `run_dir` (events.out.tfevents.*);
     the diagnostics too when `publish_diagnostics`."""
@@ -102,6 +91,7 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter  # the tensorboard package writes the files
 
         self.writer = SummaryWriter(log_dir=str(run_dir))
+        owner_only(Path(self.writer.get_logdir()).glob("events.out.tfevents.*"))
         self.publish_diagnostics = publish_diagnostics
         self.wall_time = 0.0  # every event's: an event's wall_time would tell when its round ended (its timing)
         if publish_diagnostics:
@@ -216,7 +206,7 @@ def write_tensorboard(run_dir: Path | str, publish_diagnostics: bool = False) ->
     )
     diagnostics = {r["round"]: r for r in read_diagnostics(run_dir)}
     for record in read_metrics(run_dir):
-        writer.on_round(record, diagnostics.get(record["round"]))
+        writer.on_round(figures.with_current_names(record), diagnostics.get(record["round"]))
     summary = run_dir / "summary.json"
     writer.on_finish(json.loads(summary.read_text()) if summary.exists() else {})
     return run_dir

@@ -20,6 +20,7 @@ import secrets
 import sys
 import time
 import weakref
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,9 +55,9 @@ def append_line(path: Path, line: str) -> None:
         try:
             with os.fdopen(os.dup(fd), "wb") as f:
                 f.write(line.encode())
-        except OSError:
+        except OSError as exc:
             os.ftruncate(fd, size)
-            raise
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
     finally:
         os.close(fd)
 
@@ -86,6 +87,36 @@ RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoint.npz", LO
 TERMINAL_STATUSES = ("completed", "failed")  # written last: the lock is released with them
 
 
+def unreadable_checkpoint_error(file: Path, why: str) -> PreviousRunError:
+    """One line naming a checkpoint that cannot be resumed from, and what to do."""
+    return PreviousRunError(
+        f"cannot resume from {file}: {why}. The file is damaged (a truncated copy, a full disk, or not written "
+        f"by this program): restore it from a backup, or set resume = false with another results-dir or run-name "
+        f"to start afresh"
+    )
+
+
+def read_checkpoint(file: Path) -> tuple[dict, list]:
+    """(strategy state, global arrays) from checkpoint.npz; PreviousRunError naming the file if it is not one
+    this program wrote (truncated, garbage, an object array, state that is not a JSON object)."""
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            names = set(data.files)
+            arrays_expected = {f"array_{i}" for i in range(len(names) - 1)}
+            if "state" not in names or names - {"state"} != arrays_expected:
+                raise ValueError(f"its arrays are {sorted(names)}, not 'state' and array_0.. array_N")
+            state = json.loads(data["state"].tobytes().decode())
+            arrays = [data[f"array_{i}"] for i in range(len(arrays_expected))]
+    except (OSError, EOFError, ValueError, KeyError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
+        raise unreadable_checkpoint_error(file, f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict):
+        raise unreadable_checkpoint_error(file, f"its state is a JSON {type(state).__name__}, not an object")
+    rounds = state.get("completed_rounds")
+    if type(rounds) is not int or rounds < 0:
+        raise unreadable_checkpoint_error(file, f"its state's completed_rounds = {rounds!r} is not a round count")
+    return state, arrays
+
+
 def no_checkpoint_error(path: Path) -> PreviousRunError:
     """The error of a resume with no checkpoint to continue from (never a silent fresh start)."""
     return PreviousRunError(
@@ -112,11 +143,48 @@ def check_resumable(path: Path, s: Settings) -> None:
     if not; the launcher asks before it starts anything."""
     if not (path / "checkpoint.npz").is_file():
         raise no_checkpoint_error(path)
+    read_checkpoint(path / "checkpoint.npz")
     differ = config_differences(path, s)
     if differ:
         raise PreviousRunError(
             f"resume = true, but the run in {path} was made with other settings: " + ", ".join(differ)
         )
+
+
+def writer_alive(path: Path) -> bool:
+    """Does a live process hold `path`'s lock file (the run's one writer)? The kernel drops a dead process's
+    flock, so a SIGKILLed ServerApp or launcher holds none."""
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock just taken
+    return False
+
+
+def read_status(path: Path | str, lock_held: bool = False) -> dict:
+    """status.json as it stands, except that a run whose status says `running` while no process writes it any
+    more (killed: SIGKILL, a crash of the machine) is `interrupted`; {"status": "missing"} without the file.
+    `lock_held`: the caller holds the folder's lock, so no other writer can be alive."""
+    path = Path(path)
+    try:
+        record = json.loads((path / "status.json").read_text())
+    except FileNotFoundError:
+        return {"status": "missing"}
+    if record.get("status") == "running" and (lock_held or not writer_alive(path)):
+        record = {**record, "status": "interrupted", "note": INTERRUPTED_NOTE}
+    return record
+
+
+INTERRUPTED_NOTE = (
+    "its process was killed while the run went on (status.json still said running): the rounds in metrics.jsonl "
+    "stand and the checkpoint holds the last of them; continue it with resume = true"
+)
 
 
 def lock_run_folder(path: Path) -> int:
@@ -163,22 +231,27 @@ class RunDirectory:
         self.checkpoint_file = self.path / "checkpoint.npz"
         self._lock = lock_run_folder(self.path)
         self._release = weakref.finalize(self, os.close, self._lock)
+        self.saved_rounds = 0  # rounds the checkpoint holds: what a resume continues from
         try:
             self.checkpoint = self.read_checkpoint()
             previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
             if resume and self.checkpoint is None:
                 raise no_checkpoint_error(self.path)
+            previous_status = read_status(self.path, lock_held=True)["status"]
             if not resume and (self.checkpoint is not None or previous_rounds):
                 raise PreviousRunError(
-                    f"results-dir {self.path} holds a previous run ({previous_rounds} rounds in metrics.jsonl"
-                    f"{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to continue "
-                    "it, or choose another results-dir or run-name"
+                    f"results-dir {self.path} holds a previous run ({previous_status}, {previous_rounds} rounds in "
+                    f"metrics.jsonl{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to "
+                    "continue it, or choose another results-dir or run-name"
                 )
+            self.resumed_status = previous_status if resume else None
         except BaseException:
             self.close()
             raise
         if not resume:
             self.rewrite_rounds([])
+        elif self.checkpoint is not None:
+            self.saved_rounds = self.checkpoint[0]["completed_rounds"]
 
     def close(self) -> None:
         """Release the folder's lock (another process may then write it)."""
@@ -225,15 +298,11 @@ class RunDirectory:
         state_bytes = np.frombuffer(json.dumps(json_safe(state)).encode(), dtype=np.uint8)
         payload = {f"array_{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
         atomic_write(self.checkpoint_file, lambda f: np.savez(f, state=state_bytes, **payload))
+        self.saved_rounds = int(state.get("completed_rounds", self.saved_rounds))
 
     def read_checkpoint(self) -> tuple[dict, list] | None:
         """(strategy state, global arrays) of the last completed round, or None."""
-        if not self.checkpoint_file.exists():
-            return None
-        with np.load(self.checkpoint_file, allow_pickle=False) as data:
-            state = json.loads(data["state"].tobytes().decode())
-            arrays = [data[f"array_{i}"] for i in range(len(data.files) - 1)]
-        return state, arrays
+        return read_checkpoint(self.checkpoint_file) if self.checkpoint_file.exists() else None
 
     def write_summary(self, summary: dict, diagnostics: dict) -> None:
         """summary.json (what the ledger covers) and diagnostics-summary.json (not private)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from logging import ERROR, INFO, WARNING
 
 import numpy as np
@@ -12,16 +13,26 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
-from dpcore.task.data import dataset_info, load_dataset, load_validation
+from dpcore.privacy import figures
+from dpcore.task.catalogue import dataset_info
+from dpcore.task.data import load_dataset
 from dpcore.task.device import resolve_device
 from dpcore.task.models import build_model, count_parameters, split_state_keys
+from dpcore.task.partitions import load_validation
 from dpcore.task.threads import limit_blas_threads
 from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from fl_app.algorithms import algorithm, load_client_partition
+from fl_app import speed_patches
+from fl_app.algorithms import Algorithm, algorithm
+from fl_app.builders import load_client_partition
 from fl_app.config import validate
 from fl_app.dashboards import open_dashboards
-from fl_app.pull_backoff import apply_server_patches, object_pulls_end_by
-from fl_app.results import RunDirectory, plot_runs, resolve_run_dir
+from fl_app.results import (
+    INTERRUPTED_NOTE,
+    RunDirectory,
+    plot_runs,
+    resolve_run_dir,
+    unreadable_checkpoint_error,
+)
 from fl_app.settings import Settings
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import SecAggPlusDPFedAvg
@@ -43,11 +54,10 @@ def mu_split(testset, validation):
 
 
 def build_strategy(
-    s: Settings, on_round_end=None, gradient_fn=None, on_checkpoint=None
+    s: Settings, algo: Algorithm, on_round_end=None, gradient_fn=None, on_checkpoint=None
 ) -> DPRoundLoop | SecAggPlusDPFedAvg:
-    """The server strategy of the run's algorithm (from the registry); under secure-aggregation the same
-    strategy run through Flower's SecAgg+ workflow."""
-    algo = algorithm(s.run.algorithm)
+    """The server strategy of the run's algorithm (`algo`, its registry record); under secure-aggregation the
+    same strategy run through Flower's SecAgg+ workflow."""
     hooks = {"on_round_end": on_round_end, "on_checkpoint": on_checkpoint}
     if algo.privacy_unit == "sample":
         hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(s))
@@ -70,15 +80,15 @@ def partition_size_fn(s: Settings):
     return size
 
 
-def build_global_model(s: Settings) -> torch.nn.Module:
+def build_global_model(s: Settings, algo: Algorithm) -> torch.nn.Module:
     info = dataset_info(s.data.dataset)
     model = build_model(s.training.model, info["input_shape"], info["num_classes"], seed=s.run.seed)
-    return opacus_compatible(model) if algorithm(s.run.algorithm).opacus_model else model
+    return opacus_compatible(model) if algo.opacus_model else model
 
 
-def shared_weights(model: torch.nn.Module, s: Settings) -> list:
+def shared_weights(model: torch.nn.Module, s: Settings, algo: Algorithm) -> list:
     """What the server holds and broadcasts: the body under partial sharing, else the whole model."""
-    if not algorithm(s.run.algorithm).shares_body_only:
+    if not algo.shares_body_only:
         return get_weights(model)
     body_keys, _ = split_state_keys(model, s.personalization.head_prefix)
     state = model.state_dict()
@@ -93,10 +103,13 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     arrays, the history and the ledger as they were after the last completed round.
     """
     t0 = time.perf_counter()
+    algo = algorithm(s.run.algorithm)  # the run's registry record, resolved once and passed down
     limit_blas_threads()
     run_dir = RunDirectory(resolve_run_dir(s), resume=s.output.resume)
     run_dir.write_config(s)
     dashboards = open_dashboards(run_dir.path, s, flower_run_id)  # e.g. wandb missing: fails before "running"
+    if run_dir.resumed_status == "interrupted":
+        log(WARNING, "Resuming an interrupted run in %s: %s", run_dir.path, INTERRUPTED_NOTE.split(":")[0])
     run_dir.write_status("running")
     log(INFO, "Results go to %s", run_dir.path)
     if not s.privacy.secure_rng:
@@ -105,8 +118,8 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             "secure-rng = false: DP noise and client sampling are derived from 'seed' (reproducible); "
             "anyone who knows the seed can remove the noise, so the epsilon printed is NOT a guarantee",
         )
-    model = build_global_model(s).to(resolve_device(s.training.device))  # the server evaluates on the run's device
-    evaluate_fn, gradient_fn = server_functions(model, s)
+    model = build_global_model(s, algo).to(resolve_device(s.training.device))  # evaluated on the run's device
+    evaluate_fn, gradient_fn = server_functions(model, s, algo)
 
     def on_round_end(published: dict, diagnostics: dict) -> None:
         run_dir.append_round(published, diagnostics)
@@ -114,12 +127,18 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             dashboard.on_round(published, diagnostics)
 
     strategy = build_strategy(
-        s, on_round_end=on_round_end, gradient_fn=gradient_fn, on_checkpoint=run_dir.write_checkpoint
+        s, algo, on_round_end=on_round_end, gradient_fn=gradient_fn, on_checkpoint=run_dir.write_checkpoint
     )
-    initial, resumed_from = ArrayRecord(shared_weights(model, s)), 0
+    initial, resumed_from = ArrayRecord(shared_weights(model, s, algo)), 0
     if run_dir.checkpoint is not None:
         state, arrays = run_dir.checkpoint
-        strategy.load_state_dict(state)
+        try:
+            strategy.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            run_dir.close()
+            raise unreadable_checkpoint_error(
+                run_dir.checkpoint_file, f"its state does not fit this run ({type(exc).__name__}: {exc})"
+            ) from None
         initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
         run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
     try:
@@ -132,7 +151,7 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             eval_every=s.run.eval_every,
         )
     except BaseException as exc:
-        run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=strategy.completed_rounds)
+        run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=run_dir.saved_rounds)
         raise
     server_eval = result.evaluate_metrics_serverapp
     final = server_eval[max(server_eval)] if server_eval else (strategy.history[-1] if strategy.history else {})
@@ -158,14 +177,14 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
     )
 
 
-def server_functions(model: torch.nn.Module, s: Settings):
+def server_functions(model: torch.nn.Module, s: Settings, algo: Algorithm):
     """(evaluate_fn, gradient_fn) of the server: the global model on the server's test set (and validation set,
     held out of the training data), None under partial sharing (the server holds no head); ALI-DPFL's gradient
     on held-out server data (`mu_split`: never the evaluation data)."""
     _, testset = load_dataset(s.data.dataset, s.data.data_dir)
     validation = load_validation(s.data.dataset, s.data.data_dir, s.data.validation_fraction)
     mu_set = None
-    if algorithm(s.run.algorithm).privacy_unit == "sample" and s.dpsgd.mu_source == "server":
+    if algo.privacy_unit == "sample" and s.dpsgd.mu_source == "server":
         testset, mu_set = mu_split(testset, validation)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -180,7 +199,7 @@ def server_functions(model: torch.nn.Module, s: Settings):
         set_weights(model, arrays)
         return loss_gradient(model, mu_set, MU_SAMPLES)
 
-    return (None if algorithm(s.run.algorithm).shares_body_only else evaluate_fn), gradient_fn
+    return (None if algo.shares_body_only else evaluate_fn), gradient_fn
 
 
 def finish_run(
@@ -229,23 +248,16 @@ DIAGNOSTICS_NOTICE = (
 )
 
 
-SUMMARY_LOG_KEYS = (
-    "rounds_completed",
-    "final_accuracy",
-    "final_loss",
-    "epsilon",
-    "delta",
-    "epsilon_against_server",
-    "claimed_epsilon",
-)
+SUMMARY_LOG_KEYS = figures.finish_line_names()  # summary.json's figures on the `Finished:` line
+DIAGNOSTIC_SUMMARY_LOG_KEYS = figures.finish_line_names(published=False)  # diagnostics-summary.json's, after them
 
 
 def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
     """The run's last lines: `Finished:` with summary.json's figures (what the ledger covers) as `key=value`
     (strategies.round_loop.parse_log_line reads it), the audit, where the files and the diagnostics are."""
     line = format_record(summary, SUMMARY_LOG_KEYS)
-    if publish_diagnostics and diagnostics.get("personalized_accuracy") is not None:
-        line += DIAGNOSTICS_MARK + format_record(diagnostics, ("personalized_accuracy",))
+    if publish_diagnostics and format_record(diagnostics, DIAGNOSTIC_SUMMARY_LOG_KEYS):
+        line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_SUMMARY_LOG_KEYS)
     log(INFO, "Finished: %s", line)
     if not summary["epsilon_is_guarantee"]:
         log(WARNING, "The epsilon above is NOT a guarantee: %s", "; ".join(summary["epsilon_caveats"]))
@@ -276,10 +288,12 @@ def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_
 class PromptGrid(Grid):
     """A Grid that looks for replies every `interval` seconds (Flower 1.41's deployed Grid waits 3 s between
     looks, which a round pays once per message exchange: four times per round under SecAgg+). Public Grid API
-    only; with `flower-speed-patches` the pulls of a reply's objects also end at the timeout."""
+    only. `pulls_end_by(deadline)`: a context in which the pulls of a reply's objects end at the timeout
+    (`flower-speed-patches`: dpfl_tools.pull_backoff.object_pulls_end_by; default: none, Flower's own limit)."""
 
-    def __init__(self, grid: Grid, interval: float = 0.1) -> None:
+    def __init__(self, grid: Grid, interval: float = 0.1, pulls_end_by=None) -> None:
         self.grid, self.interval = grid, interval
+        self.pulls_end_by = pulls_end_by or (lambda deadline: nullcontext())
 
     def set_run(self, run: Run) -> None:
         self.grid.set_run(run)
@@ -305,14 +319,14 @@ class PromptGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
         """Flower's send_and_receive (push, then pull until every reply is in or `timeout`), polling faster.
-        Pulls of a reply's objects end at the timeout too (`object_pulls_end_by`), and one last pull at the
+        Pulls of a reply's objects end at the timeout too (`pulls_end_by`), and one last pull at the
         timeout takes the replies already complete: replies that came while a withheld one held a pull."""
         pending = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
 
         def pull() -> None:
-            with object_pulls_end_by(deadline):
+            with self.pulls_end_by(deadline):
                 got = list(self.pull_messages(pending))
             replies.extend(got)
             pending.difference_update(m.metadata.reply_to_message_id for m in got)
@@ -385,7 +399,12 @@ def wait_for_nodes(
 def main(grid: Grid, context: Context) -> None:
     settings = validate(context.run_config)
     federation = settings.federation
-    if federation.flower_speed_patches:  # opt-in: patches of Flower internals (fl_app.pull_backoff), version-checked
-        log(INFO, apply_server_patches())
+    pulls_end_by = None
+    if (
+        federation.flower_speed_patches
+    ):  # opt-in: patches of Flower internals (dpfl_tools.pull_backoff), version-checked
+        pull_backoff = speed_patches("pull_backoff")
+        log(INFO, pull_backoff.apply_server_patches())
+        pulls_end_by = pull_backoff.object_pulls_end_by
     wait_for_nodes(grid, federation.min_nodes, federation.node_wait_timeout, simulation=is_simulation(grid))
-    run_federated(PromptGrid(grid), settings, context.run_id)
+    run_federated(PromptGrid(grid, pulls_end_by=pulls_end_by), settings, context.run_id)

@@ -7,7 +7,10 @@ the validation and its error messages, docs/run-config.md, and pyproject.toml's
 (`settings.privacy.noise_multiplier`), never a run-config dict.
 
 The run-config key of a field is its name with '-' for '_', unless `setting(..., key=...)` names it
-(`settings.secagg.enabled` is 'secure-aggregation').
+(`settings.secagg.enabled` is 'secure-aggregation'). `setting` and `Key` are in `fl_app.run_config_keys`.
+
+The settings know nothing of the algorithm registry (`fl_app.algorithms` reads them, never the other way):
+the `algorithm` key allows the registry's names, which `fl_app.config.SPEC` adds to its declaration.
 """
 
 from __future__ import annotations
@@ -25,72 +28,22 @@ from dpcore.privacy.settings import (
     NOISE_PLACEMENTS,
     TARGET_EPSILON_MODES,
 )
-from dpcore.task.data import DATASETS, PARTITIONERS
+from dpcore.task.catalogue import DATASETS
 from dpcore.task.device import DEVICE_CHOICES
 from dpcore.task.models import MODELS
-from fl_app.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, SERVER_STRATEGIES
+from dpcore.task.partitions import PARTITIONERS
+from fl_app.run_config_keys import KEY, NOISE_RANGE, RATE_MIN, Key, setting
 
-FLOAT_MAX = 1e6  # no float key needs more; larger values overflow the accountants or the model
-INT_MAX = 10**7  # rounds, steps, epochs, sizes
-NOISE_RANGE = (1e-3, 1e3)  # noise multipliers: below, Opacus' RDP divides by ~0; above, it takes seconds per call
-RATE_MIN = 1e-6  # sample-rate and mu-max: smaller values gave a NaN model (1 / q) or a ZeroDivisionError (1 / mu-max)
 AUDIT_CANARIES_MAX = 10_000  # each canary is a model-sized vector held by the server: 1e7 of them ran out of memory
-KEY = "run-config key"  # where a field's Key lives in its metadata
-
-
-@dataclass(frozen=True)
-class Key:
-    """One run-config key: its default, one-line doc and what is allowed (`allowed()` says it in words)."""
-
-    default: Any
-    help: str
-    choices: tuple = ()
-    low: float | None = None  # inclusive unless low_open
-    high: float | None = None  # inclusive unless high_open
-    low_open: bool = False
-    high_open: bool = False
-    nonzero_low: float | None = None  # 0, or at least this (noise multipliers: the accountants' range)
-    note: str = ""  # why the bounds are what they are, added to the error message
-    name: str = ""  # the run-config key
-    attribute: str = ""  # where the code reads it: "privacy.noise_multiplier"
-
-    @property
-    def upper(self) -> float:
-        """The largest value allowed: `high`, else a cap that keeps the arithmetic finite."""
-        if self.high is not None:
-            return self.high
-        return INT_MAX if type(self.default) is int else FLOAT_MAX
-
-    def allowed(self) -> str:
-        if self.choices:
-            return "one of: " + ", ".join(map(str, self.choices))
-        kind = {
-            bool: "true or false",
-            int: "an integer",
-            float: "a number",
-            str: "a string without control characters",
-        }[type(self.default)]
-        if type(self.default) in (int, float):
-            lo = "-inf" if self.low is None else self.low
-            interval = f"{'(' if self.low_open else '['}{lo}, {self.upper:g}{')' if self.high_open else ']'}"
-            kind += (
-                f": 0 or in [{self.nonzero_low:g}, {self.upper:g}]"
-                if self.nonzero_low is not None
-                else f" in {interval}"
-            )
-        return f"{kind} ({self.note})" if self.note else kind
-
-
-def setting(default: Any, help: str, choices: tuple = (), *, key: str = "", **bounds: Any) -> Any:
-    """A dataclass field that is one run-config key (`key`: when it is not the field's name with '-')."""
-    return field(default=default, metadata={KEY: Key(default, help, tuple(choices), name=key, **bounds)})
+DEFAULT_ALGORITHM = "dp-fedsam"  # the `algorithm` key's default (the registry, fl_app.algorithms, holds them all)
+SERVER_STRATEGIES = ("fedavg", "fedadam", "fedyogi", "fedadagrad", "fedavgm")  # fl_app.builders.wrapped_strategy
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """What runs, for how long, from which seed."""
 
-    algorithm: str = setting(DEFAULT_ALGORITHM, "what runs", tuple(ALGORITHMS))
+    algorithm: str = setting(DEFAULT_ALGORITHM, "what runs")  # allowed: the registry's names (fl_app.config.SPEC)
     num_rounds: int = setting(30, "federated rounds", low=1)
     eval_every: int = setting(
         1,
@@ -511,8 +464,3 @@ KEYS: tuple[Key, ...] = tuple(_keys())
 WHERE: dict[str, tuple[str, str]] = {spec.name: tuple(spec.attribute.split(".")) for spec in KEYS}  # key -> field
 CONCERNS: dict[str, type] = {concern.name: concern.default_factory for concern in fields(Settings)}
 Settings.DEFAULTS = {spec.name: spec.default for spec in KEYS}
-
-
-def concern_keys(concern: str) -> list[Key]:
-    """The keys of one concern (a field name of Settings), in declaration order."""
-    return [spec for spec in KEYS if WHERE[spec.name][0] == concern]

@@ -39,8 +39,9 @@ from flwr.common import log
 from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT, SampleLevelLedgers
+from dpcore.privacy.ledger import SampleLevelLedgers
 from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
 from dpcore.privacy.settings import check_dpsgd, require
 
@@ -417,11 +418,11 @@ class ALIDPFL(DPRoundLoop):
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
-        claimed = {"epsilon_claimed": claimed_epsilon(self)} if self.noise.claims_differ else {}
+        claimed = {"claimed_epsilon": claimed_epsilon(self)} if self.noise.claims_differ else {}
         return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
 
     def publishes_claimed_epsilon(self) -> bool:
-        """DP-SGD-WAV under `paper` calibration publishes epsilon_claimed, the paper's figure: no guarantee."""
+        """DP-SGD-WAV under `paper` calibration publishes claimed_epsilon, the paper's figure: no guarantee."""
         return self.noise.claims_differ
 
     def round_details(self) -> dict:

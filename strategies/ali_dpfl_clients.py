@@ -10,7 +10,7 @@ from logging import WARNING
 from flwr.common import log
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 
 from .local_steps import reply_metrics_problem
 

@@ -33,7 +33,8 @@ from flwr.common import log
 from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.ledger import ClientLevelLedger, calibrate_noise_multiplier, default_client_delta
+from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
+from dpcore.privacy.ledger import ClientLevelLedger
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
 from dpcore.privacy.settings import check_client_level_dp
 

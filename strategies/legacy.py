@@ -89,6 +89,13 @@ def legacy_content(array_key: str, res: FitRes) -> RecordDict:
     return content
 
 
+def fit_res_problem(res: FitRes) -> str | None:
+    """Why a legacy FitRes is refused before it is read (its metrics must be a dict, as Flower declares), or None."""
+    if not isinstance(res.metrics, dict):
+        return f"FitRes.metrics is {type(res.metrics).__name__}, not a dict: the reply is refused"
+    return None
+
+
 def unique_failures(failures: list) -> list:
     """Failures without repeats (SecAggPlusWorkflow lists a node that fails in its masked-vector
     stage twice, wrapping the same Error)."""
@@ -261,7 +268,12 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
     ) -> tuple[list[np.ndarray], dict]:
         """(new global arrays, round metrics): the results as replies to the wrapped strategy."""
-        replies = [reply_message(proxy.node_id, legacy_content(self.dp.arrayrecord_key, res)) for proxy, res in results]
+        replies = [
+            reply_message(proxy.node_id, error=Error(code=1, reason=f"node {proxy.node_id}: {problem}"))
+            if (problem := fit_res_problem(res))
+            else reply_message(proxy.node_id, legacy_content(self.dp.arrayrecord_key, res))
+            for proxy, res in results
+        ]
         replies += [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
         arrays, metric_record = self.dp.aggregate_train(server_round, replies)
         return arrays.to_numpy_ndarrays(), dict(metric_record)

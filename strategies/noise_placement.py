@@ -42,6 +42,27 @@ class NoisePlacement(Part):
     def client_config(self, dp, server_round: int) -> dict:
         return self.privatize_config(dp.update_noise_multiplier(), dp.clipping_norm, dp.noise_shares)
 
+    def server_caveats(self, dp) -> list[str]:
+        """Clients that noise their own uploads, without SecAgg+: what reaches the server in the clear beside the
+        noisy upload, which the per-upload figure does not cover. Noise in shares: this project's clients and
+        dp_privatize_mod send their update's norm before clipping (and TrainingClient its training loss and
+        example count); either, with fraction_evaluate > 0, the clients' evaluate replies (loss, accuracy, example
+        count). (Under SecAgg+ clients send weight 1 and no metrics, and the figure is a diagnostic.)"""
+        if not self.clients_add_noise or dp.server_sees_only_the_sum or dp.noise_multiplier <= 0:
+            return []
+        caveats = []
+        if self.noise_in_shares:
+            caveats.append(
+                "clients send their update norm before clipping, training loss and example count in the clear "
+                "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
+            )
+        if dp.fraction_evaluate > 0:
+            caveats.append(
+                "clients' evaluate replies (loss, accuracy, example count; fraction-evaluate > 0) reach the server "
+                "in the clear: epsilon_against_server covers the noisy uploads only, not those replies"
+            )
+        return caveats
+
 
 class CentralNoise(NoisePlacement):
     """The server clips and adds all the noise. `clients_clip`: clients clip too (and report the
@@ -106,17 +127,6 @@ class DistributedNoise(NoisePlacement):
         return upload_norm_bound(
             clipping_norm, distributed_noise_std(noise_multiplier, clipping_norm, noise_shares), dim
         )
-
-    def server_caveats(self, dp) -> list[str]:
-        """This project's clients and dp_privatize_mod send their update's norm before clipping (and TrainingClient
-        its training loss and example count) in the clear beside the noisy upload; the per-upload figure covers the
-        upload only. (Under SecAgg+ clients send weight 1 and no metrics.)"""
-        if dp.server_sees_only_the_sum or dp.noise_multiplier <= 0:
-            return []
-        return [
-            "clients send their update norm before clipping, training loss and example count in the clear "
-            "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
-        ]
 
 
 class LocalNoise(NoisePlacement):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from dpcore.privacy.ledger import DEFAULT_ACCOUNTANT
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
+from dpcore.privacy import figures
 from dpcore.privacy.mechanisms import noise_share_count
 from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
@@ -68,33 +69,8 @@ CheckpointCallback = Callable[[dict, ArrayRecord], None]
 # The round-record keys the ledger covers: the released model's evaluation on server-held data, the
 # privacy figures, and what the server derives from public settings or DP outputs (ALI-DPFL's tau and mu).
 # Every other key is a raw statistic of client replies, not covered by epsilon (README, "What a run writes").
-PUBLISHED_KEYS = frozenset(
-    {
-        "round",
-        "accuracy",
-        "loss",
-        "val_accuracy",
-        "val_loss",
-        "epsilon",
-        "delta",
-        "epsilon_against_server",
-        "claimed_epsilon",
-        "epsilon_claimed",
-        "epsilon_min",
-        "epsilon_per_client",
-        "tau",
-        "tau_star",
-        "tau_next",
-        "mu",
-        "steps_budget",
-        "local_steps_total",
-        "upload_bytes_per_client",
-        "dense_bytes_per_client",
-        "epsilon_is_guarantee",
-        "epsilon_against_server_is_guarantee",
-        "claimed_epsilon_is_guarantee",  # False or absent
-    }
-)
+# Declared with every figure in dpcore/privacy/figures.py.
+PUBLISHED_KEYS = figures.published_names()
 
 
 class DPRoundLoop(ReplyGate, RunRecord, Strategy):
@@ -462,30 +438,8 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
     return {"failed_nodes": failed} if failed else {}
 
 
-LOG_KEYS = (
-    "accuracy",
-    "loss",
-    "epsilon",
-    "delta",
-    "epsilon_against_server",
-    "claimed_epsilon",
-    "epsilon_claimed",
-    "epsilon_min",
-    "tau",
-    "tau_next",
-    "epsilon_is_guarantee",
-    "epsilon_against_server_is_guarantee",
-    "claimed_epsilon_is_guarantee",
-)
-DIAGNOSTIC_LOG_KEYS = (
-    "personalized_accuracy",
-    "clients",
-    "rejected",
-    "failures",
-    "clipped_fraction",
-    "update_norm_mean",
-    "train_loss",
-)
+LOG_KEYS = figures.round_line_names()
+DIAGNOSTIC_LOG_KEYS = figures.round_line_names(published=False)
 
 
 DIAGNOSTICS_MARK = "  | not private: "  # what follows it on a log line is not covered by epsilon

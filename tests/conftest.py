@@ -1,4 +1,4 @@
-"""Every test session decodes and partitions into its own cache folder (dpcore.task.data.cache_dir)."""
+"""Every test session decodes and partitions into its own cache folder (dpcore.task.data_cache.cache_dir)."""
 
 import os
 import tempfile

@@ -4,15 +4,9 @@ import math
 
 import pytest
 
-from dpcore.privacy.ledger import (
-    DEFAULT_ACCOUNTANT,
-    ClientLevelLedger,
-    PrivacyLedger,
-    calibrate_noise_multiplier,
-    default_client_delta,
-    epsilon_of,
-    per_update_noise_multiplier,
-)
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
+from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta, per_update_noise_multiplier
+from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
 from tests.independent_accountant import dp_accounting_epsilons
 
@@ -165,6 +159,7 @@ def worst_pair_lower_bound(num_clients: int, m: int, sigma: float, rounds: int, 
     return acc.get_epsilon(delta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_clients,m,rounds", [(6, 3, 1), (50, 25, 30), (100, 10, 100)])
 def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clients, m, rounds):
     import dp_accounting
@@ -184,6 +179,7 @@ def test_fixed_size_sampling_is_never_below_the_worst_pair_lower_bound(num_clien
     assert "replace-one" in ledger.state_dict()["relation"]
 
 
+@pytest.mark.slow
 def test_secagg_server_figure_composes_without_amplification():
     """The server chose the sample, so against it the sum of each round is the unamplified Gaussian mechanism at
     sensitivity 2C (it knows who is in the sum: replace-one): at sigma = 1, q = 0.1, 100 rounds, delta 1e-5
@@ -207,42 +203,42 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
     """dp-accounting's epsilon-for-delta can overflow near eps ~ 700 and return inf for one round between
     finite ones (seen in a run's log: epsilon_against_server 706, inf, inf, 727): the ledger prints RDP's
     bound instead, valid and finite."""
-    from dpcore.privacy import ledger
+    from dpcore.privacy import accountants
 
     events = [(0.3, 1.0, 40)]
-    expected = ledger.epsilon_of(events, 1e-5, "rdp")
-    monkeypatch.setattr(ledger, "_pld_epsilon", lambda events, delta: math.inf)
-    ledger._bound.cache_clear()
+    expected = accountants.epsilon_of(events, 1e-5, "rdp")
+    monkeypatch.setattr(accountants, "_pld_epsilon", lambda events, delta: math.inf)
+    accountants._bound.cache_clear()
     try:
-        assert ledger.epsilon_of(events, 1e-5) == expected and math.isfinite(expected)
-        assert ledger.accountant_used(events, 1e-5, "pld") == "rdp (pld's epsilon-for-delta conversion overflowed)"
-        state = ledger.PrivacyLedger(delta=1e-5, accountant="pld", history=events).state_dict()
+        assert accountants.epsilon_of(events, 1e-5) == expected and math.isfinite(expected)
+        assert accountants.accountant_used(events, 1e-5, "pld") == "rdp (pld's epsilon-for-delta conversion overflowed)"
+        state = PrivacyLedger(delta=1e-5, accountant="pld", history=events).state_dict()
         assert state["bound_by"].startswith("rdp (")  # the ledger's own state says which bound it printed
     finally:
         monkeypatch.undo()
-        ledger._bound.cache_clear()
-    assert ledger.accountant_used(events, 1e-5, "pld") == "pld"  # PLD's own number where it is finite
+        accountants._bound.cache_clear()
+    assert accountants.accountant_used(events, 1e-5, "pld") == "pld"  # PLD's own number where it is finite
 
 
 def test_an_accountant_is_one_registered_class():
     """The registry (as Opacus' accountants/registry.py): the three accountants are classes in it, and a new
     class registered under a name is what `epsilon_of` uses for that name, with RDP standing in as for PLD."""
-    from dpcore.privacy import ledger as ledger_module
+    from dpcore.privacy import accountants as accountants
 
-    assert set(ledger_module.ACCOUNTANT_REGISTRY) == {"pld", "rdp", "prv"} == set(ledger_module.ACCOUNTANTS)
+    assert set(accountants.ACCOUNTANT_REGISTRY) == {"pld", "rdp", "prv"} == set(accountants.ACCOUNTANTS)
     events = [(1.1, 0.3, 40)]
     try:
 
-        @ledger_module.register_accountant
+        @accountants.register_accountant
         class DoubleRDP:
             name, discretised = "double-rdp", True
 
             def epsilon(self, events, delta):
-                return 2 * ledger_module.epsilon_of(list(events), delta, "rdp")
+                return 2 * accountants.epsilon_of(list(events), delta, "rdp")
 
-        assert ledger_module.epsilon_of(events, 1e-5, "double-rdp") == pytest.approx(
-            2 * ledger_module.epsilon_of(events, 1e-5, "rdp")
+        assert accountants.epsilon_of(events, 1e-5, "double-rdp") == pytest.approx(
+            2 * accountants.epsilon_of(events, 1e-5, "rdp")
         )
-        assert ledger_module.accountant_used([(0.1, 0.3, 4)], 1e-5, "double-rdp").startswith("rdp (a noise")
+        assert accountants.accountant_used([(0.1, 0.3, 4)], 1e-5, "double-rdp").startswith("rdp (a noise")
     finally:
-        ledger_module.ACCOUNTANT_REGISTRY.pop("double-rdp", None)
+        accountants.ACCOUNTANT_REGISTRY.pop("double-rdp", None)

@@ -16,9 +16,9 @@ from clients.adaptive_clipping import make_clip_bit_mod
 from clients.mods import make_dp_privatize_mod
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.settings import SettingError
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies import DifferentialPrivacy

@@ -11,16 +11,16 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.dpsgd import DPSGDClient, dpsgd_steps, load_ledger
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
 from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
-from dpcore.privacy.ledger import epsilon_of
 from dpcore.privacy.mechanisms import flatten
-from dpcore.task.data import ArrayDataset
+from dpcore.task.catalogue import ArrayDataset
 from dpcore.task.models import build_model
 from dpcore.task.torch_helpers import get_weights
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies.ali_dpfl import ALIDPFL
@@ -134,6 +134,7 @@ def test_config_and_client_list_the_same_grad_sample_modes():
 # ---------------------------------------------------------------- R_c and the client ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "target,sigma,q", [(1.0, 1.5, 0.05), (2.0, 1.0, 0.05), (4.0, 1.5, 0.1), (8.0, 1.0, 0.01), (3.0, 0.8, 0.02)]
 )

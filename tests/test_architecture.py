@@ -2,11 +2,16 @@
 
 - the neutral core (dpcore.privacy, dpcore.task) imports no strategy, client or app module;
 - no module under clients/ imports a server strategy, and no strategy imports a client;
-- no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one);
+- the tooling (dpfl_tools) may import everything, and no app module imports it (only tests and benchmarks do);
+- the app package (fl_app) holds only the apps, their settings and what a run writes: at most FL_APP_MAX_LINES;
+- no module outside the registry (fl_app/algorithms.py) names an algorithm (so none branches on one), but for
+  the `algorithm` key's declared default in fl_app/settings.py;
 - no file of the project points outside the repository;
-- no two modules import each other, directly or through others (lazy imports included);
+- no two modules import each other, directly or through others (lazy and TYPE_CHECKING imports included: a
+  circle of knowledge all the same), and no import points back up a layer (those included too);
+- the public namespace `dpfl` imports only strategies, clients and the core, and nothing of the product imports it;
 - the import graph drawn in docs/architecture.md is the code's current one;
-- the FAB that `flwr run` builds holds every project module and no docs, benchmarks or tests.
+- the FAB that `flwr run` builds holds every app module and no tooling, docs, benchmarks or tests.
 """
 
 import ast
@@ -17,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from dpfl_tools.import_graph import ROOT, import_cycles, import_edges, layer_of, mermaid, project_modules
+from dpfl_tools.processes import BIN
+from fl_app import PROJECT_PACKAGES
 from fl_app.algorithms import ALGORITHMS
-from fl_app.import_graph import ROOT, import_cycles, import_edges, layer_of, mermaid, project_modules
-from fl_app.local_deployment import BIN
 
 EDGES = import_edges()
 
@@ -27,25 +33,108 @@ EDGES = import_edges()
 def test_the_graph_sees_the_known_imports():
     assert ("strategies.dp_fedavg", "strategies.round_loop", False) in EDGES
     assert ("clients.base", "dpcore.privacy.mechanisms", False) in EDGES
-    assert ("fl_app.algorithms", "clients.dpsgd", True) in EDGES  # lazy: only DP-SGD needs Opacus
+    assert ("fl_app.builders", "clients.dpsgd", True) in EDGES  # lazy: only DP-SGD needs Opacus
     assert len(EDGES) > 60
 
 
-@pytest.mark.parametrize(
-    "importer_layer,forbidden",
-    [
-        ("neutral core", ("server strategies", "clients", "app wiring")),
-        ("clients", ("server strategies", "app wiring")),
-        ("server strategies", ("clients", "app wiring")),
-    ],
-)
-def test_layers_import_only_downwards(importer_layer, forbidden):
-    bad = [(a, b) for a, b, _ in EDGES if layer_of(a) == importer_layer and layer_of(b) in forbidden]
-    assert bad == [], f"{importer_layer} must not import {forbidden}: {bad}"
+FORBIDDEN = {  # importer layer -> the layers it must not import
+    "neutral core": ("server strategies", "clients", "app wiring", "tooling"),
+    "clients": ("server strategies", "app wiring", "tooling"),
+    "server strategies": ("clients", "app wiring", "tooling"),
+    "app wiring": ("tooling",),
+}
+
+
+def arrows_back_up(edges) -> list[tuple[str, str]]:
+    """Imports (lazy and TYPE_CHECKING ones included) from a layer of a module it must not import."""
+    return [(a, b) for a, b, _ in edges if layer_of(b) in FORBIDDEN.get(layer_of(a), ())]
+
+
+@pytest.mark.parametrize("importer_layer", FORBIDDEN)
+def test_layers_import_only_downwards(importer_layer):
+    bad = [(a, b) for a, b in arrows_back_up(EDGES) if layer_of(a) == importer_layer]
+    assert bad == [], f"{importer_layer} must not import {FORBIDDEN[importer_layer]}: {bad}"
+
+
+def test_no_app_module_imports_the_tooling():
+    """The FAB does not ship dpfl_tools, so no module of dpcore, strategies, clients or fl_app imports it (lazy
+    imports included: an opt-in patch is loaded by name, fl_app.speed_patches); and the tooling is drawn."""
+    app = [(a, b) for a, b, _ in EDGES if a.split(".")[0] in PROJECT_PACKAGES and b.split(".")[0] == "dpfl_tools"]
+    assert app == []
+    assert ("dpfl_tools.launch", "dpfl_tools.plan", False) in EDGES  # the graph sees the tooling's own imports
+
+
+FL_APP_MAX_LINES = 3200  # the apps, settings and registry, and what a run writes (the tooling is in dpfl_tools)
+
+
+def test_the_app_package_holds_only_what_the_fab_needs():
+    lines = {path.name: len(path.read_text().splitlines()) for path in sorted((ROOT / "fl_app").glob("*.py"))}
+    assert sum(lines.values()) <= FL_APP_MAX_LINES, lines
+    assert "launch.py" not in lines and "report.py" not in lines and "pull_backoff.py" not in lines
+
+
+PUBLIC_API_IMPORTS = {"strategies", "clients", "dpcore", "importlib"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an `import` or `from ... import` of the file names (lazy imports included)."""
+    return {
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+
+
+def test_the_public_api_layer_sits_on_top_and_nothing_imports_it():
+    """`dpfl` re-exports strategies, clients and the core (its lazy names too); no module of the product
+    imports it, so it stays a namespace for users and never a knot in the graph."""
+    import dpfl
+
+    modules = {m for path in (ROOT / "dpfl").rglob("*.py") for m in imported_modules(path)}
+    modules |= set(dpfl._TORCH_NAMES.values())
+    assert {m.split(".")[0] for m in modules} <= PUBLIC_API_IMPORTS, modules
+    assert [
+        name
+        for name, path in project_modules().items()
+        if any(m.split(".")[0] == "dpfl" for m in imported_modules(path))
+    ] == []
+
+
+def test_the_public_api_check_sees_an_import_of_dpfl(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from dpfl import DPFedAvg\n    import dpfl.x\n")
+    assert imported_modules(module) == {"dpfl", "dpfl.x"}
 
 
 def test_no_import_cycles():
     assert import_cycles(EDGES) == []
+
+
+def test_type_checking_imports_count_for_cycles_and_layers(tmp_path, monkeypatch):
+    """An import under `if TYPE_CHECKING:` is an edge: two modules that know each other only through one are a
+    circle, and a core module that names an app type under it points back up."""
+    import dpfl_tools.import_graph
+
+    for package, name, text in (
+        ("fl_app", "registry", "from fl_app.knobs import Knobs\n"),
+        ("fl_app", "knobs", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fl_app.registry import R\n"),
+        ("dpcore", "core", "import typing\nif typing.TYPE_CHECKING:\n    from fl_app.knobs import Knobs\n"),
+    ):
+        (tmp_path / package).mkdir(exist_ok=True)
+        (tmp_path / package / f"{name}.py").write_text(text)
+    monkeypatch.setattr(dpfl_tools.import_graph, "ROOT", tmp_path)
+    edges = import_edges()
+    assert ("fl_app.knobs", "fl_app.registry", True) in edges
+    assert import_cycles(edges) == [["fl_app.knobs", "fl_app.registry"]]
+    assert arrows_back_up(edges) == [("dpcore.core", "fl_app.knobs")]
+
+
+def test_the_settings_know_nothing_of_the_registry():
+    """fl_app.settings (the declarations) is below the registry: the registry reads Settings, never the other
+    way round, not even for annotations."""
+    assert [b for a, b, _ in EDGES if a == "fl_app.settings" and b.startswith("fl_app.")] == ["fl_app.run_config_keys"]
+    assert ("fl_app.algorithms", "fl_app.settings", False) in EDGES
 
 
 def test_an_import_cycle_would_be_caught():
@@ -54,7 +143,13 @@ def test_an_import_cycle_would_be_caught():
     assert import_cycles([("a", "b", False), ("b", "a", True)]) == [["a", "b"]]
 
 
-RAW_CONFIG_READERS = {"fl_app.config", "fl_app.launch", "fl_app.simulation_resources", "fl_app.report"}  # start-up
+RAW_CONFIG_READERS = {
+    "dpfl_tools.plan",
+    "fl_app.config",
+    "dpfl_tools.launch",
+    "dpfl_tools.simulation_resources",
+    "dpfl_tools.report",
+}  # start-up
 
 
 def test_after_start_up_no_module_reads_a_run_config_key_from_a_dict():
@@ -100,12 +195,12 @@ def test_after_start_up_no_module_reads_a_run_config_key_from_a_dict():
 
 def test_the_run_config_read_check_can_fail(tmp_path, monkeypatch):
     """A module reading cfg["noise-multiplier"] after start-up is found."""
-    import fl_app.import_graph
+    import dpfl_tools.import_graph
 
     module = tmp_path / "fl_app" / "late_reader.py"
     module.parent.mkdir()
     module.write_text("def f(cfg):\n    return cfg['noise-multiplier'] * 2\n")
-    monkeypatch.setattr(fl_app.import_graph, "ROOT", tmp_path)
+    monkeypatch.setattr(dpfl_tools.import_graph, "ROOT", tmp_path)
     with pytest.raises(AssertionError, match="late_reader.py:2"):
         test_after_start_up_no_module_reads_a_run_config_key_from_a_dict()
 
@@ -119,13 +214,18 @@ def string_constants(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_registry_names_algorithms():
+    """...but for the `algorithm` key's declared default (fl_app.settings.DEFAULT_ALGORITHM, one of the registry's
+    names: validation checks it like any value)."""
+    from fl_app.settings import DEFAULT_ALGORITHM
+
     names = set(ALGORITHMS)
+    assert DEFAULT_ALGORITHM in names
     found = [
         f"{name}:{line}: {value!r}"
         for name, path in project_modules().items()
         if name != "fl_app.algorithms"
         for line, value in string_constants(path)
-        if value in names
+        if value in names and (name, value) != ("fl_app.settings", DEFAULT_ALGORITHM)
     ]
     assert found == [], "branch on the registry's records instead of algorithm names: " + "; ".join(found)
 
@@ -166,7 +266,7 @@ def test_benchmarks_run_as_modules_without_path_hacks():
 
 def test_architecture_doc_draws_the_current_graph():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m fl_app.import_graph --write"
+    assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m dpfl_tools.import_graph --write"
 
 
 def test_the_fab_holds_every_project_module_and_nothing_else_of_ours(tmp_path):
@@ -174,7 +274,8 @@ def test_the_fab_holds_every_project_module_and_nothing_else_of_ours(tmp_path):
     subprocess.run([str(BIN / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path, check=True, capture_output=True)
     (fab,) = tmp_path.glob("*.fab")
     names = set(zipfile.ZipFile(fab).namelist())
-    modules = {str(path.relative_to(ROOT)) for path in project_modules().values()}
+    modules = {str(path.relative_to(ROOT)) for path in project_modules(PROJECT_PACKAGES).values()}
     assert modules - names == set()
     assert {"pyproject.toml", "LICENSE"} <= names
+    assert [n for n in names if n.startswith("dpfl_tools/")] == []  # the tooling is not shipped
     assert [n for n in names if n.split("/")[0] in ("docs", "benchmarks", "tests") or n == "README.md"] == []

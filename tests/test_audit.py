@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ArrayRecord
 
 from dpcore.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg
 from strategies.wavelet import DPFedAvgWavelet
 from tests.stub_clients import stub_app, zero_update

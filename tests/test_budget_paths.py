@@ -4,10 +4,10 @@ last epsilon it printed is at most the target. (The legacy drop-in: tests/test_d
 
 import pytest
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 

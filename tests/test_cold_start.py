@@ -7,13 +7,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from dpcore.task import data
+from dpcore.task import data, partitions
 
 PROBE = """
 import sys, json
 import fl_app.client_app
-from dpcore.task.data import load_partition
+from dpcore.task.partitions import load_partition
 train, test = load_partition("mnist-embedded", 3, 50, "dirichlet", alpha=0.5, seed=42)
 print(json.dumps({"n": len(train), "loaded": [m for m in ("opacus", "flwr_datasets", "datasets") if m in sys.modules]}))
 """
@@ -32,6 +33,7 @@ def fresh_process(cache) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_client_app_for_dp_fedsam_imports_neither_opacus_nor_flwr_datasets_once_cached(tmp_path):
     first = fresh_process(tmp_path)
     assert "opacus" not in first["loaded"]  # only DP-SGD (ali-dpfl) needs it
@@ -58,15 +60,15 @@ def test_cache_is_rebuilt_when_the_source_or_the_partition_settings_change(tmp_p
     x1, _ = data._embedded_images("digits")
     x2, _ = data._embedded_images("digits")
     assert len(calls) == 1 and np.array_equal(x1, x2)  # decoded once, then read from the cache
-    monkeypatch.setattr(data, "_file_digest", lambda path: "another-source-file")
+    monkeypatch.setattr(data, "file_digest", lambda path: "another-source-file")
     data._embedded_images("digits")
     assert len(calls) == 2  # a changed source file means a new decode
 
     def partition_files():
         return sorted(p.name for p in tmp_path.glob("partitions-*.npz"))
 
-    data._dataset_partitions.__wrapped__("digits", "", 5, "dirichlet", 0.5, 2, 1)
-    data._dataset_partitions.__wrapped__("digits", "", 5, "dirichlet", 0.5, 2, 1)
+    partitions._dataset_partitions.__wrapped__("digits", "", 5, "dirichlet", 0.5, 2, 1)
+    partitions._dataset_partitions.__wrapped__("digits", "", 5, "dirichlet", 0.5, 2, 1)
     assert len(partition_files()) == 1
     for changed in [
         ("digits", "", 6, "dirichlet", 0.5, 2, 1),
@@ -74,16 +76,16 @@ def test_cache_is_rebuilt_when_the_source_or_the_partition_settings_change(tmp_p
         ("digits", "", 5, "dirichlet", 0.3, 2, 1),
         ("digits", "", 5, "dirichlet", 0.5, 2, 2),
     ]:
-        data._dataset_partitions.__wrapped__(*changed)
+        partitions._dataset_partitions.__wrapped__(*changed)
     assert len(partition_files()) == 5
 
 
 def test_cached_partitions_equal_freshly_computed_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
-    cached = data._dataset_partitions.__wrapped__("mnist-embedded", "", 10, "dirichlet", 0.5, 2, 7)
-    cached_again = data._dataset_partitions.__wrapped__("mnist-embedded", "", 10, "dirichlet", 0.5, 2, 7)
+    cached = partitions._dataset_partitions.__wrapped__("mnist-embedded", "", 10, "dirichlet", 0.5, 2, 7)
+    cached_again = partitions._dataset_partitions.__wrapped__("mnist-embedded", "", 10, "dirichlet", 0.5, 2, 7)
     pool, _ = data.load_dataset("mnist-embedded")
-    fresh = data.partition_indices(pool.y, 10, "dirichlet", alpha=0.5, seed=7)
+    fresh = partitions.partition_indices(pool.y, 10, "dirichlet", alpha=0.5, seed=7)
     for a, b, c in zip(cached, cached_again, fresh):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
@@ -92,6 +94,7 @@ def test_cached_partitions_equal_freshly_computed_ones(tmp_path, monkeypatch):
 FIRST_TRAINING = """
 import sys, json, torch
 from flwr.app import Context, RecordDict
+from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.server_app import shared_weights
@@ -102,12 +105,13 @@ for algorithm in ("dp-fedsam", "dp2-fedsam"):
     client = build_client(Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50},
                                   state=RecordDict(), run_config=cfg.run_config()))
     before = [w.copy() for w in get_weights(client.model)]
-    client.fit(shared_weights(client.model, cfg), {"server-round": 1})
+    client.fit(shared_weights(client.model, cfg, ALGORITHMS[cfg.run.algorithm]), {"server-round": 1})
     out[algorithm] = any((a != b).any() for a, b in zip(get_weights(client.model), before))
 print(json.dumps({"trained": out, "dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
+@pytest.mark.slow
 def test_local_training_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):
     """A torch.optim.Optimizer's first construction imports torch._dynamo (about 1 s in every new process);
     local training uses clients.base.LocalSGD instead."""
@@ -157,7 +161,7 @@ from threadpoolctl import threadpool_info
 before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 from fl_app.client_app import app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 cfg = validate({"dataset": "digits", "model": "mlp", "num-rounds": 1, "sample-rate": 1.0, "local-steps": 1,
                 "tensorboard": False, "results-dir": RESULTS})
@@ -167,6 +171,7 @@ print(json.dumps({"before": before, "after": after}))
 """
 
 
+@pytest.mark.slow
 def test_a_run_puts_numpy_blas_on_one_thread(tmp_path):
     """OpenBLAS' worker threads busy-wait after each call and, on a loaded machine, take the core training needs
     (dpcore.task.threads): the ServerApp and every ClientApp call limit it to one thread."""

@@ -261,3 +261,50 @@ def test_the_key_reference_is_drawn_from_the_spec():
 
     assert (ROOT / KEYS_DOC).read_text() == key_reference(), "regenerate it: python -m fl_app.config --write"
     assert all(f"| `{key}` |" in key_reference() for key in SPEC)
+
+
+def rule_arguments() -> set[str]:
+    """Every Python argument a DP rule can name: the string given to require (2nd), one_of and name (1st) in the
+    project's modules (strategies, clients, dpcore), read with ast."""
+    import ast
+
+    from dpfl_tools.import_graph import project_modules
+
+    position = {"require": 1, "one_of": 0, "name": 0}
+    found = set()
+    for path in project_modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            function = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            at = position.get(function)
+            if at is not None and len(node.args) > at and isinstance(node.args[at], ast.Constant):
+                found.add(node.args[at].value)
+    return found
+
+
+def test_every_rule_error_names_a_key_of_the_app_config():
+    """An error of a DP rule names the run-config key of its argument as [tool.flwr.app.config] has it (not the
+    argument with '-' for '_' where the key is another: epoch_rounds is 'ftrl-epoch-rounds')."""
+    import re
+
+    from dpcore.privacy.settings import SettingError, require
+
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    arguments = rule_arguments()
+    assert {"epoch_rounds", "noise_placement", "sample_noise_multiplier", "sparsity"} <= arguments
+    named = {}
+    for argument in arguments:
+        with pytest.raises(SettingError) as err:
+            require(False, argument, -1, "must be >= 0")
+        named[argument] = re.search(r"run-config key '([^']+)'", str(err.value)).group(1)
+    assert {a: key for a, key in named.items() if key not in table} == {}
+    assert named["epoch_rounds"] == "ftrl-epoch-rounds"
+
+
+def test_dp_ftrl_built_from_python_names_its_real_key():
+    from dpcore.privacy.settings import SettingError
+    from strategies.dp_ftrl import DPFTRL
+
+    with pytest.raises(SettingError, match=r"epoch_rounds=-1 \(run-config key 'ftrl-epoch-rounds'\)"):
+        DPFTRL(epoch_rounds=-1)

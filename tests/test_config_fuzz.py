@@ -6,7 +6,7 @@ import math
 import random
 import time
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from fl_app.config import SPEC, ConfigError, validate
 
 CONFIGS = 1200

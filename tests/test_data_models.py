@@ -12,9 +12,11 @@ import torch
 from opacus import GradSampleModule
 from opacus.validators import ModuleValidator
 
-from dpcore.task import data
-from dpcore.task.data import dataset_info, load_dataset, load_partition, partition_indices
+from dpcore.task import data, data_files, partitions
+from dpcore.task.catalogue import dataset_info
+from dpcore.task.data import load_dataset
 from dpcore.task.models import MODELS, build_model, count_parameters, head_parameter_names
+from dpcore.task.partitions import load_partition, partition_indices
 
 torch.set_num_threads(1)
 
@@ -28,8 +30,8 @@ def fresh_cache(monkeypatch, tmp_path_factory):
     """Empty dataset and partition caches for a test that fakes a source; the real caches stay as they are
     (in memory and on disk: the decoded arrays are cached on disk too, dpcore.task.mapped)."""
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path_factory.mktemp("fresh-cache")))
-    for cached in ("_load_dataset", "_dataset_partitions"):
-        monkeypatch.setattr(data, cached, functools.lru_cache(getattr(data, cached).__wrapped__))
+    for module, cached in ((data, "_load_dataset"), (partitions, "_dataset_partitions")):
+        monkeypatch.setattr(module, cached, functools.lru_cache(getattr(module, cached).__wrapped__))
 
 
 def _online() -> bool:
@@ -145,7 +147,7 @@ def test_femnist_download_writer_split_and_natural_partitions(monkeypatch, fresh
 
     writers = np.repeat(np.arange(20), 6)
     fake = datasets.DatasetDict({"train": _fake_hf_split(len(writers), "character", writers, white_background=True)})
-    monkeypatch.setattr(data, "_check_online", lambda name, url: None)
+    monkeypatch.setattr(data_files, "_check_online", lambda name, url: None)
     monkeypatch.setattr(datasets, "load_dataset", lambda hub_id: fake)
     pool, test = load_dataset("femnist")
     assert len(pool) == 108 and len(test) == 12  # 2 of the 20 writers are held out for the server
@@ -281,7 +283,7 @@ def test_head_prefix():
 def test_validation_split_is_held_out_from_every_client():
     """validation-fraction 0.1: the server's validation set is 10% of the pool, no client partition touches it,
     and the partitions cover the rest exactly once."""
-    from dpcore.task.data import _dataset_partitions, load_validation, validation_split
+    from dpcore.task.partitions import _dataset_partitions, load_validation, validation_split
 
     pool, _ = load_dataset("digits")
     clients, held = validation_split(len(pool), 0.1)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import noise_share_count, topup_noise_std
-from fl_app.local_deployment import ROOT, Deployment, make_node_keys
+from dpfl_tools import ROOT
+from dpfl_tools.local_deployment import Deployment, make_node_keys
 from fl_app.results import read_rounds
 
 pytestmark = pytest.mark.slow
@@ -223,7 +224,7 @@ def test_tls_supernode_auth_and_a_foreign_app(deployment, tmp_path):
 
 def serverapp_pids(d: Deployment) -> list[int]:
     """The live flwr-serverapp processes the SuperLink started (the ServerApp of the run in progress)."""
-    from fl_app.local_deployment import _alive, descendants
+    from dpfl_tools.processes import alive, descendants
 
     pids = []
     for pid in descendants(d.procs[0].pid):
@@ -231,7 +232,7 @@ def serverapp_pids(d: Deployment) -> list[int]:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if b"flwr-serverapp" in cmdline and _alive(pid):
+        if b"flwr-serverapp" in cmdline and alive(pid):
             pids.append(pid)
     return pids
 
@@ -304,14 +305,14 @@ def test_trusted_entities_supernode_refuses_unsigned_apps(deployment, tmp_path):
 
 
 def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
-    """SuperNodes with `--isolation process` and `fl_app.clientapp_executor`: every message is answered by a
+    """SuperNodes with `--isolation process` and `dpfl_tools.clientapp_executor`: every message is answered by a
     child forked from the executor (the node starts no SuperExec, so no `flwr-clientapp`), each exits cleanly,
     and the runs, SecAgg+ included, have every client in every round and the ledger's epsilon."""
     import re
 
     d = deployment()
     d.start_superlink()
-    for i in range(3):  # two nodes on fl_app.supernode (Flower's idle sleeps capped), one on flower-supernode
+    for i in range(3):  # two nodes on dpfl_tools.supernode (Flower's idle sleeps capped), one on flower-supernode
         d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3", warm=True, idle_poll=0.2 if i < 2 else None)
     for i in range(3):
         d.wait_connected(f"n{i}")

@@ -19,9 +19,9 @@ from clients.personalized import ContextHeadStore, DP2FedSAMClient
 from clients.sam import SAMClient
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import flatten, make_rng
-from dpcore.task.data import load_partition
 from dpcore.task.device import CHANNELS_LAST_MODELS, device_problem, resolve_device, use_channels_last
 from dpcore.task.models import build_model, split_state_keys
+from dpcore.task.partitions import load_partition
 from dpcore.task.torch_helpers import get_weights
 from fl_app.client_app import build_client
 from fl_app.config import ConfigError, validate
@@ -232,8 +232,8 @@ def test_secure_torch_generators_ignore_the_run_seed():
 # ---------------------------------------------------------------- on CUDA (skipped without it)
 @needs_cuda
 def test_a_round_on_cuda_returns_cpu_float32_and_learns(tmp_path):
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     cfg = validate(

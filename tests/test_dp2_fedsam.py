@@ -17,10 +17,11 @@ from clients.personalized import ContextHeadStore, DP2FedSAMClient, FileHeadStor
 from dpcore.privacy.mechanisms import clip_to_norm, flatten
 from dpcore.task import atomic
 from dpcore.task.models import MODELS, build_model, head_parameter_names, split_state_keys
+from dpfl_tools.inprocess import InProcessGrid
+from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import app as client_app
 from fl_app.client_app import build_client
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import build_global_model, build_strategy, run_federated, shared_weights
 from strategies.partial_sharing import PartialSharingDPFedAvg
 
@@ -82,7 +83,7 @@ def test_messages_carry_only_the_body(tmp_path):
     cfg = small_cfg(tmp_path, **{"num-rounds": 2, "sample-rate": 0.5, "client-sampling": "fixed"})
     grid = InProcessGrid(client_app, 6, cfg)
     run_federated(grid, cfg)
-    model = build_global_model(cfg)
+    model = build_global_model(cfg, ALGORITHMS[cfg.run.algorithm])
     body, head = split_state_keys(model)
     state = model.state_dict()
     body_shapes = [tuple(state[k].shape) for k in body]
@@ -120,9 +121,11 @@ def test_reply_carrying_the_head_is_rejected(tmp_path):
         return reply
 
     grid = InProcessGrid(leaky_app, 3, cfg)
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, ALGORITHMS[cfg.run.algorithm])
     strategy.setup_population(3)
-    initial = ArrayRecord(shared_weights(build_global_model(cfg), cfg))
+    initial = ArrayRecord(
+        shared_weights(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]), cfg, ALGORITHMS[cfg.run.algorithm])
+    )
     replies = grid.send_and_receive(strategy.configure_train(1, initial, ConfigRecord(), grid))
     _, metrics = strategy.aggregate_train(1, replies)
     sampled = {m.metadata.dst_node_id for m in grid.sent}
@@ -149,10 +152,16 @@ def test_exactly_the_sampled_clients_heads_change(tmp_path):
         assert diagnostics["personalized_clients"] == 8  # all clients evaluate, sampled or not
         assert "personalized_accuracy" not in published  # a client evaluation: not covered by epsilon
 
-    strategy = build_strategy(cfg, on_round_end=on_round_end)
-    strategy.start(grid, ArrayRecord(shared_weights(build_global_model(cfg), cfg)), num_rounds=3)
-    initial = {k: v.numpy() for k, v in build_global_model(cfg).state_dict().items()}
-    _, head_keys = split_state_keys(build_global_model(cfg))
+    strategy = build_strategy(cfg, ALGORITHMS[cfg.run.algorithm], on_round_end=on_round_end)
+    strategy.start(
+        grid,
+        ArrayRecord(
+            shared_weights(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]), cfg, ALGORITHMS[cfg.run.algorithm])
+        ),
+        num_rounds=3,
+    )
+    initial = {k: v.numpy() for k, v in build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]).state_dict().items()}
+    _, head_keys = split_state_keys(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]))
 
     def same(a, b):
         a = a or {k: initial[k] for k in head_keys}  # no stored head yet: the seeded model's head
@@ -184,7 +193,7 @@ def test_heads_persist_in_node_state_dir(tmp_path):
         assert not ctx.state.array_records  # nothing in Context.state when a state-dir is given
         if files:
             head = FileHeadStore(files[0]).load()
-            assert sorted(head) == sorted(split_state_keys(build_global_model(cfg))[1])
+            assert sorted(head) == sorted(split_state_keys(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]))[1])
 
 
 def test_relative_state_dir_is_refused(tmp_path):
@@ -254,7 +263,7 @@ def test_clipped_body_update_norm_and_noise_share(tmp_path):
 
     client, cfg = client_for(tmp_path)
     assert isinstance(client, DP2FedSAMClient)
-    body = shared_weights(build_global_model(cfg), cfg)
+    body = shared_weights(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]), cfg, ALGORITHMS[cfg.run.algorithm])
     raw, _, metrics = client.fit(body, {**config, "privatize": False})
     update = flatten(raw)  # fit returns the update Delta = phi_new - phi_global
     assert metrics["update-norm"] == pytest.approx(np.linalg.norm(update), rel=1e-5)
@@ -282,7 +291,7 @@ def test_sam_body_steps_and_centaur_sgd(tmp_path):
     flat, _ = client_for(tmp_path, **base, **{"sam-rho": 0.0})
     sam, _ = client_for(tmp_path, **base, **{"sam-rho": 0.5})
     assert type(centaur) is PartialSharingClient
-    body = shared_weights(build_global_model(cfg), cfg)
+    body = shared_weights(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]), cfg, ALGORITHMS[cfg.run.algorithm])
     out = [flatten(c.fit(body, {"server-round": 1})[0]) for c in (centaur, flat, sam)]
     np.testing.assert_allclose(out[0], out[1], atol=1e-6)
     assert np.abs(out[0] - out[2]).max() > 1e-4
@@ -292,7 +301,9 @@ def test_sam_body_steps_and_centaur_sgd(tmp_path):
 
 def test_head_phase_freezes_body_and_body_phase_freezes_head(tmp_path):
     client, cfg = client_for(tmp_path, **{"noise-multiplier": 0.0, "clipping-norm": 0.0})
-    client.set_body(shared_weights(build_global_model(cfg), cfg))
+    client.set_body(
+        shared_weights(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]), cfg, ALGORITHMS[cfg.run.algorithm])
+    )
     body0 = flatten(client.body_arrays())
     head0 = client.head_arrays()
     client.train_head({"server-round": 1})

@@ -8,10 +8,10 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
 from dpcore.task.torch_helpers import get_weights
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg
 from tests.stub_clients import stub_app, zero_update
 

@@ -15,13 +15,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from dpcore.privacy.ledger import TreeAggregationLedger, epsilon_of, tree_gaussian_multiplier
+from dpcore.privacy.accountants import epsilon_of, tree_gaussian_multiplier
+from dpcore.privacy.ledger import TreeAggregationLedger
 from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import SettingError
 from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies import DifferentialPrivacy

@@ -16,9 +16,9 @@ from flwr.server.workflow import DefaultWorkflow
 from sklearn.datasets import load_digits
 
 from clients.mods import make_dp_privatize_mod, uniform_weight_mod
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg

@@ -93,7 +93,7 @@ def test_a_misspelled_key_names_its_close_matches():
 
 def launch_refusal(argv: list[str]) -> str:
     """The message of the launcher's SystemExit for `argv` (raised before any process starts)."""
-    from fl_app.launch import main
+    from dpfl_tools.launch import main
 
     with pytest.raises(SystemExit) as err:
         main(argv)
@@ -108,7 +108,7 @@ def test_the_launcher_refuses_a_bad_config_in_seconds_and_starts_nothing(tmp_pat
     results = tmp_path / "results"
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "fl_app.launch", "--results", str(results), "-c", "nosie-multiplier=2.0"],
+        [sys.executable, "-m", "dpfl_tools.launch", "--results", str(results), "-c", "nosie-multiplier=2.0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -167,8 +167,10 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
     import argparse
     import json
 
+    import numpy as np
+
+    from dpfl_tools.plan import parse_overrides, plan_runs
     from fl_app.config import SPEC
-    from fl_app.launch import parse_overrides, plan_runs
 
     args = argparse.Namespace(
         resume="",
@@ -194,7 +196,8 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
             }
         )
     )
-    (run / "checkpoint.npz").write_bytes(b"")
+    with open(run / "checkpoint.npz", "wb") as f:  # a checkpoint the resume check reads
+        np.savez(f, state=np.frombuffer(b'{"completed_rounds": 2}', np.uint8), array_0=np.zeros(1, np.float32))
     args = argparse.Namespace(
         resume=str(run), sweep="", reference=False, clients=4, results=str(tmp_path / "r"), run_config="num-rounds=5"
     )
@@ -258,7 +261,7 @@ def test_run_folder_files_are_the_owners_only(tmp_path):
 def test_the_launchers_flower_home_is_the_owners_only(tmp_path):
     import stat
 
-    from fl_app.launch import own_superlink_env
+    from dpfl_tools.superlink import own_superlink_env
 
     own_superlink_env({}, tmp_path / "home")
     assert oct(stat.S_IMODE((tmp_path / "home").stat().st_mode)) == "0o700"
@@ -305,8 +308,8 @@ def test_a_run_folder_has_one_writer(tmp_path):
 def test_two_runs_started_in_the_same_second_get_different_folders(monkeypatch):
     import time
 
+    from dpfl_tools.plan import run_stamp
     from fl_app.config import validate
-    from fl_app.launch import run_stamp
     from fl_app.results import resolve_run_dir
 
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-120000")
@@ -357,7 +360,7 @@ def test_the_launcher_fails_a_run_whose_status_is_a_previous_runs(tmp_path):
     import json
     import time
 
-    from fl_app.launch import run_status
+    from dpfl_tools.launch import run_status
 
     (tmp_path / "status.json").write_text(json.dumps({"status": "completed", "time": time.time() - 60}))
     assert run_status(tmp_path) == "completed"
@@ -451,7 +454,8 @@ def mnist_folder(folder: Path, train: int = 20, test: int = 10, train_labels: in
 
 
 def data_error(folder: Path) -> str:
-    from dpcore.task.data import DataFileError, load_dataset
+    from dpcore.task.data import load_dataset
+    from dpcore.task.data_files import DataFileError
 
     with pytest.raises(DataFileError) as err:
         load_dataset("mnist", str(folder))
@@ -604,7 +608,7 @@ def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
 
     def launch(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results), *argv],
+            [sys.executable, "-m", "dpfl_tools.launch", "--clients", "2", "--results", str(results), *argv],
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -10,9 +10,9 @@ import pytest
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 
@@ -190,8 +190,8 @@ def small_run_config(tmp_path, algorithm="ali-dpfl"):
 @pytest.mark.parametrize("algorithm", ["ali-dpfl", "dp-fedavg"])
 def test_a_run_in_which_every_client_fails_says_failed_and_the_launcher_exits_non_zero(tmp_path, algorithm):
     """Before: status 'completed' (the launcher exited 0) though no client update was ever aggregated."""
+    from dpfl_tools.launch import run_status
     from fl_app.client_app import app as client_app
-    from fl_app.launch import run_status
     from fl_app.server_app import run_federated
 
     cfg = small_run_config(tmp_path, algorithm=algorithm)

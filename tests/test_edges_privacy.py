@@ -9,7 +9,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import ndarrays_to_parameters
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from strategies.secagg import SecAggPlusDPFedAvg
@@ -34,6 +34,7 @@ def small_sample_dp() -> DPFedAvg:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("secure", [False, True], ids=["legacy", "secagg+"])
 def test_every_sampled_round_is_charged_on_the_legacy_and_secagg_paths(secure):
     """60 sampled rounds cost the 60-round sampled Gaussian, whatever the samples held: a round whose sample
@@ -180,6 +181,7 @@ def run_small(tmp_path, name, caplog, **overrides):
     "case,mark,tag",
     [
         ("distributed", "epsilon_against_server_is_guarantee", "privacy/epsilon_against_server_NOT_a_guarantee"),
+        ("local evaluate", "epsilon_against_server_is_guarantee", "privacy/epsilon_against_server_NOT_a_guarantee"),
         ("top-k fixed", "epsilon_is_guarantee", "privacy/epsilon_NOT_a_guarantee"),
         ("wavelet paper", "claimed_epsilon_is_guarantee", "privacy/epsilon_claimed_by_paper_NOT_a_guarantee"),
     ],
@@ -192,6 +194,7 @@ def test_figures_that_are_no_guarantee_say_so_on_every_per_round_output(case, ma
     the server figure)."""
     overrides = {
         "distributed": {},
+        "local evaluate": {"noise-placement": "local", "fraction-evaluate": 0.5},
         "top-k fixed": {"algorithm": "dp-fedsam-topk", "sparsity": 0.5, "client-sampling": "fixed"},
         "wavelet paper": {"algorithm": "dp-fedavg-wav", "noise-placement": "central", "wavelet-calibration": "paper"},
     }[case]
@@ -202,8 +205,21 @@ def test_figures_that_are_no_guarantee_say_so_on_every_per_round_output(case, ma
     if case == "distributed":
         assert summary["epsilon_against_server_is_guarantee"] is False
         assert "update norm" in summary["epsilon_against_server_caveats"][0]
+    if case == "local evaluate":  # local DP's uploads are covered, its clients' evaluate replies are not
+        assert summary["epsilon_against_server_is_guarantee"] is False
+        assert summary["epsilon_against_server_caveats"] == [
+            "clients' evaluate replies (loss, accuracy, example count; fraction-evaluate > 0) reach the server "
+            "in the clear: epsilon_against_server covers the noisy uploads only, not those replies"
+        ]
     if case == "top-k fixed":
         assert summary["epsilon_is_guarantee"] is False
+
+
+def test_local_dp_without_client_evaluation_is_a_server_guarantee(tmp_path, caplog):
+    rows, lines, summary, tags = run_small(tmp_path, "local", caplog, **{"noise-placement": "local"})
+    assert not any(k.endswith("_is_guarantee") for r in rows for k in r)
+    assert summary.get("epsilon_against_server_is_guarantee", True) is True
+    assert "privacy/epsilon_against_server" in tags
 
 
 def test_secagg_and_central_rounds_carry_no_mark(tmp_path, caplog):
@@ -321,6 +337,7 @@ def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measu
 # ---------------------------------------------------------------- 6. one derivation of the SecAgg+ server figure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
 def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     """Against the server (it chose the sample, so it knows who is in the sum) each SecAgg+ round is the

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_diagnostics, read_metrics
 from fl_app.server_app import run_federated
 

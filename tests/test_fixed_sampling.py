@@ -11,7 +11,7 @@ from dp_accounting import pld, rdp
 from flwr.app import Array, ArrayRecord
 
 from dpcore.privacy.ledger import ClientLevelLedger
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies import DifferentialPrivacy
 from tests.test_accounting import worst_pair_lower_bound
 from tests.test_wrapper import weights_client
@@ -45,6 +45,7 @@ def fixed_ledger(population: int, m: int, rounds: int, delta: float, sigma: floa
     return ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "population,m,rounds,printed_before,wor,gauss",
     [

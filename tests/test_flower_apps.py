@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_app.launch import BIN, own_superlink_env, start_superlink, stop
+from dpfl_tools.processes import BIN
+from dpfl_tools.superlink import own_superlink_env, start_local_superlink, stop
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.quickstart_app.quickstart.task import Net
 
@@ -34,7 +35,7 @@ def superlink(tmp_path_factory):
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
     }
     env, http_port, control_port = own_superlink_env(base, home)
-    proc = start_superlink(env, http_port, control_port, home / "superlink.log")
+    proc = start_local_superlink(env, http_port, control_port, home / "superlink.log")
     yield env
     stop(proc, env["FLWR_HOME"])
 

@@ -236,7 +236,9 @@ def test_ali_dpfl_survives_hostile_replies():
 def fit_res(rng: random.Random, nprng: np.random.Generator, legacy_weight: int = 10) -> tuple[FitRes, str]:
     """An honest or hostile legacy FitRes."""
     upload = honest_update(nprng)
-    what = rng.choice(["honest", "honest", "garbage-bytes", "nan", "huge", "metrics-list", "weight"])
+    what = rng.choice(
+        ["honest", "honest", "garbage-bytes", "nan", "huge", "metrics-list", "weight", "metrics-none", "metrics-seq"]
+    )
     params = ndarrays_to_parameters(upload)
     metrics: dict = {"update-norm": 0.4}
     weight = legacy_weight
@@ -250,6 +252,10 @@ def fit_res(rng: random.Random, nprng: np.random.Generator, legacy_weight: int =
         metrics = {"update-norm": [1.0, 2.0], "train-loss": "x"}
     elif what == "weight":
         weight = rng.choice([0, -5, 10**18])
+    elif what == "metrics-none":
+        metrics = None
+    elif what == "metrics-seq":
+        metrics = [("update-norm", 0.4)]
     return FitRes(Status(Code.OK, ""), params, weight, metrics), what
 
 
@@ -278,6 +284,25 @@ def test_legacy_adapter_survives_hostile_results():
         weights = new
     record("legacy", hostile)
     print(f"legacy: {ROUNDS} rounds, {hostile} hostile results, 0 exceptions, model finite")
+
+
+@pytest.mark.parametrize("metrics", [None, [("update-norm", 0.4)], "update-norm"])
+def test_legacy_metrics_that_are_not_a_dict_are_refused_with_a_reason(metrics):
+    strategy = LegacyDPFedAvg(
+        DPFedAvg(sample_rate=1.0, clipping_norm=C, noise_multiplier=0.0, noise_placement="central")
+    )
+    strategy.dp.setup_population(M)
+    weights = [np.zeros(s, np.float32) for s in SHAPES]
+    strategy._global = weights
+    strategy.dp.begin_round(ArrayRecord(weights))
+    nprng = np.random.default_rng(SEED)
+    good = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(honest_update(nprng)), 10, {})
+    bad = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(honest_update(nprng)), 10, metrics)
+    strategy.aggregate_fit(1, [(FakeProxy(100), good), (FakeProxy(101), bad)], [])
+    record = strategy.result.train_metrics_clientapp[1]
+    assert record["clients"] == 1  # the good reply only
+    assert record["failures"] == 1
+    assert any("node 101: FitRes.metrics is" in p and "not a dict" in p for p in strategy.dp.round_problems)
 
 
 def test_secagg_sum_survives_hostile_results():

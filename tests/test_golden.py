@@ -119,9 +119,9 @@ def run_route(overrides: dict, run_dir: Path) -> Path:
     NUM_NODES nodes. The only place that knows the app's import paths."""
     import torch
 
+    from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
-    from fl_app.inprocess import InProcessGrid
     from fl_app.server_app import run_federated
 
     torch.set_num_threads(1)

@@ -12,18 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from fl_app import launch
-from fl_app.launch import (
-    QUIET_ENV,
-    flwr_run,
-    format_run_config,
-    own_superlink_env,
-    reference_run_config,
-    start_ray_head,
-    stop_ray_head,
-    sweep_runs,
-    wait_ray_head,
-)
+from dpfl_tools import launch
+from dpfl_tools.launch import QUIET_ENV, flwr_run
+from dpfl_tools.plan import format_run_config, reference_run_config, sweep_runs
+from dpfl_tools.ray_head import start_ray_head, stop_ray_head, wait_ray_head
+from dpfl_tools.superlink import own_superlink_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,12 +105,13 @@ def hint_commands(text: str) -> dict[str, str]:
 ISOLATED_SUPERLINK = """
 import os, sys
 from pathlib import Path
-from fl_app import netns
-from fl_app.launch import QUIET_ENV, own_superlink_env, start_superlink, stop, superlink_hint
+from dpfl_tools import netns
+from dpfl_tools.launch import QUIET_ENV
+from dpfl_tools.superlink import own_superlink_env, start_local_superlink, stop, superlink_hint
 user_namespace = netns.needs_user_namespace()
 netns.isolate_network()
 env, http_port, control_port = own_superlink_env({**os.environ, **QUIET_ENV}, Path(sys.argv[1]))
-proc = start_superlink(env, http_port, control_port, Path(sys.argv[2]))
+proc = start_local_superlink(env, http_port, control_port, Path(sys.argv[2]))
 print(superlink_hint(env, http_port, control_port, netns.nsenter_prefix(os.getpid(), user_namespace)), flush=True)
 try:
     sys.stdin.read()
@@ -176,6 +170,7 @@ def test_sweep_makes_one_run_per_value():
         sweep_runs("", "noise-multiplier")
 
 
+@pytest.mark.slow
 def test_the_shared_ray_head_takes_a_job_with_its_token_and_leaves_nothing(tmp_path):
     """The launcher's Ray head: up, a driver that joins it as each run's simulation does (RAY_ADDRESS and the
     head's token) runs a task on it, and a driver without the token is refused; a driver that joins with a
@@ -295,7 +290,17 @@ def start_long_launch(tmp_path: Path, preexec_fn=None) -> tuple[subprocess.Popen
     """(launcher, results folder, log file) of a launch of 2 clients and 200 short rounds in a session of its
     own, which the test ends; its output goes to a file, not a pipe nobody reads (a full pipe would block it)."""
     results, log_path = tmp_path / "results", tmp_path / "launch.log"
-    command = [sys.executable, "-m", "fl_app.launch", "--clients", "2", "--results", str(results), "-c", LONG_LAUNCH]
+    command = [
+        sys.executable,
+        "-m",
+        "dpfl_tools.launch",
+        "--clients",
+        "2",
+        "--results",
+        str(results),
+        "-c",
+        LONG_LAUNCH,
+    ]
     with open(log_path, "wb") as log:
         launcher = subprocess.Popen(
             command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn
@@ -409,7 +414,7 @@ def test_a_launcher_without_cap_sys_admin_isolates_itself_through_a_user_namespa
             "--inh-caps=-sys_admin",
             sys.executable,
             "-m",
-            "fl_app.launch",
+            "dpfl_tools.launch",
             "--clients",
             "2",
             "--results",
@@ -434,10 +439,10 @@ def test_stop_never_hangs_it_prints_where_and_exits():
     """Should ending the SuperLink's processes ever block, the launcher still exits (faulthandler's watchdog)
     and its log says where it was."""
     code = (
-        "import time, fl_app.launch as launch\n"
-        "launch.STOP_LIMIT = 1\n"
-        "launch.end_process_tree = lambda proc, grace: time.sleep(60)\n"
-        "launch.stop(object(), '/nonexistent-home')\n"
+        "import time, dpfl_tools.superlink as superlink\n"
+        "superlink.STOP_LIMIT = 1\n"
+        "superlink.end_process_tree = lambda proc, grace: time.sleep(60)\n"
+        "superlink.stop(object(), '/nonexistent-home')\n"
     )
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
@@ -449,11 +454,11 @@ def test_a_second_signal_waits_for_the_cleanup_to_finish():
     """SIGTERM (or a second Ctrl-C) arriving while stop() ends the processes is held until it is done, then
     ends the launcher as usual (exit 128 + 15)."""
     code = (
-        "import os, signal, time, fl_app.launch as launch\n"
+        "import os, signal, time, dpfl_tools.launch as launch, dpfl_tools.superlink as superlink\n"
         "signal.signal(signal.SIGTERM, launch.exit_on_signal)\n"
-        "launch.end_process_tree = lambda proc, grace: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3))\n"
-        "launch.end_processes_with_home = lambda home: print('home cleaned', flush=True)\n"
-        "launch.stop(object(), '/nonexistent-home')\n"
+        "superlink.end_process_tree = lambda proc, grace: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3))\n"
+        "superlink.end_processes_with_home = lambda home: print('home cleaned', flush=True)\n"
+        "superlink.stop(object(), '/nonexistent-home')\n"
         "print('not reached', flush=True)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

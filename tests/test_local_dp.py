@@ -12,9 +12,9 @@ from flwr.app import Array, ArrayRecord
 
 from clients.local_dp import make_local_dp_mod
 from dpcore.privacy import protocol as keys
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies import DifferentialPrivacy

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from fl_app.import_graph import ROOT
+from dpfl_tools.import_graph import ROOT
 from strategies.round_loop import format_record, parse_log_line
 
 RUN = """
 import json, logging, sys
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 cfg = validate(json.loads(sys.argv[1]))
 run_federated(InProcessGrid(client_app, 4, cfg), cfg)

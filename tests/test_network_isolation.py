@@ -1,4 +1,4 @@
-"""fl_app.netns: a process in its own network namespace listens on a loopback that the rest of the machine
+"""dpfl_tools.netns: a process in its own network namespace listens on a loopback that the rest of the machine
 cannot reach and its owner can enter; the launcher's --network-isolation fallbacks and what it does first."""
 
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.netns import nsenter_prefix
+from dpfl_tools.netns import nsenter_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -19,7 +19,7 @@ NOBODY = 65534
 # isolates itself, listens on a free loopback port, prints "<port> <uid> <gid> <net namespace>", waits for stdin
 LISTENER = """
 import os, socket, sys
-from fl_app.netns import isolate_network
+from dpfl_tools.netns import isolate_network
 isolate_network()
 s = socket.socket()
 s.bind(("127.0.0.1", 0))
@@ -143,14 +143,14 @@ def test_a_dataset_downloaded_before_isolation_is_read_from_the_cache_inside(tmp
     fake = (
         "import numpy as np, dpcore.task.data as d\n"
         "rng = np.random.default_rng(0)\n"
-        "d._download = lambda name: d._Raw(rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), np.arange(60) % 10,"
+        "d.download = lambda name: d.RawImages(rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), np.arange(60) % 10,"
         " rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), np.arange(20) % 10)\n"
     )
     offline = (
-        "from fl_app.netns import isolate_network; isolate_network()\n"
+        "from dpfl_tools.netns import isolate_network; isolate_network()\n"
         "import dpcore.task.data as d\n"
         "def no_network(name): raise RuntimeError('downloaded inside the namespace')\n"
-        "d._download = no_network\n"
+        "d.download = no_network\n"
     )
     show = "train, test = d.load_dataset('mnist'); print(float(train.x.sum()), len(test.y))"
     env = {**os.environ, "DPFL_CACHE_DIR": str(tmp_path)}
@@ -168,7 +168,7 @@ def test_a_dataset_downloaded_before_isolation_is_read_from_the_cache_inside(tmp
 # first process
 LAUNCH = """
 import errno, sys
-import fl_app.launch as launch, fl_app.netns as netns
+import dpfl_tools.launch as launch, dpfl_tools.netns as netns
 import dpcore.task.data as data
 if sys.argv[1] == "refused":
     def refused(flags):

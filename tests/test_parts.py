@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from dpcore.privacy.settings import SettingError, require
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies import DifferentialPrivacy
 from strategies.options import PrivacyOptions, RunOptions, SamplingOptions
 from strategies.parts import AfterRound, Part

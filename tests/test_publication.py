@@ -16,9 +16,9 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from dpcore.privacy.mechanisms import flatten
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_diagnostics, read_metrics
 from fl_app.server_app import run_federated
 from strategies.dp_fedavg import DPFedAvg

@@ -1,4 +1,4 @@
-"""The HTML report of run folders (fl_app/report.py): what it draws, counted in the HTML and in a real headless
+"""The HTML report of run folders (dpfl_tools/report.py): what it draws, counted in the HTML and in a real headless
 browser, and that it shows the non-private diagnostics only when asked or published.
 
 The browser test needs Debian's chromium (`apt-get install -y chromium`) and the playwright package (in the test
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from dpfl_tools.inprocess import InProcessGrid
+from dpfl_tools.report import NOT_PRIVATE, main, write_report
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
-from fl_app.report import NOT_PRIVATE, main, write_report
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 
@@ -213,7 +213,7 @@ def test_a_single_run_frontier_keeps_accuracy_within_0_and_1(tmp_path):
     ],
 )
 def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
-    """fl_app.report on damaged run folders: one line naming the file (or the output), exit 2, no traceback."""
+    """dpfl_tools.report on damaged run folders: one line naming the file (or the output), exit 2, no traceback."""
     import subprocess
     import sys
 
@@ -246,7 +246,7 @@ def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
         output = tmp_path / "missing" / "report.html"
         named = "cannot write"
     out = subprocess.run(
-        [sys.executable, "-m", "fl_app.report", str(run), "-o", str(output)],
+        [sys.executable, "-m", "dpfl_tools.report", str(run), "-o", str(output)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -256,4 +256,4 @@ def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
     if damage == "summary with wrong types" and out.returncode == 0:
         return  # drawn anyway: nothing to refuse
     assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
-    assert out.stderr.startswith("fl_app.report: ") and named in out.stderr and len(out.stderr.splitlines()) == 1
+    assert out.stderr.startswith("dpfl_tools.report: ") and named in out.stderr and len(out.stderr.splitlines()) == 1

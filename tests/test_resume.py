@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import PreviousRunError, RunDirectory, read_metrics
 from fl_app.server_app import run_federated
 

@@ -7,9 +7,11 @@ import warnings
 import numpy as np
 import torch
 
-from dpcore.task.data import ArrayDataset, load_dataset, load_partition
+from dpcore.task.catalogue import ArrayDataset
+from dpcore.task.data import load_dataset
 from dpcore.task.mapped import memory_mapped
 from dpcore.task.models import build_model
+from dpcore.task.partitions import load_partition
 from dpcore.task.torch_helpers import as_tensors, evaluate_model
 
 

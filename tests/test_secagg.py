@@ -14,12 +14,12 @@ from flwr.compat.common import recorddict_compat as compat
 from torch import nn
 
 from clients.mods import uniform_weight_mod
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import flatten
 from dpcore.task.torch_helpers import get_weights
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as fl_client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_federated
 from strategies.dp_fedavg import DPFedAvg
 from strategies.secagg import SecAggPlusDPFedAvg, secagg_clipping_range

@@ -1,5 +1,5 @@
 """The simulation's message pickup: Flower's loop asks every node for its message, and each ask checks the
-stored messages up to that node's; ours takes them in one pass (fl_app.simulation_pickup; docs/scale.md)."""
+stored messages up to that node's; ours takes them in one pass (dpfl_tools.simulation_pickup; docs/scale.md)."""
 
 import dataclasses
 import inspect
@@ -19,7 +19,7 @@ from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.run import Run
 from flwr.superlink.federation import NoOpFederationManager
 
-from fl_app import simulation_pickup
+from dpfl_tools import simulation_pickup
 
 
 def state_with_messages(num_nodes: int, num_messages: int):
@@ -110,7 +110,7 @@ def test_an_expired_message_is_dropped_as_flower_drops_it():
 def test_the_client_app_installs_the_pickup_only_where_asked_and_flowers_engine_is_loaded():
     import os
 
-    from fl_app.pull_backoff import SPEED_PATCHES_ENV
+    from fl_app import SPEED_PATCHES_ENV
 
     code = (
         "import sys\nimport flwr.server.superlink.fleet.vce.vce_api as v\nimport fl_app.client_app\n"
@@ -122,7 +122,7 @@ def test_the_client_app_installs_the_pickup_only_where_asked_and_flowers_engine_
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**env, SPEED_PATCHES_ENV: "1"}
     ).stdout
-    assert out.strip() == "fl_app.simulation_pickup"
+    assert out.strip() == "dpfl_tools.simulation_pickup"
     assert simulation_pickup.install() in (True, False)  # idempotent where it is in place
 
 

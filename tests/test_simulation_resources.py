@@ -1,5 +1,5 @@
 """Each simulated client's GPU share: the launcher's default, the shares Ray cannot give, and the
-`--federation-config` Flower reads (fl_app.simulation_resources)."""
+`--federation-config` Flower reads (dpfl_tools.simulation_resources)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ no_cuda = pytest.mark.skipif(
 
 
 def test_default_gpu_share_splits_the_gpus_between_the_clients_that_run_at_once():
-    from fl_app.simulation_resources import default_gpus_per_client
+    from dpfl_tools.simulation_resources import default_gpus_per_client
 
     assert default_gpus_per_client(10_000, gpus=1, cpus=16) == 1 / 16
     assert default_gpus_per_client(3, gpus=1, cpus=16) == 1 / 3
@@ -21,7 +21,7 @@ def test_default_gpu_share_splits_the_gpus_between_the_clients_that_run_at_once(
 
 
 def test_gpu_shares_ray_cannot_give_are_refused():
-    from fl_app.simulation_resources import gpu_share_problem
+    from dpfl_tools.simulation_resources import gpu_share_problem
 
     assert gpu_share_problem(0.25, 1) is None and gpu_share_problem(0.0, 0) is None and gpu_share_problem(2, 2) is None
     assert "no GPU is visible" in gpu_share_problem(0.5, 0)
@@ -34,7 +34,7 @@ def test_the_federation_config_is_what_flower_reads():
     from flwr.common.config import parse_config_args
     from flwr.supercore.utils import simulation_config_from_json
 
-    from fl_app.simulation_resources import federation_config, run_device
+    from dpfl_tools.simulation_resources import federation_config, run_device
 
     assert federation_config(50) == "num-supernodes=50 client-resources-num-cpus=1"
     assert federation_config(50, cpus_per_client=2) == "num-supernodes=50 client-resources-num-cpus=2"
@@ -47,8 +47,8 @@ def test_the_federation_config_is_what_flower_reads():
 
 @no_cuda
 def test_the_launcher_asks_for_no_gpu_here_and_refuses_a_share_before_starting_anything(capsys):
-    from fl_app.launch import main
-    from fl_app.simulation_resources import gpus_per_client
+    from dpfl_tools.launch import main
+    from dpfl_tools.simulation_resources import gpus_per_client
 
     assert gpus_per_client(None, 50, "") == 0.0 and gpus_per_client(None, 50, "device='cuda'") == 0.0
     with pytest.raises(SystemExit, match="--gpus-per-client 0.5: no GPU is visible here"):
@@ -57,7 +57,7 @@ def test_the_launcher_asks_for_no_gpu_here_and_refuses_a_share_before_starting_a
 
 def test_with_a_gpu_the_launcher_shares_it_unless_the_run_is_on_the_cpu(monkeypatch):
     """torch's answer faked to one GPU on 16 cores."""
-    import fl_app.simulation_resources as resources
+    import dpfl_tools.simulation_resources as resources
 
     monkeypatch.setattr(resources, "visible_gpus", lambda: 1)
     monkeypatch.setattr(resources.os, "cpu_count", lambda: 16)

@@ -1,4 +1,4 @@
-"""fl_app.supernode: Flower's own SuperNode with its idle sleeps capped, and nothing else changed."""
+"""dpfl_tools.supernode: Flower's own SuperNode with its idle sleeps capped, and nothing else changed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fl_app import supernode
+from dpfl_tools import supernode
 
 
 def test_capped_sleep_caps_and_passes_everything_else_through(monkeypatch):
@@ -49,11 +49,11 @@ def test_idle_poll_out_of_range_is_refused_before_the_node_starts(value, capsys)
 
 
 @pytest.mark.parametrize("value", ["0", "5", "soon"])
-@pytest.mark.parametrize("cli", ["fl_app.supernode", "fl_app.clientapp_executor"])
+@pytest.mark.parametrize("cli", ["dpfl_tools.supernode", "dpfl_tools.clientapp_executor"])
 def test_pull_backoff_out_of_range_is_refused_by_both_clis(cli, value, capsys):
-    from fl_app import clientapp_executor
+    from dpfl_tools import clientapp_executor
 
-    main = supernode.main if cli == "fl_app.supernode" else clientapp_executor.main
+    main = supernode.main if cli == "dpfl_tools.supernode" else clientapp_executor.main
     with pytest.raises(SystemExit):
         main(["--pull-backoff", value, "--runtime-api-address", "127.0.0.1:1", "--insecure"])
     assert f"--pull-backoff = '{value}': must be a number of seconds from 0.01 to 1.0" in capsys.readouterr().err

@@ -17,9 +17,10 @@ from dpcore.privacy.mechanisms import (
     topk_sparsify,
 )
 from dpcore.task.torch_helpers import get_weights
+from dpfl_tools.inprocess import InProcessGrid
+from fl_app.algorithms import ALGORITHMS
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics, read_rounds
 from fl_app.server_app import build_global_model, build_strategy, run_federated
 from strategies.topk import DPFedSAMTopK, payload_bytes
@@ -274,10 +275,10 @@ def tiny_config(tmp_path, name, **overrides):
 
 
 def final_arrays(cfg, clients=6):
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, ALGORITHMS[cfg.run.algorithm])
     result = strategy.start(
         InProcessGrid(client_app, clients, cfg),
-        ArrayRecord(get_weights(build_global_model(cfg))),
+        ArrayRecord(get_weights(build_global_model(cfg, ALGORITHMS[cfg.run.algorithm]))),
         num_rounds=cfg.run.num_rounds,
     )
     return flatten(result.arrays.to_numpy_ndarrays()), strategy

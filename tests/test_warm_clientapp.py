@@ -1,4 +1,4 @@
-"""The warm ClientApp executor (fl_app.clientapp_executor) and the ServerApp's prompt reply polling."""
+"""The warm ClientApp executor (dpfl_tools.clientapp_executor) and the ServerApp's prompt reply polling."""
 
 import json
 import subprocess
@@ -9,14 +9,14 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_app import clientapp_executor
+from dpfl_tools import clientapp_executor
 from fl_app.server_app import PromptGrid
 
 FORK_TWO_TASKS = r"""
 import json, random, sys
 import numpy as np
 import torch
-from fl_app import clientapp_executor
+from dpfl_tools import clientapp_executor
 
 def draws(path):
     with open(path, "w") as f:
@@ -49,7 +49,7 @@ def test_forked_tasks_get_fresh_random_state_and_no_app_code(tmp_path):
 
 LOAD_FROM_FAB = r"""
 import json, os, sys
-from fl_app import clientapp_executor
+from dpfl_tools import clientapp_executor
 
 def load(fab, out):
     clientapp_executor.forget_own_modules()  # what run_task does first
@@ -161,7 +161,7 @@ def test_the_object_pull_backoff_is_shortened_for_tasks_nodes_and_the_serverapp(
     policy stays."""
     from flwr.supercore.inflatable import inflatable_utils
 
-    from fl_app.pull_backoff import shorten_pull_backoff
+    from dpfl_tools.pull_backoff import shorten_pull_backoff
 
     pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
     for pull in pulls:  # restored after the test
@@ -220,7 +220,7 @@ def test_replies_whose_objects_never_come_fail_at_the_round_timeout(monkeypatch)
     the pull is taken by the last look at the deadline."""
     from flwr.superlink.grid import http_grid
 
-    from fl_app.pull_backoff import bound_reply_object_pulls
+    from dpfl_tools.pull_backoff import bound_reply_object_pulls, object_pulls_end_by
 
     monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # restored after the test
     flower_limit = http_grid.pull_objects.__kwdefaults__["max_time"]
@@ -229,7 +229,9 @@ def test_replies_whose_objects_never_come_fail_at_the_round_timeout(monkeypatch)
 
     grid = WithheldObjectsGrid(withheld={"0", "1"}, honest_after=0.3)
     started = time.monotonic()
-    replies = PromptGrid(grid, interval=0.01).send_and_receive(_messages(3), timeout=1.0)
+    replies = PromptGrid(grid, interval=0.01, pulls_end_by=object_pulls_end_by).send_and_receive(
+        _messages(3), timeout=1.0
+    )
     elapsed = time.monotonic() - started
     assert 0.9 < elapsed < 1.8, elapsed  # the round's 1 s once: not 2 s, the 30 s backstop or 7200 s
     by_id = {r.metadata.reply_to_message_id: r for r in replies}
@@ -244,13 +246,15 @@ def test_a_bounded_pull_ends_within_a_retry_cap_of_the_round_timeout(monkeypatch
     wait of 2 s and a 2.5 s timeout Flower's next retry would come 4.8-7.2 s in, the bounded one by 3.7 s."""
     from flwr.superlink.grid import http_grid
 
-    from fl_app.pull_backoff import DEADLINE_BACKOFF_CAP, bound_reply_object_pulls
+    from dpfl_tools.pull_backoff import DEADLINE_BACKOFF_CAP, bound_reply_object_pulls, object_pulls_end_by
 
     monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # restored after the test
     assert bound_reply_object_pulls()
     grid = WithheldObjectsGrid(withheld={"0"}, honest_after=0.0, initial_backoff=2.0)
     started = time.monotonic()
-    replies = PromptGrid(grid, interval=0.01).send_and_receive(_messages(2), timeout=2.5)
+    replies = PromptGrid(grid, interval=0.01, pulls_end_by=object_pulls_end_by).send_and_receive(
+        _messages(2), timeout=2.5
+    )
     elapsed = time.monotonic() - started
     assert DEADLINE_BACKOFF_CAP == 1.0
     assert 2.4 < elapsed < 2.5 + 1.2 * DEADLINE_BACKOFF_CAP + 0.5, elapsed

@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord
 from threadpoolctl import threadpool_limits
 
-from dpcore.privacy.ledger import epsilon_of
+from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import (
     flatten,
     haar_coefficients,
@@ -19,9 +19,9 @@ from dpcore.privacy.mechanisms import (
     make_rng,
     wavelet_effective_noise_multiplier,
 )
+from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
-from fl_app.inprocess import InProcessGrid
 from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies.wavelet import DPFedAvgWavelet

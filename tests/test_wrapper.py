@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
 from clients.mods import make_dp_privatize_mod
 from dpcore.privacy import protocol as keys
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies import DifferentialPrivacy
 from strategies.wrapped import reply_message
 

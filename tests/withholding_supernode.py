@@ -1,15 +1,15 @@
 """A SuperNode that sends its replies but never their objects (arrays, metrics, configs): a broken or
-hostile node, for tests. It is `fl_app.supernode` with Flower's object push replaced by nothing, so the
+hostile node, for tests. It is `dpfl_tools.supernode` with Flower's object push replaced by nothing, so the
 SuperLink holds each reply with its objects announced and never delivered.
 
-    python -m tests.withholding_supernode <fl_app.supernode arguments...>
+    python -m tests.withholding_supernode <dpfl_tools.supernode arguments...>
 """
 
 import sys
 
 from flwr.supernode import start_client_internal
 
-from fl_app import supernode
+from dpfl_tools import supernode
 
 
 def push_nothing(objects, push_object_fn, **kwargs) -> None:

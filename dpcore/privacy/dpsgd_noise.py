@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .ledger import DEFAULT_ACCOUNTANT, PrivacyLedger
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpcore.privacy.ledger import PrivacyLedger
+
 from .mechanisms import coefficient_clipping_noise_multiplier, haar_padded_size
 
 DPSGD_NOISES = ("gaussian", "wavelet")

@@ -45,3 +45,8 @@ LOCAL_DELTA = "local-delta"
 # Adaptive clipping (strategies.adaptive_clipping, clients.adaptive_clipping).
 CLIP_COUNT_NOISE_STD = "clip-count-noise-std"  # train config: the std of the client's share of the count noise
 CLIP_BIT = "clip-bit"  # metric: (1[||Delta|| <= C] - 1/2) + the client's share of the count noise
+# Sample-level DP in a user's own Opacus client (clients.opacus_ledger): its ledger across rounds.
+SAMPLE_EPSILON = "sample-epsilon"  # cumulative, at SAMPLE_DELTA
+SAMPLE_DELTA = "sample-delta"
+SAMPLE_STEPS = "sample-steps"  # DP-SGD steps charged so far
+SAMPLE_ACCOUNTANT = "sample-accountant"  # whose bound SAMPLE_EPSILON is (legacy replies only: a string)

@@ -1,14 +1,14 @@
 """The DP settings' allowed values and the rules between them, checked in one place.
 
 Each rule raises `SettingError` naming the setting both as the Python argument and as the
-run-config key, its value and what is allowed. The strategies call these rules when they are
+run-config key (`run_config_key`), its value and what is allowed. The strategies call these rules when they are
 built from Python; `fl_app.config.validate` calls the same rules (through the algorithm
 registry) before any training starts.
 """
 
 from __future__ import annotations
 
-from dpcore.privacy.ledger import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
+from dpcore.privacy.accountants import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
 
 NOISE_PLACEMENTS = ("central", "distributed", "local")
 CLIENT_SAMPLINGS = ("poisson", "fixed")
@@ -16,19 +16,30 @@ TARGET_EPSILON_MODES = ("stop", "calibrate")
 MU_SOURCES = ("server", "clients")
 
 
+# The run-config key of each rule argument whose key is not the argument with '-' for '_' (the keys are declared
+# in fl_app/settings.py, which this neutral core does not import; tests/test_config.py checks that every argument
+# a rule names maps to a key of [tool.flwr.app.config]).
+RUN_CONFIG_KEYS = {"epoch_rounds": "ftrl-epoch-rounds"}
+
+
 class SettingError(ValueError):
     """A DP setting has a value that is not allowed (alone or with another setting)."""
 
 
+def run_config_key(argument: str) -> str:
+    """The run-config key of a rule's Python argument: `RUN_CONFIG_KEYS`, else the argument with '-' for '_'."""
+    return RUN_CONFIG_KEYS.get(argument, argument.replace("_", "-"))
+
+
 def name(argument: str) -> str:
     """`noise_placement (run-config key 'noise-placement')`."""
-    return f"{argument} (run-config key '{argument.replace('_', '-')}')"
+    return f"{argument} (run-config key '{run_config_key(argument)}')"
 
 
 def require(condition: bool, argument: str, value, allowed: str) -> None:
     """Raise SettingError("<argument>=<value> (run-config key ...): must be <allowed>") unless condition."""
     if not condition:
-        raise SettingError(f"{argument}={value!r} (run-config key '{argument.replace('_', '-')}'): {allowed}")
+        raise SettingError(f"{argument}={value!r} (run-config key '{run_config_key(argument)}'): {allowed}")
 
 
 def one_of(argument: str, value, choices: tuple) -> None:

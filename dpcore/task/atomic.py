@@ -24,9 +24,11 @@ def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # e.g. a full disk: say which file
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
         dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -11,7 +11,7 @@ Flower 1.41 retries after `PULL_INITIAL_BACKOFF` = 1 s, doubling up to 10 s. Thr
 - the ServerApp asks the SuperLink for the objects of a reply a SuperNode is still pushing
   (the deployed Grid's `pull_messages` -> `pull_objects`).
 
-With fast polling on both sides (`fl_app.supernode --idle-poll`, `PromptGrid`) that retry was the largest
+With fast polling on both sides (`dpfl_tools.supernode --idle-poll`, `PromptGrid`) that retry was the largest
 wait left in a deployed round: 0.9-1.1 s at one to three of a SecAgg+ round's four exchanges. A shorter
 first retry keeps Flower's doubling, cap and limits; it costs a few more small requests while an object
 is in flight.
@@ -33,9 +33,6 @@ from contextlib import contextmanager
 
 PULL_BACKOFF = 0.05  # seconds before the first retry (Flower: 1)
 PATCHED_FLOWER = ("1.41", "1.42")  # the Flower releases these patches were written for and are tested on
-# set (to 1) in the environment of the processes that run Flower's simulation, where `flower-speed-patches` is
-# true (the launcher does it; with plain `flwr run`, export it before the SuperLink starts)
-SPEED_PATCHES_ENV = "DPFL_FLOWER_SPEED_PATCHES"
 PULL_BACKOFF_RANGE = (0.01, 1.0)  # what the command-line options accept
 
 

@@ -16,9 +16,11 @@ over the stored messages under the state's lock, in the order the ServerApp stor
 one check per undelivered message; Flower's own `get_message_ins` would check every stored message before
 each node's (with every client sampled, N messages: about N^2 / 2 checks per sweep even when asking only
 the nodes that have one).
-`fl_app.client_app` calls `install()` when it is imported, which Flower does in the simulation process (to
-test that the ClientApp loads) before it starts the thread that runs the loop; in any other process, or
-with a Flower whose loop or in-memory state differs, it changes nothing.
+`fl_app.client_app` calls `install()` when it is imported with SPEED_PATCHES_ENV = 1 in the environment (the
+launcher sets it for runs with `flower-speed-patches = true`; without it the ClientApp imports nothing of the
+tooling), which Flower does in the simulation process (to test that the ClientApp loads) before it starts the
+thread that runs the loop; in any other process, or with a Flower whose loop or in-memory state differs, it
+changes nothing.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def install() -> bool:
     Flower is a release they were tested on, its engine is loaded and its loop takes the arguments this one
     does. Returns whether it is in place."""
     global _flower_loop
-    from fl_app.pull_backoff import SPEED_PATCHES_ENV, flower_patch_problem
+    from dpfl_tools.pull_backoff import flower_patch_problem
+    from fl_app import SPEED_PATCHES_ENV
 
     if os.environ.get(SPEED_PATCHES_ENV) != "1" or flower_patch_problem() is not None:
         return False

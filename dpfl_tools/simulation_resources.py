@@ -4,7 +4,7 @@ Flower's simulation runs a ClientApp in a Ray actor that holds `client-resources
 `client-resources-num-gpus` GPUs (a fraction shares one GPU between actors; Ray sets each actor's
 CUDA_VISIBLE_DEVICES to the GPU it got). With c CPUs per client, at most min(clients, CPUs / c) clients run
 at once (one Ray worker process each, about 1 GB of resident memory with torch), so `gpus / that` per client
-lets all of them share the GPUs. `--cpus-per-client` (default 1) trades clients at once for memory. `fl_app.launch` passes the result in
+lets all of them share the GPUs. `--cpus-per-client` (default 1) trades clients at once for memory. `dpfl_tools.launch` passes the result in
 `--federation-config`, and `--gpus-per-client` overrides it; with plain `flwr run`, pass
 `--federation-config "num-supernodes=N client-resources-num-cpus=1 client-resources-num-gpus=0.25"`.
 """

@@ -1,6 +1,6 @@
 """A SuperExec for `flower-supernode --isolation process` that keeps torch and flwr imported.
 
-    python -m fl_app.clientapp_executor --runtime-api-address 127.0.0.1:<supernode --port> --insecure \
+    python -m dpfl_tools.clientapp_executor --runtime-api-address 127.0.0.1:<supernode --port> --insecure \
         [--parent-pid <supernode pid>] [--poll-interval 0.05]
 
 Flower 1.41 runs every message in a fresh `flwr-clientapp` process that imports flwr, torch and the
@@ -22,8 +22,8 @@ import signal
 import sys
 import time
 
+from dpfl_tools.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
 from fl_app import PROJECT_PACKAGES  # this repository's: a task takes them from its FAB
-from fl_app.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
 
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give exactly one of --insecure and --root-certificates")
     if problem := flower_patch_problem():  # it speaks Flower's internal Runtime API
         raise SystemExit(
-            f"fl_app.clientapp_executor: {problem}; run the SuperNode without it (Flower's own "
+            f"dpfl_tools.clientapp_executor: {problem}; run the SuperNode without it (Flower's own "
             "flwr-clientapp per message)"
         )
     for module in filter(None, args.preload.split(",")):

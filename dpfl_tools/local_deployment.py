@@ -10,130 +10,14 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-}
-PORT_RANGE = (19000, 19999)
-
-
-def free_port(taken: set[int]) -> int:
-    """A port in 19000-19999 that nothing listens on (bind test on 127.0.0.1)."""
-    for port in random.sample(range(*PORT_RANGE), PORT_RANGE[1] - PORT_RANGE[0]):
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
-    raise RuntimeError("no free port in 19000-19999")
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of all living descendants of `pid` (from /proc; detached children keep their parent)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def end_process_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process, its descendants (by PID: some detach into their own session) and its
-    process group (it was started as a group leader; orphans stay in it), wait, then SIGKILL."""
-    pids = [*([proc.pid] if proc.poll() is None else []), *descendants(proc.pid)]
-    _signal(pids, proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and (any(_alive(p) for p in pids) or _group_alive(proc.pid)):
-        proc.poll()
-        time.sleep(0.2)
-    _signal([p for p in pids if _alive(p)], proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def end_processes_with_home(home: str, grace: float = 10.0) -> None:
-    """SIGTERM, wait, then SIGKILL every living process whose environment sets FLWR_HOME=`home` (a private
-    folder per launch): what outlived its process tree and group, e.g. Ray processes in a session of their own."""
-    marker = f"FLWR_HOME={home}".encode() + b"\0"
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if marker in (entry / "environ").read_bytes() and _alive(int(entry.name)):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.2)
-        pids = [p for p in pids if _alive(p)]
-
-
-def _signal(pids: list[int], group: int, sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(group: int) -> bool:
-    """Does a living (non-zombie) process remain in process group `group`?"""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == group and fields[0] != "Z":
-                return True
-    return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from dpfl_tools import ROOT
+from dpfl_tools.processes import BIN, FLOWER_QUIET_ENV, alive, descendants, end_process_tree, free_port
+from dpfl_tools.superlink import SuperLinkFailed, superlink_command, wait_ready
 
 
 # ---------------------------------------------------------------- certificates and keys
@@ -222,7 +106,7 @@ class Deployment:
         # PYTHONPATH: this library is importable on every machine (as after `pip install`), for foreign apps
         return {
             **os.environ,
-            **ENV,
+            **FLOWER_QUIET_ENV,
             "FLWR_HOME": str(flwr_home),
             "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
             "PYTHONPATH": str(ROOT),
@@ -250,36 +134,17 @@ class Deployment:
     # -- SuperLink
     def start_superlink(self, timeout: float = 60) -> None:
         self.port = free_port(self.ports)
-        cmd = [
-            str(BIN / "flower-superlink"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--disable-runtime-dependency-installation",
-        ]
-        if self.tls:
-            cmd += [
-                "--ssl-ca-certfile",
-                str(self.certs["ca"]),
-                "--ssl-certfile",
-                str(self.certs["cert"]),
-                "--ssl-keyfile",
-                str(self.certs["key"]),
-            ]
-        else:
-            cmd += ["--insecure"]
-        if self.auth:
-            cmd += ["--enable-supernode-auth"]
+        cmd = superlink_command(self.port, certificates=self.certs, supernode_auth=self.auth)
         proc = self._spawn("superlink", cmd, self.env("superlink"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"flower-superlink exited ({proc.returncode}):\n{self.log('superlink')}")
-            if "Uvicorn running on" in self.log("superlink") and "Starting Flower SuperExec" in self.log("superlink"):
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"flower-superlink did not start within {timeout} s:\n{self.log('superlink')}")
+
+        def ready() -> bool:
+            log = self.log("superlink")
+            return "Uvicorn running on" in log and "Starting Flower SuperExec" in log
+
+        try:
+            wait_ready(proc, ready, self.tmp / "superlink.log", timeout)
+        except SuperLinkFailed as failed:
+            raise RuntimeError(f"{failed}:\n{self.log('superlink')}") from None
 
     # -- SuperNodes
     def start_supernode(
@@ -292,10 +157,10 @@ class Deployment:
         extra: list[str] | None = None,
         warm: bool = False,
         idle_poll: float | None = None,
-        node_module: str = "fl_app.supernode",
+        node_module: str = "dpfl_tools.supernode",
     ) -> subprocess.Popen:
-        """A SuperNode; `warm`: `--isolation process` with `fl_app.clientapp_executor` running its ClientApps;
-        `idle_poll`: `node_module` (`fl_app.supernode` or a module running it) with Flower's idle sleeps capped
+        """A SuperNode; `warm`: `--isolation process` with `dpfl_tools.clientapp_executor` running its ClientApps;
+        `idle_poll`: `node_module` (`dpfl_tools.supernode` or a module running it) with Flower's idle sleeps capped
         at that many seconds."""
         insecure = (not self.tls) if insecure is None else insecure
         runtime_port = free_port(self.ports)
@@ -321,7 +186,7 @@ class Deployment:
                 [
                     sys.executable,
                     "-m",
-                    "fl_app.clientapp_executor",
+                    "dpfl_tools.clientapp_executor",
                     "--runtime-api-address",
                     f"127.0.0.1:{runtime_port}",
                     "--insecure",
@@ -354,7 +219,7 @@ class Deployment:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"flwr-clientapp" in cmdline and _alive(pid):
+            if b"flwr-clientapp" in cmdline and alive(pid):
                 return True
         return False
 

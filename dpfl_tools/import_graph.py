@@ -1,11 +1,12 @@
 """The project's import graph, read from the code with `ast` (nothing is imported or run).
 
-    python -m fl_app.import_graph            # Mermaid diagram of module imports
-    python -m fl_app.import_graph --write    # ... written into docs/architecture.md
+    python -m dpfl_tools.import_graph            # Mermaid diagram of module imports
+    python -m dpfl_tools.import_graph --write    # ... written into docs/architecture.md
 
 `import_edges()` lists (importer, imported, lazy) for every import of a project module by
-another; `lazy` marks imports inside a function (made only when that code runs). Imports under
-`if TYPE_CHECKING:` are for annotations only, never run, and are not edges.
+another; `lazy` marks imports inside a function (made only when that code runs) and imports under
+`if TYPE_CHECKING:` (for annotations, never run). Both are knowledge of the imported module all the
+same, so they count for the layer rules and the import cycles.
 tests/test_architecture.py checks the layer rules on these edges and that the diagram in
 docs/architecture.md is the current one.
 """
@@ -15,14 +16,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from dpfl_tools import ROOT
 from fl_app import PROJECT_PACKAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+GRAPH_PACKAGES = (*PROJECT_PACKAGES, "dpfl_tools")  # the app's packages (what the FAB ships) and the tooling
+
 LAYERS = {  # subgraph title -> module prefixes, from the bottom layer up
     "neutral core": ("dpcore",),
     "server strategies": ("strategies",),
     "clients": ("clients",),
     "app wiring": ("fl_app",),
+    "tooling": ("dpfl_tools",),
 }
 
 
@@ -31,8 +35,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PROJECT_PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+def project_modules(packages: tuple[str, ...] = GRAPH_PACKAGES) -> dict[str, Path]:
+    """Module name -> file of every module of `packages` (default: the app's and the tooling's)."""
+    return {module_name(p): p for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _resolve(importer: str, node: ast.ImportFrom | ast.Import, is_package: bool) -> list[str]:
@@ -58,7 +63,8 @@ def _is_type_checking_block(node: ast.AST) -> bool:
 
 
 def import_edges() -> list[tuple[str, str, bool]]:
-    """(importer, imported project module, lazy) for every import between project modules."""
+    """(importer, imported project module, lazy) for every import between project modules (lazy: inside a
+    function, or under `if TYPE_CHECKING:`)."""
     modules = project_modules()
     edges = set()
     for name, path in modules.items():
@@ -67,19 +73,19 @@ def import_edges() -> list[tuple[str, str, bool]]:
         lazy_nodes = {id(n) for f in functions for n in ast.walk(f)}
         typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block) for n in ast.walk(block)}
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for target in _resolve(name, node, path.name == "__init__.py"):
                 if target in modules and target != name:
-                    edges.add((name, target, id(node) in lazy_nodes))
+                    edges.add((name, target, id(node) in lazy_nodes or id(node) in typing_only))
     # an import that is made both eagerly and lazily counts as eager
     eager = {(a, b) for a, b, lazy in edges if not lazy}
     return sorted(e for e in edges if not (e[2] and (e[0], e[1]) in eager))
 
 
 def import_cycles(edges: list[tuple[str, str, bool]]) -> list[list[str]]:
-    """Groups of modules that import each other, directly or through others (lazy imports count): Tarjan's
-    strongly connected components with more than one module, each sorted."""
+    """Groups of modules that import each other, directly or through others (lazy and TYPE_CHECKING imports
+    count): Tarjan's strongly connected components with more than one module, each sorted."""
     graph: dict[str, list[str]] = {}
     for a, b, _ in edges:
         graph.setdefault(a, []).append(b)
@@ -118,11 +124,11 @@ def layer_of(module: str) -> str:
 
 
 def mermaid() -> str:
-    """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy imports)."""
+    """The import graph as a Mermaid flowchart, one subgraph per layer (dashed: lazy or TYPE_CHECKING imports)."""
     modules = [
         m
         for m in project_modules()
-        if not m.endswith("__init__") and m not in PROJECT_PACKAGES and m not in ("dpcore.privacy", "dpcore.task")
+        if not m.endswith("__init__") and m not in GRAPH_PACKAGES and m not in ("dpcore.privacy", "dpcore.task")
     ]
     node_id = {m: m.replace(".", "_") for m in modules}
     lines = ["flowchart BT"]

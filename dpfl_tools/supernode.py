@@ -1,6 +1,6 @@
 """`flower-supernode` with a shorter idle poll, for small federations where a round's wall time matters.
 
-    python -m fl_app.supernode [--idle-poll 0.2] <flower-supernode arguments...>
+    python -m dpfl_tools.supernode [--idle-poll 0.2] <flower-supernode arguments...>
 
 Flower 1.41's SuperNode loop (`flwr/supernode/start_client_internal.py`) sleeps 3 s whenever it asks the
 SuperLink for a message and finds none, and checks every 0.5 s whether its ClientApp has replied; neither
@@ -8,7 +8,7 @@ has an option. After each reply a node finds nothing yet and sleeps, so every me
 3.5 s however short its task (SecAgg+ has four exchanges a round). This wrapper runs Flower's own
 `flower-supernode` entry point, unchanged but for those sleeps: the idle one capped at `--idle-poll`
 seconds, the 0.5 s checks of the node's own memory at 0.02 s (they ask no one); and the first retry for a
-message's objects the ServerApp is still pushing (Flower: 1 s; `--pull-backoff`, `fl_app.pull_backoff`).
+message's objects the ServerApp is still pushing (Flower: 1 s; `--pull-backoff`, `dpfl_tools.pull_backoff`).
 
 The price is load on the SuperLink: each idle node asks 1 / idle-poll times a second instead of once every
 3 s. For a few nodes (a lab, loopback, a benchmark) that is nothing; for hundreds of nodes keep Flower's
@@ -23,7 +23,7 @@ import inspect
 import sys
 import time
 
-from fl_app.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
+from dpfl_tools.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
 
 FLOWER_IDLE_SLEEP = 3  # s: after asking the SuperLink for a message and finding none
 FLOWER_LOCAL_WAIT = 0.5  # s: waits that only look at the node's own memory (reply in? objects in?)
@@ -60,7 +60,7 @@ def shorten_idle_sleeps(cap: float):
     source = inspect.getsource(loop)
     if getattr(loop, "time", None) is not time or not all(s in source for s in FLOWER_IDLE_SLEEPS):
         raise RuntimeError(
-            f"flwr {flwr.__version__}: its SuperNode loop is not the one fl_app.supernode knows "
+            f"flwr {flwr.__version__}: its SuperNode loop is not the one dpfl_tools.supernode knows "
             f"(module-level `time` with {' and '.join(FLOWER_IDLE_SLEEPS)}); run flower-supernode"
         )
     loop.time = CappedSleep(cap)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as error:
             problem = f"{error}: Flower's stock behaviour is kept"
     if problem:
-        print(f"fl_app.supernode: {problem}", flush=True)
+        print(f"dpfl_tools.supernode: {problem}", flush=True)
     else:
         backoff = (
             f"object pulls retried after {args.pull_backoff} s"
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             else "Flower's object pull backoff (this flwr has no default to set)"
         )
         print(
-            f"fl_app.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
+            f"dpfl_tools.supernode: Flower's SuperNode with its idle sleeps capped at {args.idle_poll} s; {backoff}",
             flush=True,
         )
     sys.argv = ["flower-supernode", *flower_args]
