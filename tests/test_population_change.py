@@ -20,7 +20,7 @@ from torch import nn
 from clients.mods import make_dp_privatize_mod
 from dpcore.privacy import protocol as keys
 from dpcore.task.torch_helpers import get_weights
-from fl_app.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid
 from strategies import DifferentialPrivacy
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
