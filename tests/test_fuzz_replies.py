@@ -302,7 +302,7 @@ def test_legacy_metrics_that_are_not_a_dict_are_refused_with_a_reason(metrics):
     record = strategy.result.train_metrics_clientapp[1]
     assert record["clients"] == 1  # the good reply only
     assert record["failures"] == 1
-    assert any("node 101: FitRes.metrics is" in p and "not a dict" in p for p in strategy.dp.round_problems)
+    assert any("node 101: FitRes.metrics is" in p and "not a dict" in p for p in strategy.dp.round.problems)
 
 
 def test_secagg_sum_survives_hostile_results():
