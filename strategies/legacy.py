@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from logging import INFO
 
 import numpy as np
@@ -36,8 +36,8 @@ LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] 
 
 
 def _numbers(metrics) -> dict:
-    """The finite numeric entries of a legacy metrics dict (MetricRecord holds numbers only)."""
-    if not isinstance(metrics, dict):
+    """The finite numeric entries of a legacy metrics mapping (MetricRecord holds numbers only)."""
+    if not isinstance(metrics, Mapping):
         return {}
     return {
         str(k): v
@@ -90,8 +90,9 @@ def legacy_content(array_key: str, res: FitRes) -> RecordDict:
 
 
 def fit_res_problem(res: FitRes) -> str | None:
-    """Why a legacy FitRes is refused before it is read (its metrics must be a dict, as Flower declares), or None."""
-    if not isinstance(res.metrics, dict):
+    """Why a legacy FitRes is refused before it is read (its metrics must be a mapping: a dict, as Flower declares,
+    or the ConfigRecord a mod may leave), or None."""
+    if not isinstance(res.metrics, Mapping):
         return f"FitRes.metrics is {type(res.metrics).__name__}, not a dict: the reply is refused"
     return None
 

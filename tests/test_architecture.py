@@ -67,6 +67,24 @@ def test_no_app_module_imports_the_tooling():
 FL_APP_MAX_LINES = 3200  # the apps, settings and registry, and what a run writes (the tooling is in dpfl_tools)
 
 
+MAX_FILE_LINES, MAX_CLASS_METHODS = 500, 25  # a file and a class a reader takes in; split by job beyond
+
+
+def test_no_source_file_or_class_outgrows_a_reader():
+    files = [p for package in (*PROJECT_PACKAGES, "dpfl_tools", "dpfl") for p in (ROOT / package).rglob("*.py")]
+    long_files = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert long_files == {}
+    big_classes = {
+        f"{p.relative_to(ROOT)}:{node.name}": len(methods)
+        for p in files
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and len(methods := [f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))])
+        > MAX_CLASS_METHODS
+    }
+    assert big_classes == {}
+
+
 def test_the_app_package_holds_only_what_the_fab_needs():
     lines = {path.name: len(path.read_text().splitlines()) for path in sorted((ROOT / "fl_app").glob("*.py"))}
     assert sum(lines.values()) <= FL_APP_MAX_LINES, lines
