@@ -344,7 +344,7 @@ class DifferentialPrivacy(DPRoundLoop):
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
-        """Would the round push epsilon above the target? Once a round has sampled (`open_round`, before
+        """Would the round push epsilon above the target? Once a round has sampled (`sample_clients`, before
         anything is sent) it is charged at its own (N, m) and truncation probability; after it, the next round is
         predicted with them. The target is a hard cap in both modes: `calibrate` picks sigma so that the
         configured rounds end at the target, but a run given more rounds than it was calibrated for (a resume

@@ -23,7 +23,7 @@ class DPRound:
     truncation_probability, sampled_from : how the sample was drawn (`strategies.sampling.Selection`).
     problems : failed and rejected replies (diagnostics); `accepted_nodes` the node of each accepted update.
     server_noise_std : the std of the noise the server added to the sum.
-    refused : the budget refused the round once it had sampled (`DPRoundLoop.open_round`): nothing was sent.
+    refused : the budget refused the round once it had sampled (`DPRoundLoop.sample_clients`): nothing was sent.
     """
 
     arrays: ArrayRecord | None = None

@@ -236,10 +236,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
             parameters = self._noise_only
         self._round_start = time.perf_counter()
         self._global = parameters_to_ndarrays(parameters)
+        self.dp.begin_round(ArrayRecord(self._global))  # what DPFedAvg.aggregate_train measures updates against
         proxies = {proxy.node_id: proxy for proxy in client_manager.all().values()}
-        # begin (what DPFedAvg.aggregate_train measures updates against), sample, and check the budget at the
-        # round's own sample before anything is sent; how many were sampled: a diagnostic, not logged
-        sampled = self.dp.open_round(server_round, ArrayRecord(self._global), list(proxies))
+        # the budget is checked at the round's own sample, before anything is sent; how many: a diagnostic
+        sampled = self.dp.sample_clients(server_round, list(proxies))
         if self.dp.round.refused:
             return []
         config = dict(self.on_fit_config_fn(server_round)) if self.on_fit_config_fn else {}
