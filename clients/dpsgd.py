@@ -267,6 +267,7 @@ class DPSGDClient(TrainingClient):
         mu_noise_multiplier: float = 10.0,
         noise: str = "gaussian",
         wavelet_calibration: str = "exact",
+        num_partitions: int = 1,
         **kwargs,
     ) -> None:
         kwargs["channels_last"] = False  # Opacus' ew per-sample gradients fail on channels_last convolutions
@@ -279,7 +280,7 @@ class DPSGDClient(TrainingClient):
                 f"(got {noise_multiplier}), clipping_norm > 0 (got {clipping_norm}) and "
                 f"target_epsilon > 0 (got {target_epsilon})"
             )
-        self.state, self.sample_rate = state, sample_rate
+        self.state, self.sample_rate, self.num_partitions = state, sample_rate, num_partitions
         self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
         self.target_epsilon, self.delta, self.accountant = target_epsilon, delta, accountant
         self.grad_sample_mode, self.noise = grad_sample_mode, noise
@@ -352,7 +353,11 @@ class DPSGDClient(TrainingClient):
             wavelet_rng=make_rng(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng),
         )
         new = get_weights(self.model)
-        metrics = {keys.PARTITION_ID: self.partition_id, keys.LOCAL_STEPS: taken}
+        metrics = {
+            keys.PARTITION_ID: self.partition_id,
+            keys.NUM_PARTITIONS: self.num_partitions,
+            keys.LOCAL_STEPS: taken,
+        }
         if taken > 0:
             ledger.record(self.accounted_multiplier, self.sample_rate, taken)
             counts["steps"] += taken
@@ -384,8 +389,7 @@ class DPSGDClient(TrainingClient):
             (keys.SPENT_STEPS, "steps", self.accounted_multiplier, self.sample_rate),
             (keys.SPENT_MU_RELEASES, "mu-releases", self.mu_noise_multiplier, 1.0),
         ):
-            spent = list(config.get(key, []))
-            server = int(spent[self.partition_id]) if self.partition_id < len(spent) else 0
+            server = int(config.get(key, 0))
             if server > counts[count]:
                 ledger.record(multiplier, rate, server - counts[count])
                 counts[count] = server

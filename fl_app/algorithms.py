@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from flwr.client import NumPyClient
 
+from dpcore.privacy.settings import check_calibration_reachable
 from fl_app.builders import (
     ClientSetup,
     check_dpsgd_config,
@@ -286,6 +287,19 @@ def check_config(s: Settings, algo: Algorithm) -> None:
         )
     try:
         algo.strategy_class.check_settings(**algo.strategy_kwargs(s))
+        if (
+            algo.privacy_unit == "client"
+            and s.privacy.target_epsilon > 0
+            and s.privacy.target_epsilon_mode == "calibrate"
+        ):
+            check_calibration_reachable(
+                target_epsilon=s.privacy.target_epsilon,
+                delta=s.privacy.delta,
+                sample_rate=s.federation.sample_rate,
+                rounds=s.run.num_rounds,
+                client_sampling=s.federation.client_sampling,
+                accountant=s.privacy.accountant,
+            )
     except ValueError as exc:
         raise ValueError(f"algorithm {algo.name!r}: {exc}") from None
     if algo.check_config:

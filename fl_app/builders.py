@@ -250,6 +250,7 @@ def dpsgd_client(setup: ClientSetup) -> NumPyClient:
         mu_noise_multiplier=d.mu_noise_multiplier,
         noise=d.noise,
         wavelet_calibration=setup.settings.wavelet.calibration,
+        num_partitions=int(setup.context.node_config["num-partitions"]),
         **setup.training_kwargs(),
     )
 

@@ -309,7 +309,7 @@ class DPSGDSettings:
     num_partitions: int = setting(
         0,
         "ali-dpfl: the SuperNodes' node-config num-partitions, for the public partition "
-        "sizes that weigh the average (0: the number of nodes connected at the start)",
+        "sizes that weigh the average (0: what each node reports from its node config)",
         low=0,
     )
     mu_noise_multiplier: float = setting(

@@ -11,9 +11,8 @@ each round the server
    mu releases) and reports the maximum epsilon over clients,
 
    Ledgers and step counts are keyed by the node id the SuperLink gives each reply (`src_node_id`), never
-   by an id the client sends. A node is bound to the partition id it first reports (which sets its public
-   |D_i|); a second connected node claiming a bound partition id is refused. A partition whose node is no
-   longer connected may be claimed by a new node, which inherits that node's ledger (a SuperNode restart).
+   by an id the client sends; each node is told its own spent counts. The partition id a reply names only
+   looks its public |D_i| up (the weight); it binds nothing, so no node can squat another's partition.
 4. computes the next tau: 1 if R_s >= R_c (Lemma 1), else eq. (9) with
    T = min(R_s * tau_prev, R_c), B = min_i q_s |D_i|, d = number of parameters,
    rounded to the nearest integer >= 1 (`adaptive = False`: tau stays `local_steps`),
@@ -34,8 +33,9 @@ from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
@@ -43,7 +43,7 @@ from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
 from dpcore.privacy.ledger import SampleLevelLedgers
 from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
-from dpcore.privacy.settings import check_dpsgd, require
+from dpcore.privacy.settings import check_dpsgd, require, require_a_step
 
 from .ali_dpfl_clients import claimed_epsilon, load_mirror_state, mirror_state, row_problem, update_ledgers
 from .local_steps import estimate_mu, next_local_steps
@@ -74,7 +74,8 @@ class ALIDPFL(DPRoundLoop):
     mu_max : a client's mu is clipped to [0, mu_max] on the server too (mu_source = clients).
     gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
     num_partitions : the deployment's number of partitions (the clients' node config num-partitions) for
-        `partition_size`; 0: the number of nodes connected at the start.
+        `partition_size`; 0: the number each reply reports from its node config (at least the number of nodes
+        connected at the start; replies without it: that number).
     partition_size : (partition id, number of partitions) -> |D_i|, the public partition sizes. The
         averaging weights p_i come from it, never from what a client reports (a reply whose
         num-examples differs is rejected); without it the server averages uniformly.
@@ -87,6 +88,7 @@ class ALIDPFL(DPRoundLoop):
     reply_metric_rules = {
         keys.NUM_EXAMPLES: MetricRule(required=True, low=1, high=2**31, integer=True),
         keys.PARTITION_ID: MetricRule(required=True, low=0, high=2**31, integer=True),
+        keys.NUM_PARTITIONS: MetricRule(low=1, high=2**31, integer=True),
         keys.LOCAL_STEPS: MetricRule(required=True, low=0, high=2**31, integer=True),
         keys.DPSGD_STEPS: MetricRule(required=True, low=0, high=2**53, integer=True),
         keys.MU_RELEASES: MetricRule(low=0, high=2**31, integer=True),
@@ -142,6 +144,7 @@ class ALIDPFL(DPRoundLoop):
             dpsgd_noise=dpsgd_noise,
             wavelet_calibration=wavelet_calibration,
             grad_sample_mode=grad_sample_mode,
+            delta=delta,
         )
         require(
             not (adaptive and mu_source == "server" and gradient_fn is None),
@@ -187,7 +190,6 @@ class ALIDPFL(DPRoundLoop):
         self.mu_releases: dict[int, int] = {}  # node id -> cumulative mu releases
         self.mu_rounds = 0  # rounds that asked for a mu release
         self.dataset_sizes: dict[int, int] = {}  # node id -> |D_i|
-        self.partition_of: dict[int, int] = {}  # node id -> the partition id it first reported
         self.clients_out_of_budget = False
 
     @classmethod
@@ -207,6 +209,7 @@ class ALIDPFL(DPRoundLoop):
         dpsgd_noise: str = "gaussian",
         wavelet_calibration: str = "exact",
         grad_sample_mode: str = "ew",
+        delta: float = 0.0,
         **_,
     ) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
@@ -225,6 +228,10 @@ class ALIDPFL(DPRoundLoop):
         require(gamma >= 0, "gamma", gamma, "must be >= 0")
         require(mu_max > 0, "mu_max", mu_max, "must be > 0")
         require(local_steps >= 0, "local_steps", local_steps, "must be >= 0 (0: 1)")
+        delta = delta or DEFAULT_SAMPLE_DELTA  # R_c > 0, checked with one step (the set-up computes R_c)
+        budget = dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration).budget
+        steps = max_local_steps(target_epsilon, delta, budget, batch_sample_rate, accountant, limit=1)
+        require_a_step(steps, target_epsilon, sample_noise_multiplier, batch_sample_rate, delta)
 
     # ------------------------------------------------------------------ set-up
     def default_delta(self, num_clients: int) -> float:
@@ -235,13 +242,8 @@ class ALIDPFL(DPRoundLoop):
         self.steps_budget = max_local_steps(
             self.sample_target_epsilon, delta, self.noise.budget, self.batch_sample_rate, self.accountant
         )
-        require(
-            self.steps_budget > 0,
-            "target_epsilon",
-            self.sample_target_epsilon,
-            f"allows no DP-SGD step with noise multiplier {self.sample_noise_multiplier}, batch sample rate "
-            f"{self.batch_sample_rate} and delta {delta}: raise the target or the noise multiplier, or lower "
-            "the sample rate",
+        require_a_step(
+            self.steps_budget, self.sample_target_epsilon, self.sample_noise_multiplier, self.batch_sample_rate, delta
         )
         if self.adaptive and self.rounds_budget >= self.steps_budget:
             self.tau = 1  # Lemma 1
@@ -306,23 +308,32 @@ class ALIDPFL(DPRoundLoop):
         return self.adaptive and self.mu_source == "clients" and self.rounds_budget < self.steps_budget
 
     def client_train_config(self, server_round: int) -> dict:
-        """tau, whether to release mu, and every client's spent budget as the server has charged it (a client
-        whose own state was lost, e.g. after a restart, never spends it again)."""
-        node_of = {pid: node for node, pid in self.partition_of.items()}
-        pids = range(max([self.partitions - 1, *node_of], default=-1) + 1)
+        """tau and whether to release mu (`configure_train` adds each node's own spent counts)."""
         return {
             keys.SERVER_ROUND: server_round,
             keys.LOCAL_STEPS: self.round_local_steps(),
             keys.RELEASE_MU: self.releases_mu(),
             keys.PRIVATIZE: False,
-            keys.SPENT_STEPS: [self.steps_taken.get(node_of.get(p, -1), 0) for p in pids],
-            keys.SPENT_MU_RELEASES: [self.mu_releases.get(node_of.get(p, -1), 0) for p in pids],
         }
 
-    @property
-    def partitions(self) -> int:
-        """The number of partitions the public sizes are computed for."""
-        return self.num_partitions or self.num_clients
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The round's train messages, each telling its node the DP-SGD steps and mu releases the server has
+        charged that node id (a client whose own state was lost, e.g. after a restart, never spends them
+        again). Keyed by node id, not partition id: what one node claims never changes what another is told."""
+        return [self.tell_spent(m) for m in super().configure_train(server_round, arrays, config, grid)]
+
+    def tell_spent(self, message: Message) -> Message:
+        node, content = message.metadata.dst_node_id, RecordDict(dict(message.content.items()))
+        content[self.configrecord_key] = ConfigRecord(
+            {
+                **dict(message.content[self.configrecord_key]),
+                keys.SPENT_STEPS: self.steps_taken.get(node, 0),
+                keys.SPENT_MU_RELEASES: self.mu_releases.get(node, 0),
+            }
+        )
+        return Message(content=content, dst_node_id=node, message_type=message.metadata.message_type)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -338,7 +349,7 @@ class ALIDPFL(DPRoundLoop):
         accepted, failures, rejected = self.accepted_updates(server_round, replies)
         rows, weights, nodes = [], [], []
         for (vector, metrics), node in zip(accepted, self.round.accepted_nodes):
-            problem, weight = row_problem(self, node, metrics, tau)
+            problem, weight = row_problem(self, metrics, tau)
             if problem:
                 rejected += 1
                 self.note_problem(

@@ -1,6 +1,7 @@
-"""ALI-DPFL's mirror of the clients' ledgers on the server (docs/algorithms.md §5): which node holds which
-partition, and each client's DP-SGD steps and mu releases charged from the cumulative counts it reports. Functions of
-the strategy (`strategies.ali_dpfl.ALIDPFL`), whose state they read and update."""
+"""ALI-DPFL's mirror of the clients' ledgers on the server (docs/algorithms.md §5): each node's DP-SGD steps and mu
+releases charged from the cumulative counts it reports, keyed by the node id the SuperLink gives its replies, and
+the public partition size that weighs its model. Functions of the strategy (`strategies.ali_dpfl.ALIDPFL`), whose
+state they read and update."""
 
 from __future__ import annotations
 
@@ -13,26 +14,6 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.accountants import epsilon_of
 
 from .local_steps import reply_metrics_problem
-
-
-def bind_partition(ali, node: int, pid: int) -> str | None:
-    """Bind `node` to partition `pid` for the run (None), or why it cannot claim it: it is bound to another
-    one, or another node that is still connected holds it. A partition whose node is gone (a restarted
-    SuperNode gets a new id) passes to the new node with that node's ledger and counts."""
-    bound = ali.partition_of.get(node)
-    if bound is not None:
-        return None if bound == pid else f"partition id {pid} reported, the node is bound to {bound}"
-    holder = next((n for n, p in ali.partition_of.items() if p == pid), None)
-    if holder is not None:
-        if holder in ali.round.population:
-            return f"partition id {pid} is bound to another node ({holder})"
-        del ali.partition_of[holder]
-        assert ali.ledger is not None
-        for table in (ali.ledger.clients, ali.steps_taken, ali.mu_releases, ali.dataset_sizes):
-            if holder in table:
-                table[node] = table.pop(holder)
-    ali.partition_of[node] = pid
-    return None
 
 
 def update_ledgers(ali, server_round: int, replies: list[dict], nodes: list[int]) -> None:
@@ -96,7 +77,6 @@ def mirror_state(ali) -> dict:
         "steps_taken": by_pid(ali.steps_taken),
         "mu_releases": by_pid(ali.mu_releases),
         "dataset_sizes": by_pid(ali.dataset_sizes),
-        "partition_of": by_pid(ali.partition_of),
         "mu_rounds": ali.mu_rounds,
         "clients_out_of_budget": ali.clients_out_of_budget,
     }
@@ -108,27 +88,38 @@ def load_mirror_state(ali, state: dict) -> None:
 
     ali.steps_taken, ali.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
     ali.dataset_sizes, ali.mu_rounds = by_pid(state["dataset_sizes"]), int(state["mu_rounds"])
-    ali.partition_of = by_pid(state.get("partition_of", {}))
     ali.clients_out_of_budget = bool(state["clients_out_of_budget"])
 
 
-def row_problem(ali, node: int, metrics: dict, tau: int) -> tuple[str | None, float]:
+def row_problem(ali, metrics: dict, tau: int) -> tuple[str | None, float]:
     """(why a DP-SGD client's reply cannot be used, or None; its averaging weight p_i before normalising).
 
-    The node's partition id is the one it first reported (`bind_partition`); its public size, the weight."""
+    The weight is the public size of the partition the reply names (`partition_size`), which its num-examples
+    must equal; without `partition_size`, 1. The partition id and count a node sends are not authenticated, so
+    they bind nothing: any node may name any partition (at worst it takes the largest public size as its
+    weight), and no node can take another's partition, ledger or step count (those are keyed by node id)."""
     problem = reply_metrics_problem(metrics)
-    pid, reported = int(metrics[keys.PARTITION_ID]), metrics[keys.NUM_EXAMPLES]
     if problem is None and metrics[keys.LOCAL_STEPS] > tau:
         problem = f"{metrics[keys.LOCAL_STEPS]} local steps taken, {tau} asked"
-    if problem is None and ali.partition_size is not None:
-        try:
-            public = int(ali.partition_size(pid, ali.partitions))
-        except Exception as exc:  # e.g. out of range: nothing a client sends may raise
-            return f"partition id {pid}: {exc}", 0.0
-        if reported != public:
-            return f"num-examples {reported} differs from partition {pid}'s public size {public}", 0.0
-    if problem is None:
-        problem = bind_partition(ali, node, pid)
-    if problem:
-        return problem, 0.0
-    return None, float(public) if ali.partition_size is not None else 1.0
+    if problem or ali.partition_size is None:
+        return problem, 0.0 if problem else 1.0
+    pid, reported, partitions = (
+        int(metrics[keys.PARTITION_ID]),
+        metrics[keys.NUM_EXAMPLES],
+        reply_partitions(ali, metrics),
+    )
+    if partitions < ali.num_clients:
+        return f"num-partitions {partitions} is fewer than the {ali.num_clients} nodes connected at the start", 0.0
+    try:
+        public = int(ali.partition_size(pid, partitions))
+    except Exception as exc:  # e.g. out of range: nothing a client sends may raise
+        return f"partition id {pid} of {partitions}: {exc}", 0.0
+    if reported != public:
+        return f"num-examples {reported} differs from partition {pid}'s public size {public} (of {partitions})", 0.0
+    return None, float(public)
+
+
+def reply_partitions(ali, metrics: dict) -> int:
+    """The number of partitions a reply's public size is looked up for: the run config's num-partitions, else the
+    one the node reports from its node config, else the number of nodes connected at the start."""
+    return ali.num_partitions or int(metrics.get(keys.NUM_PARTITIONS, ali.num_clients))

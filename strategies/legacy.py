@@ -91,7 +91,7 @@ def legacy_content(array_key: str, res: FitRes) -> RecordDict:
 
 def fit_res_problem(res: FitRes) -> str | None:
     """Why a legacy FitRes is refused before it is read (its metrics must be a mapping: a dict, as Flower declares,
-    or the ConfigRecord a mod may leave), or None."""
+    or the ConfigRecord Flower's own compat layer hands over), or None."""
     if not isinstance(res.metrics, Mapping):
         return f"FitRes.metrics is {type(res.metrics).__name__}, not a dict: the reply is refused"
     return None

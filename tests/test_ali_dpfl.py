@@ -492,13 +492,20 @@ def test_reported_step_counts_never_exceed_what_the_server_asked(lie):
         {"num-examples": float("inf")},
         {"mu": float("nan")},
         {"partition-id": -1},
-        {"partition-id": 2},
+        {"num-partitions": 0},
         {"budget-left": 7},
     ],
 )
-def test_malformed_or_duplicate_metrics_are_rejected_not_raised(lie):
+def test_malformed_metrics_are_rejected_not_raised(lie):
     _, new, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], lie))
     assert metrics["rejected"] == 2 and metrics["clients"] == 2 and np.all(np.isfinite(new))
+
+
+def test_a_duplicate_partition_id_binds_nothing():
+    """Client 0 names partition 2 (issue 35 item 5): a partition id is not authenticated, so it takes nobody's
+    place; it is accepted and charged on its own node id (the baseline rejection of the stub stays the only one)."""
+    strategy, _, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], {"partition-id": 2}))
+    assert metrics["rejected"] == 1 and metrics["clients"] == 3 and strategy.steps_taken[100] == 1
 
 
 def test_client_mu_is_clipped_on_the_server():

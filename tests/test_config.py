@@ -263,6 +263,64 @@ def test_the_key_reference_is_drawn_from_the_spec():
     assert all(f"| `{key}` |" in key_reference() for key in SPEC)
 
 
+# Issue 35 item 9: configs that failed only in round 1 (after the nodes connected) are refused by validate.
+ROUND_ONE_FAILURES = [
+    ({"algorithm": "ali-dpfl", "target-epsilon": 0.5}, "allows no DP-SGD step with noise multiplier 1.0"),
+    ({"algorithm": "ali-dpfl", "target-epsilon": 1e-6}, "allows no DP-SGD step with noise multiplier 1.0"),
+    (
+        {"target-epsilon": 1e-9, "target-epsilon-mode": "calibrate", "noise-multiplier": 1.0, "clipping-norm": 1.0},
+        "allowed: a target >= 0.008465",
+    ),
+    (
+        {
+            "target-epsilon": 1e-9,
+            "target-epsilon-mode": "calibrate",
+            "noise-multiplier": 1.0,
+            "clipping-norm": 1.0,
+            "client-sampling": "fixed",
+        },
+        "allowed: a target >= 0.0139",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,reason", ROUND_ONE_FAILURES)
+def test_targets_that_fail_in_round_one_are_refused_at_validation(overrides, reason):
+    """Before: ALI-DPFL's R_c = 0 raised SettingError, and calibrate's ValueError, only in round 1."""
+    with pytest.raises(ConfigError) as err:
+        validate(overrides)
+    msg = str(err.value)
+    assert "run-config key 'target-epsilon'" in msg and repr(overrides["target-epsilon"]) in msg, msg
+    assert reason in msg, msg
+
+
+def test_the_least_reachable_calibrate_target_passes_validation():
+    """The bound is exact at delta 1e-5: eps(sigma = 1e3) after 30 rounds at q 0.5 is refused just below, not at."""
+    from dpcore.privacy.accountants import epsilon_of
+    from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY
+
+    least = epsilon_of([(1e3, 0.5, 30)], 1e-5 - 30 * TRUNCATION_PROBABILITY)
+    assert least == pytest.approx(0.008465, rel=1e-3)
+    calibrate = {"target-epsilon-mode": "calibrate", "noise-multiplier": 1.0, "clipping-norm": 1.0}
+    assert validate({**calibrate, "target-epsilon": least}).privacy.target_epsilon == least
+    with pytest.raises(ConfigError, match="cannot be met"):
+        validate({**calibrate, "target-epsilon": least * 0.999})
+
+
+@pytest.mark.parametrize("target", [1e4, 1e6])
+def test_ali_dpfl_plans_huge_targets_at_the_step_cap_within_seconds(target):
+    """Before: R_c's search took 20 s (target 1e3) to minutes (1e4 and above) at the set-up of round 1. Now R_c is
+    capped at MAX_LOCAL_STEPS = 100,000, found with two evaluations of the accountant."""
+    import time
+
+    from dpcore.privacy.dpsgd_noise import MAX_LOCAL_STEPS, max_local_steps
+
+    start = time.monotonic()
+    assert max_local_steps(target, 1e-5, 1.0, 0.05) == MAX_LOCAL_STEPS == 100_000
+    assert time.monotonic() - start < 5.0
+    assert validate({"algorithm": "ali-dpfl", "target-epsilon": target}).privacy.target_epsilon == target
+
+
 def rule_arguments() -> set[str]:
     """Every Python argument a DP rule can name: the string given to require (2nd), one_of and name (1st) in the
     project's modules (strategies, clients, dpcore), read with ast."""

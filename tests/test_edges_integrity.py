@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from dpcore.privacy.accountants import epsilon_of
@@ -36,6 +36,7 @@ def honest_reply(msg: Message, context: Context, lie: dict | None = None) -> Mes
     context.state["metrics"] = MetricRecord({"steps": steps})
     metrics = {
         "partition-id": pid,
+        "num-partitions": n,
         "local-steps": 1,
         "dpsgd-steps": steps,
         "num-examples": public_size(pid, n),
@@ -89,55 +90,77 @@ def test_a_client_mu_that_underflows_does_not_crash_the_server_app():
     assert math.isinf(first["tau_star"]) and strategy.completed_rounds == 2
 
 
-def test_a_client_lying_about_its_partition_id_charges_only_its_own_ledger_and_takes_no_weight():
-    """Node 100 (partition 0) claims partition 1 from round 2. Before: its reply was taken as partition 1's (weight
-    130 of partition 1), the honest owner's was rejected as a duplicate, and the liar's steps went to partition 1's
-    ledger. Now the ledgers are the SuperLink's node ids and node 100 stays bound to partition 0: refused."""
+def test_a_client_lying_about_its_partition_id_charges_only_its_own_ledger():
+    """Node 100 (partition 0) claims partition 1 from round 2. Its reply is weighed by partition 1's public size
+    (the id binds nothing), but its steps go to its own ledger, 100, and the honest owner, 101, is accepted."""
     strategy = ali()
     grid = InProcessGrid(app_with_liar({"partition-id": 1, "num-examples": public_size(1, 3)}, from_round=2), 3, {})
     result = strategy.start(grid, initial(), num_rounds=2)
     second = result.train_metrics_clientapp[2]
-    assert second["clients"] == 2 and second["rejected"] == 1
-    assert set(strategy.ledger.clients) == {100, 101, 102} and strategy.partition_of == {100: 0, 101: 1, 102: 2}
-    assert strategy.steps_taken == {100: 1, 101: 2, 102: 2}  # the liar's second step charged nobody's
-    assert any("node 100" in p and "bound to 0" in p for p in strategy.history[1]["problems"])
-    # round 2 averages the models of partitions 1 and 2 only (weights: first entry 2 and 3), on their public sizes
-    assert flatten(result.arrays.to_numpy_ndarrays())[0] == pytest.approx((301 * 2 + 302 * 3) / 603, rel=1e-6)
+    assert second["clients"] == 3 and second["rejected"] == 0
+    assert set(strategy.ledger.clients) == {100, 101, 102}
+    assert strategy.steps_taken == {100: 2, 101: 2, 102: 2}
+    # round 2: weights 301 (the liar's claim), 301, 302 on the first entries 1, 2, 3
+    assert flatten(result.arrays.to_numpy_ndarrays())[0] == pytest.approx((301 * 1 + 301 * 2 + 302 * 3) / 904, rel=1e-6)
 
 
-def test_a_second_node_claiming_a_bound_partition_is_refused_and_resume_keeps_the_bindings():
-    """Node 100 claims partition 1 from round 1: it is bound to partition 1 and the honest node 101 is refused
-    (the first claim wins: what a client reports is not authenticated), but the liar's steps are charged to its
-    own ledger, 100, and it holds one weight only. The bindings and node-keyed ledgers survive a resume."""
+def test_a_node_claiming_another_partition_first_does_not_lock_its_owner_out_and_resume_keeps_the_ledgers():
+    """Issue 35 item 5. Node 100 claims partition 1 from round 1. Before: it was bound to partition 1 and the
+    honest node 101 was refused in every round ("partition id 1 is bound to another node (100)"). Now both are
+    accepted, each charged on its own node id, also after a resume."""
     app = app_with_liar({"partition-id": 1, "num-examples": public_size(1, 3)})
     strategy, grid = ali(), InProcessGrid(app, 3, {})
-    strategy.start(grid, initial(), num_rounds=1)
-    assert strategy.partition_of == {100: 1, 102: 2} and set(strategy.steps_taken) == {100, 102}
+    first = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
+    assert first["clients"] == 3 and first["rejected"] == 0
+    assert strategy.steps_taken == {100: 1, 101: 1, 102: 1}
     state = json.loads(json.dumps(strategy.state_dict()))
     resumed = ali()
     resumed.load_state_dict(state)
-    assert resumed.partition_of == {100: 1, 102: 2} and resumed.steps_taken == {100: 1, 102: 1}
+    assert resumed.steps_taken == {100: 1, 101: 1, 102: 1}
     result = resumed.start(grid, initial(), num_rounds=2)  # the same SuperNodes (ServerApp restarted)
-    assert resumed.steps_taken == {100: 2, 102: 2} and result.train_metrics_clientapp[2]["rejected"] == 1
-    assert resumed.client_train_config(3)["spent-steps"] == [0, 2, 2]  # by partition id, for the clients
+    assert resumed.steps_taken == {100: 2, 101: 2, 102: 2} and result.train_metrics_clientapp[2]["rejected"] == 0
 
 
-def test_fewer_connected_nodes_than_partitions_are_weighted_by_the_deployments_partition_count():
-    """2 SuperNodes of a 4-partition deployment. Before: the server computed the public sizes for 2 partitions
-    (the connected count) and rejected every honest reply; with num_partitions = 4 (run config num-partitions)
-    they are accepted."""
+def test_a_node_charged_for_a_claimed_partition_is_told_only_its_own_spent_steps():
+    """Issue 35 item 5. Node 100 claims partition 1 with dpsgd-steps = 3 in round 1 (tau 3). Before: the train
+    config told partition 1's real client (node 101) spent-steps = 3. Now each node is told what its own node id
+    was charged: 3 for the liar, 1 for the honest nodes."""
+    app = app_with_liar({"partition-id": 1, "num-examples": public_size(1, 3), "dpsgd-steps": 3, "local-steps": 3})
+    strategy, grid = ali(local_steps=3), InProcessGrid(app, 3, {})
+    strategy.start(grid, initial(), num_rounds=1)
+    assert strategy.steps_taken == {100: 3, 101: 1, 102: 1}
+    messages = strategy.configure_train(2, initial(), ConfigRecord(), grid)
+    told = {m.metadata.dst_node_id: int(m.content["config"]["spent-steps"]) for m in messages}
+    assert told == {100: 3, 101: 1, 102: 1}
+
+
+def test_fewer_connected_nodes_than_partitions_are_weighted_at_the_default_num_partitions():
+    """Issue 35 item 6. 2 SuperNodes of a 4-partition deployment, num_partitions = 0 (the default). Before: the server
+    computed the public sizes for 2 partitions (the connected count) and rejected both honest replies ("num-examples
+    400 differs from partition 0's public size 200"). Now it looks each size up for the count the node reports from
+    its node config (4), as it does for the run config's num-partitions = 4; a count below the connected nodes is
+    refused."""
     grid = InProcessGrid(app_with_liar({}), 4, {})
     grid.contexts = {node: ctx for node, ctx in grid.contexts.items() if node < 102}  # partitions 0, 1 of 4
-    strategy = ali(num_partitions=4, min_available_nodes=2)
+
+    def fresh_nodes() -> None:
+        grid.contexts = {
+            node: Context(run_id=1, node_id=node, node_config=dict(ctx.node_config), state=RecordDict(), run_config={})
+            for node, ctx in grid.contexts.items()
+        }
+
+    for strategy in (ali(min_available_nodes=2), ali(num_partitions=4, min_available_nodes=2)):
+        fresh_nodes()
+        result = strategy.start(grid, initial(), num_rounds=1)
+        assert result.train_metrics_clientapp[1]["clients"] == 2 and result.train_metrics_clientapp[1]["rejected"] == 0
+        # weights 400 and 401 on the first entries 1 and 2
+        assert flatten(result.arrays.to_numpy_ndarrays())[0] == pytest.approx((400 + 401 * 2) / 801, rel=1e-6)
+    fresh_nodes()
+    grid.client_app = app_with_liar({"num-partitions": 1, "partition-id": 0, "num-examples": public_size(0, 1)})
+    strategy = ali(min_available_nodes=2)
     metrics = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
-    assert metrics["clients"] == 2 and metrics["rejected"] == 0
-    default = ali(min_available_nodes=2)  # 0: the connected count, 2 here: both rejected, said why
-    grid.contexts = {
-        node: Context(run_id=1, node_id=node, node_config=dict(ctx.node_config), state=RecordDict(), run_config={})
-        for node, ctx in grid.contexts.items()
-    }
-    metrics = default.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
-    assert metrics["clients"] == 0 and metrics["rejected"] == 2
+    assert metrics["clients"] == 1 and metrics["rejected"] == 1
+    assert any("num-partitions 1 is fewer than the 2 nodes" in p for p in strategy.history[0]["problems"])
 
 
 def test_a_reply_from_a_node_that_was_not_sampled_or_twice_from_one_node_is_rejected():

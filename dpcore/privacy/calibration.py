@@ -19,14 +19,17 @@ def default_client_delta(num_clients: int) -> float:
     return min(1e-5, 0.01 / max(1, num_clients))
 
 
+CALIBRATION_RANGE = (1e-3, 1e3)  # the noise multipliers `calibrate_noise_multiplier` searches
+
+
 def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,
     sample_rate: float,
     steps: int,
     accountant: str = DEFAULT_ACCOUNTANT,
-    low: float = 1e-3,
-    high: float = 1e3,
+    low: float = CALIBRATION_RANGE[0],
+    high: float = CALIBRATION_RANGE[1],
 ) -> float:
     """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after `steps` (sigma, q) events:
     bisection on the ledger's own epsilon_of, so the ledger charges exactly what was calibrated."""

@@ -72,9 +72,11 @@ class PrivacyLedger:
     def max_steps_within(
         self, target_epsilon: float, noise_multiplier: float, sample_rate: float, limit: int = 10**7
     ) -> int:
-        """Largest n with epsilon_after(sigma, q, n) <= target (binary search; ALI-DPFL's R_c)."""
+        """Largest n <= limit with epsilon_after(sigma, q, n) <= target (binary search; ALI-DPFL's R_c)."""
         if self.epsilon_after(noise_multiplier, sample_rate, 1) > target_epsilon:
             return 0
+        if self.epsilon_after(noise_multiplier, sample_rate, limit) <= target_epsilon:
+            return limit  # what the search would find, without its dozens of costly evaluations
         lo, hi = 1, 2
         while hi <= limit and self.epsilon_after(noise_multiplier, sample_rate, hi) <= target_epsilon:
             lo, hi = hi, hi * 2

@@ -14,8 +14,8 @@ LOCAL_STEPS = "local-steps"  # also reported back: steps taken
 LOCAL_EPOCHS = "local-epochs"
 LEARNING_RATE = "lr"
 RELEASE_MU = "release-mu"  # ALI-DPFL: release a noisy mu estimate
-SPENT_STEPS = "spent-steps"  # ALI-DPFL: per partition id, the DP-SGD steps the server has charged so far
-SPENT_MU_RELEASES = "spent-mu-releases"  # ALI-DPFL: per partition id, the mu releases charged so far
+SPENT_STEPS = "spent-steps"  # ALI-DPFL: the DP-SGD steps the server has charged the receiving node so far
+SPENT_MU_RELEASES = "spent-mu-releases"  # ALI-DPFL: the mu releases charged to the receiving node so far
 
 # Metrics: client -> server.
 NUM_EXAMPLES = "num-examples"
@@ -28,6 +28,7 @@ HEAD_STEPS = "head-steps"
 FINE_TUNE_STEPS = "fine-tune-steps"
 KEPT_VALUES = "kept-values"  # top-k: coordinates uploaded
 PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"  # ALI-DPFL: the node config's, to look its partition's public size up
 DPSGD_STEPS = "dpsgd-steps"  # cumulative DP-SGD steps on this client's data
 MU_RELEASES = "mu-releases"  # cumulative mu releases
 MU = "mu"

@@ -103,6 +103,30 @@ def check_client_level_dp(
     )
 
 
+def check_calibration_reachable(
+    *, target_epsilon: float, delta: float, sample_rate: float, rounds: int, client_sampling: str, accountant: str
+) -> None:
+    """target-epsilon-mode = 'calibrate': the target must be reachable with the largest noise multiplier the
+    calibration tries (`CALIBRATION_RANGE`, 1e3), at the largest delta the run can have (delta, or 1e-5 when 0), as DPFedAvg's
+    `make_ledger` calibrates: Poisson at q = sample_rate less the truncation reserve, fixed-size at q = 1 (and
+    sigma / 2). Refused here, before any process starts, rather than in round 1."""
+    from .accountants import epsilon_of
+    from .calibration import CALIBRATION_RANGE
+    from .mechanisms import TRUNCATION_PROBABILITY
+
+    fixed, high = client_sampling == "fixed", CALIBRATION_RANGE[1]
+    largest_delta = (delta or 1e-5) - (0.0 if fixed else rounds * TRUNCATION_PROBABILITY)
+    least = epsilon_of([(high, 1.0 if fixed else sample_rate, rounds)], largest_delta, accountant)
+    require(
+        target_epsilon >= least,
+        "target_epsilon",
+        target_epsilon,
+        f"cannot be met by {name('target_epsilon_mode')} = 'calibrate': even noise multiplier {high:g} gives "
+        f"epsilon {least:.4g} after {rounds} rounds at sample rate {sample_rate:g} and delta {largest_delta:.4g}; "
+        f"allowed: a target >= {least:.4g}, or fewer rounds, a lower sample-rate or a larger delta",
+    )
+
+
 def require_noise_placement(algorithm: str, noise_placement: str, allowed: str, reason: str) -> None:
     """An algorithm that works with one noise placement only."""
     require(
@@ -160,6 +184,17 @@ def check_dpsgd(
     one_of("mu_source", mu_source, MU_SOURCES)
     one_of("accountant", accountant, ACCOUNTANT_NAMES)
     check_dpsgd_clipping(grad_sample_mode, dpsgd_noise)
+
+
+def require_a_step(steps: int, target_epsilon: float, noise_multiplier: float, sample_rate: float, delta: float):
+    """R_c > 0: a target that allows no DP-SGD step is refused (at validation, and again at the set-up)."""
+    require(
+        steps > 0,
+        "target_epsilon",
+        target_epsilon,
+        f"allows no DP-SGD step with noise multiplier {noise_multiplier}, batch sample rate {sample_rate} and "
+        f"delta {delta}: raise the target or the noise multiplier, or lower the sample rate",
+    )
 
 
 def check_dpsgd_clipping(grad_sample_mode: str, dpsgd_noise: str) -> None:
