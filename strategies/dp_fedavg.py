@@ -344,18 +344,22 @@ class DifferentialPrivacy(DPRoundLoop):
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
-        """Would the next round push epsilon above the target? The target is a hard cap in both modes:
-        `calibrate` picks sigma so that the configured rounds end at the target, but a run given more rounds
-        than it was calibrated for (a resume with a larger num-rounds, a legacy strategy whose num_rounds is
-        below its ServerConfig's) stops here too."""
+        """Would the round push epsilon above the target? Once a round has sampled (`sample_clients`, before
+        anything is sent) it is charged at its own (N, m) and truncation probability; after it, the next round is
+        predicted with them. The target is a hard cap in both modes: `calibrate` picks sigma so that the
+        configured rounds end at the target, but a run given more rounds than it was calibrated for (a resume
+        with a larger num-rounds, a legacy strategy whose num_rounds is below its ServerConfig's), or whose
+        population shrinks under fixed-size sampling, stops here too."""
         if self.ledger is None or self.target_epsilon <= 0:
             return False
-        return (
-            self.ledger.epsilon_after_rounds(
-                self.accounted_noise_multiplier(), self.sample_rate, 1, self.selection.next_truncation_probability(self)
-            )
-            > self.target_epsilon
+        epsilon = self.ledger.epsilon_after_rounds(
+            self.accounted_noise_multiplier(),
+            self.sample_rate,
+            1,
+            self.selection.next_truncation_probability(self),
+            sampled_from=self.round.sampled_from,
         )
+        return epsilon > self.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
         calibrated = " (sigma was calibrated for fewer rounds)" if self.target_epsilon_mode == "calibrate" else ""

@@ -23,6 +23,7 @@ class DPRound:
     truncation_probability, sampled_from : how the sample was drawn (`strategies.sampling.Selection`).
     problems : failed and rejected replies (diagnostics); `accepted_nodes` the node of each accepted update.
     server_noise_std : the std of the noise the server added to the sum.
+    refused : the budget refused the round once it had sampled (`DPRoundLoop.sample_clients`): nothing was sent.
     """
 
     arrays: ArrayRecord | None = None
@@ -36,6 +37,7 @@ class DPRound:
     problems: list[str] = field(default_factory=list)
     accepted_nodes: list[int] = field(default_factory=list)
     server_noise_std: float = 0.0
+    refused: bool = False
 
     @classmethod
     def starting(cls, arrays: ArrayRecord) -> DPRound:

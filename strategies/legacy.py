@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from logging import INFO, WARNING
+from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Error, MetricRecord, RecordDict
@@ -230,10 +230,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
     ) -> list[tuple[ClientProxy, FitIns]]:
         self.ensure_population(client_manager)
         self._pending = None
-        if self.dp.budget_exhausted():
-            if self.dp.stop_reason == "num-rounds reached":  # first round refused: say why, once
-                self.dp.stop_reason = self.dp.budget_stop_reason(server_round)
-                log(WARNING, "Stopping before round %d: %s", server_round, self.dp.stop_reason)
+        if self.dp.round.refused:  # the budget refused an earlier round (said once, then): the run has ended
             return []
         if self._noise_only is not None:  # the last release, which the workflow did not see
             parameters = self._noise_only
@@ -241,7 +238,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self._global = parameters_to_ndarrays(parameters)
         self.dp.begin_round(ArrayRecord(self._global))  # what DPFedAvg.aggregate_train measures updates against
         proxies = {proxy.node_id: proxy for proxy in client_manager.all().values()}
-        sampled = self.dp.sample_clients(server_round, list(proxies))  # how many: a diagnostic, not logged
+        # the budget is checked at the round's own sample, before anything is sent; how many: a diagnostic
+        sampled = self.dp.sample_clients(server_round, list(proxies))
+        if self.dp.round.refused:
+            return []
         config = dict(self.on_fit_config_fn(server_round)) if self.on_fit_config_fn else {}
         config.update(self.dp.client_train_config(server_round))
         config[keys.SECURE_AGGREGATION] = self.secure_aggregation

@@ -5,9 +5,11 @@ wrappers do, and adds what differential privacy needs around it:
 
 1. the population: wait for `min_available_nodes`, then fix M and m (expected clients per round)
    and build the ledger (`make_ledger`, per strategy);
-2. sampling: Poisson (each node with probability q) or fixed-size (exactly m), seeded per round;
+2. sampling: Poisson (each node with probability q, n_s re-derived for the round's population) or
+   fixed-size (exactly m), seeded per round;
 3. the reply gate: every reply is decoded and checked (`accepted_updates`) before anything reads it;
-4. the budget stop: before each round, `budget_exhausted()` may end the run;
+4. the budget stop: once a round has sampled and before anything is sent, `budget_exhausted()` at the
+   round's own (N, m) and truncation probability may refuse it and end the run;
 5. the round record: one dict per round in `history`, the `on_checkpoint` hook (the strategy's
    whole state and the global arrays, written before anything of the round is published), then
    the record split in two (`split_record`): what the ledger covers (`PUBLISHED_KEYS`: evaluation
@@ -60,7 +62,7 @@ from .options import RunOptions, SamplingOptions
 from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
 from .run_record import RunRecord
-from .sampling import ClientSampling
+from .sampling import ClientSampling, covering_noise_shares
 from .wrapped import quiet_flower_info, wrapped_train_content
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
@@ -199,9 +201,13 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
 
     # ------------------------------------------------------------------ train
     def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
-        """The nodes the selection role picks this round (`strategies.sampling`), noted in the round."""
+        """The nodes the selection role picks this round (`strategies.sampling`), noted in the round; n_s first
+        covers the round's population (`covering_noise_shares`). Then, before anything is sent, the budget is
+        checked at the round's own (N, m) and truncation probability: a round that would spend more than the
+        budget allows is refused (`round.refused`, `stop_reason` says why) and no node is returned."""
         if self.ledger is None:  # sampling needs the population (n_s, delta)
             self.setup_population(len(node_ids))
+        self.noise_shares = covering_noise_shares(self, len(node_ids))
         selection = self.selection.select(self, server_round, node_ids)
         self.round.population = set(sorted(node_ids))
         self.round.truncation_probability, self.round.sampled_from = (
@@ -209,6 +215,11 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             selection.sampled_from,
         )
         self.round.nodes = {int(n) for n in selection.nodes}
+        if self.budget_exhausted():
+            self.round.refused = True
+            self.stop_reason = self.budget_stop_reason(server_round)
+            log(WARNING, "Stopping before round %d: %s", server_round, self.stop_reason)
+            return []
         return selection.nodes
 
     def client_train_config(self, server_round: int) -> dict:
@@ -230,7 +241,9 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         """The wrapped strategy's train content (its config, arrays) with the DP keys, to the nodes sampled here."""
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.begin_round(arrays)
-        node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic, not logged
+        node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic
+        if self.round.refused:
+            return []
         content = wrapped_train_content(self, server_round, arrays, config)
         wrapped_config = content.config_records.get(self.configrecord_key, ConfigRecord())
         content[self.configrecord_key] = ConfigRecord(
@@ -346,12 +359,10 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 self.privacy_metrics().get("epsilon"),
             )
         for rnd in range(self.completed_rounds + 1, num_rounds + 1):
-            if self.budget_exhausted():
-                self.stop_reason = self.budget_stop_reason(rnd)
-                log(WARNING, "Stopping before round %d: %s", rnd, self.stop_reason)
-                break
             started = time.perf_counter()
             instructions = list(self.configure_train(rnd, arrays, train_config, grid))
+            if self.round.refused:  # over the budget at the round's own sample: nothing was sent
+                break
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
             result.arrays = arrays

@@ -8,10 +8,12 @@ A selection returns a `Selection`: the nodes, and what the ledger must know abou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from logging import INFO
 
 import numpy as np
+from flwr.common import log
 
-from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, truncation_probability
+from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, noise_share_count, truncation_probability
 
 from .parts import Part
 
@@ -39,8 +41,8 @@ class ClientSampling(Part):
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
         """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson sample larger
-        than n_s keeps a uniform n_s of it (probability <= 1e-12 for the population the run started with; the
-        ledger reserves the round's probability out of delta)."""
+        than n_s keeps a uniform n_s of it (probability <= 1e-12: n_s is re-derived for the round's population,
+        `covering_noise_shares`; the ledger reserves the round's probability out of delta)."""
         rng = make_rng(dp.seed, 1, server_round, secure=dp.secure_rng)
         nodes = sorted(node_ids)
         if self.fixed_size:
@@ -55,6 +57,27 @@ class ClientSampling(Part):
     def next_truncation_probability(self, dp) -> float:
         """What the budget check assumes the next round reserves out of delta."""
         return 0.0 if self.fixed_size else max(TRUNCATION_PROBABILITY, dp.round.truncation_probability)
+
+
+def covering_noise_shares(dp, population: int) -> int:
+    """n_s for a round of `population` nodes. Poisson sampling: re-derived for the round's N
+    (`noise_share_count(N, q)`: P(Binomial(N, q) >= n_s) <= 1e-12), so the noise shares cover the sample the round
+    may draw whether the population grew or shrank; each client's share std sigma C / sqrt(n_s), the server's
+    top-up and the ledger's truncation reserve follow it (logged when it changes). Fixed-size sampling keeps
+    n_s = m (a smaller population's sample is topped up)."""
+    if dp.client_sampling != "poisson":
+        return dp.noise_shares
+    shares = noise_share_count(population, dp.sample_rate, "poisson")
+    if shares != dp.noise_shares:
+        log(
+            INFO,
+            "Population %d nodes: n_s re-derived for it, %d -> %d noise shares (each client's noise std "
+            "sigma C / sqrt(n_s))",
+            population,
+            dp.noise_shares,
+            shares,
+        )
+    return shares
 
 
 def pick(rng: np.random.Generator, node_ids: list[int], k: int) -> list[int]:

@@ -63,14 +63,23 @@ def test_the_release_variance_does_not_depend_on_the_number_of_participants():
 def test_an_oversized_poisson_sample_keeps_n_s_clients():
     strategy = DPFedAvg(sample_rate=0.9, clipping_norm=C, noise_multiplier=1.0, secure_rng=False)
     strategy.setup_population(20)
-    n_s = strategy.noise_shares
-    assert n_s == 21
+    assert strategy.noise_shares == 21
     grown = list(range(60))  # the pool tripled after the population was fixed: samples of ~54 > n_s
-    sampled = strategy.sample_clients(3, grown)
-    assert len(sampled) == n_s and set(sampled) <= set(grown)
-    assert strategy.round.truncation_probability > 0.99  # ... and the ledger is told: it reserves it out of delta
+    selection = strategy.selection.select(strategy, 3, grown)  # the selection role at n_s = 21
+    assert len(selection.nodes) == 21 and set(selection.nodes) <= set(grown)
+    assert selection.truncation_probability > 0.99
+
+
+def test_a_grown_poisson_pool_re_derives_n_s_before_it_samples():
+    """Issue 35 item 2: the wrapper re-derives n_s for the round's population, so the sample is not truncated
+    (n_s = 61 for 60 nodes at q = 0.9: P(truncation) = 0) and epsilon stays finite (it was inf)."""
+    strategy = DPFedAvg(sample_rate=0.9, clipping_norm=C, noise_multiplier=1.0, secure_rng=False)
+    strategy.setup_population(20)
+    sampled = strategy.sample_clients(3, list(range(60)))
+    assert strategy.noise_shares == 61 and 40 < len(sampled) <= 60
+    assert strategy.round.truncation_probability == 0.0
     strategy.noisy_average_step(3, [np.zeros(4, np.float32)], np.zeros(4, np.float32), received=1)
-    assert math.isinf(strategy.ledger.epsilon())  # no delta left: no guarantee claimed
+    assert strategy.ledger.truncation_delta == 0.0 and math.isfinite(strategy.ledger.epsilon())
 
 
 SMALL = {

@@ -224,14 +224,20 @@ class ClientLevelLedger:
         return self._model_bounds(events, truncation_delta, fixed_rounds)[0]
 
     def epsilon_after_rounds(
-        self, noise_multiplier: float, sample_rate: float, rounds: int = 1, truncation_probability: float = 0.0
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        rounds: int = 1,
+        truncation_probability: float = 0.0,
+        sampled_from: tuple[int, int] | None = None,
     ) -> float:
-        """eps(delta) against the released model if `rounds` more rounds were charged (fixed-size sampling:
-        at the last round's N and m)."""
+        """eps(delta) against the released model if `rounds` more rounds were charged (fixed-size sampling: at
+        `sampled_from` = (N, m), the round's own once it has sampled; None: at the last round's N and m)."""
         event = (*self.release_event(noise_multiplier, sample_rate), rounds)
         fixed = None
-        if self.fixed_rounds:
-            fixed = self.fixed_rounds + [(event[0], self.fixed_rounds[-1][1], self.fixed_rounds[-1][2], rounds)]
+        where = sampled_from or (self.fixed_rounds[-1][1:3] if self.fixed_rounds else None)
+        if self.client_sampling == "fixed" and where is not None:
+            fixed = self.fixed_rounds + [(event[0], int(where[0]), int(where[1]), rounds)]
         return self._model_epsilon(
             self.model.history + [event], self.truncation_delta + rounds * truncation_probability, fixed
         )
@@ -422,7 +428,12 @@ class TreeAggregationLedger:
         return tree_aggregation_rdp_epsilon([tuple(t) for t in self.trees], self.delta)
 
     def epsilon_after_rounds(
-        self, noise_multiplier: float, sample_rate: float = 1.0, rounds: int = 1, truncation_probability: float = 0.0
+        self,
+        noise_multiplier: float,
+        sample_rate: float = 1.0,
+        rounds: int = 1,
+        truncation_probability: float = 0.0,
+        sampled_from: tuple[int, int] | None = None,
     ) -> float:
         trees = self.trees
         for _ in range(rounds):
