@@ -31,6 +31,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp.strategy import Strategy
+from flwr.supercore.privacy_accounting import PrivacySpent
 
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
@@ -102,7 +103,9 @@ class DifferentialPrivacy(DPRoundLoop):
     Parameters
     ----------
     strategy : the wrapped Flower strategy (first, FedAvg if None).
-    noise_multiplier, clipping_norm : sigma and C, positionally in Flower's order (or in `privacy`).
+    noise_multiplier, clipping_norm, num_sampled_clients : sigma, C and m, positionally in Flower's order (as
+        `DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier, clipping_norm, num_sampled_clients)`
+        takes them; or in `privacy` and `sampling`). m: fixed-size sampling of m nodes a round.
     privacy, sampling, run : the option objects (`strategies.options`); or their fields as flat keywords
         (sample_rate, noise_placement, delta, accountant, target_epsilon, seed, on_round_end, ...).
     parts : the optional pieces of the round (`strategies.parts.Part`); the flat keywords `adaptive_clipping`
@@ -128,6 +131,7 @@ class DifferentialPrivacy(DPRoundLoop):
         strategy: Strategy | None = None,
         noise_multiplier: float | None = None,
         clipping_norm: float | None = None,
+        num_sampled_clients: int | None = None,
         *,
         privacy: PrivacyOptions | None = None,
         sampling: SamplingOptions | None = None,
@@ -137,6 +141,10 @@ class DifferentialPrivacy(DPRoundLoop):
     ) -> None:
         given = {"noise_multiplier": noise_multiplier, "clipping_norm": clipping_norm}
         keywords.update({k: v for k, v in given.items() if v is not None})  # Flower's positional order
+        if num_sampled_clients is not None:  # Flower's fixed-size sample of m nodes a round
+            keywords.update(num_sampled_clients=num_sampled_clients)
+            keywords.setdefault("client_sampling", "fixed")
+            keywords.setdefault("sample_rate", 1.0)  # q = m / M once M is known
         privacy, sampling, run, parts = sort_keywords(type(self), privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
         self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)
@@ -333,6 +341,18 @@ class DifferentialPrivacy(DPRoundLoop):
             sampled_from=self.round.sampled_from,
         )
         return new_global
+
+    def privacy_spent(self) -> PrivacySpent | None:
+        """What Flower's DP wrappers' `privacy_spent()` returns, from the ledger: epsilon and delta of the model
+        released so far, the rounds charged, and the accountant whose bound it is; None before round 1."""
+        if self.ledger is None:
+            return None
+        return PrivacySpent(
+            epsilon=self.ledger.epsilon(),
+            delta=self.ledger.delta,
+            num_releases=self.completed_rounds,
+            accounting_method=self.ledger.model_bound_by(),
+        )
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None

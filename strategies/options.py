@@ -38,11 +38,17 @@ class PrivacyOptions:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Who takes part: q, Poisson or fixed-size sampling, and how many nodes to wait for before round 1."""
+    """Who takes part: q, Poisson or fixed-size sampling, and how many nodes to wait for before round 1.
+
+    num_sampled_clients : m, a fixed-size sample of m nodes a round (Flower's DP wrappers' argument; with it,
+        client_sampling is "fixed" and q = m / M once the population M is known). 0: m = round(q M) for "fixed".
+        Fewer than m connected nodes: the round samples all of them, says so, and is charged as such.
+    """
 
     sample_rate: float
     client_sampling: str = "poisson"
     min_available_nodes: int = 2
+    num_sampled_clients: int = 0
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,16 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         require(0 < sampling.sample_rate <= 1, "sample_rate", sampling.sample_rate, "must be in (0, 1]")
         one_of("client_sampling", sampling.client_sampling, CLIENT_SAMPLINGS)
         require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: the default delta)")
+        require(
+            sampling.num_sampled_clients == 0 or sampling.client_sampling == "fixed",
+            "num_sampled_clients",
+            sampling.num_sampled_clients,
+            "is a fixed-size sample: only with client_sampling = 'fixed'",
+        )
+        require(sampling.num_sampled_clients >= 0, "num_sampled_clients", sampling.num_sampled_clients, "must be >= 0")
         self.sample_rate = sampling.sample_rate
         self.client_sampling = sampling.client_sampling
+        self.num_sampled_clients = sampling.num_sampled_clients  # m given (Flower's wrappers); 0: round(q M)
         self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == "fixed")
         self.codec = DenseCodec()
         self.parts = list(parts)  # the optional pieces of the round (strategies.parts), in the order they run
@@ -178,6 +186,19 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     def setup_population(self, num_clients: int) -> None:
         """Fix M, m, n_s and delta, and build the ledger."""
         self.num_clients = num_clients
+        if self.num_sampled_clients:  # m given: q = m / M, capped at all M
+            self.sample_rate = min(1.0, self.num_sampled_clients / max(1, num_clients))
+            if self.num_sampled_clients > num_clients:
+                log(
+                    WARNING,
+                    "num_sampled_clients = %d, but %d nodes are connected: each round samples all %d (capped; "
+                    "charged as fixed-size sampling of %d of %d, without amplification)",
+                    self.num_sampled_clients,
+                    num_clients,
+                    num_clients,
+                    num_clients,
+                    num_clients,
+                )
         if self.client_sampling == "fixed":
             self.expected_clients = float(max(1, round(self.sample_rate * num_clients)))
         else:

@@ -8,7 +8,7 @@ A selection returns a `Selection`: the nodes, and what the ledger must know abou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.common import log
@@ -47,6 +47,18 @@ class ClientSampling(Part):
         nodes = sorted(node_ids)
         if self.fixed_size:
             k = min(len(nodes), int(dp.expected_clients))
+            if k < dp.expected_clients:
+                log(
+                    WARNING,
+                    "Round %d: %d nodes connected, fewer than the m = %d a round samples: all %d are sampled "
+                    "(charged as %d of %d; the noise is topped up to m shares)",
+                    server_round,
+                    len(nodes),
+                    int(dp.expected_clients),
+                    k,
+                    k,
+                    len(nodes),
+                )
             return Selection(pick(rng, nodes, k), 0.0, (len(nodes), k))
         truncation = truncation_probability(len(nodes), dp.sample_rate, dp.noise_shares)
         sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < dp.sample_rate]

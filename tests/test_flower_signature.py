@@ -1,0 +1,89 @@
+"""Flower's DP wrappers' signature on ours: `DifferentialPrivacy(strategy, noise_multiplier, clipping_norm,
+num_sampled_clients)` samples m nodes a round by fixed-size sampling, accounted as fixed-size sampling is (the
+same epsilon as `client_sampling='fixed'` at q = m / M), caps at the connected nodes with a line that says so, and
+answers `privacy_spent()` from the ledger, as Flower's wrappers do."""
+
+import logging
+
+import pytest
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.privacy_accounting import PrivacySpent
+
+from dpfl import DifferentialPrivacy as DifferentialPrivacyServerSideFixedClipping
+from dpfl_tools.inprocess import InProcessGrid
+from tests.test_wrapper import model, weights_client
+
+NODES, SIGMA, C = 6, 1.5, 0.5
+
+
+def run(strategy, rounds=3, nodes=NODES):
+    grid = InProcessGrid(weights_client(), nodes, {})
+    strategy.start(grid, model(), num_rounds=rounds)
+    return [
+        len(
+            {
+                m.metadata.dst_node_id
+                for m in grid.sent
+                if m.metadata.message_type == "train" and int(m.content["config"]["server-round"]) == r
+            }
+        )
+        for r in range(1, rounds + 1)
+    ]
+
+
+def flower_call(m: int, **kw):
+    """The line of a Flower app, with only its import changed."""
+    return DifferentialPrivacyServerSideFixedClipping(FedAvg(fraction_evaluate=0.0), SIGMA, C, m, seed=1, **kw)
+
+
+def test_flowers_positional_signature_samples_m_nodes_and_charges_fixed_size_sampling():
+    ours = flower_call(4)
+    assert run(ours) == [4, 4, 4]
+    same = DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(fraction_evaluate=0.0),
+        noise_multiplier=SIGMA,
+        clipping_norm=C,
+        sample_rate=4 / NODES,
+        client_sampling="fixed",
+        seed=1,
+    )
+    run(same)
+    assert ours.privacy_metrics() == same.privacy_metrics()  # accounted exactly as fixed-size sampling is
+    assert 0 < ours.privacy_metrics()["epsilon"] < float("inf")
+    keywords = DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(fraction_evaluate=0.0), noise_multiplier=SIGMA, clipping_norm=C, num_sampled_clients=4, seed=1
+    )
+    run(keywords)
+    assert keywords.privacy_metrics() == ours.privacy_metrics()  # Flower's keywords too
+
+
+def test_fewer_connected_nodes_than_m_are_all_sampled_and_the_log_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        capped = flower_call(10)
+        assert run(capped) == [NODES] * 3
+    assert "num_sampled_clients = 10, but 6 nodes are connected: each round samples all 6 (capped" in caplog.text
+    everyone = flower_call(NODES)
+    run(everyone)
+    assert capped.privacy_metrics() == everyone.privacy_metrics()
+
+
+def test_privacy_spent_is_the_ledgers_figure_in_flowers_form():
+    strategy = flower_call(4)
+    assert strategy.privacy_spent() is None  # before round 1, as Flower's without an accountant
+    run(strategy, rounds=2)
+    spent = strategy.privacy_spent()
+    assert isinstance(spent, PrivacySpent)
+    assert spent.epsilon == strategy.privacy_metrics()["epsilon"] and spent.delta == strategy.privacy_metrics()["delta"]
+    assert spent.num_releases == 2 and spent.accounting_method
+
+
+def test_num_sampled_clients_is_a_fixed_size_sample_only():
+    with pytest.raises(ValueError, match="num_sampled_clients"):
+        DifferentialPrivacyServerSideFixedClipping(
+            FedAvg(),
+            noise_multiplier=SIGMA,
+            clipping_norm=C,
+            sample_rate=0.5,
+            num_sampled_clients=3,
+            client_sampling="poisson",
+        )
