@@ -47,7 +47,7 @@ from .parts import ROLES, Part, filling, keywords_of
 from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
-from .wrapped import release
+from .wrapped import clients_own_metrics, release
 
 ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's after_round may give new values
 
@@ -278,7 +278,12 @@ class DifferentialPrivacy(DPRoundLoop):
 
         extra = extra_updates(self, server_round, sum(a.size for a in global_arrays))
         new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
-        metrics = {**round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm), **measured}
+        own = clients_own_metrics(self, replies)
+        metrics = {
+            **own,
+            **round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm),
+            **measured,
+        }
         metrics.update({"server_noise_std": self.round.server_noise_std, **self.privacy_metrics()})
         for part in self.parts:  # e.g. C_{t+1} from the noised count (after this round's noise used C_t)
             after = part.after_round(self, server_round, accepted, norms)
@@ -427,7 +432,7 @@ def round_statistics(updates: list, rejected: int, failures: int, norms: list, l
         "clipped_fraction": float(np.mean(finite_norms > clip)) if clip > 0 and finite_norms.size else 0.0,
         "update_norm_mean": float(finite_norms.mean()) if finite_norms.size else 0.0,
         "update_norm_std": float(finite_norms.std()) if finite_norms.size else 0.0,
-        "train_loss": float(np.mean(losses)) if losses else math.nan,
+        **({"train_loss": float(np.mean(losses))} if losses else {}),  # none reported: none made up
     }
 
 

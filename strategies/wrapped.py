@@ -15,7 +15,31 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.common import log
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.figures import published_and_former_names
 from dpcore.privacy.mechanisms import flatten, unflatten
+
+PROTOCOL_NAMES = frozenset(v for k, v in vars(keys).items() if k.isupper() and isinstance(v, str))
+OWN_NAMES = PROTOCOL_NAMES | published_and_former_names()  # no client writes these
+
+
+def clients_own_metrics(dp, replies: list[Message]) -> dict:
+    """The accepted clients' own train metrics (e.g. a Flower client's `train_loss`), aggregated by the wrapped
+    strategy as Flower would (its `train_metrics_aggr_fn`, weighted by its `weighted_by_key`): non-private
+    diagnostics that reach Flower's Result as the clients sent them (the round's own statistics of the same name
+    take precedence). Keys of the protocol or of a published figure (e.g. `epsilon`, `accuracy`) are left out,
+    so no client can write a published figure; a failed aggregation (hostile values) is a noted problem, never
+    raised."""
+    aggregate = getattr(dp.strategy, "train_metrics_aggr_fn", None)
+    accepted = set(dp.round.accepted_nodes)
+    contents = [r.content for r in replies if not r.has_error() and r.metadata.src_node_id in accepted]
+    if aggregate is None or not contents:
+        return {}
+    try:
+        record = aggregate(contents, getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES))
+    except Exception as exc:  # hostile metrics: the wrapped strategy's function raised
+        dp.round.problems.append(f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
+        return {}
+    return {k: v for k, v in dict(record or {}).items() if k not in OWN_NAMES}
 
 
 def wrapped_train_content(dp, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:

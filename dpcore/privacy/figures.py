@@ -147,6 +147,11 @@ DECLARED = (
 FIGURES = DECLARED + tuple(guarantee_mark(f) for f in DECLARED if f.caveat)
 
 
+def published_and_former_names() -> frozenset[str]:
+    """The published figures' names, their marks' and the former names: what only the run itself may write."""
+    return frozenset(n for f in FIGURES if f.published for n in (f.name, f.mark, *f.former) if n)
+
+
 def published_names() -> frozenset[str]:
     """The round-record keys the ledger covers (metrics.jsonl); every other key is a diagnostic."""
     return frozenset(f.name for f in FIGURES if f.published and f.per_round)

@@ -1,11 +1,14 @@
-"""Flower's DP wrappers' signature on ours: `DifferentialPrivacy(strategy, noise_multiplier, clipping_norm,
+"""Flower users' habits with our wrapper. Flower's DP wrappers' signature on ours: `DifferentialPrivacy(strategy, noise_multiplier, clipping_norm,
 num_sampled_clients)` samples m nodes a round by fixed-size sampling, accounted as fixed-size sampling is (the
 same epsilon as `client_sampling='fixed'` at q = m / M), caps at the connected nodes with a line that says so, and
-answers `privacy_spent()` from the ledger, as Flower's wrappers do."""
+answers `privacy_spent()` from the ledger, as Flower's wrappers do. The clients' own train metrics reach the
+Result as Flower's FedAvg aggregates them."""
 
 import logging
 
 import pytest
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.privacy_accounting import PrivacySpent
 
@@ -87,3 +90,26 @@ def test_num_sampled_clients_is_a_fixed_size_sample_only():
             num_sampled_clients=3,
             client_sampling="poisson",
         )
+
+
+def test_the_clients_own_train_metrics_reach_the_result_as_sent_and_no_figure_is_written_by_a_client():
+    """A quickstart-pytorch client reports `train_loss` (not this project's `train-loss`): the Result's train
+    metrics carry Flower's weighted average of it, not a NaN; a client's `accuracy` or `epsilon` never lands in
+    the round's record (those are figures only the run writes)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        node = context.node_id - 100  # the in-process grid's nodes are 100, 101, ...
+        new = {k: Array(msg.content["arrays"][k].numpy()) for k in msg.content["arrays"].keys()}
+        metrics = {"num-examples": 10 * (node + 1), "train_loss": float(node), "accuracy": 0.99, "epsilon": 0.0}
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    strategy = DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(fraction_evaluate=0.0), noise_multiplier=0.0, clipping_norm=100.0, sample_rate=1.0, seed=1
+    )
+    result = strategy.start(InProcessGrid(app, 3, {}), model(), num_rounds=1)
+    metrics = dict(result.train_metrics_clientapp[1])
+    assert metrics["train_loss"] == pytest.approx((0 * 10 + 1 * 20 + 2 * 30) / 60)  # Flower's weighted average
+    assert "accuracy" not in metrics and metrics["epsilon"] == strategy.privacy_metrics()["epsilon"]
+    assert "accuracy" not in strategy.history[0]
