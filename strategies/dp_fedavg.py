@@ -229,7 +229,7 @@ class DifferentialPrivacy(DPRoundLoop):
             self.clipping_norm,
             self.noise_multiplier,
             self.noise_placement,
-            self.client_sampling,
+            f"fixed (m={self.num_sampled_clients})" if self.num_sampled_clients else self.client_sampling,
         )
         log(
             INFO,

@@ -63,7 +63,7 @@ from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
 from .run_record import RunRecord
 from .sampling import ClientSampling, covering_noise_shares
-from .wrapped import quiet_flower_info, wrapped_train_content
+from .wrapped import UnusedSamplingLines, filtered_flower_log, quiet_flower_info, wrapped_train_content
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -293,9 +293,17 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             return None
 
     def summary(self) -> None:
-        """The wrapped strategy's summary (the DP subclasses add theirs)."""
-        log(INFO, "\t├──> Wrapped strategy: %s", type(self.strategy).__name__)
-        self.strategy.summary()
+        """The wrapped strategy's summary, less its train-sampling lines, which the wrapper replaces with its own
+        (the DP subclasses add theirs)."""
+        log(
+            INFO,
+            "\t├──> Wrapped strategy: %s (the DP wrapper samples the train rounds: its fraction_train and "
+            "min_train_nodes are not used; its evaluation is, fraction_evaluate=%.2f)",
+            type(self.strategy).__name__,
+            self.fraction_evaluate,
+        )
+        with filtered_flower_log(UnusedSamplingLines()):
+            self.strategy.summary()
 
     # ------------------------------------------------------------------ budget and record
     def privacy_metrics(self) -> dict:

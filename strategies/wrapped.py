@@ -120,6 +120,15 @@ class FlowerInfoFilter(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
+class UnusedSamplingLines(logging.Filter):
+    """Drops the lines of a wrapped strategy's banner that state its own train sampling (`Fraction: train ...`,
+    `Minimum nodes: train ...`): the DP wrapper samples, so they would describe what is not used."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not ("Fraction: train" in message or "Minimum nodes: train" in message)
+
+
 @contextmanager
 def filtered_flower_log(log_filter: logging.Filter, enabled: bool = True):
     """While active (and `enabled`), the flwr logger passes its records through `log_filter`."""
