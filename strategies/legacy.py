@@ -222,7 +222,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
                 "target_epsilon_mode='calibrate' needs the number of rounds: pass num_rounds= (the "
                 "ServerConfig's num_rounds) to the legacy strategy, or use target_epsilon_mode='stop'"
             )
-        self.dp.ensure_population(client_manager.num_available)
+        self.dp.ensure_population(self.node_counter(client_manager))
+
+    def node_counter(self, client_manager: ClientManager) -> Callable[[], int]:
+        """How the wrapped strategy counts the connected nodes before round 1."""
+        return client_manager.num_available
 
     # ------------------------------------------------------------------ fit
     def configure_fit(
