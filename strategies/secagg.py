@@ -117,12 +117,13 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         return {**super().describe(), "secagg": self.secagg_settings}
 
     def fit_workflow(self, timeout: float | None) -> SecAggPlusWorkflow:
-        """The given workflow (its own timeout, else `timeout`), or DPSecAggPlusWorkflow(timeout=timeout)."""
-        if self.workflow is None:
-            return DPSecAggPlusWorkflow(timeout=timeout)
-        if self.workflow.timeout is None:
-            self.workflow.timeout = timeout
-        return self.workflow
+        """The given workflow (its own timeout, else `timeout`), or DPSecAggPlusWorkflow(timeout=timeout). `start`
+        runs the project's own ClientApp, which has no app fit metrics: the workflow's note on them is not given."""
+        workflow = self.workflow or DPSecAggPlusWorkflow()
+        if workflow.timeout is None:
+            workflow.timeout = timeout
+        workflow.metrics_said = True
+        return workflow
 
     def configure_fit(self, server_round: int, parameters, client_manager) -> list:
         """Refused under any fit workflow but DPSecAggPlusWorkflow (it sets the quantizer the accounting needs)."""
