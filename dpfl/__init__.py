@@ -8,7 +8,7 @@
 
 Server side: the DP wrapper around any Flower Message-API strategy (`DifferentialPrivacy`, `DPFedAvg` around
 FedAvg), its options (`AdaptiveClipping`, `DPFTRL`), the algorithms built on it, and the legacy-API adapters
-(`LegacyDPFedAvg`, SecAgg+). Client side: the Flower mods and the NumPyClients to subclass. The ledgers, for
+(`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, SecAgg+). Client side: the Flower mods and the NumPyClients to subclass. The ledgers, for
 a client that accounts for itself. Each name is the object of its home module (strategies, clients, dpcore):
 this package only re-exports, and nothing in the project imports it.
 
@@ -27,15 +27,12 @@ from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DifferentialPrivacy, DPFedAvg
 from strategies.dp_ftrl import DPFTRL
 from strategies.legacy import LegacyDPFedAvg, quiet_workflow_logs
+from strategies.legacy_wrapper import LegacyDifferentialPrivacy
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
 from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from strategies.topk import DPFedSAMTopK
 from strategies.wavelet import DPFedAvgWavelet
-
-# Flower's legacy strategy API around the wrapper. Today this is the legacy adapter of DPFedAvg; issue 34's
-# general legacy wrapper (any Flower legacy strategy) takes this name when it lands.
-LegacyDifferentialPrivacy = LegacyDPFedAvg
 
 _TORCH_NAMES = {  # name -> home module, imported on first access (they import torch; the Opacus ones Opacus)
     "TrainingClient": "clients.base",

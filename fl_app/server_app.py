@@ -35,7 +35,7 @@ from fl_app.results import (
 )
 from fl_app.settings import Settings
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
-from strategies.secagg import SecAggPlusDPFedAvg
+from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 
 app = ServerApp()
 
@@ -64,7 +64,7 @@ def build_strategy(
     strategy = algo.build_strategy(s, **hooks)
     if s.secagg.enabled:
         return SecAggPlusDPFedAvg(
-            strategy, num_shares=s.secagg.num_shares, reconstruction_threshold=s.secagg.reconstruction_threshold
+            strategy, workflow=DPSecAggPlusWorkflow(s.secagg.num_shares, s.secagg.reconstruction_threshold)
         )
     return strategy
 

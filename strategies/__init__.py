@@ -5,10 +5,12 @@
 
     strategy = DifferentialPrivacy(FedAdam(), clipping_norm=0.5, noise_multiplier=1.0, sample_rate=0.5)
 
-`DPFedAvg` is the same wrapper around FedAvg; `LegacyDPFedAvg` runs it under Flower's legacy workflow.
+`DPFedAvg` is the same wrapper around FedAvg; `LegacyDPFedAvg` runs it under Flower's legacy workflow, and
+`LegacyDifferentialPrivacy` wraps any legacy Flower strategy in the signature of Flower's legacy DP wrappers.
 """
 
 from .dp_fedavg import DifferentialPrivacy, DPFedAvg
 from .legacy import LegacyDPFedAvg
+from .legacy_wrapper import LegacyDifferentialPrivacy
 
-__all__ = ["DifferentialPrivacy", "DPFedAvg", "LegacyDPFedAvg"]
+__all__ = ["DifferentialPrivacy", "DPFedAvg", "LegacyDPFedAvg", "LegacyDifferentialPrivacy"]

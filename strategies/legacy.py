@@ -120,6 +120,11 @@ def failure_reason(failure) -> str:
     return f"{type(failure).__name__}: {failure}"
 
 
+def summed_by_secagg(results: list) -> bool:
+    """Whether the results are Flower's SecAgg+ sum: its workflow hands every result the same Parameters object."""
+    return len(results) >= 2 and all(res.parameters is results[0][1].parameters for _, res in results)
+
+
 def weighted_numeric_mean(results: list) -> dict:
     """The example-weighted mean of each numeric metric every client reported (num-examples left out)."""
     total = sum(res.num_examples for _, res in results)
@@ -222,7 +227,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
                 "target_epsilon_mode='calibrate' needs the number of rounds: pass num_rounds= (the "
                 "ServerConfig's num_rounds) to the legacy strategy, or use target_epsilon_mode='stop'"
             )
-        self.dp.ensure_population(client_manager.num_available)
+        self.dp.ensure_population(self.node_counter(client_manager))
+
+    def node_counter(self, client_manager: ClientManager) -> Callable[[], int]:
+        """How the wrapped strategy counts the connected nodes before round 1."""
+        return client_manager.num_available
 
     # ------------------------------------------------------------------ fit
     def configure_fit(
@@ -254,6 +263,12 @@ class LegacyDPFedAvg(LegacyFedAvg):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         if self._global is None:
             raise RuntimeError("aggregate_fit before configure_fit")
+        if not self.secure_aggregation and summed_by_secagg(results):
+            raise ValueError(
+                "these results are one SecAgg+ sum (Flower's SecAggPlusWorkflow), which this strategy would count "
+                "as separate clients' updates: use SecAggPlusDPFedAvg(DPFedAvg(noise_placement='distributed', ...)) "
+                "with DPSecAggPlusWorkflow in place of SecAggPlusWorkflow (both from dpfl), or leave SecAgg+ out"
+            )
         failures = unique_failures(failures)
         self._noise_only = None
         new_global, metrics = self.aggregate_updates(server_round, results, failures)

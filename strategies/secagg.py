@@ -18,11 +18,12 @@ nonlinearly and void the accounting of the sum as one Gaussian release.
 from __future__ import annotations
 
 import math
+from logging import INFO
 from statistics import NormalDist
 
 import numpy as np
 from flwr.app import Context
-from flwr.common import FitRes, parameters_to_ndarrays
+from flwr.common import FitRes, log, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.workflow import SecAggPlusWorkflow
@@ -40,6 +41,10 @@ from .secure_aggregation import SecureAggregation
 
 SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
 SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate
+SECAGG_FIT_METRICS_NOTE = (
+    "Under SecAgg+ the server sees only the sum: the clients' fit metrics are not sent (dp_privatize_mod replies "
+    "with weight 1 and no metrics), and the round's fit metrics are the ledger's (epsilon, delta) only"
+)
 
 
 def secagg_clipping_range(
@@ -59,9 +64,9 @@ def secagg_clipping_range(
     return float(clipping_norm + NormalDist().inv_cdf(1.0 - tail) * noise_std)
 
 
-def secagg_quantization_range(clients: int) -> int:
-    """Levels per coordinate such that the sum over `clients` cannot overflow the 2^32 modulus."""
-    return int(min(SECAGG_QUANTIZATION_RANGE, (SECAGG_MODULUS_RANGE - 1) // max(2, clients)))
+def secagg_quantization_range(clients: int, modulus_range: int = SECAGG_MODULUS_RANGE) -> int:
+    """Levels per coordinate such that the sum over `clients` cannot overflow the modulus (2^32 by default)."""
+    return int(min(SECAGG_QUANTIZATION_RANGE, (modulus_range - 1) // max(2, clients)))
 
 
 class SecAggPlusDPFedAvg(LegacyDPFedAvg):
@@ -70,8 +75,8 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
     Parameters
     ----------
     dp : the DPFedAvg (or subclass) that does all the DP work; needs noise_placement = "distributed".
-    num_shares, reconstruction_threshold : SecAgg+ settings used by `start` (fractions of the
-        sampled clients / of the shares, as in Flower's `SecAggPlusWorkflow`).
+    workflow : the `DPSecAggPlusWorkflow` that `start` runs (it holds the SecAgg+ settings); default
+        DPSecAggPlusWorkflow(). In a ServerApp of your own, pass yours to DefaultWorkflow(fit_workflow=...).
     evaluate_fn, on_fit_config_fn, initial_parameters, num_rounds : as in LegacyDPFedAvg.
     """
 
@@ -81,8 +86,7 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         self,
         dp: DPFedAvg,
         *,
-        num_shares: float = 1.0,
-        reconstruction_threshold: float = 0.5,
+        workflow: DPSecAggPlusWorkflow | None = None,
         evaluate_fn: LegacyEvaluateFn | None = None,
         on_fit_config_fn=None,
         initial_parameters=None,
@@ -103,9 +107,8 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
             initial_parameters=initial_parameters,
             num_rounds=num_rounds,
         )
-        self.num_shares = num_shares
-        self.reconstruction_threshold = reconstruction_threshold
-        self.secagg_settings: dict = {}
+        self.workflow = workflow
+        self.secagg_settings: dict = {}  # DPSecAggPlusWorkflow's, set at each round
 
     def __repr__(self) -> str:
         return f"SecAggPlusDPFedAvg({type(self.dp).__name__})"
@@ -114,7 +117,22 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         return {**super().describe(), "secagg": self.secagg_settings}
 
     def fit_workflow(self, timeout: float | None) -> SecAggPlusWorkflow:
-        return DPSecAggPlusWorkflow(self.num_shares, self.reconstruction_threshold, timeout=timeout)
+        """The given workflow (its own timeout, else `timeout`), or DPSecAggPlusWorkflow(timeout=timeout). `start`
+        runs the project's own ClientApp, which has no app fit metrics: the workflow's note on them is not given."""
+        workflow = self.workflow or DPSecAggPlusWorkflow()
+        if workflow.timeout is None:
+            workflow.timeout = timeout
+        workflow.metrics_said = True
+        return workflow
+
+    def configure_fit(self, server_round: int, parameters, client_manager) -> list:
+        """Refused under any fit workflow but DPSecAggPlusWorkflow (it sets the quantizer the accounting needs)."""
+        if not self.secagg_settings:
+            raise ValueError(
+                "SecAggPlusDPFedAvg runs under DPSecAggPlusWorkflow: in DefaultWorkflow(fit_workflow=...), replace "
+                "SecAggPlusWorkflow(...) with DPSecAggPlusWorkflow(...) from dpfl (the same arguments)"
+            )
+        return super().configure_fit(server_round, parameters, client_manager)
 
     def aggregate_updates(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
@@ -175,32 +193,56 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
 
 
 class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
-    """Flower's SecAgg+ set up for a SecAggPlusDPFedAvg: uniform weights (max_weight = 1) and a quantizer
-    range R that the noisy updates do not reach (`secagg_clipping_range`), recomputed every round."""
+    """Flower's SecAgg+ set up for a SecAggPlusDPFedAvg, with `SecAggPlusWorkflow`'s arguments: uniform weights
+    (max_weight = 1: the DP mods send weight 1) and a quantizer range R that the noisy updates do not reach
+    (`secagg_clipping_range`) with as many levels as the modulus allows (`secagg_quantization_range`), both
+    recomputed every round; a max_weight, clipping_range or quantization_range given is replaced (said once in
+    the log). It is the one owner of the SecAgg+ settings; the number of rounds comes from the ServerConfig."""
 
     def __init__(
         self,
         num_shares: int | float = 1.0,
         reconstruction_threshold: int | float = 0.5,
         *,
-        failure_probability: float = 1e-9,
+        max_weight: float | None = None,
+        clipping_range: float | None = None,
+        quantization_range: int | None = None,
+        modulus_range: int = SECAGG_MODULUS_RANGE,
         timeout: float | None = None,
+        failure_probability: float = 1e-9,
     ) -> None:
-        super().__init__(num_shares, reconstruction_threshold, max_weight=1.0, timeout=timeout)
+        super().__init__(
+            num_shares, reconstruction_threshold, max_weight=1.0, modulus_range=modulus_range, timeout=timeout
+        )
         self.failure_probability = failure_probability
+        given = {"max_weight": max_weight, "clipping_range": clipping_range, "quantization_range": quantization_range}
+        replaced = {k: v for k, v in given.items() if v is not None}
+        if replaced:
+            log(
+                INFO,
+                "DPSecAggPlusWorkflow: %s replaced: max_weight is 1 (the DP mods send weight 1) and the quantizer's "
+                "clipping_range and quantization_range are set each round from C, the noise and the population",
+                ", ".join(f"{k}={v}" for k, v in replaced.items()),
+            )
+        self.metrics_said = False
 
     def __call__(self, grid: Grid, context: Context) -> None:
         strategy = getattr(context, "strategy", None)
         if not isinstance(strategy, SecAggPlusDPFedAvg):
             raise TypeError("DPSecAggPlusWorkflow needs a SecAggPlusDPFedAvg as the LegacyContext's strategy")
-        strategy.ensure_population(context.client_manager)
         dp = strategy.dp
+        if dp.num_rounds <= 0:  # the ServerConfig's, unless the strategy was given num_rounds
+            dp.set_num_rounds(context.config.num_rounds)
+        strategy.ensure_population(context.client_manager)
+        if not self.metrics_said:
+            self.metrics_said = True
+            log(INFO, SECAGG_FIT_METRICS_NOTE)
         parameters = compat.arrayrecord_to_parameters(context.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         dim = sum(a.size for a in parameters_to_ndarrays(parameters))
         clients = max(2, dp.num_clients)
         noise_std = float(dp.client_train_config(0)[keys.NOISE_STD])
         self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients, self.failure_probability)
-        self.quantization_range = secagg_quantization_range(clients)
+        self.quantization_range = secagg_quantization_range(clients, self.modulus_range)
         strategy.secagg_settings = {
             "num_shares": self.num_shares,
             "reconstruction_threshold": self.reconstruction_threshold,

@@ -52,14 +52,11 @@ def test_dpfl_gives_the_public_api():
 @pytest.mark.parametrize("name", dpfl.__all__)
 def test_each_name_is_its_home_modules_object(name):
     homes = reexports()
-    if name == "LegacyDifferentialPrivacy":  # today's legacy wrapper under the name issue 31 gives it
-        assert dpfl.LegacyDifferentialPrivacy is dpfl.LegacyDPFedAvg
-        return
     assert getattr(dpfl, name) is getattr(import_module(homes[name]), name)
 
 
 def test_every_reexport_is_listed_and_an_unknown_name_is_an_error():
-    assert set(reexports()) | {"LegacyDifferentialPrivacy"} == set(dpfl.__all__)
+    assert set(reexports()) == set(dpfl.__all__)
     with pytest.raises(AttributeError, match="no attribute 'DPFedAvgg'"):
         dpfl.DPFedAvgg  # noqa: B018
 

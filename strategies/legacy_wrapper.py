@@ -1,0 +1,160 @@
+"""`LegacyDifferentialPrivacy`: Flower's legacy DP wrapper signature around any legacy strategy.
+
+    LegacyDifferentialPrivacy(FedAdam(initial_parameters=...), noise_multiplier, clipping_norm, num_sampled_clients)
+
+takes the arguments of Flower's `DifferentialPrivacyServerSideFixedClipping`. The DP round is `LegacyDPFedAvg`'s
+around a `DPFedAvg` (central noise): fixed-size sampling of m = num_sampled_clients nodes, clipping to C, the
+fixed denominator m, Gaussian noise sigma C / m, the ledger. The wrapped strategy then gets the DP average as if
+it were its only result, and its `aggregate_fit` (FedAdam's, FedAvgM's momentum, ...) is post-processing of that
+release, costing no epsilon, as in the Message-API wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from logging import INFO
+
+import numpy as np
+from flwr.common import Code, FitRes, Parameters, Scalar, Status, log, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
+
+from .dp_fedavg import DPFedAvg
+from .legacy import LegacyDPFedAvg, _numbers, fit_res_problem
+
+
+def no_fit_metrics(_: list) -> dict:
+    """The wrapped strategy's fit-metrics function while it aggregates the DP average, which no client sent."""
+    return {}
+
+
+class LegacyDifferentialPrivacy(LegacyDPFedAvg):
+    """Client-level DP (central noise) around any `flwr.server.strategy.Strategy`, in Flower's signature.
+
+    Parameters
+    ----------
+    strategy : the app's legacy strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAvgM or a subclass). Its
+        initial_parameters, evaluate_fn, on_fit_config_fn, on_evaluate_config_fn, fraction_evaluate,
+        min_evaluate_clients and evaluate_metrics_aggregation_fn are used as they are; its min_available_clients
+        is the number of nodes to wait for. Its fit_metrics_aggregation_fn gets the (num_examples, metrics) the
+        clients sent (never the DP average); what it returns is added to the round's fit metrics (Flower's
+        History), outside what epsilon covers; if it raises, the round goes on without them.
+    noise_multiplier, clipping_norm : sigma and C.
+    num_sampled_clients : m, the clients sampled each round (fixed-size sampling, as the ledger accounts it).
+        With fewer than m nodes connected at round 1, m is capped at the number connected (said in the log).
+    dp_keywords : further DPFedAvg settings (delta, accountant, target_epsilon, seed, num_rounds, ...).
+
+    The wrapper samples the clients itself, so the strategy's fraction_fit and min_fit_clients are not used
+    (said once in the log).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        noise_multiplier: float,
+        clipping_norm: float,
+        num_sampled_clients: int,
+        *,
+        num_rounds: int = 0,
+        **dp_keywords,
+    ) -> None:
+        if int(num_sampled_clients) < 1:
+            raise ValueError(f"num_sampled_clients={num_sampled_clients!r} must be >= 1")
+        dp = DPFedAvg(
+            noise_multiplier=noise_multiplier,
+            clipping_norm=clipping_norm,
+            sample_rate=1.0,  # m / M once the population is known (node_counter)
+            client_sampling="fixed",
+            min_available_nodes=int(getattr(strategy, "min_available_clients", 2)),
+            **dp_keywords,
+        )
+        super().__init__(
+            dp,
+            evaluate_fn=getattr(strategy, "evaluate_fn", None),
+            on_fit_config_fn=getattr(strategy, "on_fit_config_fn", None),
+            on_evaluate_config_fn=getattr(strategy, "on_evaluate_config_fn", None),
+            evaluate_metrics_aggregation_fn=getattr(strategy, "evaluate_metrics_aggregation_fn", None),
+            initial_parameters=getattr(strategy, "initial_parameters", None),
+            num_rounds=num_rounds,
+        )
+        self.fraction_evaluate = getattr(strategy, "fraction_evaluate", self.fraction_evaluate)
+        self.min_evaluate_clients = getattr(strategy, "min_evaluate_clients", self.min_evaluate_clients)
+        self.strategy = strategy
+        self.num_sampled_clients = int(num_sampled_clients)
+        self.fit_metrics_aggregation_fn = getattr(strategy, "fit_metrics_aggregation_fn", None)
+        self.app_fit_metrics: dict = {}
+        log(
+            INFO,
+            "LegacyDifferentialPrivacy samples %d clients a round itself (fixed-size, as the ledger accounts it): "
+            "%s's fraction_fit=%s and min_fit_clients=%s are not used",
+            self.num_sampled_clients,
+            type(strategy).__name__,
+            getattr(strategy, "fraction_fit", None),
+            getattr(strategy, "min_fit_clients", None),
+        )
+
+    def __repr__(self) -> str:
+        return f"LegacyDifferentialPrivacy({self.strategy!r}, num_sampled_clients={self.num_sampled_clients})"
+
+    def node_counter(self, client_manager: ClientManager) -> Callable[[], int]:
+        """Counts the nodes and sets q = m / M (fixed-size sampling of m), m capped at M with a log line."""
+
+        def count() -> int:
+            available = client_manager.num_available()
+            if 0 < available < self.num_sampled_clients:
+                log(
+                    INFO,
+                    "num_sampled_clients=%d but %d nodes are connected: %d are sampled a round",
+                    self.num_sampled_clients,
+                    available,
+                    available,
+                )
+            self.dp.sample_rate = min(1.0, self.num_sampled_clients / max(1, available))
+            return available
+
+        return count
+
+    def aggregate_fit(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """The DP round; then the app's fit metrics (over what the clients sent) beside the ledger's."""
+        self.app_fit_metrics = self.aggregate_app_fit_metrics(server_round, results)
+        parameters, metrics = super().aggregate_fit(server_round, results, failures)
+        return parameters, {**self.app_fit_metrics, **metrics}
+
+    def aggregate_updates(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    ) -> tuple[list[np.ndarray], dict]:
+        """The DP average, then the wrapped strategy's server step on it (post-processing)."""
+        dp_average, metrics = super().aggregate_updates(server_round, results, failures)
+        return self.server_step(server_round, dp_average), metrics
+
+    def server_step(self, server_round: int, dp_average: list[np.ndarray]) -> list[np.ndarray]:
+        """The wrapped strategy's aggregate_fit with the DP average as its only result (weight 1), in the DP
+        average's dtypes; the DP average itself if the strategy returns nothing."""
+        only = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(dp_average), 1, {})
+        own_fn = getattr(self.strategy, "fit_metrics_aggregation_fn", None)
+        if own_fn is not None:
+            self.strategy.fit_metrics_aggregation_fn = no_fit_metrics
+        try:
+            parameters, _ = self.strategy.aggregate_fit(server_round, [(None, only)], [])
+        finally:
+            if own_fn is not None:
+                self.strategy.fit_metrics_aggregation_fn = own_fn
+        if parameters is None:
+            return dp_average
+        stepped = parameters_to_ndarrays(parameters)
+        return [np.asarray(a, dtype=d.dtype) for a, d in zip(stepped, dp_average)]
+
+    def aggregate_app_fit_metrics(self, server_round: int, results: list[tuple[ClientProxy, FitRes]]) -> dict:
+        """The app's fit_metrics_aggregation_fn over the (num_examples, metrics) the clients sent; {} without
+        results, or if it raises (noted in the round's diagnostics)."""
+        sent = [(res.num_examples, dict(res.metrics)) for _, res in results if fit_res_problem(res) is None]
+        if self.fit_metrics_aggregation_fn is None or not sent:
+            return {}
+        try:
+            return _numbers(self.fit_metrics_aggregation_fn(sent))
+        except Exception as exc:  # the app's function on what clients sent
+            self.dp.note_problem(server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})")
+            return {}
