@@ -346,13 +346,16 @@ def test_every_rule_error_names_a_key_of_the_app_config():
     argument with '-' for '_' where the key is another: epoch_rounds is 'ftrl-epoch-rounds')."""
     import re
 
-    from dpcore.privacy.settings import SettingError, require
+    from dpcore.privacy.settings import PYTHON_ONLY, SettingError, require
 
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     arguments = rule_arguments()
     assert {"epoch_rounds", "noise_placement", "sample_noise_multiplier", "sparsity"} <= arguments
+    for argument in PYTHON_ONLY:  # no key to name: the error says so
+        with pytest.raises(SettingError, match=f"{argument}=-1 \\(a Python argument; no run-config key sets it\\)"):
+            require(False, argument, -1, "must be >= 0")
     named = {}
-    for argument in arguments:
+    for argument in arguments - PYTHON_ONLY:
         with pytest.raises(SettingError) as err:
             require(False, argument, -1, "must be >= 0")
         named[argument] = re.search(r"run-config key '([^']+)'", str(err.value)).group(1)

@@ -20,6 +20,7 @@ MU_SOURCES = ("server", "clients")
 # in fl_app/settings.py, which this neutral core does not import; tests/test_config.py checks that every argument
 # a rule names maps to a key of [tool.flwr.app.config]).
 RUN_CONFIG_KEYS = {"epoch_rounds": "ftrl-epoch-rounds"}
+PYTHON_ONLY = frozenset({"num_sampled_clients"})  # arguments of the Python API that no run-config key sets
 
 
 class SettingError(ValueError):
@@ -31,15 +32,22 @@ def run_config_key(argument: str) -> str:
     return RUN_CONFIG_KEYS.get(argument, argument.replace("_", "-"))
 
 
+def key_clause(argument: str) -> str:
+    """`run-config key 'noise-placement'`, or that an argument of the Python API alone has none."""
+    if argument in PYTHON_ONLY:
+        return "a Python argument; no run-config key sets it"
+    return f"run-config key '{run_config_key(argument)}'"
+
+
 def name(argument: str) -> str:
     """`noise_placement (run-config key 'noise-placement')`."""
-    return f"{argument} (run-config key '{run_config_key(argument)}')"
+    return f"{argument} ({key_clause(argument)})"
 
 
 def require(condition: bool, argument: str, value, allowed: str) -> None:
     """Raise SettingError("<argument>=<value> (run-config key ...): must be <allowed>") unless condition."""
     if not condition:
-        raise SettingError(f"{argument}={value!r} (run-config key '{run_config_key(argument)}'): {allowed}")
+        raise SettingError(f"{argument}={value!r} ({key_clause(argument)}): {allowed}")
 
 
 def one_of(argument: str, value, choices: tuple) -> None:
