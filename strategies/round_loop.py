@@ -61,7 +61,7 @@ from .dp_round import DPRound
 from .options import RunOptions, SamplingOptions
 from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
-from .run_record import RunRecord
+from .run_record import RunRecord, bound_note
 from .sampling import ClientSampling, covering_noise_shares
 from .wrapped import UnusedSamplingLines, filtered_flower_log, quiet_flower_info, wrapped_train_content
 
@@ -412,6 +412,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
             self.finish_round(record, started, arrays)
+        if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
+            log(INFO, "%s", note)
         return result
 
 

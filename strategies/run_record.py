@@ -7,6 +7,16 @@ from __future__ import annotations
 from flwr.app import MetricRecord
 
 
+def bound_note(asked: str, ledger) -> str | None:
+    """A line for the log when the printed epsilon is another bound than the accountant asked for (the tighter of
+    two valid bounds under fixed-size sampling, DP-FTRL's tree bound, or RDP where PLD would need minutes and
+    gigabytes); None when it is the one asked for."""
+    used = ledger.model_bound_by() if hasattr(ledger, "model_bound_by") else asked
+    if used.split(" ")[0] == asked:  # e.g. "pld (equivalent Gaussian)": the accountant asked for
+        return None
+    return f"The epsilon printed is the bound of {used}, not of the accountant asked for ({asked})"
+
+
 class RunRecord:
     """The checkpoint state (`state_dict`, with the strategy's `extra_state`, its parts' and its ledger's) and the
     statements about the guarantee (`guarantee_caveats`, `guarantee_marks`, `describe_sampling`)."""
