@@ -22,7 +22,6 @@ from dpcore.privacy import protocol as keys
 from dpcore.task.torch_helpers import get_weights
 from dpfl_tools.inprocess import InProcessGrid
 from strategies import DifferentialPrivacy
-from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.stub_clients import stub_app, zero_update
@@ -92,16 +91,7 @@ class Unchanged(NumPyClient):
 def test_a_shrinking_population_cannot_push_epsilon_past_the_target_through_the_legacy_adapter():
     app = ClientApp(client_fn=lambda context: Unchanged().to_client(), mods=[make_dp_privatize_mod(seed=0)])
     grid = ChangingGrid(app, SHRINK)
-    dp = DPFedAvg(
-        clipping_norm=1.0,
-        noise_multiplier=2.0,
-        sample_rate=0.1,
-        client_sampling="fixed",
-        noise_placement="central",
-        delta=1e-5,
-        target_epsilon=TARGET,
-        on_round_end=grid.round_ended,
-    )
+    dp = shrinking_strategy(grid)  # the same DP strategy, driven through Flower's legacy workflow
     legacy = LegacyDPFedAvg(dp)
     legacy.start(grid, model(), num_rounds=22)
     printed = [r["epsilon"] for r in legacy.history]
