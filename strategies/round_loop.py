@@ -350,7 +350,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         line = format_record(published)
         if self.publish_diagnostics:
             line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
-        log(INFO, "Round %d/%d: %s", record["round"], self.num_rounds, line)
+        total = f"/{self.num_rounds}" if self.num_rounds > 0 else ""  # unknown to a legacy strategy without num_rounds
+        log(INFO, "Round %d%s: %s", record["round"], total, line)
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
 
@@ -452,7 +453,8 @@ DIAGNOSTIC_LOG_KEYS = figures.round_line_names(published=False)
 
 
 DIAGNOSTICS_MARK = "  | not private: "  # what follows it on a log line is not covered by epsilon
-LOG_LINE = re.compile(r"(?:Round (\d+)/\d+|Finished): (.*)$")
+# `Round r/R: ...`, `Round r: key=...` (R unknown: a legacy strategy without num_rounds), `Finished: ...`
+LOG_LINE = re.compile(r"(?:Round (\d+)(?:/\d+|(?=: [\w-]+=))|Finished): (.*)$")
 
 
 def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
@@ -465,8 +467,8 @@ def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
 
 
 def parse_log_line(line: str) -> tuple[dict, dict] | None:
-    """(published values, diagnostics) of a `Round r/R: ...` line (with `round`) or of the run's `Finished: ...`
-    line as `flwr log` prints them (a prefix such as Flower's `INFO :` is allowed); None for any other line.
+    """(published values, diagnostics) of a `Round r/R: ...` or `Round r: ...` line (with `round`) or of the run's
+    `Finished: ...` line as `flwr log` prints them (a prefix such as Flower's `INFO :` is allowed); None for any other line.
     Keys are those of metrics.jsonl (Finished: summary.json), after DIAGNOSTICS_MARK diagnostics.jsonl's;
     numbers come back to the line's 4 significant digits."""
     match = LOG_LINE.search(line.rstrip())
