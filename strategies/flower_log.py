@@ -112,11 +112,20 @@ class FlowerLog:
         return MetricRecord({k: v for k, v in metrics.items() if k in published})
 
 
+NOTE_NAMES = 20  # at most this many names a kind in the note: a client may send any number of metric keys
+
+
+def listed(names: list[str]) -> str:
+    """The first NOTE_NAMES names, comma-separated, and how many more there are."""
+    more = len(names) - NOTE_NAMES
+    return ", ".join(names[:NOTE_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+
 def withheld_note(withheld: dict[str, dict], publish_diagnostics: bool) -> str:
     """The one line that names what the log left out ("" with publish_diagnostics: nothing was)."""
     if publish_diagnostics:
         return ""
-    named = "; ".join(f"{kind} metrics {', '.join(keys)}" for kind, keys in withheld.items() if keys)
+    named = "; ".join(f"{kind} metrics {listed(list(keys))}" for kind, keys in withheld.items() if keys)
     return (
         f"Not in the log, as epsilon does not cover them: {named + '; ' if named else ''}Flower's node-count "
         f"lines ({COUNT_LINES}). The returned Result holds the metrics; publish_diagnostics=True "

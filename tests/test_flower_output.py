@@ -196,3 +196,12 @@ def test_evaluation_lines_follow_eval_every_and_the_budget_stop_ends_with_flower
     evaluated = [record_on(line)["accuracy"] for line in lines if line.startswith("\t└──> MetricRecord: ")]
     assert evaluated == [0.8, 0.9]  # rounds 3 and 4
     assert len([line for line in lines if line.startswith(AGGREGATED)]) == 4 + 2  # train x4, clients' evaluation x2
+
+
+def test_the_withheld_note_names_at_most_twenty_keys_a_kind_and_counts_the_rest():
+    """A client may send any number of metric keys: the note stays one readable line."""
+    from strategies.flower_log import withheld_note
+
+    note = withheld_note({"train": dict.fromkeys(f"k{i}" for i in range(50)), "clients' evaluation": {}}, False)
+    assert "k19, and" not in note and "k19 and 30 more" in note and "k20" not in note
+    assert withheld_note({"train": {"a": None}}, True) == ""
