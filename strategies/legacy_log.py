@@ -26,6 +26,7 @@ from logging import INFO
 from flwr.common import log
 from flwr.server import History
 
+from .flower_log import listed
 from .wrapped import filtered_flower_log
 
 LEGACY_SERVER_PATHS = ("/flwr/server/workflow/", "/flwr/server/server.py")
@@ -146,10 +147,11 @@ class FlowerLegacyLog(logging.Filter):
         """The one line that names what the log left out, and how to print it."""
         withheld = []
         if self.withheld["fit"]:
-            withheld.append(f"History's fit metrics {', '.join(self.withheld['fit'])} (fit_metrics_aggregation_fn)")
+            withheld.append(f"History's fit metrics {listed(list(self.withheld['fit']))} (fit_metrics_aggregation_fn)")
         if self.withheld["evaluate"]:
-            names = ", ".join(self.withheld["evaluate"])
-            withheld.append(f"the clients' evaluation (History's distributed {names})")
+            withheld.append(
+                f"the clients' evaluation (History's distributed {listed(list(self.withheld['evaluate']))})"
+            )
         return (
             f"Not in the log, as epsilon does not cover them: {'; '.join([*withheld, COUNT_LINES_NAMED])}. Flower's "
             "History holds the metrics; publish_diagnostics=True prints them all"

@@ -254,3 +254,16 @@ def test_round_lines_name_the_total_only_where_it_is_known(num_rounds, caplog):
     assert [line.split(": ")[0] for line in round_lines] == [f"Round 1{total}", f"Round 2{total}"]
     assert [parse_log_line(line)[0]["round"] for line in round_lines] == [1, 2]
     assert parse_log_line(round_lines[-1])[0]["epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-3)
+
+
+def test_the_note_names_at_most_twenty_withheld_keys(caplog):
+    """The app's function may return any number of keys (from what clients sent): the note names 20 and counts
+    the rest, as the Message-API wrapper's does."""
+    many = FedAvg(
+        initial_parameters=ndarrays_to_parameters(initial_weights()),
+        fit_metrics_aggregation_fn=lambda results: {f"k{i:02d}": 1.0 for i in range(25)},
+    )
+    history = serve(LegacyDifferentialPrivacy(many, SIGMA, C, M), 1, caplog).history
+    (note,) = [line for line in shown(caplog) if line.startswith("Not in the log")]
+    assert "History's fit metrics k00, k01," in note and "k19 and 5 more (fit_metrics_aggregation_fn)" in note
+    assert "k20" not in note and len(history.metrics_distributed_fit) == 25 + 2
