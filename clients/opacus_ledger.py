@@ -24,6 +24,8 @@ below 0.2).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord
@@ -123,6 +125,19 @@ def add_metrics(reply: Message, metrics: dict) -> None:
     records[name] = MetricRecord({**dict(records.get(name, MetricRecord())), **numbers})
 
 
+@contextmanager
+def engines_made_for(node: int) -> Iterator[list]:
+    """While active, the PrivacyEngines this call makes are listed (the list yielded) for `node`. A module-level
+    function, so the mod's closure holds no ContextVar: Ray pickles the ClientApp, mods included, and a ContextVar
+    cannot be pickled."""
+    made_now: list = []
+    token = _call.set((node, made_now))
+    try:
+        yield made_now
+    finally:
+        _call.reset(token)
+
+
 def make_sample_ledger_mod(delta: float = DEFAULT_SAMPLE_DELTA, accountant: str = DEFAULT_ACCOUNTANT) -> Mod:
     """A mod that charges the node's `PrivacyEngine` steps to its ledger in Context.state after each train
     message and reports the cumulative epsilon in the reply (module docstring)."""
@@ -131,12 +146,9 @@ def make_sample_ledger_mod(delta: float = DEFAULT_SAMPLE_DELTA, accountant: str 
     def sample_ledger_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
         if msg.metadata.message_type != MessageType.TRAIN:
             return call_next(msg, context)
-        node, made_now = int(context.node_id), []
-        token = _call.set((node, made_now))
-        try:
+        node = int(context.node_id)
+        with engines_made_for(node) as made_now:
             reply = call_next(msg, context)
-        finally:
-            _call.reset(token)
         ledger = load_ledger(context, delta, accountant)
         charge_node_engines(node, made_now, ledger)
         save_ledger(context, ledger)

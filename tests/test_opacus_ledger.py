@@ -191,3 +191,16 @@ def test_the_message_api_aggregation_averages_the_rest_and_takes_the_max_epsilon
     out = max_sample_epsilon_records(records, "num-examples")
     assert out["train_loss"] == pytest.approx(1.75) and out["sample-epsilon-max"] == 3.0
     assert keys.SAMPLE_EPSILON not in out and np.isclose(out[keys.SAMPLE_DELTA], 1e-5)
+
+
+def test_the_mod_survives_the_pickling_a_simulation_does():
+    """Ray sends the ClientApp, mods included, to its workers with cloudpickle: the mod must pickle and come back
+    callable (it once carried a ContextVar, which cannot be pickled: `flwr run` failed at round 1)."""
+    import pickle
+
+    import cloudpickle
+
+    from dpfl import make_sample_ledger_mod, sample_ledger_mod
+
+    for mod in (sample_ledger_mod, make_sample_ledger_mod(delta=1e-6)):
+        assert callable(pickle.loads(cloudpickle.dumps(mod)))
