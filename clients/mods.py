@@ -13,7 +13,9 @@ statistics), except under secure aggregation.
 
 Under SecAgg+ ("secure-aggregation" in the train config) the reply carries weight
 num_examples = 1 and no metrics, so the secure sum is a uniform sum and nothing
-data-dependent travels next to it in the clear. Put `secaggplus_mod` first:
+data-dependent travels next to it in the clear; `make_dp_privatize_mod(send_fit_metrics=True)`
+sends the client's own fit metrics knowingly, in plaintext beside the sum (outside SecAgg+'s
+and epsilon's guarantee). Put `secaggplus_mod` first:
 `mods=[secaggplus_mod, dp_privatize_mod]`. `uniform_weight_mod` does only this part, for
 clients that privatize themselves (`clients.base.TrainingClient`).
 
@@ -67,15 +69,21 @@ def _secure(config: dict) -> bool:
     return bool(config.get(keys.SECURE_AGGREGATION, False))
 
 
-def _uniform(fitres) -> None:
-    """SecAgg+: weight 1, no plaintext metrics."""
+def _uniform(fitres, send_fit_metrics: bool = False) -> None:
+    """SecAgg+: weight 1, and no plaintext metrics unless the client sends its own knowingly."""
     fitres.num_examples = 1
-    fitres.metrics = {}
+    fitres.metrics = dict(fitres.metrics) if send_fit_metrics else {}
 
 
-def make_dp_privatize_mod(seed: int | None = None) -> Mod:
+def make_dp_privatize_mod(seed: int | None = None, send_fit_metrics: bool = False) -> Mod:
     """The privatization mod. `seed=None` draws the noise from OS entropy (deployments); a seed
-    gives reproducible noise per (seed, round, node), which anyone who knows it can remove."""
+    gives reproducible noise per (seed, round, node), which anyone who knows it can remove.
+
+    `send_fit_metrics` (SecAgg+ only; without it fit metrics are sent anyway): the client's own fit metrics (what
+    its `fit` returns, e.g. `train_loss`) go to the server in plaintext beside the secure sum, with weight 1, for
+    the app's `fit_metrics_aggregation_fn`. The client discloses them knowingly: they are outside both SecAgg+'s
+    guarantee (the server sees each client's values) and epsilon's. The mod's own update norm is never sent
+    under SecAgg+."""
 
     def dp_privatize_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
         instruction = _train_instruction(msg)
@@ -123,7 +131,7 @@ def make_dp_privatize_mod(seed: int | None = None) -> Mod:
         if api == "legacy":
             fitres.parameters = ndarrays_to_parameters(upload)
             if _secure(config):
-                _uniform(fitres)
+                _uniform(fitres, send_fit_metrics)
             else:
                 fitres.metrics = {**fitres.metrics, **marks}
             return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)

@@ -8,8 +8,9 @@
 
 Server side: the DP wrapper around any Flower Message-API strategy (`DifferentialPrivacy`, `DPFedAvg` around
 FedAvg), its options (`AdaptiveClipping`, `DPFTRL`), the algorithms built on it, and the legacy-API adapters
-(`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, SecAgg+). Client side: the Flower mods and the NumPyClients to subclass. The ledgers, for
-a client that accounts for itself. Each name is the object of its home module (strategies, clients, dpcore):
+(`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, and their SecAgg+ forms
+`SecAggPlusDifferentialPrivacy`, `SecAggPlusDPFedAvg` with `DPSecAggPlusWorkflow`). Client side: the Flower
+mods and the NumPyClients to subclass. The ledgers, for a client that accounts for itself. Each name is the object of its home module (strategies, clients, dpcore):
 this package only re-exports, and nothing in the project imports it.
 
 Importing it loads neither torch nor Opacus: the NumPyClients (torch) are imported on first use.
@@ -26,11 +27,12 @@ from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DifferentialPrivacy, DPFedAvg
 from strategies.dp_ftrl import DPFTRL
-from strategies.legacy import LegacyDPFedAvg, quiet_workflow_logs
+from strategies.legacy import LegacyDPFedAvg
+from strategies.legacy_log import quiet_workflow_logs
 from strategies.legacy_wrapper import LegacyDifferentialPrivacy
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
 from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
-from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
+from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDifferentialPrivacy, SecAggPlusDPFedAvg
 from strategies.topk import DPFedSAMTopK
 from strategies.wavelet import DPFedAvgWavelet
 
@@ -62,6 +64,7 @@ __all__ = [
     # server: Flower's legacy API and SecAgg+
     "LegacyDPFedAvg",
     "LegacyDifferentialPrivacy",
+    "SecAggPlusDifferentialPrivacy",
     "SecAggPlusDPFedAvg",
     "DPSecAggPlusWorkflow",
     "quiet_workflow_logs",

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from dpcore.task.atomic import lock_held
 from dpfl_tools.processes import BIN, die_with_launcher, end_process_tree, free_port
 
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
@@ -56,18 +57,10 @@ def remove_stale_ray_temps(parent: Path | None = None) -> list[Path]:
         try:
             if not folder.is_dir() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
                 continue
-            fd = os.open(folder / OWNER_LOCK, os.O_RDONLY)
-        except FileNotFoundError:
-            fd = None
+            if lock_held(folder / OWNER_LOCK):
+                continue  # a live launch's
         except OSError:
             continue
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live launch's
-            finally:
-                os.close(fd)
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpcore.task.atomic import atomic_write
+from dpcore.task.atomic import atomic_write, lock_held
 from fl_app.run_files import read_diagnostics, read_metrics
 
 if TYPE_CHECKING:
@@ -154,19 +154,9 @@ def check_resumable(path: Path, s: Settings) -> None:
 
 
 def writer_alive(path: Path) -> bool:
-    """Does a live process hold `path`'s lock file (the run's one writer)? The kernel drops a dead process's
-    flock, so a SIGKILLed ServerApp or launcher holds none."""
-    try:
-        fd = os.open(path / LOCK_FILE, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also releases the shared lock just taken
-    return False
+    """Does a live process hold `path`'s lock file (the run's one writer)? A SIGKILLed ServerApp or launcher
+    holds none."""
+    return lock_held(path / LOCK_FILE)
 
 
 def read_status(path: Path | str, lock_held: bool = False) -> dict:

@@ -6,11 +6,22 @@
     strategy = DifferentialPrivacy(FedAdam(), clipping_norm=0.5, noise_multiplier=1.0, sample_rate=0.5)
 
 `DPFedAvg` is the same wrapper around FedAvg; `LegacyDPFedAvg` runs it under Flower's legacy workflow, and
-`LegacyDifferentialPrivacy` wraps any legacy Flower strategy in the signature of Flower's legacy DP wrappers.
+`LegacyDifferentialPrivacy` wraps any legacy Flower strategy in the signature of Flower's legacy DP wrappers;
+`SecAggPlusDifferentialPrivacy` is its form under SecAgg+ (`DPSecAggPlusWorkflow`), `SecAggPlusDPFedAvg`
+LegacyDPFedAvg's.
 """
 
 from .dp_fedavg import DifferentialPrivacy, DPFedAvg
 from .legacy import LegacyDPFedAvg
 from .legacy_wrapper import LegacyDifferentialPrivacy
+from .secagg import DPSecAggPlusWorkflow, SecAggPlusDifferentialPrivacy, SecAggPlusDPFedAvg
 
-__all__ = ["DifferentialPrivacy", "DPFedAvg", "LegacyDPFedAvg", "LegacyDifferentialPrivacy"]
+__all__ = [
+    "DifferentialPrivacy",
+    "DPFedAvg",
+    "LegacyDPFedAvg",
+    "LegacyDifferentialPrivacy",
+    "SecAggPlusDifferentialPrivacy",
+    "SecAggPlusDPFedAvg",
+    "DPSecAggPlusWorkflow",
+]

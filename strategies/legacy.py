@@ -5,12 +5,15 @@ train config, rejection of malformed updates, central clipping, noise and its to
 fixed denominator m, the server learning rate, the privacy ledger and the round record are
 the wrapped strategy's own code, reached through its public methods. This class only
 translates FitIns/FitRes <-> Messages, so the legacy and the Message-API strategies cannot
-drift apart. Its SecAgg+ form is `strategies.secagg.SecAggPlusDPFedAvg`.
+drift apart. How the workflow's results carry the updates is a piece it is composed with
+(`aggregation`): `SeparateUpdates` (each result is one client's update: Flower's default fit
+workflow) or `strategies.secagg.SecureSum` (every result carries SecAgg+'s one sum; its SecAgg+
+forms are in `strategies.secagg`). While it runs, Flower's own log is kept, less what epsilon
+does not cover (`strategies.legacy_log`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -30,7 +33,8 @@ from flwr.serverapp.strategy import Result
 from dpcore.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
-from .wrapped import filtered_flower_log, reply_message
+from .legacy_log import FlowerLegacyLog
+from .wrapped import reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
@@ -44,38 +48,6 @@ def _numbers(metrics) -> dict:
         for k, v in metrics.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
-
-
-# SecAgg+'s warnings and errors that tell how many nodes a round sampled or kept (the round's own record has
-# them as diagnostics: 'no aggregate ...').
-COUNTING_WORKFLOW_MESSAGES = (
-    "Insufficient available nodes",
-    "The number of samples should be greater than 1",
-    "Not enough shares to recover secret",
-    "Number of shares in the SecAgg+ protocol",
-)
-LEGACY_SERVER_PATHS = ("/flwr/server/workflow/", "/flwr/server/server.py")
-
-
-class WorkflowInfoFilter(logging.Filter):
-    """Drops the INFO lines of Flower's legacy workflows and legacy Server (`flwr/server/workflow/`,
-    `flwr/server/server.py`): they print how many clients were sampled, answered and failed each round (fit and
-    evaluate), and the metrics history, none of which epsilon covers; and SecAgg+'s warnings and errors that
-    count nodes (`COUNTING_WORKFLOW_MESSAGES`). Their other warnings and errors pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        path = record.pathname.replace("\\", "/")
-        if not any(part in path for part in LEGACY_SERVER_PATHS):
-            return True
-        if record.levelno < logging.WARNING:
-            return False
-        return not str(record.msg).startswith(COUNTING_WORKFLOW_MESSAGES)
-
-
-def quiet_workflow_logs(enabled: bool = True):
-    """While active (and `enabled`), Flower's legacy workflows log no counts (`WorkflowInfoFilter`). Wrap a
-    `DefaultWorkflow(...)(grid, context)` call with it in a drop-in deployment that publishes its log."""
-    return filtered_flower_log(WorkflowInfoFilter(), enabled)
 
 
 def legacy_content(array_key: str, res: FitRes) -> RecordDict:
@@ -134,6 +106,41 @@ def weighted_numeric_mean(results: list) -> dict:
     return {k: sum(res.num_examples * float(res.metrics[k]) for _, res in results) / total for k in common}
 
 
+class SeparateUpdates:
+    """How Flower's default fit workflow hands over the updates: each result is one client's, and the results go to
+    the wrapped strategy as replies, through its reply gate (`LegacyDPFedAvg.aggregation`; SecAgg+'s sum is read by
+    `strategies.secagg.SecureSum`)."""
+
+    secure = False
+
+    def check_round(self) -> None:
+        """Nothing to check before a round samples (SecureSum: that DPSecAggPlusWorkflow runs it)."""
+
+    def describe(self) -> dict:
+        return {}
+
+    def aggregate(
+        self, dp: DPFedAvg, global_arrays: list[np.ndarray], server_round: int, results: list, failures: list
+    ) -> tuple[list[np.ndarray], dict]:
+        """(new global arrays, round metrics) from the wrapped strategy's aggregate_train over the results."""
+        if summed_by_secagg(results):
+            raise ValueError(
+                "these results are one SecAgg+ sum (Flower's SecAggPlusWorkflow), which this strategy would count "
+                "as separate clients' updates: use SecAggPlusDifferentialPrivacy in place of LegacyDifferentialPrivacy "
+                "(or SecAggPlusDPFedAvg(DPFedAvg(noise_placement='distributed', ...)) in place of LegacyDPFedAvg) "
+                "with DPSecAggPlusWorkflow in place of SecAggPlusWorkflow (all from dpfl), or leave SecAgg+ out"
+            )
+        replies = [
+            reply_message(proxy.node_id, error=Error(code=1, reason=f"node {proxy.node_id}: {problem}"))
+            if (problem := fit_res_problem(res))
+            else reply_message(proxy.node_id, legacy_content(dp.arrayrecord_key, res))
+            for proxy, res in results
+        ]
+        replies += [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
+        arrays, metric_record = dp.aggregate_train(server_round, replies)
+        return arrays.to_numpy_ndarrays(), dict(metric_record)
+
+
 class LegacyDPFedAvg(LegacyFedAvg):
     """A Message-API DP strategy (`dp`) as a `flwr.server.strategy.Strategy`.
 
@@ -145,12 +152,17 @@ class LegacyDPFedAvg(LegacyFedAvg):
     on_evaluate_config_fn, evaluate_metrics_aggregation_fn : as in Flower's FedAvg: the app's own federated
         evaluation config, and its function that aggregates the clients' evaluate metrics (default: the
         example-weighted mean of the numeric metrics every client reported).
+    fit_metrics_aggregation_fn : the app's function over the (num_examples, metrics) the clients sent (clients
+        that sent no metrics left out, never the DP average; not called when none sent any); what it returns joins
+        the round's fit metrics in Flower's History, outside what epsilon covers; if it raises, the round goes on
+        without them (a diagnostic).
+    aggregation : how the workflow's results carry the updates: `SeparateUpdates()` (default) or SecAgg+'s
+        `strategies.secagg.SecureSum()`.
 
-    The fit metrics it returns to Flower (which its History prints at the end) are what the ledger covers
-    (epsilon, delta); the non-private counts and norms go to the round record's diagnostics only.
+    The fit metrics it returns to Flower are the ledger's (epsilon, delta) and the app's; the non-private counts
+    and norms go to the round record's diagnostics only. Flower's log prints the ledger's only
+    (`strategies.legacy_log`, unless publish_diagnostics).
     """
-
-    secure_aggregation = False  # SecAggPlusDPFedAvg: True
 
     def __init__(
         self,
@@ -160,8 +172,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
         on_fit_config_fn: Callable[[int], dict] | None = None,
         on_evaluate_config_fn: Callable[[int], dict] | None = None,
         evaluate_metrics_aggregation_fn: Callable[[list], dict] | None = None,
+        fit_metrics_aggregation_fn: Callable[[list], dict] | None = None,
         initial_parameters: Parameters | None = None,
         num_rounds: int = 0,
+        aggregation=None,
     ) -> None:
         super().__init__(
             fraction_fit=dp.sample_rate,
@@ -173,9 +187,12 @@ class LegacyDPFedAvg(LegacyFedAvg):
             on_fit_config_fn=on_fit_config_fn,
             on_evaluate_config_fn=on_evaluate_config_fn,
             evaluate_metrics_aggregation_fn=evaluate_metrics_aggregation_fn,
+            fit_metrics_aggregation_fn=fit_metrics_aggregation_fn,
             initial_parameters=initial_parameters,
         )
         self.dp = dp
+        self.aggregation = aggregation or SeparateUpdates()
+        self.flower_log = FlowerLegacyLog()  # a new one for each run (initialize_parameters)
         self.dp.set_num_rounds(num_rounds)  # for target-epsilon-mode = calibrate
         self.dp.stop_reason = "num-rounds reached"
         self.result = Result()
@@ -189,6 +206,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self._noise_only: Parameters | None = None
 
     # ------------------------------------------------------------------ views of the wrapped strategy
+    @property
+    def secure_aggregation(self) -> bool:
+        return self.aggregation.secure
+
     @property
     def history(self) -> list[dict]:
         return self.dp.history
@@ -205,7 +226,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         return f"LegacyDPFedAvg({type(self.dp).__name__}, secure_aggregation={self.secure_aggregation})"
 
     def describe(self) -> dict:
-        return {**self.dp.describe(), "secure_aggregation": self.secure_aggregation}
+        return {**self.dp.describe(), "secure_aggregation": self.secure_aggregation, **self.aggregation.describe()}
 
     def describe_diagnostics(self) -> dict:
         return self.dp.describe_diagnostics()
@@ -234,9 +255,19 @@ class LegacyDPFedAvg(LegacyFedAvg):
         return client_manager.num_available
 
     # ------------------------------------------------------------------ fit
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        """The run begins (Flower's workflows and legacy Server call this first): Flower's log is kept, less what
+        epsilon does not cover, until its [SUMMARY] ends (`strategies.legacy_log`; all of it with
+        publish_diagnostics)."""
+        self.flower_log = FlowerLegacyLog()
+        if not self.dp.publish_diagnostics:
+            self.flower_log.install()
+        return super().initialize_parameters(client_manager)
+
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
+        self.aggregation.check_round()  # e.g. SecAgg+'s sum under Flower's plain SecAggPlusWorkflow: refused here
         self.ensure_population(client_manager)
         self._pending = None
         if self.dp.round.refused:  # the budget refused an earlier round (said once, then): the run has ended
@@ -261,14 +292,18 @@ class LegacyDPFedAvg(LegacyFedAvg):
     def aggregate_fit(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """The round's release; Flower's History takes the ledger's fit metrics and the app's (outside epsilon)."""
+        app_metrics = self.app_fit_metrics(server_round, results)
+        parameters, published = self.release(server_round, results, failures)
+        self.flower_log.fit(server_round, published, app_metrics)
+        return parameters, {**app_metrics, **published}
+
+    def release(
+        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    ) -> tuple[Parameters, dict[str, Scalar]]:
+        """The DP round over the results: (the released model, the fit metrics the ledger covers)."""
         if self._global is None:
             raise RuntimeError("aggregate_fit before configure_fit")
-        if not self.secure_aggregation and summed_by_secagg(results):
-            raise ValueError(
-                "these results are one SecAgg+ sum (Flower's SecAggPlusWorkflow), which this strategy would count "
-                "as separate clients' updates: use SecAggPlusDPFedAvg(DPFedAvg(noise_placement='distributed', ...)) "
-                "with DPSecAggPlusWorkflow in place of SecAggPlusWorkflow (both from dpfl), or leave SecAgg+ out"
-            )
         failures = unique_failures(failures)
         self._noise_only = None
         new_global, metrics = self.aggregate_updates(server_round, results, failures)
@@ -283,16 +318,20 @@ class LegacyDPFedAvg(LegacyFedAvg):
     def aggregate_updates(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
     ) -> tuple[list[np.ndarray], dict]:
-        """(new global arrays, round metrics): the results as replies to the wrapped strategy."""
-        replies = [
-            reply_message(proxy.node_id, error=Error(code=1, reason=f"node {proxy.node_id}: {problem}"))
-            if (problem := fit_res_problem(res))
-            else reply_message(proxy.node_id, legacy_content(self.dp.arrayrecord_key, res))
-            for proxy, res in results
-        ]
-        replies += [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
-        arrays, metric_record = self.dp.aggregate_train(server_round, replies)
-        return arrays.to_numpy_ndarrays(), dict(metric_record)
+        """(new global arrays, round metrics): the results as `aggregation` reads them."""
+        return self.aggregation.aggregate(self.dp, self._global, server_round, results, failures)
+
+    def app_fit_metrics(self, server_round: int, results: list[tuple[ClientProxy, FitRes]]) -> dict:
+        """The app's fit_metrics_aggregation_fn over the (num_examples, metrics) the clients sent; {} without it,
+        when no client sent metrics, or if it raises (noted in the round's diagnostics)."""
+        sent = [(res.num_examples, dict(res.metrics)) for _, res in results if not fit_res_problem(res) and res.metrics]
+        if self.fit_metrics_aggregation_fn is None or not sent:
+            return {}
+        try:
+            return _numbers(self.fit_metrics_aggregation_fn(sent))
+        except Exception as exc:  # the app's function on what clients sent
+            self.dp.note_problem(server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})")
+            return {}
 
     # ------------------------------------------------------------------ evaluation and the round record
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
@@ -308,10 +347,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
                 "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
                 "sampled or too few finished the protocol): the round releases noise only",
             )
-            parameters, _ = self.aggregate_fit(server_round, [], [])
+            parameters, _ = self.release(server_round, [], [])
             self._noise_only = parameters
         res = super().evaluate(server_round, parameters)
         if res is not None:
+            self.flower_log.centralized(server_round, res[0], res[1])
             self.result.evaluate_metrics_serverapp[server_round] = MetricRecord(_numbers({"loss": res[0], **res[1]}))
         if res is not None and self._pending is not None and self._pending["round"] == server_round:
             self._pending.update(_numbers({"loss": res[0], **res[1]}))
@@ -343,6 +383,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
             loss, metrics = None, {}
         if self.evaluate_metrics_aggregation_fn is None:
             metrics = weighted_numeric_mean(results)
+        self.flower_log.distributed(loss, metrics)
         client = {"loss": loss, **metrics} if loss is not None else metrics
         if client:
             self.result.evaluate_metrics_clientapp[server_round] = MetricRecord(_numbers(client))
@@ -392,8 +433,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
             config=ServerConfig(num_rounds=num_rounds, round_timeout=timeout),
             strategy=self,
         )
-        with quiet_workflow_logs(not self.dp.publish_diagnostics):
+        try:
             DefaultWorkflow(fit_workflow=self.fit_workflow(timeout))(grid, context)
+        finally:  # the run's log filter, if the run raised before its [SUMMARY]
+            self.flower_log.uninstall()
         if self.dp.ledger is None:  # no round ran
             self.ensure_population(context.client_manager)
         return self.result

@@ -6,7 +6,8 @@ takes the arguments of Flower's `DifferentialPrivacyServerSideFixedClipping`. Th
 around a `DPFedAvg` (central noise): fixed-size sampling of m = num_sampled_clients nodes, clipping to C, the
 fixed denominator m, Gaussian noise sigma C / m, the ledger. The wrapped strategy then gets the DP average as if
 it were its only result, and its `aggregate_fit` (FedAdam's, FedAvgM's momentum, ...) is post-processing of that
-release, costing no epsilon, as in the Message-API wrapper.
+release, costing no epsilon, as in the Message-API wrapper. Its SecAgg+ form (clients clip and add their noise
+share, the server reads the secure sum) is `strategies.secagg.SecAggPlusDifferentialPrivacy`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from collections.abc import Callable
 from logging import INFO
 
 import numpy as np
-from flwr.common import Code, FitRes, Parameters, Scalar, Status, log, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from .dp_fedavg import DPFedAvg
-from .legacy import LegacyDPFedAvg, _numbers, fit_res_problem
+from .legacy import LegacyDPFedAvg
 
 
 def no_fit_metrics(_: list) -> dict:
@@ -39,11 +40,15 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
         min_evaluate_clients and evaluate_metrics_aggregation_fn are used as they are; its min_available_clients
         is the number of nodes to wait for. Its fit_metrics_aggregation_fn gets the (num_examples, metrics) the
         clients sent (never the DP average); what it returns is added to the round's fit metrics (Flower's
-        History), outside what epsilon covers; if it raises, the round goes on without them.
+        History, not printed unless publish_diagnostics), outside what epsilon covers; if it raises, the round goes
+        on without them.
     noise_multiplier, clipping_norm : sigma and C.
     num_sampled_clients : m, the clients sampled each round (fixed-size sampling, as the ledger accounts it).
         With fewer than m nodes connected at round 1, m is capped at the number connected (said in the log).
-    dp_keywords : further DPFedAvg settings (delta, accountant, target_epsilon, seed, num_rounds, ...).
+    num_rounds : the number of rounds, for the log's `Round r/R` (Flower's ServerConfig does not tell the strategy;
+        without it the log reads `Round r`) and for target_epsilon_mode='calibrate'.
+    aggregation : how the workflow's results carry the updates (`strategies.legacy.LegacyDPFedAvg`).
+    dp_keywords : further DPFedAvg settings (delta, accountant, target_epsilon, seed, publish_diagnostics, ...).
 
     The wrapper samples the clients itself, so the strategy's fraction_fit and min_fit_clients are not used
     (said once in the log).
@@ -57,6 +62,7 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
         num_sampled_clients: int,
         *,
         num_rounds: int = 0,
+        aggregation=None,
         **dp_keywords,
     ) -> None:
         if int(num_sampled_clients) < 1:
@@ -75,15 +81,15 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
             on_fit_config_fn=getattr(strategy, "on_fit_config_fn", None),
             on_evaluate_config_fn=getattr(strategy, "on_evaluate_config_fn", None),
             evaluate_metrics_aggregation_fn=getattr(strategy, "evaluate_metrics_aggregation_fn", None),
+            fit_metrics_aggregation_fn=getattr(strategy, "fit_metrics_aggregation_fn", None),
             initial_parameters=getattr(strategy, "initial_parameters", None),
             num_rounds=num_rounds,
+            aggregation=aggregation,
         )
         self.fraction_evaluate = getattr(strategy, "fraction_evaluate", self.fraction_evaluate)
         self.min_evaluate_clients = getattr(strategy, "min_evaluate_clients", self.min_evaluate_clients)
         self.strategy = strategy
         self.num_sampled_clients = int(num_sampled_clients)
-        self.fit_metrics_aggregation_fn = getattr(strategy, "fit_metrics_aggregation_fn", None)
-        self.app_fit_metrics: dict = {}
         log(
             INFO,
             "LegacyDifferentialPrivacy samples %d clients a round itself (fixed-size, as the ledger accounts it): "
@@ -115,14 +121,6 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
 
         return count
 
-    def aggregate_fit(
-        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """The DP round; then the app's fit metrics (over what the clients sent) beside the ledger's."""
-        self.app_fit_metrics = self.aggregate_app_fit_metrics(server_round, results)
-        parameters, metrics = super().aggregate_fit(server_round, results, failures)
-        return parameters, {**self.app_fit_metrics, **metrics}
-
     def aggregate_updates(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
     ) -> tuple[list[np.ndarray], dict]:
@@ -146,15 +144,3 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
             return dp_average
         stepped = parameters_to_ndarrays(parameters)
         return [np.asarray(a, dtype=d.dtype) for a, d in zip(stepped, dp_average)]
-
-    def aggregate_app_fit_metrics(self, server_round: int, results: list[tuple[ClientProxy, FitRes]]) -> dict:
-        """The app's fit_metrics_aggregation_fn over the (num_examples, metrics) the clients sent; {} without
-        results, or if it raises (noted in the round's diagnostics)."""
-        sent = [(res.num_examples, dict(res.metrics)) for _, res in results if fit_res_problem(res) is None]
-        if self.fit_metrics_aggregation_fn is None or not sent:
-            return {}
-        try:
-            return _numbers(self.fit_metrics_aggregation_fn(sent))
-        except Exception as exc:  # the app's function on what clients sent
-            self.dp.note_problem(server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})")
-            return {}

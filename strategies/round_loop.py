@@ -58,6 +58,7 @@ from dpcore.privacy.mechanisms import noise_share_count
 from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .dp_round import DPRound
+from .flower_log import FlowerLog
 from .options import RunOptions, SamplingOptions
 from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
@@ -350,7 +351,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         line = format_record(published)
         if self.publish_diagnostics:
             line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
-        log(INFO, "Round %d/%d: %s", record["round"], self.num_rounds, line)
+        total = f"/{self.num_rounds}" if self.num_rounds > 0 else ""  # unknown to a legacy strategy without num_rounds
+        log(INFO, "Round %d%s: %s", record["round"], total, line)
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
 
@@ -367,17 +369,18 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     ) -> Result:
         """Flower's round loop, plus: stop on the privacy budget, one record per round. `evaluate_fn` and the
         clients' evaluation run every `eval_every` rounds and after the last round (the configured last, or the
-        last the budget allows)."""
+        last the budget allows). The log has Flower's own lines (`strategies.flower_log`: what epsilon does not
+        cover withheld unless publish_diagnostics) and the round's `Round r/R:` line."""
         self.set_num_rounds(num_rounds)
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        self.summary()
+        flower = FlowerLog(self)  # Flower's own lines, as Strategy.start prints them
+        flower.start(num_rounds, initial_arrays, train_config, evaluate_config)
         for part in self.parts:
             part.see_model(self, initial_arrays)
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
         result, arrays = Result(), initial_arrays
-        if evaluate_fn and not self.completed_rounds and (res := evaluate_fn(0, arrays)) is not None:
-            result.evaluate_metrics_serverapp[0] = res
+        if evaluate_fn and not self.completed_rounds:
+            flower.initial_evaluation(evaluate_fn, arrays, result)
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.stop_reason = "num-rounds reached"
         if self.completed_rounds:
@@ -389,11 +392,13 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             )
         for rnd in range(self.completed_rounds + 1, num_rounds + 1):
             started = time.perf_counter()
+            flower.round_begins(rnd, num_rounds)
             instructions = list(self.configure_train(rnd, arrays, train_config, grid))
             if self.round.refused:  # over the budget at the round's own sample: nothing was sent
                 break
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
+            flower.train_aggregated(train_metrics)
             result.arrays = arrays
             result.train_metrics_clientapp[rnd] = train_metrics
             record = {"round": rnd, **dict(train_metrics), **failed_nodes_record(replies, instructions)}
@@ -406,12 +411,14 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             if eval_msgs:
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
                 if client_eval is not None:
+                    flower.evaluation_aggregated(client_eval)
                     result.evaluate_metrics_clientapp[rnd] = client_eval
                     record.update(self.client_evaluation_record(client_eval))
-            if evaluate_fn and due and (res := evaluate_fn(rnd, arrays)) is not None:
+            if evaluate_fn and due and (res := flower.global_evaluation(evaluate_fn, rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
             self.finish_round(record, started, arrays)
+        flower.finished(result)
         if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
             log(INFO, "%s", note)
         return result
@@ -452,7 +459,8 @@ DIAGNOSTIC_LOG_KEYS = figures.round_line_names(published=False)
 
 
 DIAGNOSTICS_MARK = "  | not private: "  # what follows it on a log line is not covered by epsilon
-LOG_LINE = re.compile(r"(?:Round (\d+)/\d+|Finished): (.*)$")
+# `Round r/R: ...`, `Round r: key=...` (R unknown: a legacy strategy without num_rounds), `Finished: ...`
+LOG_LINE = re.compile(r"(?:Round (\d+)(?:/\d+|(?=: [\w-]+=))|Finished): (.*)$")
 
 
 def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
@@ -465,8 +473,8 @@ def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
 
 
 def parse_log_line(line: str) -> tuple[dict, dict] | None:
-    """(published values, diagnostics) of a `Round r/R: ...` line (with `round`) or of the run's `Finished: ...`
-    line as `flwr log` prints them (a prefix such as Flower's `INFO :` is allowed); None for any other line.
+    """(published values, diagnostics) of a `Round r/R: ...` or `Round r: ...` line (with `round`) or of the run's
+    `Finished: ...` line as `flwr log` prints them (a prefix such as Flower's `INFO :` is allowed); None for any other line.
     Keys are those of metrics.jsonl (Finished: summary.json), after DIAGNOSTICS_MARK diagnostics.jsonl's;
     numbers come back to the line's 4 significant digits."""
     match = LOG_LINE.search(line.rstrip())

@@ -32,7 +32,7 @@ def _reported(metrics: list[dict]) -> list[tuple[float, float]]:
     for m in metrics:
         eps, delta = m.get(keys.SAMPLE_EPSILON), m.get(keys.SAMPLE_DELTA)
         if isinstance(eps, (int, float)) and isinstance(delta, (int, float)) and not isinstance(eps, bool):
-            if 0 <= eps and (math.isfinite(eps) or eps == math.inf) and 0 < delta < 1:
+            if 0 <= eps and not math.isnan(eps) and 0 < delta < 1:
                 pairs.append((float(eps), float(delta)))
     return pairs
 

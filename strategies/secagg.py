@@ -1,12 +1,14 @@
 """SecAgg+ for the client-level DP strategies: the server sees only the sum of the noisy updates
 (docs/algorithms.md §0; Flower's SecAgg+ exists on its legacy API only).
 
-`SecAggPlusDPFedAvg` is the legacy adapter (`strategies.legacy.LegacyDPFedAvg`) run under
-Flower's SecAgg+ (`DPSecAggPlusWorkflow`). `aggregate_fit` then never sees an individual update:
+Under Flower's SecAgg+ (`DPSecAggPlusWorkflow`) the legacy strategy never sees an individual update:
 every result carries the same vector, the weighted mean sum_i(w_i x_i) / sum_i(w_i) of the k
 clients that finished the protocol. Clients report weight w_i = 1 (`clients.mods`), so the mean
 is uniform and sum = k * mean; that sum goes through the wrapped strategy's noisy average step,
-which tops the noise up for the n_s - k shares that did not arrive.
+which tops the noise up for the n_s - k shares that did not arrive. `SecureSum` is that reading,
+the one piece both SecAgg+ strategies are composed with: `SecAggPlusDPFedAvg` (the legacy adapter
+`strategies.legacy.LegacyDPFedAvg` around a DPFedAvg) and `SecAggPlusDifferentialPrivacy` (Flower's
+legacy DP wrapper signature around any legacy strategy, `strategies.legacy_wrapper`).
 
 SecAgg+ quantizes each upload x to integers after clipping every coordinate to [-R, R].
 `secagg_clipping_range` picks R = C + z s (s = noise-share std, z from a union bound over
@@ -23,9 +25,9 @@ from statistics import NormalDist
 
 import numpy as np
 from flwr.app import Context
-from flwr.common import FitRes, log, parameters_to_ndarrays
+from flwr.common import log, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
-from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid
@@ -36,6 +38,7 @@ from dpcore.privacy.settings import check_secure_aggregation
 
 from .dp_fedavg import DPFedAvg, extra_updates
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
+from .legacy_wrapper import LegacyDifferentialPrivacy
 from .reply_gate import upload_norm_bound
 from .secure_aggregation import SecureAggregation
 
@@ -45,6 +48,20 @@ SECAGG_FIT_METRICS_NOTE = (
     "Under SecAgg+ the server sees only the sum: the clients' fit metrics are not sent (dp_privatize_mod replies "
     "with weight 1 and no metrics), and the round's fit metrics are the ledger's (epsilon, delta) only"
 )
+SECAGG_APP_FIT_METRICS_NOTE = (
+    "Under SecAgg+ the server sees only the sum: dp_privatize_mod replies with weight 1 and no fit metrics, so the "
+    "app's fit_metrics_aggregation_fn is not called and the round's fit metrics are the ledger's (epsilon, delta). "
+    "To pass the clients' fit metrics through knowingly, build the clients' mod with "
+    "make_dp_privatize_mod(send_fit_metrics=True): they then travel in plaintext beside the secure sum (weight 1 "
+    "each), outside SecAgg+'s and epsilon's guarantee, and reach the app's function and Flower's History (the log "
+    "prints them only with publish_diagnostics=True)"
+)
+
+
+def secagg_fit_metrics_note(strategy) -> str:
+    """What happens to the fit metrics under SecAgg+ (said once, by DPSecAggPlusWorkflow): the app's, if it has a
+    fit_metrics_aggregation_fn."""
+    return SECAGG_FIT_METRICS_NOTE if strategy.fit_metrics_aggregation_fn is None else SECAGG_APP_FIT_METRICS_NOTE
 
 
 def secagg_clipping_range(
@@ -69,76 +86,34 @@ def secagg_quantization_range(clients: int, modulus_range: int = SECAGG_MODULUS_
     return int(min(SECAGG_QUANTIZATION_RANGE, (modulus_range - 1) // max(2, clients)))
 
 
-class SecAggPlusDPFedAvg(LegacyDPFedAvg):
-    """A client-level DP strategy (`dp`, distributed noise) whose updates are summed by SecAgg+.
+class SecureSum:
+    """How SecAgg+ hands over the updates (`LegacyDPFedAvg.aggregation`): every result carries the same mean of the
+    k uploads that finished the protocol, each of weight 1, so sum = k * mean; the sum is checked against what k
+    honest noisy updates can produce (`sum_bound`) and goes through the wrapped strategy's noisy average step,
+    which divides by the fixed denominator and tops the noise up for the n_s - k shares that did not arrive.
+    `settings` are DPSecAggPlusWorkflow's, set at each round; without them a round is refused before it samples."""
 
-    Parameters
-    ----------
-    dp : the DPFedAvg (or subclass) that does all the DP work; needs noise_placement = "distributed".
-    workflow : the `DPSecAggPlusWorkflow` that `start` runs (it holds the SecAgg+ settings); default
-        DPSecAggPlusWorkflow(). In a ServerApp of your own, pass yours to DefaultWorkflow(fit_workflow=...).
-    evaluate_fn, on_fit_config_fn, initial_parameters, num_rounds : as in LegacyDPFedAvg.
-    """
+    secure = True
 
-    secure_aggregation = True
+    def __init__(self) -> None:
+        self.settings: dict = {}
 
-    def __init__(
-        self,
-        dp: DPFedAvg,
-        *,
-        workflow: DPSecAggPlusWorkflow | None = None,
-        evaluate_fn: LegacyEvaluateFn | None = None,
-        on_fit_config_fn=None,
-        initial_parameters=None,
-        num_rounds: int = 0,
-    ) -> None:
-        check_secure_aggregation(dp.noise_placement, dp.clipping_norm)
-        if dp.ledger is not None and not dp.server_sees_only_the_sum:
-            raise ValueError(
-                "build the strategy with secure_aggregation=True, or wrap it before the first round "
-                "(its ledger already exists)"
-            )
-        if not dp.server_sees_only_the_sum:  # the server-side figure: the server sees only the sum
-            dp.add_part(SecureAggregation())
-        super().__init__(
-            dp,
-            evaluate_fn=evaluate_fn,
-            on_fit_config_fn=on_fit_config_fn,
-            initial_parameters=initial_parameters,
-            num_rounds=num_rounds,
-        )
-        self.workflow = workflow
-        self.secagg_settings: dict = {}  # DPSecAggPlusWorkflow's, set at each round
-
-    def __repr__(self) -> str:
-        return f"SecAggPlusDPFedAvg({type(self.dp).__name__})"
-
-    def describe(self) -> dict:
-        return {**super().describe(), "secagg": self.secagg_settings}
-
-    def fit_workflow(self, timeout: float | None) -> SecAggPlusWorkflow:
-        """The given workflow (its own timeout, else `timeout`), or DPSecAggPlusWorkflow(timeout=timeout). `start`
-        runs the project's own ClientApp, which has no app fit metrics: the workflow's note on them is not given."""
-        workflow = self.workflow or DPSecAggPlusWorkflow()
-        if workflow.timeout is None:
-            workflow.timeout = timeout
-        workflow.metrics_said = True
-        return workflow
-
-    def configure_fit(self, server_round: int, parameters, client_manager) -> list:
+    def check_round(self) -> None:
         """Refused under any fit workflow but DPSecAggPlusWorkflow (it sets the quantizer the accounting needs)."""
-        if not self.secagg_settings:
+        if not self.settings:
             raise ValueError(
-                "SecAggPlusDPFedAvg runs under DPSecAggPlusWorkflow: in DefaultWorkflow(fit_workflow=...), replace "
+                "this strategy runs under DPSecAggPlusWorkflow: in DefaultWorkflow(fit_workflow=...), replace "
                 "SecAggPlusWorkflow(...) with DPSecAggPlusWorkflow(...) from dpfl (the same arguments)"
             )
-        return super().configure_fit(server_round, parameters, client_manager)
 
-    def aggregate_updates(
-        self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
+    def describe(self) -> dict:
+        return {"secagg": self.settings}
+
+    def aggregate(
+        self, dp: DPFedAvg, global_arrays: list[np.ndarray], server_round: int, results: list, failures: list
     ) -> tuple[list[np.ndarray], dict]:
-        """SecAgg+: every result carries the same mean of the k uploads; sum = k * mean."""
-        shapes = [a.shape for a in self._global]
+        """(new global arrays, round metrics) from SecAgg+'s results: sum = k * mean, its norm checked."""
+        shapes = [a.shape for a in global_arrays]
         weights = {res.num_examples for _, res in results}
         k = len(results)
         updates: list[np.ndarray] = []
@@ -157,43 +132,136 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
                 problem = f"undecodable sum ({type(exc).__name__}: {exc})"
             if problem is None:
                 total = (flatten(mean).astype(np.float64) * k).astype(np.float32)
-                problem = self.sum_problem(total, k)
+                problem = self.sum_problem(dp, total, k)
             if problem is None:
                 updates = [total]
         if problem:
-            self.dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
-        extra = extra_updates(self.dp, server_round, sum(a.size for a in self._global))
-        new_global = self.dp.noisy_average_step(
-            server_round, updates + extra, flatten(self._global), received=k if updates else 0
+            dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
+        extra = extra_updates(dp, server_round, sum(a.size for a in global_arrays))
+        new_global = dp.noisy_average_step(
+            server_round, updates + extra, flatten(global_arrays), received=k if updates else 0
         )
         metrics = {
             "clients": k if updates else 0,
             "rejected": 0 if updates else k,
             "failures": len(failures),
-            "server_noise_std": self.dp.round.server_noise_std,
-            **self.dp.privacy_metrics(),
+            "server_noise_std": dp.round.server_noise_std,
+            **dp.privacy_metrics(),
         }
         return unflatten(new_global, shapes), metrics
 
-    def sum_bound(self, k: int, dim: int) -> float:
+    def sum_bound(self, dp: DPFedAvg, k: int, dim: int) -> float:
         """The norm an honest sum of k uploads exceeds with probability <= 1e-12: each clipped update is at
         most C and the k noise shares sum to N(0, k s^2 I) (`reply_gate.upload_norm_bound` at k C and
         sqrt(k) s), plus SecAgg+'s quantization error (at most one step per coordinate per client)."""
-        dp = self.dp
         share_std = float(dp.client_train_config(0)[keys.NOISE_STD])
-        step = float(self.secagg_settings.get("quantization_step", 0.0))
+        step = float(self.settings.get("quantization_step", 0.0))
         return upload_norm_bound(k * dp.clipping_norm, math.sqrt(k) * share_std, dim) + k * step * math.sqrt(dim)
 
-    def sum_problem(self, total: np.ndarray, k: int) -> str | None:
+    def sum_problem(self, dp: DPFedAvg, total: np.ndarray, k: int) -> str | None:
         """Why an unmasked sum is refused: above what k honest clients can produce (`sum_bound`)."""
-        if self.dp.clipping_norm <= 0:
+        if dp.clipping_norm <= 0:
             return None
-        bound, norm = self.sum_bound(k, total.size), l2_norm(total)
+        bound, norm = self.sum_bound(dp, k, total.size), l2_norm(total)
         return f"sum norm {norm:.6g} above the bound {bound:.6g} of {k} honest noisy updates" if norm > bound else None
 
 
+def secure_sum_for(dp: DPFedAvg) -> SecureSum:
+    """A SecureSum for `dp`, which must add its noise in client shares (distributed) with C > 0; `dp` is composed
+    with `SecureAggregation` (the server sees only the sum) if it is not yet."""
+    check_secure_aggregation(dp.noise_placement, dp.clipping_norm)
+    if dp.ledger is not None and not dp.server_sees_only_the_sum:
+        raise ValueError(
+            "build the strategy with secure_aggregation=True, or wrap it before the first round "
+            "(its ledger already exists)"
+        )
+    if not dp.server_sees_only_the_sum:  # the server-side figure: the server sees only the sum
+        dp.add_part(SecureAggregation())
+    return SecureSum()
+
+
+class SecAggPlusDPFedAvg(LegacyDPFedAvg):
+    """A client-level DP strategy (`dp`, distributed noise) whose updates are summed by SecAgg+: LegacyDPFedAvg
+    composed with `SecureSum`.
+
+    Parameters
+    ----------
+    dp : the DPFedAvg (or subclass) that does all the DP work; needs noise_placement = "distributed".
+    workflow : the `DPSecAggPlusWorkflow` that `start` runs (it holds the SecAgg+ settings); default
+        DPSecAggPlusWorkflow(). In a ServerApp of your own, pass yours to DefaultWorkflow(fit_workflow=...).
+    evaluate_fn, on_fit_config_fn, initial_parameters, num_rounds : as in LegacyDPFedAvg.
+    """
+
+    def __init__(
+        self,
+        dp: DPFedAvg,
+        *,
+        workflow: DPSecAggPlusWorkflow | None = None,
+        evaluate_fn: LegacyEvaluateFn | None = None,
+        on_fit_config_fn=None,
+        initial_parameters=None,
+        num_rounds: int = 0,
+    ) -> None:
+        super().__init__(
+            dp,
+            evaluate_fn=evaluate_fn,
+            on_fit_config_fn=on_fit_config_fn,
+            initial_parameters=initial_parameters,
+            num_rounds=num_rounds,
+            aggregation=secure_sum_for(dp),
+        )
+        self.workflow = workflow
+
+    def __repr__(self) -> str:
+        return f"SecAggPlusDPFedAvg({type(self.dp).__name__})"
+
+    @property
+    def secagg_settings(self) -> dict:
+        """DPSecAggPlusWorkflow's settings of the last round."""
+        return self.aggregation.settings
+
+    def fit_workflow(self, timeout: float | None) -> SecAggPlusWorkflow:
+        """The given workflow (its own timeout, else `timeout`), or DPSecAggPlusWorkflow(timeout=timeout). `start`
+        runs the project's own ClientApp, which has no app fit metrics: the workflow's note on them is not given."""
+        workflow = self.workflow or DPSecAggPlusWorkflow()
+        if workflow.timeout is None:
+            workflow.timeout = timeout
+        workflow.metrics_said = True
+        return workflow
+
+
+class SecAggPlusDifferentialPrivacy(LegacyDifferentialPrivacy):
+    """`LegacyDifferentialPrivacy` under SecAgg+, in Flower's signature: where an app runs Flower's
+    `DifferentialPrivacyClientSideFixedClipping` under `SecAggPlusWorkflow` with `fixedclipping_mod`,
+
+        SecAggPlusDifferentialPrivacy(strategy, noise_multiplier, clipping_norm, num_sampled_clients)
+
+    under `DPSecAggPlusWorkflow` with `dp_privatize_mod`. Each sampled client clips its update to C and adds its
+    noise share (distributed noise); the server sees only their sum, which `SecureSum` reads; the ledger charges
+    fixed-size sampling of m = num_sampled_clients as LegacyDifferentialPrivacy does; the app's strategy then takes
+    its server step on the DP average (post-processing). Further keywords as in LegacyDifferentialPrivacy. Under
+    any other fit workflow it refuses round 1 before any client trains (without SecAgg+, use
+    LegacyDifferentialPrivacy)."""
+
+    def __init__(
+        self, strategy: Strategy, noise_multiplier: float, clipping_norm: float, num_sampled_clients: int, **keywords
+    ) -> None:
+        super().__init__(
+            strategy,
+            noise_multiplier,
+            clipping_norm,
+            num_sampled_clients,
+            aggregation=SecureSum(),
+            **{"noise_placement": "distributed", "secure_aggregation": True, **keywords},  # the part checks both
+        )
+
+    def __repr__(self) -> str:
+        return f"SecAggPlusDifferentialPrivacy({self.strategy!r}, num_sampled_clients={self.num_sampled_clients})"
+
+
 class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
-    """Flower's SecAgg+ set up for a SecAggPlusDPFedAvg, with `SecAggPlusWorkflow`'s arguments: uniform weights
+    """Flower's SecAgg+ set up for a strategy that reads its sum (`SecureSum`: SecAggPlusDifferentialPrivacy,
+    SecAggPlusDPFedAvg), with `SecAggPlusWorkflow`'s arguments: uniform weights
     (max_weight = 1: the DP mods send weight 1) and a quantizer range R that the noisy updates do not reach
     (`secagg_clipping_range`) with as many levels as the modulus allows (`secagg_quantization_range`), both
     recomputed every round; a max_weight, clipping_range or quantization_range given is replaced (said once in
@@ -228,22 +296,29 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
 
     def __call__(self, grid: Grid, context: Context) -> None:
         strategy = getattr(context, "strategy", None)
-        if not isinstance(strategy, SecAggPlusDPFedAvg):
-            raise TypeError("DPSecAggPlusWorkflow needs a SecAggPlusDPFedAvg as the LegacyContext's strategy")
+        secure_sum = getattr(strategy, "aggregation", None)
+        if not isinstance(secure_sum, SecureSum):  # before round 1 samples
+            raise TypeError(
+                f"DPSecAggPlusWorkflow needs a strategy that reads SecAgg+'s sum, not {type(strategy).__name__} (under "
+                "SecAgg+ the server cannot clip or noise single updates): SecAggPlusDifferentialPrivacy in place of "
+                "LegacyDifferentialPrivacy or Flower's DifferentialPrivacyClientSideFixedClipping (the same "
+                "arguments), or SecAggPlusDPFedAvg(DPFedAvg(noise_placement='distributed', ...)) in place of "
+                "LegacyDPFedAvg (all from dpfl)"
+            )
         dp = strategy.dp
         if dp.num_rounds <= 0:  # the ServerConfig's, unless the strategy was given num_rounds
             dp.set_num_rounds(context.config.num_rounds)
         strategy.ensure_population(context.client_manager)
         if not self.metrics_said:
             self.metrics_said = True
-            log(INFO, SECAGG_FIT_METRICS_NOTE)
+            log(INFO, "%s", secagg_fit_metrics_note(strategy))
         parameters = compat.arrayrecord_to_parameters(context.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         dim = sum(a.size for a in parameters_to_ndarrays(parameters))
         clients = max(2, dp.num_clients)
         noise_std = float(dp.client_train_config(0)[keys.NOISE_STD])
         self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients, self.failure_probability)
         self.quantization_range = secagg_quantization_range(clients, self.modulus_range)
-        strategy.secagg_settings = {
+        secure_sum.settings = {
             "num_shares": self.num_shares,
             "reconstruction_threshold": self.reconstruction_threshold,
             "max_weight": self.max_weight,

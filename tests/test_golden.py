@@ -15,7 +15,8 @@ change its import there.
 
 Floats are compared by repr (exact round trip), with their type, so 1 and 1.0, 0.0 and -0.0, differ. Only what
 legitimately differs between two runs of the same code is left out: `DROPPED_KEYS` (the one place that says
-which) and the run folder's absolute path, which reads as "<results-dir>".
+which), the run folder's absolute path, which reads as "<results-dir>", and the wall-clock seconds of Flower's
+`Strategy execution finished in ...s` line (`LOG_SECONDS`), which read as "<seconds>".
 
 Re-recording overwrites the record, so it is legitimate only for a deliberate change of behaviour (say which
 in the commit): `python -m tests.test_golden --record [route ...]`, or `DPFL_GOLDEN_RECORD=1 python -m pytest
@@ -49,6 +50,8 @@ DROPPED_KEYS = frozenset(
         "pid",  # status.json: the process that wrote it
     }
 )
+# The wall-clock seconds on the log's closing line (Flower's format, printed by strategies.flower_log).
+LOG_SECONDS = re.compile(r"(Strategy execution finished in )\d+\.\d+s$")
 # TensorBoard's event file is named events.out.tfevents.<time>.<host>.<pid>.<n>; its wall_time is not recorded.
 EVENTS_FILE = re.compile(r"events\.out\.tfevents\.\d+\..*")
 
@@ -208,7 +211,7 @@ def observe(route: str, tmp_dir: Path) -> dict:
         "diagnostics_summary": json.loads((run_dir / "diagnostics-summary.json").read_text()),
         "checkpoint": checkpoint(run_dir),
         "tensorboard": tensorboard_scalars(run_dir),
-        "log": log.lines,
+        "log": [LOG_SECONDS.sub(r"\g<1><seconds>s", line) for line in log.lines],
     }
     return normalized(observed, str(run_dir))
 

@@ -1,7 +1,9 @@
 """`LegacyDifferentialPrivacy(strategy, noise_multiplier, clipping_norm, num_sampled_clients)`, Flower's legacy
 DP wrapper signature, around the app's own legacy FedAvg, FedProx and FedAdam: a legacy app (tests.test_dropin's
-foreign NumPyClients, no mod: server-side clipping) run under ServerApp(server_fn=...) in process."""
+foreign NumPyClients, no mod: server-side clipping) run under ServerApp(server_fn=...) in process. Flower's own log
+is kept less what epsilon does not cover (`strategies.legacy_log`)."""
 
+import logging
 import math
 
 import numpy as np
@@ -9,12 +11,14 @@ import pytest
 from flwr.app import Context, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server import ServerApp, ServerAppComponents, ServerConfig
+from flwr.server import Server, ServerApp, ServerAppComponents, ServerConfig
+from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
 from dpcore.privacy.mechanisms import flatten
 from dpfl import LegacyDifferentialPrivacy
 from dpfl_tools.inprocess import InProcessGrid
+from strategies.legacy_log import FlowerLegacyLog
 from strategies.round_loop import parse_log_line
 from tests.test_dropin import NODES, accuracy, initial_weights, legacy_client_fn, shard
 
@@ -28,7 +32,35 @@ def dp_bound() -> float:
     return C + (math.sqrt(DIM) + 8) * SIGMA * C / M
 
 
-def run(make_strategy, caplog):
+class KeepHistory(Server):
+    """Flower's legacy Server, keeping the History its run returns (ServerApp(server_fn=...) drops it)."""
+
+    def fit(self, num_rounds, timeout):
+        self.history, elapsed = super().fit(num_rounds, timeout)
+        return self.history, elapsed
+
+
+def serve(strategy, rounds: int, caplog) -> KeepHistory:
+    """The legacy app under ServerApp(server_fn=...), Flower's own legacy server loop: its Server and History."""
+    server = KeepHistory(client_manager=SimpleClientManager(), strategy=strategy)
+    with caplog.at_level("DEBUG", logger="flwr"):
+        server_app = ServerApp(
+            server_fn=lambda context: ServerAppComponents(server=server, config=ServerConfig(num_rounds=rounds))
+        )
+        grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn), NODES, {})
+        server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    return server
+
+
+def shown(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+
+
+def log_filters() -> list:
+    return [f for f in logging.getLogger("flwr").filters if isinstance(f, FlowerLegacyLog)]
+
+
+def run(make_strategy, caplog, **dp_keywords):
     evaluated, fit_metrics_seen, handed, released = {}, [], [], []
 
     def evaluate_fn(rnd, ndarrays, config):
@@ -58,13 +90,9 @@ def run(make_strategy, caplog):
 
     inner.aggregate_fit = spy
     with caplog.at_level("INFO", logger="flwr"):
-        strategy = LegacyDifferentialPrivacy(inner, SIGMA, C, M, delta=1e-3, seed=1)
-        server_app = ServerApp(
-            server_fn=lambda context: ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=ROUNDS))
-        )
-        grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn), NODES, {})
-        server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    return strategy, evaluated, fit_metrics_seen, handed, released
+        strategy = LegacyDifferentialPrivacy(inner, SIGMA, C, M, delta=1e-3, seed=1, **dp_keywords)
+    server = serve(strategy, ROUNDS, caplog)
+    return strategy, evaluated, fit_metrics_seen, handed, released, server.history
 
 
 @pytest.mark.parametrize(
@@ -79,7 +107,7 @@ def run(make_strategy, caplog):
     ids=["FedAvg", "FedProx", "FedAdam", "FedYogi", "FedAvgM"],
 )
 def test_legacy_dp_wraps_the_apps_own_strategy(make_strategy, caplog):
-    strategy, evaluated, fit_metrics_seen, handed, released = run(make_strategy, caplog)
+    strategy, evaluated, fit_metrics_seen, handed, released, history = run(make_strategy, caplog)
     name = type(strategy.strategy).__name__
     assert sorted(evaluated) == [0, 1, 2, 3]  # the app's evaluate_fn: initial model, then every round
     assert len(strategy.history) == ROUNDS
@@ -108,7 +136,7 @@ def test_legacy_dp_wraps_the_apps_own_strategy(make_strategy, caplog):
     assert strategy.describe()["epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-12)
     assert 0 < printed[-1]["epsilon"] < math.inf
     text = [r.getMessage() for r in caplog.records]
-    assert "'loss_ish': [(1, 1.0), (2, 1.0), (3, 1.0)]" in caplog.text  # the app's fit metrics in Flower's History
+    assert history.metrics_distributed_fit["loss_ish"] == [(1, 1.0), (2, 1.0), (3, 1.0)]  # the app's, in History
     assert sum(f"{name}'s fraction_fit=0.3 and min_fit_clients=3 are not used" in t for t in text) == 1
     assert strategy.history[-1]["clients"] == M
 
@@ -118,7 +146,7 @@ def test_a_failing_fit_metrics_function_does_not_stop_the_run(caplog):
         kw["fit_metrics_aggregation_fn"] = lambda results: 1 / 0
         return FedAvg(**kw)
 
-    strategy, evaluated, _, _, _ = run(make, caplog)
+    strategy, evaluated, _, _, _, _ = run(make, caplog)
     assert len(strategy.history) == ROUNDS and sorted(evaluated) == [0, 1, 2, 3]
     assert "fit_metrics_aggregation_fn failed (ZeroDivisionError" in str(strategy.history[-1])
 
@@ -135,3 +163,107 @@ def test_num_sampled_clients_above_the_population_is_capped_with_a_line(caplog):
         server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert strategy.history[-1]["clients"] == NODES
     assert f"num_sampled_clients=50 but {NODES} nodes are connected: {NODES} are sampled a round" in caplog.text
+
+
+def loss_ish_mean(results):  # the app's fit_metrics_aggregation_fn
+    return {"loss_ish": float(np.mean([m["loss-ish"] for _, m in results]))}
+
+
+def evaluated_fedavg(**kw) -> FedAvg:
+    """The app's FedAvg with its own fit metrics, the server's evaluation and the clients' (fraction_evaluate=1)."""
+    return FedAvg(
+        fraction_evaluate=1.0,
+        initial_parameters=ndarrays_to_parameters(initial_weights()),
+        evaluate_fn=lambda rnd, ndarrays, config: (0.0, {"accuracy": accuracy(ndarrays)}),
+        fit_metrics_aggregation_fn=loss_ish_mean,
+        **kw,
+    )
+
+
+COUNT_LINE_STARTS = ("configure_fit", "aggregate_fit", "configure_evaluate", "aggregate_evaluate")
+
+
+def test_flowers_legacy_log_is_kept_less_what_epsilon_does_not_cover(caplog):
+    """[INIT], [ROUND r], [SUMMARY], `Run finished` and the History stay; the node-count lines go; the printed History
+    holds the ledger's fit metrics and the server's evaluation, not the app's fit metrics nor the clients' evaluation,
+    which Flower's History keeps; one line names what was withheld. The strategy filters Flower's log itself, for
+    its run only: nothing is installed when it is built, nothing is left after its [SUMMARY]."""
+    strategy = LegacyDifferentialPrivacy(evaluated_fedavg(), SIGMA, C, M, delta=1e-3, seed=1)
+    assert log_filters() == []
+    history = serve(strategy, ROUNDS, caplog).history
+    assert log_filters() == []
+    lines = shown(caplog)
+    for kept in ("[INIT]", "[ROUND 1]", "[ROUND 2]", "[ROUND 3]", "[SUMMARY]"):
+        assert lines.count(kept) == 1, kept
+    assert sum(line.startswith("Run finished 3 round(s) in ") for line in lines) == 1
+    assert not [line for line in lines if line.startswith(COUNT_LINE_STARTS)]
+    summary = "\n".join(lines[lines.index("[SUMMARY]") :])
+    printed, note = summary.split("\nNot in the log, as epsilon does not cover them: ")
+    assert "History (metrics, distributed, fit):" in printed and "History (metrics, centralized):" in printed
+    assert f"(3, {strategy.ledger.epsilon()!r})" in printed  # the ledger's epsilon, as Flower prints its History
+    assert "History (loss, centralized):" in printed
+    for withheld in ("loss_ish", "History (loss, distributed)", "History (metrics, distributed, evaluate)"):
+        assert withheld not in printed, withheld
+    assert note.startswith("History's fit metrics loss_ish (fit_metrics_aggregation_fn); the clients' evaluation")
+    assert "History's distributed loss, accuracy" in note and "publish_diagnostics=True prints them all" in note
+    assert sum(line.startswith("Not in the log, as epsilon does not cover them") for line in lines) == 1
+    # Flower's History holds everything: the ledger's figures, the app's fit metrics, both evaluations
+    assert set(history.metrics_distributed_fit) == {"epsilon", "delta", "loss_ish"}
+    assert history.metrics_distributed_fit["epsilon"][-1] == (3, strategy.ledger.epsilon())
+    assert [r for r, _ in history.losses_distributed] == [1, 2, 3] and "accuracy" in history.metrics_distributed
+    assert [r for r, _ in history.losses_centralized] == [0, 1, 2, 3]
+
+
+def test_publish_diagnostics_prints_flowers_log_whole(caplog):
+    strategy = LegacyDifferentialPrivacy(evaluated_fedavg(), SIGMA, C, M, delta=1e-3, seed=1, publish_diagnostics=True)
+    serve(strategy, ROUNDS, caplog)
+    lines = shown(caplog)
+    assert lines.count(f"configure_fit: strategy sampled {M} clients (out of {NODES})") == ROUNDS
+    assert lines.count(f"aggregate_fit: received {M} results and 0 failures") == ROUNDS
+    summary = "\n".join(lines[lines.index("[SUMMARY]") :])
+    assert "'loss_ish': [(1, 1.0), (2, 1.0), (3, 1.0)]" in summary and "History (loss, distributed)" in summary
+    assert "Not in the log" not in summary
+
+
+def test_a_run_that_raised_leaves_its_filter_only_until_the_next_runs_init(caplog):
+    """A run that raises before its [SUMMARY] (here: calibrate without the number of rounds, refused at round 1)
+    leaves its filter on the flwr logger; the next legacy run's [INIT] removes it, so a run with Flower's plain
+    FedAvg prints its count lines."""
+    refused = LegacyDifferentialPrivacy(
+        evaluated_fedavg(), SIGMA, C, M, target_epsilon=5.0, target_epsilon_mode="calibrate"
+    )
+    with pytest.raises(ValueError, match="needs the number of rounds"):
+        serve(refused, 1, caplog)
+    assert len(log_filters()) == 1
+    caplog.clear()
+    serve(FedAvg(initial_parameters=ndarrays_to_parameters(initial_weights())), 1, caplog)
+    assert log_filters() == []
+    assert f"configure_fit: strategy sampled {NODES} clients (out of {NODES})" in shown(caplog)
+
+
+@pytest.mark.parametrize("num_rounds", [0, 2])
+def test_round_lines_name_the_total_only_where_it_is_known(num_rounds, caplog):
+    """Under ServerApp(server_fn=...), Flower's ServerConfig never reaches the strategy (Flower's legacy Server calls
+    no strategy method with it): the line reads `Round r:`, never `Round r/0`; num_rounds= names the total."""
+    strategy = LegacyDifferentialPrivacy(
+        FedAvg(initial_parameters=ndarrays_to_parameters(initial_weights())), SIGMA, C, M, num_rounds=num_rounds
+    )
+    serve(strategy, 2, caplog)
+    round_lines = [line for line in shown(caplog) if line.startswith("Round ")]
+    total = f"/{num_rounds}" if num_rounds else ""
+    assert [line.split(": ")[0] for line in round_lines] == [f"Round 1{total}", f"Round 2{total}"]
+    assert [parse_log_line(line)[0]["round"] for line in round_lines] == [1, 2]
+    assert parse_log_line(round_lines[-1])[0]["epsilon"] == pytest.approx(strategy.ledger.epsilon(), rel=1e-3)
+
+
+def test_the_note_names_at_most_twenty_withheld_keys(caplog):
+    """The app's function may return any number of keys (from what clients sent): the note names 20 and counts
+    the rest, as the Message-API wrapper's does."""
+    many = FedAvg(
+        initial_parameters=ndarrays_to_parameters(initial_weights()),
+        fit_metrics_aggregation_fn=lambda results: {f"k{i:02d}": 1.0 for i in range(25)},
+    )
+    history = serve(LegacyDifferentialPrivacy(many, SIGMA, C, M), 1, caplog).history
+    (note,) = [line for line in shown(caplog) if line.startswith("Not in the log")]
+    assert "History's fit metrics k00, k01," in note and "k19 and 5 more (fit_metrics_aggregation_fn)" in note
+    assert "k20" not in note and len(history.metrics_distributed_fit) == 25 + 2

@@ -22,6 +22,7 @@ PUBLIC = {  # issue 33: what `import dpfl` must give
     "LegacyDifferentialPrivacy",
     "DPSecAggPlusWorkflow",
     "SecAggPlusDPFedAvg",
+    "SecAggPlusDifferentialPrivacy",
     "ALIDPFL",
     "AdaptiveClipping",
     "DPFTRL",

@@ -1,8 +1,10 @@
-"""Files that are either the old version or the new one, never half written."""
+"""Files a crash cannot leave half done: writes that leave the old version or the new one (`atomic_write`), and
+lock files that tell whether their holder still lives (`lock_held`)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Callable
@@ -36,3 +38,19 @@ def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def lock_held(lock: Path) -> bool:
+    """Does a live process hold an flock on the file `lock`? The kernel drops a dead process's flock (SIGKILL, a
+    crash), so a process that died holds none; False where the file does not exist."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock just taken
+    return False
