@@ -76,7 +76,7 @@ FL_DP_SA = AppPair(
     {
         "from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg": (
             "from flwr.server.strategy import FedAvg\n"
-            "from dpfl import LegacyDifferentialPrivacy as DifferentialPrivacyClientSideFixedClipping"
+            "from dpfl import SecAggPlusDifferentialPrivacy as DifferentialPrivacyClientSideFixedClipping"
         ),
         "from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow": (
             "from flwr.server.workflow import DefaultWorkflow\nfrom dpfl import DPSecAggPlusWorkflow as SecAggPlusWorkflow"
