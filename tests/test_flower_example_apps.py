@@ -11,7 +11,11 @@ sampling makes that direct) and Flower's own summary lines; the control runs (th
 """
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +65,31 @@ def test_a_line_to_replace_that_is_not_in_the_app_is_refused(tmp_path):
     wrong = dataclasses.replace(QUICKSTART, lines={"from flwr.serverapp import Nothing": "x"})
     with pytest.raises(AssertionError, match="must occur once"):
         make_variant(wrong, tmp_path / "ours")
+
+
+PICKLE_EVERY_APP = """
+import sys
+from ray import cloudpickle
+sys.path[:0] = sys.argv[1:]
+for package in ("pytorchexample", "fl_dp_sa", "opacus_fl"):
+    for part in ("client_app", "server_app"):
+        try:
+            cloudpickle.dumps(__import__(f"{package}.{part}", fromlist=["app"]).app)
+        except Exception as error:
+            print(f"{package}.{part}: {type(error).__name__}: {error}")
+"""
+
+
+@pytest.mark.parametrize("side", ["flower", "ours"])
+def test_every_app_pickles_as_the_simulation_sends_it_to_ray(side, tmp_path):
+    """Ray pickles the ClientApp with its mods for the simulated nodes (closures by value, with the globals
+    they use): every app of both sides must pickle, or `flwr run` fails at round 1."""
+    folders = [APPS / p.folder if side == "flower" else make_variant(p, tmp_path / p.folder) for p in PAIRS]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(
+        [sys.executable, "-c", PICKLE_EVERY_APP, *map(str, folders)], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout == "", run.stdout + run.stderr[-2000:]
 
 
 def run_both(superlink, pair, tmp_path):
