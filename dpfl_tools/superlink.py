@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -162,3 +163,24 @@ def stop(proc: subprocess.Popen | None, home: str) -> None:
     finally:
         faulthandler.cancel_dump_traceback_later()
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@contextmanager
+def own_simulation_superlink(home: Path, base: dict | None = None) -> Iterator[dict]:
+    """A simulation SuperLink of our own for `flwr run` (free ports, private FLWR_HOME `home`, telemetry and
+    runtime dependency installation off, this checkout first on PYTHONPATH); yields the environment that
+    reaches it, and ends it by PID when done. The tests' and benchmarks' `flwr run`s use it."""
+    root = Path(__file__).resolve().parents[1]
+    base = dict(os.environ if base is None else base)
+    base.update(
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
+        PYTHONPATH=os.pathsep.join(p for p in (str(root), base.get("PYTHONPATH", "")) if p),
+    )
+    env, http_port, control_port = own_superlink_env(base, home)
+    proc = start_local_superlink(env, http_port, control_port, home / "superlink.log")
+    try:
+        yield env
+    finally:
+        stop(proc, env["FLWR_HOME"])

@@ -1,6 +1,19 @@
-"""Every test session decodes and partitions into its own cache folder (dpcore.task.data_cache.cache_dir)."""
+"""Every test session decodes and partitions into its own cache folder (dpcore.task.data_cache.cache_dir); the
+test modules that `flwr run` apps share one SuperLink fixture."""
 
 import os
 import tempfile
 
+import pytest
+
 os.environ.setdefault("DPFL_CACHE_DIR", tempfile.mkdtemp(prefix="dpfl-test-cache-"))
+
+
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory):
+    """A simulation SuperLink of the test module's own (free ports, private FLWR_HOME, this checkout's code),
+    ended by PID; the environment for `flwr run`."""
+    from dpfl_tools.superlink import own_simulation_superlink
+
+    with own_simulation_superlink(tmp_path_factory.mktemp("flwr-home")) as env:
+        yield env

@@ -4,7 +4,7 @@ and with one mod line under distributed noise, around FedAvg and FedAdam."""
 
 import functools
 import json
-import os
+import re
 import shutil
 import subprocess
 import time
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from dpfl_tools.processes import BIN
-from dpfl_tools.superlink import own_superlink_env, start_local_superlink, stop
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.quickstart_app.quickstart.task import Net
 
@@ -22,22 +21,6 @@ APP = Path(__file__).parent / "quickstart_app"
 NODES, ROUNDS, SIGMA, DELTA = 4, 8, 0.05, 1e-3  # small sigma: 4 clients must learn in 8 rounds (0.83-0.91 at 0.05)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory):
-    """A simulation SuperLink of this module's own (free ports, private FLWR_HOME), ended by PID."""
-    home = tmp_path_factory.mktemp("flwr-home")
-    base = {
-        **os.environ,
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-    }
-    env, http_port, control_port = own_superlink_env(base, home)
-    proc = start_local_superlink(env, http_port, control_port, home / "superlink.log")
-    yield env
-    stop(proc, env["FLWR_HOME"])
 
 
 def flwr_run(env: dict, app: Path, out: Path, **config) -> dict:
@@ -147,13 +130,12 @@ def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(
     assert "num-supernodes=3" in text
 
 
-def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink, tmp_path):
-    """A legacy app (NumPyClient + mod, ServerApp(server_fn=...) with LegacyDPFedAvg) under `flwr run`: its own
-    evaluate metrics, aggregated by its own function, reach Flower's History; the fit metrics Flower's History
-    holds (and its [SUMMARY] prints) are the ledger's only; the model learns; epsilon is dp-accounting's."""
+def run_legacy_app(superlink, tmp_path: Path, **config) -> tuple[dict, str]:
+    """`flwr run` of tests/legacy_app with the run config; (its results file, the printed log)."""
     out = tmp_path / "legacy.json"
     app = tmp_path / "legacy"
     shutil.copytree(Path(__file__).parent / "legacy_app", app, ignore=shutil.ignore_patterns("__pycache__"))
+    values = {"results-file": str(out), **config}
     run = subprocess.run(
         [
             str(BIN / "flwr"),
@@ -161,7 +143,7 @@ def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink
             str(app),
             "--stream",
             "--run-config",
-            f"results-file='{out}'",
+            " ".join(f"{k}={v!r}" for k, v in values.items()),
             "--federation-config",
             f"num-supernodes={NODES} client-resources-num-cpus=1",
         ],
@@ -171,11 +153,31 @@ def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink
         text=True,
     )
     assert out.exists(), (run.stdout + run.stderr)[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), run.stdout + run.stderr
+
+
+def test_legacy_numpyclient_app_with_the_legacy_adapter_under_flwr_run(superlink, tmp_path):
+    """A legacy app (NumPyClient + mod, ServerApp(server_fn=...) with LegacyDPFedAvg) under `flwr run`: its own
+    evaluate metrics, aggregated by its own function, reach Flower's History; the fit metrics Flower's History
+    holds (and its [SUMMARY] prints) are the ledger's only; the model learns; epsilon is dp-accounting's."""
+    result, printed = run_legacy_app(superlink, tmp_path)
     accuracy = result["metrics_distributed"]["mean_accuracy"]
     assert [r for r, _ in accuracy] == list(range(1, 7)) and accuracy[-1][1] > 0.6, accuracy
     assert set(result["metrics_distributed_fit"]) <= {"epsilon", "delta", "epsilon_against_server"}
     pld_eps, rdp_eps = expected_epsilons(0.3, 6, 1e-3)
     assert 0.99 * pld_eps <= result["epsilon"] <= 1.01 * rdp_eps, (result["epsilon"], pld_eps, rdp_eps)
-    printed = run.stdout + run.stderr
     assert "update_norm" not in printed and "clipped_fraction" not in printed
+
+
+@pytest.mark.parametrize("strategy", ["fedadam", "fedprox"])
+def test_legacy_fedadam_and_fedprox_wrapped_in_flowers_signature_under_flwr_run(superlink, tmp_path, strategy):
+    """The app's own FedAdam / FedProx in `LegacyDifferentialPrivacy(strategy, sigma, C, m)`: its evaluate
+    metrics reach Flower's History, the model learns, every round prints the ledger's epsilon. m = M = 4: fixed-size
+    sampling of all nodes, charged under the replace-one relation (sensitivity 2C): the Gaussian at sigma / 2."""
+    result, printed = run_legacy_app(superlink, tmp_path, strategy=strategy)
+    accuracy = result["metrics_distributed"]["mean_accuracy"]
+    assert [r for r, _ in accuracy] == list(range(1, 7)) and accuracy[-1][1] > 0.6, accuracy
+    pld_eps, rdp_eps = expected_epsilons(0.3 / 2, 6, 1e-3)
+    assert 0.99 * pld_eps <= result["epsilon"] <= 1.01 * rdp_eps, (result["epsilon"], pld_eps, rdp_eps)
+    assert len(re.findall(r"Round \d/6: .*epsilon=", printed)) == 6, printed[-3000:]
+    assert "[SUMMARY]" in printed

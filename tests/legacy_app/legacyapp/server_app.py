@@ -1,5 +1,6 @@
-"""The app's legacy ServerApp (server_fn), with dpfl's LegacyDPFedAvg where FedAvg was. Its own evaluate
-metrics aggregation function; the final History written to the results file."""
+"""The app's legacy ServerApp (server_fn), with dpfl's LegacyDPFedAvg where FedAvg was, or (run-config key
+`strategy`: fedadam, fedprox) the app's own FedAdam or FedProx wrapped in LegacyDifferentialPrivacy in Flower's
+signature. Its own evaluate metrics aggregation function; the final History written to the results file."""
 
 import json
 from pathlib import Path
@@ -8,9 +9,10 @@ from flwr.app import Context
 from flwr.common import ndarrays_to_parameters
 from flwr.server import Server, ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
+from flwr.server.strategy import FedAdam, FedProx
 
 from legacyapp.task import initial_weights
-from strategies import DPFedAvg, LegacyDPFedAvg
+from strategies import DPFedAvg, LegacyDifferentialPrivacy, LegacyDPFedAvg
 
 
 def mean_accuracy(results) -> dict:
@@ -42,22 +44,46 @@ class RecordingServer(Server):
         return history, elapsed
 
 
+def own_strategy(name: str):
+    """The app's own legacy strategy, as it would run without DP."""
+    common = {
+        "fraction_evaluate": 1.0,
+        "evaluate_metrics_aggregation_fn": mean_accuracy,
+        "initial_parameters": ndarrays_to_parameters(initial_weights()),
+    }
+    if name == "fedadam":
+        return FedAdam(eta=0.1, eta_l=0.5, tau=1e-3, **common)
+    return FedProx(proximal_mu=0.1, **common)
+
+
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = context.run_config
     rounds = int(cfg["num-server-rounds"])
-    strategy = LegacyDPFedAvg(
-        DPFedAvg(
-            sample_rate=1.0,
-            clipping_norm=float(cfg["clipping-norm"]),
-            noise_multiplier=float(cfg["noise-multiplier"]),
+    sigma, clip = float(cfg["noise-multiplier"]), float(cfg["clipping-norm"])
+    if str(cfg["strategy"]) == "dpfedavg":
+        strategy = LegacyDPFedAvg(
+            DPFedAvg(
+                sample_rate=1.0,
+                clipping_norm=clip,
+                noise_multiplier=sigma,
+                noise_placement="distributed",
+                delta=1e-3,
+                fraction_evaluate=1.0,
+            ),
+            evaluate_metrics_aggregation_fn=mean_accuracy,
+            num_rounds=rounds,
+            initial_parameters=ndarrays_to_parameters(initial_weights()),
+        )
+    else:  # Flower's legacy DP wrapper signature: (strategy, noise_multiplier, clipping_norm, num_sampled_clients)
+        strategy = LegacyDifferentialPrivacy(
+            own_strategy(str(cfg["strategy"])),
+            sigma,
+            clip,
+            int(cfg["num-sampled-clients"]),
+            num_rounds=rounds,
             noise_placement="distributed",
             delta=1e-3,
-            fraction_evaluate=1.0,
-        ),
-        evaluate_metrics_aggregation_fn=mean_accuracy,
-        num_rounds=rounds,
-        initial_parameters=ndarrays_to_parameters(initial_weights()),
-    )
+        )
     server = RecordingServer(Path(str(cfg["results-file"])), client_manager=SimpleClientManager(), strategy=strategy)
     return ServerAppComponents(server=server, config=ServerConfig(num_rounds=rounds))
 
