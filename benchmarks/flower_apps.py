@@ -7,7 +7,7 @@ digits data): quickstart-pytorch with Flower's `DifferentialPrivacyServerSideFix
 (Message API), fl-dp-sa (legacy API, `DifferentialPrivacyClientSideFixedClipping`, SecAgg+, client mods
 `[secaggplus_mod, fixedclipping_mod]`) and opacus (Opacus' `PrivacyEngine` made every round in a Message-API
 client). Each as written is Flower's control; the project's variant is made from it by replacing the lines of
-`PAIRS` (import lines; the opacus app also adds the mod and the server's max-epsilon aggregation, the changes
+`PAIRS` (import lines; the opacus app also adds the mod to its train function, the change
 docs/dropin.md documents). Both run at the same sigma, C, m and run config on one SuperLink of our own, one
 after the other. Per run: the final model's accuracy on the held-out digits, the epsilon the log prints
 (Flower's figure, or none where Flower prints none) and the seconds per round (from Flower's `[ROUND 2` line to
@@ -93,12 +93,8 @@ OPACUS = AppPair(
     {
         "from opacus import PrivacyEngine": "from dpfl import PrivacyEngine, sample_ledger_mod",
         "@app.train()": "@app.train(mods=[sample_ledger_mod])",
-        "from flwr.serverapp.strategy import FedAvg": (
-            "from flwr.serverapp.strategy import FedAvg\nfrom dpfl import max_sample_epsilon_records"
-        ),
-        "train_metrics_aggr_fn=aggregate_train,": "train_metrics_aggr_fn=max_sample_epsilon_records,",
     },
-    other_lines=2,
+    other_lines=1,
 )
 PAIRS = (QUICKSTART, FL_DP_SA, OPACUS)
 
@@ -226,15 +222,15 @@ def initial_names(app: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ epsilon
 OUR_ROUND_EPSILON = re.compile(r"\bRound \d+/\d+:.*?\bepsilon=([0-9.eE+-]+|inf)")
-OUR_SAMPLE_EPSILON = re.compile(r"Sample-level DP: epsilon = ([0-9.eE+-]+|inf)")
 FLOWER_MAX_EPSILON = re.compile(r"'max_epsilon': ([0-9.eE+-]+)")
 
 
 def printed_epsilons(pair: AppPair, log: str, ours: bool) -> list[float]:
-    """Every epsilon the log prints, in order: the project's round lines (the opacus app: its sample-level
-    line), Flower's opacus server the `max_epsilon` of its aggregated train metrics; [] where none."""
+    """Every epsilon the log prints, in order: the project's round lines; the opacus app's server (on both sides)
+    the `max_epsilon` of its aggregated train metrics, of what its clients' `get_epsilon` returned (each round's,
+    then again in Final results); [] where none."""
     if pair is OPACUS:
-        pattern = OUR_SAMPLE_EPSILON if ours else FLOWER_MAX_EPSILON
+        pattern = FLOWER_MAX_EPSILON
     else:
         pattern = OUR_ROUND_EPSILON if ours else None
     return [float(m) for m in pattern.findall(log)] if pattern else []
@@ -331,8 +327,8 @@ Measured {date} on {machine} (flwr {flwr}, torch {torch}), with
 Each app is the project's copy of a Flower example (`tests/flower_apps/`, scikit-learn's 8x8 digits in place of
 flwr-datasets), run under `flwr run` with {nodes} SuperNodes on one simulation SuperLink, first as written with
 Flower's DP classes, then with this project's, the variant made by replacing the lines in
-`benchmarks/flower_apps.py`'s `PAIRS` (import lines only, except the opacus app's two: the mod and the server's
-largest-epsilon aggregation, [dropin.md](dropin.md)). Both runs of a pair use the same run config:
+`benchmarks/flower_apps.py`'s `PAIRS` (import lines only, except the opacus app's one: the mod on its train
+function, [dropin.md](dropin.md)). Both runs of a pair use the same run config:
 
 {settings}
 

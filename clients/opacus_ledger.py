@@ -2,23 +2,25 @@
 
 Flower's Opacus example builds a new `opacus.PrivacyEngine` every round, so the epsilon it prints covers one
 round and never grows. With this module the steps every round takes are charged to one ledger per client
-(`dpcore.privacy.ledger.PrivacyLedger`, the project's accountant: PLD by default), and each train reply carries
-the cumulative epsilon. Three changed lines on the client:
+(`dpcore.privacy.ledger.PrivacyLedger`, the project's accountant: PLD by default), the engine's `get_epsilon`
+answers from it, and each train reply carries the cumulative epsilon. Two changed lines on the client:
 
     from dpfl import PrivacyEngine, sample_ledger_mod          # was: from opacus import PrivacyEngine
     app = ClientApp(client_fn=client_fn, mods=[sample_ledger_mod])
     # Message API instead: @app.train(mods=[sample_ledger_mod])
 
-and on the server `fit_metrics_aggregation_fn=max_sample_epsilon` (legacy FedAvg) or
-`train_metrics_aggr_fn=max_sample_epsilon_records` (Message-API FedAvg), `strategies.sample_epsilon`.
+and, on a server that does not aggregate its clients' epsilon already, `fit_metrics_aggregation_fn=
+max_sample_epsilon` (legacy FedAvg) or `train_metrics_aggr_fn=max_sample_epsilon_records` (Message-API FedAvg),
+`strategies.sample_epsilon`.
 
-`PrivacyEngine` is Opacus' own with one addition: created while the mod handles a train message, it belongs to
-that node. After the client's train function returns, the mod reads each of the node's engines' accountant
-history (Opacus records (noise_multiplier, sample_rate, steps) at every optimizer step, whatever accountant it
-was given) and charges the steps not charged before: an engine made every round and one kept across rounds are
-both counted once. The reply's metrics gain `sample-epsilon` (cumulative, at `sample-delta`), `sample-steps`
-and `sample-accountant` (the accountant whose bound it is: `pld`, or `rdp` where PLD falls back, e.g. sigma
-below 0.2).
+`PrivacyEngine` is Opacus' own with two additions: created while the mod handles a train message, it belongs to
+that node, and its `get_epsilon(delta)` is the node's cumulative epsilon (the ledger's earlier rounds and this
+round's steps so far). After the client's train function returns, the mod reads each of the node's engines'
+accountant history (Opacus records (noise_multiplier, sample_rate, steps) at every optimizer step, whatever
+accountant it was given) and charges the steps not charged before: an engine made every round and one kept across
+rounds are both counted once. The reply's metrics gain `sample-epsilon` (cumulative, at `sample-delta`),
+`sample-steps` and `sample-accountant` (the accountant whose bound it is: `pld`, or `rdp` where PLD falls back,
+e.g. sigma below 0.2).
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ STATE_KEY = "dpfl.sample-ledger"  # the ConfigRecord in Context.state that holds
 DEFAULT_SAMPLE_DELTA = 1e-5  # per client's samples, as ALI-DPFL's default
 LEGACY_FIT_METRICS = "fitres.metrics"
 
-# While the mod handles a node's train message: (the node, the engines made during the call). The list holds them
-# until the mod has read them (an engine made in fit() is gone once fit() returns); _engines keeps the ones a
-# client holds across rounds.
-_call: ContextVar[tuple[int, list] | None] = ContextVar("dpfl_sample_ledger_call", default=None)
+# While the mod handles a node's train message: (the node, the engines made during the call, the node's ledger as
+# it stood before the call). The list holds the engines until the mod has read them (an engine made in fit() is
+# gone once fit() returns); _engines keeps the ones a client holds across rounds.
+_call: ContextVar[tuple[int, list, PrivacyLedger] | None] = ContextVar("dpfl_sample_ledger_call", default=None)
 _engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -59,6 +61,19 @@ class PrivacyEngine(import_opacus().PrivacyEngine):
         if call is not None:
             call[1].append(self)
             _engines.add(self)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Made while `sample_ledger_mod` handles a train message: the node's cumulative epsilon at `delta`, from
+        the project's ledger (every earlier round's steps and this round's so far, as the reply's
+        `sample-epsilon` will say). Otherwise Opacus' own figure for this engine alone."""
+        call = _call.get()
+        if call is None or self.dpfl_node != call[0]:
+            return super().get_epsilon(delta)
+        node, made_now, ledger = call
+        running = PrivacyLedger(delta=delta, accountant=ledger.accountant, history=list(ledger.history))
+        for sigma, q, steps in uncharged_events(node, made_now):
+            running.record(sigma, q, steps)
+        return running.epsilon()
 
 
 def new_events(history: list, charged: list) -> list[tuple[float, float, int]]:
@@ -90,11 +105,19 @@ def save_ledger(context: Context, ledger: PrivacyLedger) -> None:
     )
 
 
+def node_engines(node: int, made_now: list) -> list:
+    """The node's engines: made in this call, or kept from earlier ones."""
+    return list({id(e): e for e in [*made_now, *(e for e in list(_engines) if e.dpfl_node == node)]}.values())
+
+
+def uncharged_events(node: int, made_now: list) -> list[tuple[float, float, int]]:
+    """The steps the node's engines took since they were last charged, (sigma, q, steps) each."""
+    return [event for e in node_engines(node, made_now) for event in new_events(e.accountant.history, e.dpfl_charged)]
+
+
 def charge_node_engines(node: int, made_now: list, ledger: PrivacyLedger) -> None:
-    """Charge the steps the node's engines (made in this call, or kept from earlier ones) took since they were
-    last read."""
-    engines = {id(e): e for e in [*made_now, *(e for e in list(_engines) if e.dpfl_node == node)]}
-    for engine in engines.values():
+    """Charge the steps the node's engines took since they were last charged, and mark them charged."""
+    for engine in node_engines(node, made_now):
         history = list(engine.accountant.history)
         for sigma, q, steps in new_events(history, engine.dpfl_charged):
             ledger.record(sigma, q, steps)
@@ -126,12 +149,12 @@ def add_metrics(reply: Message, metrics: dict) -> None:
 
 
 @contextmanager
-def engines_made_for(node: int) -> Iterator[list]:
-    """While active, the PrivacyEngines this call makes are listed (the list yielded) for `node`. A module-level
-    function, so the mod's closure holds no ContextVar: Ray pickles the ClientApp, mods included, and a ContextVar
-    cannot be pickled."""
+def engines_made_for(node: int, ledger: PrivacyLedger) -> Iterator[list]:
+    """While active, the PrivacyEngines this call makes are listed (the list yielded) for `node`, whose `ledger`
+    their `get_epsilon` continues. A module-level function, so the mod's closure holds no ContextVar: Ray pickles
+    the ClientApp, mods included, and a ContextVar cannot be pickled."""
     made_now: list = []
-    token = _call.set((node, made_now))
+    token = _call.set((node, made_now, ledger))
     try:
         yield made_now
     finally:
@@ -146,10 +169,9 @@ def make_sample_ledger_mod(delta: float = DEFAULT_SAMPLE_DELTA, accountant: str 
     def sample_ledger_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
         if msg.metadata.message_type != MessageType.TRAIN:
             return call_next(msg, context)
-        node = int(context.node_id)
-        with engines_made_for(node) as made_now:
+        node, ledger = int(context.node_id), load_ledger(context, delta, accountant)
+        with engines_made_for(node, ledger) as made_now:
             reply = call_next(msg, context)
-        ledger = load_ledger(context, delta, accountant)
         charge_node_engines(node, made_now, ledger)
         save_ledger(context, ledger)
         if not reply.has_error():

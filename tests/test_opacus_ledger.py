@@ -54,6 +54,7 @@ class OpacusClient(NumPyClient):
                 noise_multiplier=SIGMA,
                 max_grad_norm=1.0,
             )
+            self.engine = engine
             if self.keep is not None:
                 self.keep.update(engine=engine, private=(model, optimizer, loader))
         for x, y in loader:
@@ -204,3 +205,33 @@ def test_the_mod_survives_the_pickling_a_simulation_does():
 
     for mod in (sample_ledger_mod, make_sample_ledger_mod(delta=1e-6)):
         assert callable(pickle.loads(cloudpickle.dumps(mod)))
+
+
+class SelfReportingClient(OpacusClient):
+    """As Flower's Opacus example: after training, the client reports `privacy_engine.get_epsilon(delta)` itself."""
+
+    def fit(self, parameters, config):
+        arrays, n, metrics = super().fit(parameters, config)
+        return arrays, n, {**metrics, "epsilon": self.engine.get_epsilon(1e-5)}
+
+
+@pytest.mark.parametrize("with_mod", [True, False])
+def test_the_clients_own_get_epsilon_is_the_ledgers_under_the_mod(with_mod):
+    """Flower's Opacus example prints what get_epsilon returns: under the mod that is the node's cumulative figure
+    (equal to the reply's sample-epsilon at the same delta, growing); without it, Opacus' one-engine figure (the
+    same every round, as in Flower's example)."""
+    app = ClientApp(
+        client_fn=lambda ctx: SelfReportingClient().to_client(), mods=[sample_ledger_mod] if with_mod else []
+    )
+    ctx = context(200)
+    own, ledger = [], []
+    for _ in range(3):
+        metrics = fit_metrics(app(train_message(200), ctx))
+        own.append(metrics["epsilon"])
+        ledger.append(metrics.get(keys.SAMPLE_EPSILON))
+    if with_mod:
+        assert own == ledger and own[0] < own[1] < own[2]
+        assert own[2] == pytest.approx(dp_accounting_epsilons(SIGMA, BATCH / N, 24, 1e-5)[0], rel=2e-2)
+    else:
+        assert ledger == [None] * 3 and own[0] == pytest.approx(own[2], rel=1e-9)
+        assert own[0] == pytest.approx(dp_accounting_epsilons(SIGMA, BATCH / N, 8, 1e-5)[1], rel=0.2)  # Opacus' PRV
