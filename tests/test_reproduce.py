@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.reproduce import CLAIMS
 
 
+@pytest.mark.slow  # 20 s: a subprocess that trains every arm (the fast tier keeps a margin under 5 minutes)
 def test_quick_study_of_one_claim_writes_its_table(tmp_path):
     claim = CLAIMS["dp-fedsam"]
     done = subprocess.run(
