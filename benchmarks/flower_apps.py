@@ -242,24 +242,36 @@ def summary_line(pair: AppPair) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the table
-def run_pair(env: dict, pair: AppPair, work: Path, nodes: int) -> list[dict]:
-    rows = []
-    for side in ("flower", "ours"):
-        app = APPS / pair.folder if side == "flower" else make_variant(pair, work / f"{pair.folder}-ours")
-        run = flwr_run(env, app, work / f"{pair.folder}-{side}", nodes, pair.config)
-        _, accuracy = final_accuracy(app, run.final_model)
-        epsilons = printed_epsilons(pair, run.log, ours=side == "ours")
-        rows.append(
-            {
-                "app": pair.name,
-                "side": side,
-                "accuracy": accuracy,
-                "epsilon": epsilons[-1] if epsilons else None,
-                "seconds_per_round": run.seconds_per_round,
-            }
-        )
-        print(rows[-1], flush=True)
-    return rows
+def run_pair(env: dict, pair: AppPair, work: Path, nodes: int, repeats: int = 1) -> list[dict]:
+    """Both sides of `pair`, `repeats` times, alternating (so both meet the same load); a row a side: accuracy's
+    mean and range, the epsilon printed (the same every run: it depends on the settings only), the median
+    seconds per round."""
+    variant = make_variant(pair, work / f"{pair.folder}-ours")
+    runs: dict[str, list[dict]] = {"flower": [], "ours": []}
+    for i in range(repeats):
+        for side, app in (("flower", APPS / pair.folder), ("ours", variant)):
+            run = flwr_run(env, app, work / f"{pair.folder}-{side}-{i}", nodes, pair.config)
+            epsilons = printed_epsilons(pair, run.log, ours=side == "ours")
+            runs[side].append(
+                {
+                    "accuracy": final_accuracy(app, run.final_model)[1],
+                    "epsilon": epsilons[-1] if epsilons else None,
+                    "seconds_per_round": run.seconds_per_round,
+                }
+            )
+            print(pair.name, side, runs[side][-1], flush=True)
+    return [
+        {
+            "app": pair.name,
+            "side": side,
+            "accuracy": float(np.mean([r["accuracy"] for r in done])),
+            "accuracy_range": (min(r["accuracy"] for r in done), max(r["accuracy"] for r in done)),
+            "epsilon": done[-1]["epsilon"],
+            "seconds_per_round": float(np.median([r["seconds_per_round"] for r in done])),
+            "runs": len(done),
+        }
+        for side, done in runs.items()
+    ]
 
 
 def app_settings(pair: AppPair) -> str:
@@ -276,7 +288,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         eps = "none" if r["epsilon"] is None else f"{r['epsilon']:.4g}"
         who = "Flower's" if r["side"] == "flower" else "dpfl"
-        lines.append(f"| {r['app']} | {who} | {r['accuracy']:.3f} | {eps} | {r['seconds_per_round']:.1f} |")
+        low, high = r["accuracy_range"]
+        accuracy = f"{r['accuracy']:.3f}" + (f" ({low:.2f}-{high:.2f})" if r["runs"] > 1 else "")
+        lines.append(f"| {r['app']} | {who} | {accuracy} | {eps} | {r['seconds_per_round']:.1f} |")
     return "\n".join(lines)
 
 
@@ -284,6 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--apps", nargs="*", default=[p.name for p in PAIRS])
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side (accuracy: mean and range)")
     parser.add_argument("--write", type=Path, help="write the table into this markdown page")
     args = parser.parse_args()
     started = datetime.now(timezone.utc)
@@ -293,7 +308,7 @@ def main() -> None:
         with own_simulation_superlink(work / "flwr-home") as env:
             for pair in PAIRS:
                 if pair.name in args.apps:
-                    rows += run_pair(env, pair, work, args.nodes)
+                    rows += run_pair(env, pair, work, args.nodes, args.repeats)
     print(table(rows))
     if args.write:
         write_page(args.write, rows, args, started)
@@ -308,8 +323,9 @@ def write_page(path: Path, rows: list[dict], args, started: datetime) -> None:
             machine=machine,
             flwr=flwr.__version__,
             torch=torch.__version__,
-            command=f"python -m benchmarks.flower_apps --nodes {args.nodes} --write {args.write}",
+            command=f"python -m benchmarks.flower_apps --nodes {args.nodes} --repeats {args.repeats} --write {args.write}",
             nodes=args.nodes,
+            repeats=args.repeats,
             settings=settings,
             table=table(rows),
         )
@@ -333,8 +349,9 @@ function, [dropin.md](dropin.md)). Both runs of a pair use the same run config:
 {settings}
 
 - accuracy: the final model (saved by the ServerApp, loaded by name with strict=True) on the held-out digits
-  (every 5th image). One run each, and neither side seeds its noise: repeated runs of the same app moved by up
-  to 0.2 here, so the two rows of an app are the same within that.
+  (every 5th image): the mean of {repeats} runs of each side, alternating, and in brackets the lowest and highest.
+  Neither side seeds its noise, and one run of these small apps moves by up to 0.2: read the ranges, not the
+  means alone.
 - epsilon printed: the last figure the run's log prints. Flower's wrappers around quickstart-pytorch and fl-dp-sa
   print none (flwr 1.42's Message-API wrapper accounts only where an `accountant` is passed, its legacy wrapper
   never). Flower's opacus server prints the largest client epsilon of the last round: each client's
@@ -342,13 +359,15 @@ function, [dropin.md](dropin.md)). Both runs of a pair use the same run config:
   from its ledgers and cover the whole run: client-level for quickstart-pytorch and fl-dp-sa (fixed-size
   sampling of m = all 10 clients, charged under the replace-one relation: the Gaussian at sigma / 2; delta = 0
   means min(1e-5, 0.01 / M) = 1e-5); large because these apps use little noise (sigma 0.3) so that 6 rounds on
-  1,437 digits learn. Sample-level for opacus: the largest of the clients' cumulative ledgers (a sigma 1.0
-  client), at the mod's delta 1e-5, the app's target-delta; after round 1 it reads 6.447, against the 6.458 of
-  Opacus' own accountant for that round.
+  1,437 digits learn. Sample-level for opacus: the app's own `max_epsilon`, the largest `get_epsilon` its
+  clients report, which under the mod is each client's cumulative ledger (a sigma 1.0 client's), at the app's
+  target-delta 1e-5; after round 1 it reads 6.447, against the 6.458 of Opacus' own accountant for that round.
 - s / round: from Flower's `[ROUND 2` line to its line after the last round (`Strategy execution finished`,
   `[SUMMARY]`), over the rounds between, as `flwr run --stream` delivers the lines (about every 0.5 s); round 1,
   which starts the ClientApps, is left out. On a machine other jobs may share: compare the two rows of one
-  app, not across pages.
+  app, not across pages. Why dpfl's opacus rounds take half the time was not investigated; one difference is
+  that `from dpfl import PrivacyEngine` imports Opacus without its `logging.basicConfig()`
+  (`dpcore/task/opacus_import.py`), which Flower's app, importing `opacus` itself, lets take effect.
 
 `tests/test_flower_example_apps.py` runs the same pairs in CI's slow tier and checks the state-dict names,
 that the model learns, the epsilon against an independent accountant and Flower's own summary lines.
