@@ -34,6 +34,7 @@ from dpcore.privacy import protocol as keys
 
 from .dp_fedavg import DPFedAvg
 from .legacy_log import FlowerLegacyLog
+from .run_record import bound_note
 from .wrapped import reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
@@ -258,10 +259,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         """The run begins (Flower's workflows and legacy Server call this first): Flower's log is kept, less what
         epsilon does not cover, until its [SUMMARY] ends (`strategies.legacy_log`; all of it with
-        publish_diagnostics)."""
-        self.flower_log = FlowerLegacyLog()
-        if not self.dp.publish_diagnostics:
-            self.flower_log.install()
+        publish_diagnostics), which closes with the bound the printed epsilon is where it is not the accountant's
+        asked for."""
+        self.flower_log = FlowerLegacyLog(publish_all=self.dp.publish_diagnostics)
+        self.flower_log.install()
         return super().initialize_parameters(client_manager)
 
     def configure_fit(
@@ -296,6 +297,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         app_metrics = self.app_fit_metrics(server_round, results)
         parameters, published = self.release(server_round, results, failures)
         self.flower_log.fit(server_round, published, app_metrics)
+        if self.dp.ledger is not None:
+            self.flower_log.closing = bound_note(self.dp.accountant, self.dp.ledger) or ""
         return parameters, {**app_metrics, **published}
 
     def release(

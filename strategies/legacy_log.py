@@ -13,7 +13,8 @@ flwr logger while it runs (from `initialize_parameters` to the end of `[SUMMARY]
   (distributed loss and metrics) stay in Flower's History object but are not printed;
 - everything else passes, and one line at the end names what was withheld.
 
-With `publish_diagnostics` the strategy installs nothing: Flower's log is printed whole.
+With `publish_diagnostics` Flower's log is printed whole. Either way the end of `[SUMMARY]` says which bound the
+printed epsilon is where it is not the one of the accountant asked for (`run_record.bound_note`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class FlowerLegacyLog(logging.Filter):
     keeps `shown`, the History less what epsilon does not cover, and prints it in place of Flower's History lines.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, publish_all: bool = False) -> None:
+        self.publish_all = publish_all  # publish_diagnostics: Flower's log whole, and the closing line
+        self.closing = ""  # said at the end of [SUMMARY]: the bound the printed epsilon is, where it is not asked for
         self.shown = History()
         self.withheld: dict[str, dict[str, None]] = {"fit": {}, "evaluate": {}}  # ordered sets of names
         self.in_summary = False  # between "Run finished" and the blank line after the History
@@ -122,16 +125,19 @@ class FlowerLegacyLog(logging.Filter):
         if message == "[INIT]":  # another run starts: this one ended without its [SUMMARY]
             self.uninstall()
             return True
-        if is_count_line(record):
+        if is_count_line(record) and not self.publish_all:
             return False
         if message.startswith("Run finished"):
             self.in_summary = True
-        elif self.in_summary and message in HISTORY_FORMATS:
+        elif self.in_summary and message in HISTORY_FORMATS and not self.publish_all:
             self.print_history(message)
             return False
         elif self.in_summary and message == "":  # the blank line that ends [SUMMARY]
-            self.print_history("%s")
-            log(INFO, "%s", self.note())
+            if not self.publish_all:
+                self.print_history("%s")
+                log(INFO, "%s", self.note())
+            if self.closing:
+                log(INFO, "%s", self.closing)
             self.uninstall()
         return True
 

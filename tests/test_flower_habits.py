@@ -123,6 +123,6 @@ def test_the_log_says_when_the_printed_epsilon_is_not_the_accountant_asked_fors(
     )
     with caplog.at_level(logging.INFO, logger="flwr"):
         run(strategy, rounds=1)
-    assert "The epsilon printed is the bound of rdp (a noise multiplier below 0.2" in caplog.text
+    assert "The epsilon printed is the bound of rdp (a noise multiplier of 0.05 charged, below 0.2" in caplog.text
     assert "not of the accountant asked for (pld)" in caplog.text
     assert strategy.privacy_spent().accounting_method.startswith("rdp")

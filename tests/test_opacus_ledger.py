@@ -124,7 +124,7 @@ def test_the_accountant_whose_bound_is_printed_is_named():
         metrics = fit_metrics(app(train_message(100), context(100)))
     finally:
         SIGMA = old
-    assert metrics[keys.SAMPLE_ACCOUNTANT].startswith("rdp (a noise multiplier below 0.2")
+    assert metrics[keys.SAMPLE_ACCOUNTANT].startswith("rdp (a noise multiplier of 0.05 charged, below 0.2")
     rdp_accountant = rdp.RdpAccountant()  # PLD would take minutes here too: RDP alone
     rdp_accountant.compose(
         dp_accounting.SelfComposedDpEvent(

@@ -124,11 +124,14 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
     if not events:
         return 0.0, accountant
     chosen = ACCOUNTANT_REGISTRY[accountant]
-    if chosen.discretised and min(sigma for sigma, _, _ in events) < NUMERIC_MIN_SIGMA:
+    lowest = min(sigma for sigma, _, _ in events)
+    if chosen.discretised and lowest < NUMERIC_MIN_SIGMA:
         # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
-        # bound (within a few percent of theirs at epsilons this large).
+        # bound (within a few percent of theirs at epsilons this large). The multiplier named is the one charged
+        # (under fixed-size sampling's replace-one relation, sigma / 2).
         return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
-            f"rdp (a noise multiplier below {NUMERIC_MIN_SIGMA}: {accountant} would need minutes and gigabytes)"
+            f"rdp (a noise multiplier of {lowest:.3g} charged, below {NUMERIC_MIN_SIGMA}: {accountant} would need "
+            "minutes and gigabytes)"
         )
     eps = chosen.epsilon(events, delta)
     if not math.isfinite(eps) and accountant != FALLBACK_ACCOUNTANT:
