@@ -79,6 +79,7 @@ for package in ("pytorchexample", "fl_dp_sa", "opacus_fl"):
 """
 
 
+@pytest.mark.slow  # 5 s a side, importing every app in a subprocess (tests/test_opacus_ledger.py pickles the mods fast)
 @pytest.mark.parametrize("side", ["flower", "ours"])
 def test_every_app_pickles_as_the_simulation_sends_it_to_ray(side, tmp_path):
     """Ray pickles the ClientApp with its mods for the simulated nodes (closures by value, with the globals

@@ -364,6 +364,7 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
     return zeros
 
 
+@pytest.mark.slow  # 10 s of simulated rounds (the fast tier keeps a margin under 5 minutes)
 def test_zero_count_distinguisher_gains_nothing_on_central_topk_and_flags_distributed():
     """The audit of issue 10: counting exact zeros of the release tells 'all 5 sampled clients arrived'
     from 'one dropped out' perfectly when clients sparsify their noisy shares (so that variant is marked
