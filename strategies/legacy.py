@@ -261,9 +261,14 @@ class LegacyDPFedAvg(LegacyFedAvg):
         epsilon does not cover, until its [SUMMARY] ends (`strategies.legacy_log`; all of it with
         publish_diagnostics), which closes with the bound the printed epsilon is where it is not the accountant's
         asked for."""
-        self.flower_log = FlowerLegacyLog(publish_all=self.dp.publish_diagnostics)
+        self.flower_log = FlowerLegacyLog(publish_all=self.dp.publish_diagnostics, closing=self.bound_line)
         self.flower_log.install()
         return super().initialize_parameters(client_manager)
+
+    def bound_line(self) -> str:
+        """The line that names the bound the printed epsilon is, where it is not the accountant's asked for ("" where
+        it is, or before any round)."""
+        return (self.dp.ledger is not None and bound_note(self.dp.accountant, self.dp.ledger)) or ""
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
@@ -297,8 +302,6 @@ class LegacyDPFedAvg(LegacyFedAvg):
         app_metrics = self.app_fit_metrics(server_round, results)
         parameters, published = self.release(server_round, results, failures)
         self.flower_log.fit(server_round, published, app_metrics)
-        if self.dp.ledger is not None:
-            self.flower_log.closing = bound_note(self.dp.accountant, self.dp.ledger) or ""
         return parameters, {**app_metrics, **published}
 
     def release(

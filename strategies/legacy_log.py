@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from logging import INFO
 
@@ -82,9 +83,9 @@ class FlowerLegacyLog(logging.Filter):
     keeps `shown`, the History less what epsilon does not cover, and prints it in place of Flower's History lines.
     """
 
-    def __init__(self, publish_all: bool = False) -> None:
+    def __init__(self, publish_all: bool = False, closing: Callable[[], str] = str) -> None:
         self.publish_all = publish_all  # publish_diagnostics: Flower's log whole, and the closing line
-        self.closing = ""  # said at the end of [SUMMARY]: the bound the printed epsilon is, where it is not asked for
+        self.closing = closing  # the line said at the end of [SUMMARY] ("": none), asked for then
         self.shown = History()
         self.withheld: dict[str, dict[str, None]] = {"fit": {}, "evaluate": {}}  # ordered sets of names
         self.in_summary = False  # between "Run finished" and the blank line after the History
@@ -136,8 +137,8 @@ class FlowerLegacyLog(logging.Filter):
             if not self.publish_all:
                 self.print_history("%s")
                 log(INFO, "%s", self.note())
-            if self.closing:
-                log(INFO, "%s", self.closing)
+            if closing := self.closing():
+                log(INFO, "%s", closing)
             self.uninstall()
         return True
 
