@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
+from dpfl_tools.plan import format_run_config
 from dpfl_tools.processes import BIN
 from dpfl_tools.superlink import own_simulation_superlink
 
@@ -160,7 +161,7 @@ def flwr_run(env: dict, app: Path, out: Path, nodes: int, config: dict, timeout:
     from Flower's `[ROUND 2` line to its line after the last round, over the rounds between, each line timed
     as it arrives (round 1 holds the ClientApps' start-up)."""
     values = {**config, "final-model": str(out.with_suffix(".pt"))}
-    run_config = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+    run_config = format_run_config(values)
     cmd = [str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", run_config]
     cmd += ["--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1"]
     proc = subprocess.Popen(

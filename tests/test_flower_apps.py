@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpfl_tools.plan import format_run_config
 from dpfl_tools.processes import BIN
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.quickstart_app.quickstart.task import Net
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 def flwr_run(env: dict, app: Path, out: Path, **config) -> dict:
     """`flwr run <app>` with the run config; the ServerApp's results file."""
     values = {"results-file": str(out), "num-server-rounds": ROUNDS, "noise-multiplier": SIGMA, **config}
-    run_config = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+    run_config = format_run_config(values)
     subprocess.run(
         [
             str(BIN / "flwr"),
