@@ -4,8 +4,9 @@
     python -m dpfl_tools.launch --resume RUN_DIR [--clients N] [-c "num-rounds=..."]
 
 What it does, so that nothing is left behind:
-0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will) and --clients
-   against min-nodes, and exits with the one-line reason before it starts anything; then moves itself into a
+0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will), --clients
+   against min-nodes and the status.json a run folder already holds (damaged: refused; a dead run's `running`:
+   rewritten `interrupted`), and exits with the one-line reason before it starts anything; then moves itself into a
    private network namespace (`--network-isolation`, dpfl_tools.netns), so that what it starts listens on a
    loopback no other local account can reach (Flower's SuperLink takes runs from anyone who reaches it),
    after downloading the runs' datasets into the cache;
@@ -101,9 +102,27 @@ def run_status(run_dir: Path, since: float = 0.0) -> str:
     """What the run folder says: completed, failed, interrupted (a ServerApp that died), or missing; `stale` when
     its status.json was written before `since` (a previous run's, e.g. of a resume that was refused)."""
     from fl_app.results import read_status  # numpy: not before the namespace is made
+    from fl_app.run_files import RunFileError
 
-    record = read_status(run_dir)
+    try:
+        record = read_status(run_dir)
+    except RunFileError as exc:
+        print(exc, file=sys.stderr)
+        return "damaged"
     return record.get("status", "missing") if record.get("time", since) >= since else "stale"
+
+
+def check_run_folders(folders: list[Path]) -> None:
+    """Before anything starts: exit with the one-line reason where a run's folder holds a damaged status.json
+    (`read_status` names the file); a dead run's `running` status is rewritten `interrupted` on the way."""
+    from fl_app.results import read_status
+    from fl_app.run_files import RunFileError
+
+    for folder in folders:
+        try:
+            read_status(folder)
+        except RunFileError as exc:
+            raise SystemExit(str(exc)) from None
 
 
 def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:
@@ -188,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {**os.environ, **QUIET_ENV}
     stamp = run_stamp()
     runs = plan_runs(args, stamp)  # every run's config checked before anything starts
+    check_run_folders([run.folder for run in runs])
     if any(run.settings.federation.flower_speed_patches for run in runs):
         base[SPEED_PATCHES_ENV] = "1"  # the simulation's opt-in patches (dpfl_tools.simulation_pickup)
     enter = isolate(args.network_isolation, runs, base, user_namespace)  # before anything starts

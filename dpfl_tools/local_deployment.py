@@ -7,9 +7,11 @@ Every process gets its own FLWR_HOME under the test's tmp folder, ports come fro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +100,8 @@ class Deployment:
         self.executors: dict[str, subprocess.Popen] = {}
         self.certs = make_certificates(self.tmp / "certs") if tls else None
         self.port = 0
+        self.superlink: subprocess.Popen | None = None
+        self.database: Path | None = None
 
     # -- helpers
     def env(self, home: str) -> dict:
@@ -132,19 +136,34 @@ class Deployment:
         return path.read_text(errors="replace") if path.exists() else ""
 
     # -- SuperLink
-    def start_superlink(self, timeout: float = 60) -> None:
-        self.port = free_port(self.ports)
-        cmd = superlink_command(self.port, certificates=self.certs, supernode_auth=self.auth)
-        proc = self._spawn("superlink", cmd, self.env("superlink"))
+    def start_superlink(self, timeout: float = 60, *, database: Path | None = None, log: str = "superlink") -> None:
+        """The SuperLink on a free port (`log`.log); `database`: its state in that file, which a restart reopens
+        (`restart_superlink`), else in memory."""
+        self.port = self.port or free_port(self.ports)
+        self.database = database
+        cmd = superlink_command(self.port, certificates=self.certs, supernode_auth=self.auth, database=database)
+        self.superlink = self._spawn(log, cmd, self.env("superlink"))
 
         def ready() -> bool:
-            log = self.log("superlink")
-            return "Uvicorn running on" in log and "Starting Flower SuperExec" in log
+            text = self.log(log)
+            return "Uvicorn running on" in text and "Starting Flower SuperExec" in text
 
         try:
-            wait_ready(proc, ready, self.tmp / "superlink.log", timeout)
+            wait_ready(self.superlink, ready, self.tmp / f"{log}.log", timeout)
         except SuperLinkFailed as failed:
-            raise RuntimeError(f"{failed}:\n{self.log('superlink')}") from None
+            raise RuntimeError(f"{failed}:\n{self.log(log)}") from None
+
+    def restart_superlink(self, timeout: float = 60) -> None:
+        """SIGKILL the SuperLink and all it runs (its ServerApp: a crashed machine), then start it again on the same
+        port with the same database (log in superlink-restarted.log)."""
+        pids = [self.superlink.pid, *descendants(self.superlink.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.superlink.pid, signal.SIGKILL)  # its group: what left the tree
+        self.superlink.wait()
+        self.start_superlink(timeout, database=self.database, log="superlink-restarted")
 
     # -- SuperNodes
     def start_supernode(

@@ -329,9 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         "--diagnostics", action="store_true", help=f"also show every run's non-private diagnostics ({NOT_PRIVATE})"
     )
     args = parser.parse_args(argv)
-    missing = [r for r in args.runs if not Path(r, "summary.json").is_file()]
+    try:  # a run folder without summary.json: what its status says (a damaged status.json: named in one line)
+        missing = [unfinished(r) for r in args.runs if not Path(r, "summary.json").is_file()]
+    except RunFileError as exc:
+        parser.exit(2, f"dpfl_tools.report: {exc}\n")
     if missing:
-        parser.error("no summary.json (not a finished run folder): " + "; ".join(map(unfinished, missing)))
+        parser.error("no summary.json (not a finished run folder): " + "; ".join(missing))
     try:
         print("report written to", write_report(args.runs, args.output, args.diagnostics))
     except RunFileError as exc:

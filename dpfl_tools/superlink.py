@@ -36,10 +36,13 @@ def superlink_command(
     certificates: dict[str, Path] | None = None,
     supernode_auth: bool = False,
     simulation: tuple[int, Path, Path] | None = None,
+    database: Path | None = None,
 ) -> list[str]:
     """`flower-superlink` on 127.0.0.1:`port`, runtime dependency installation off: with TLS from `certificates`
     (ca, cert, key) or else --insecure; `supernode_auth`: SuperNode authentication; `simulation`: (control API
-    port, state database, log file) of a simulation SuperLink that runs each ServerApp in a subprocess."""
+    port, state database, log file) of a simulation SuperLink that runs each ServerApp in a subprocess;
+    `database`: the state file (registered SuperNodes, runs, messages) that a restarted SuperLink reopens
+    (Flower's default: state in memory, gone with the process)."""
     cmd = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--disable-runtime-dependency-installation"]
     if certificates:
@@ -53,6 +56,8 @@ def superlink_command(
         control_port, database, log_file = simulation
         cmd += ["--simulation", "--isolation", "subprocess", "--control-api-address", f"127.0.0.1:{control_port}"]
         cmd += ["--database", str(database), "--log-file", str(log_file)]
+    elif database is not None:
+        cmd += ["--database", str(database)]
     return cmd
 
 

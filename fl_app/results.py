@@ -12,11 +12,13 @@ TensorBoard events for older run folders.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
 import os
 import secrets
+import socket
 import sys
 import time
 import weakref
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dpcore.task.atomic import atomic_write, lock_held
-from fl_app.run_files import read_diagnostics, read_metrics
+from fl_app.run_files import RunFileError, read_diagnostics, read_metrics
 
 if TYPE_CHECKING:
     from fl_app.settings import Settings
@@ -153,30 +155,102 @@ def check_resumable(path: Path, s: Settings) -> None:
         )
 
 
-def writer_alive(path: Path) -> bool:
-    """Does a live process hold `path`'s lock file (the run's one writer)? A SIGKILLed ServerApp or launcher
-    holds none."""
-    return lock_held(path / LOCK_FILE)
+STATUSES = ("running", "interrupted", *TERMINAL_STATUSES)
+INTERRUPTED_NOTE = (
+    "its process was killed while the run went on (status.json said running): the rounds in metrics.jsonl "
+    "stand and the checkpoint holds the last of them; continue it with resume = true"
+)
+# s: how long a reader that found a dead run, and a new writer, wait for the folder's lock (a reader holds it for
+# one atomic write of status.json; a live writer holds it for the whole run: the reader's wait is short)
+READER_GRACE, WRITER_GRACE = 0.2, 2.0
 
 
-def read_status(path: Path | str, lock_held: bool = False) -> dict:
-    """status.json as it stands, except that a run whose status says `running` while no process writes it any
-    more (killed: SIGKILL, a crash of the machine) is `interrupted`; {"status": "missing"} without the file.
-    `lock_held`: the caller holds the folder's lock, so no other writer can be alive."""
-    path = Path(path)
+def damaged_status_error(file: Path, why: str) -> RunFileError:
+    """One line naming a status.json this program did not write, what is wrong and what to do."""
+    return RunFileError(
+        f"{file}: {why}; the file is damaged (cut short, a full disk, or not written by this program): the run's "
+        f"rounds stand in metrics.jsonl and checkpoint.npz, so delete {file.name} and resume (resume = true), or "
+        "choose another results-dir or run-name"
+    )
+
+
+def read_status_file(path: Path) -> dict | None:
+    """status.json of the run folder `path` as written (None without it); RunFileError naming the file where it is
+    not a JSON object with a known `status`."""
+    file = path / "status.json"
     try:
-        record = json.loads((path / "status.json").read_text())
+        text = file.read_bytes()
     except FileNotFoundError:
-        return {"status": "missing"}
-    if record.get("status") == "running" and (lock_held or not writer_alive(path)):
-        record = {**record, "status": "interrupted", "note": INTERRUPTED_NOTE}
+        return None
+    try:
+        record = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged_status_error(file, f"not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise damaged_status_error(file, f"a JSON {type(record).__name__}, not an object")
+    if record.get("status") not in STATUSES:
+        raise damaged_status_error(file, f"'status' = {record.get('status')!r}, not one of {', '.join(STATUSES)}")
     return record
 
 
-INTERRUPTED_NOTE = (
-    "its process was killed while the run went on (status.json still said running): the rounds in metrics.jsonl "
-    "stand and the checkpoint holds the last of them; continue it with resume = true"
-)
+def read_status(path: Path | str, lock_held: bool = False) -> dict:
+    """status.json as it stands ({"status": "missing"} without it; RunFileError naming it where it is damaged),
+    except that a run whose status says `running` while no process holds the folder's lock (its writer was
+    killed: SIGKILL, a crash of the machine) is `interrupted`, and the file is rewritten so, atomically and under
+    the folder's lock (a writer starting meanwhile is never overwritten): a plain JSON reader then sees it too.
+    `lock_held`: the caller holds the folder's lock, so no other writer can be alive."""
+    path = Path(path)
+    record = read_status_file(path)
+    if record is None or record["status"] != "running":
+        return record or {"status": "missing"}
+    if lock_held:
+        return mark_interrupted(path, record)
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:  # a reader that may not write the folder: the lock tells, the file stays as it is
+        dead = not lock_held_by_writer(path)
+        return {**record, "status": "interrupted", "note": INTERRUPTED_NOTE} if dead else record
+    try:
+        if not try_flock(fd, READER_GRACE):
+            return record  # its writer lives
+        record = read_status_file(path) or {"status": "missing"}  # as it stands under the lock
+        return mark_interrupted(path, record) if record["status"] == "running" else record
+    finally:
+        os.close(fd)
+
+
+def lock_held_by_writer(path: Path) -> bool:
+    """Does a live process hold `path`'s lock file (the run's one writer)? A SIGKILLed ServerApp holds none."""
+    return lock_held(path / LOCK_FILE)
+
+
+def mark_interrupted(path: Path, record: dict) -> dict:
+    """Rewrite a dead run's status.json as interrupted, with who found it (`found_dead`: pid, host, time); where
+    this process may not write the folder the file stays, and the reader still gets the record."""
+    record = {**record, "status": "interrupted", "note": INTERRUPTED_NOTE, "found_dead": writer_identity()}
+    text = json.dumps(json_safe(record), indent=2, sort_keys=True) + "\n"
+    with contextlib.suppress(OSError):
+        atomic_write(path / "status.json", lambda f: f.write(text.encode()))
+    return record
+
+
+def writer_identity() -> dict:
+    """pid, host and time of the process that writes a status (a reader on another host knows whose pid it is)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+
+
+def try_flock(fd: int, grace: float) -> bool:
+    """flock `fd` exclusively within `grace` seconds; False where another process holds it on (a starting writer
+    waits for a reader that marks a dead run, and does not fail on it)."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 def lock_run_folder(path: Path) -> int:
@@ -184,15 +258,13 @@ def lock_run_folder(path: Path) -> int:
     process dies); RunFolderLockedError, naming the folder and the holder's pid, if another writer has it."""
     lock = path / LOCK_FILE
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not try_flock(fd, WRITER_GRACE):
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
         raise RunFolderLockedError(
             f"results-dir {path} is being written by another run (pid {holder} holds "
             f"{lock}): wait for it to end, or choose another results-dir or run-name"
-        ) from None
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -264,9 +336,9 @@ class RunDirectory:
         self._write_json("config.json", s.run_config())
 
     def write_status(self, status: str, **details) -> None:
-        """status.json: running (also what a killed run leaves), completed or failed (these two release the
-        folder's lock)."""
-        self._write_json("status.json", {"status": status, "pid": os.getpid(), "time": time.time(), **details})
+        """status.json with the writer's pid, host and time: running (also what a killed run leaves, until a reader
+        finds it dead: `read_status`), completed or failed (these two release the folder's lock)."""
+        self._write_json("status.json", {"status": status, **writer_identity(), **details})
         if status in TERMINAL_STATUSES:
             self.close()
 

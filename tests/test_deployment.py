@@ -15,7 +15,8 @@ from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.mechanisms import noise_share_count, topup_noise_std
 from dpfl_tools import ROOT
 from dpfl_tools.local_deployment import Deployment, make_node_keys
-from fl_app.results import read_rounds
+from fl_app.results import read_rounds, read_status
+from tests.independent_accountant import dp_accounting_epsilons
 
 pytestmark = pytest.mark.slow
 
@@ -227,7 +228,7 @@ def serverapp_pids(d: Deployment) -> list[int]:
     from dpfl_tools.processes import alive, descendants
 
     pids = []
-    for pid in descendants(d.procs[0].pid):
+    for pid in descendants(d.superlink.pid):
         try:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
@@ -274,6 +275,41 @@ def test_serverapp_killed_mid_run_and_resumed(deployment, tmp_path):
     assert [r["round"] for r in resumed_rounds] == [1, 2, 3]
     assert [r["clients"] for r in resumed_rounds] == [r["clients"] for r in whole_rounds]
     assert sum(steps for _, _, steps in resumed["ledger"]["model"]["history"]) == 3
+
+
+def test_a_superlink_restart_with_its_database_and_a_resumed_run(deployment, tmp_path):
+    """The SuperLink (with its ServerApp) SIGKILLed after round 1 of 3 and started again on its --database: the
+    SuperNodes, retrying without limit (Flower's default), reconnect as the nodes they were, the killed run's
+    status.json reads interrupted to a plain JSON reader once the resume's launcher (here: read_status) touches
+    it, and `flwr run` with resume = true ends with the epsilon of 3 rounds: one ledger event per round."""
+    d = deployment()
+    d.start_superlink(database=tmp_path / "superlink-state.db")
+    for i in range(2):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=2", idle_poll=0.2)
+    for i in range(2):
+        d.wait_connected(f"n{i}")
+    folder, run = tmp_path / "run", {**APP, "num-rounds": 3, "min-nodes": 2}
+    cli = d.run_app({**run, "results-dir": str(folder)}, log="first")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while len(read_rounds(folder)) < 1:
+        assert time.monotonic() < deadline and cli.poll() is None, d.log("first")[-3000:]
+        time.sleep(0.2)
+    d.restart_superlink()
+    cli.wait(timeout=60)  # the CLI's stream ends with the SuperLink it followed
+    assert json.loads((folder / "status.json").read_text())["status"] == "running"  # what the killed run left
+    assert read_status(folder)["status"] == "interrupted"
+    assert json.loads((folder / "status.json").read_text())["status"] == "interrupted"  # now for any reader too
+
+    finish(d, d.run_app({**run, "results-dir": str(folder), "resume": True}, log="resumed"), "resumed")
+    summary, rounds = read_run(folder)
+    assert summary["status"] == "completed" and summary["resumed_after_round"] >= 1
+    assert [r["round"] for r in rounds] == [1, 2, 3] and all(r["clients"] == 2 for r in rounds)
+    assert sum(steps for _, _, steps in summary["ledger"]["model"]["history"]) == 3
+    eps_pld, _ = dp_accounting_epsilons(1.0, 1.0, 3, 1e-5)  # sigma 1, q 1, 3 rounds: an uninterrupted run's
+    assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 3)], 1e-5))
+    assert eps_pld * 0.99 <= summary["epsilon"] <= eps_pld * 1.02
+    for name in ("n0", "n1"):  # the same nodes, never restarted: the database kept their registrations
+        assert d.nodes[name].poll() is None and d.log(name).count("SuperNode ID:") == 1, d.log(name)[-3000:]
 
 
 def test_trusted_entities_supernode_refuses_unsigned_apps(deployment, tmp_path):

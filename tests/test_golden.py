@@ -48,6 +48,7 @@ DROPPED_KEYS = frozenset(
         "seconds",  # wall-clock seconds (diagnostics.jsonl, diagnostics-summary.json, the checkpoint's history)
         "time",  # status.json: when the status was written (Unix time)
         "pid",  # status.json: the process that wrote it
+        "host",  # status.json: the machine it ran on
     }
 )
 # The wall-clock seconds on the log's closing line (Flower's format, printed by strategies.flower_log).

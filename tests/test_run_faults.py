@@ -17,8 +17,10 @@ from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import ConfigError, validate
 from fl_app.dashboards import TensorBoardWriter
-from fl_app.results import PreviousRunError, RunDirectory
+from fl_app.results import PreviousRunError, RunDirectory, lock_run_folder, read_status
+from fl_app.run_files import RunFileError
 from fl_app.server_app import run_federated
+from tests.independent_accountant import dp_accounting_epsilons
 
 SMALL = {
     "dataset": "digits",
@@ -119,6 +121,79 @@ def test_a_checkpoint_whose_state_does_not_fit_is_refused_before_any_round(tmp_p
     assert str(file) in str(err.value)
 
 
+# ---------------------------------------------------------------- a damaged status.json
+DAMAGED_STATUS = {
+    "cut short": b'{"status": "runn',
+    "garbage": bytes(range(256)),
+    "empty": b"",
+    "a list": b'["running"]',
+    "an unknown status": b'{"status": "paused", "pid": 1}',
+}
+
+
+def damaged_run(folder: Path, how: str) -> Path:
+    """A run folder (config.json, a checkpoint of round 1) whose status.json is damaged `how`."""
+    write_good_checkpoint(folder)
+    (folder / "config.json").write_text(json.dumps(validate({**SMALL, "results-dir": str(folder)}).run_config()))
+    (folder / "status.json").write_bytes(DAMAGED_STATUS[how])
+    return folder
+
+
+def one_line_naming(message: str, file: Path) -> bool:
+    return str(file) in message and "\n" not in message and "delete status.json and resume" in message
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGED_STATUS))
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "fresh run"])
+def test_a_damaged_status_is_refused_in_one_line_before_any_round(tmp_path, how, resume):
+    folder = damaged_run(tmp_path / "run", how)
+    cfg = validate({**SMALL, "num-rounds": 2, "resume": resume, "results-dir": str(folder)})
+    grid = InProcessGrid(client_app, 3, cfg)
+    with pytest.raises(RunFileError) as err:
+        run_federated(grid, cfg)
+    assert one_line_naming(str(err.value), folder / "status.json"), err.value
+    assert grid.sent == [] and (folder / "status.json").read_bytes() == DAMAGED_STATUS[how]  # nothing trained
+    os.close(lock_run_folder(folder))  # the ServerApp released the folder's lock
+
+
+@pytest.mark.slow
+def test_after_the_damaged_status_is_deleted_the_resume_continues_with_the_ledger(tmp_path):
+    cfg = validate({**SMALL, "num-rounds": 1, "results-dir": str(tmp_path)})
+    grid = InProcessGrid(client_app, 3, cfg)
+    run_federated(grid, cfg)
+    (tmp_path / "status.json").write_bytes(DAMAGED_STATUS["cut short"])
+    resumed = validate({**SMALL, "num-rounds": 2, "resume": True, "results-dir": str(tmp_path)})
+    with pytest.raises(RunFileError, match="delete status.json and resume"):
+        run_federated(grid, resumed)
+    (tmp_path / "status.json").unlink()  # what the refusal says to do
+    summary = run_federated(grid, resumed)
+    assert summary["resumed_after_round"] == 1 and sum(s for _, _, s in summary["ledger"]["model"]["history"]) == 2
+    eps_pld, _ = dp_accounting_epsilons(1.0, 1.0, 2, summary["delta"])  # sigma 1, q 1, 2 rounds: nothing lost
+    assert eps_pld * 0.99 <= summary["epsilon"] <= eps_pld * 1.02
+    assert read_status(tmp_path)["status"] == "completed"
+
+
+def test_the_launcher_refuses_a_damaged_status_before_it_starts_anything(tmp_path, monkeypatch):
+    import dpfl_tools.launch as launch
+
+    monkeypatch.setattr(launch, "isolate", lambda *a: pytest.fail("the launcher went on"))
+    folder = damaged_run(tmp_path / "run", "cut short")
+    for argv in (["--resume", str(folder)], ["-c", f"results-dir='{folder}'"]):
+        with pytest.raises(SystemExit) as err:
+            launch.main([*argv, "--clients", "3", "--results", str(tmp_path / "results")])
+        assert one_line_naming(str(err.value.code), folder / "status.json"), err.value.code
+
+
+def test_the_report_names_a_damaged_status_in_one_line(tmp_path, capsys):
+    from dpfl_tools.report import main
+
+    folder = damaged_run(tmp_path / "run", "garbage")  # no summary.json: the report asks its status
+    with pytest.raises(SystemExit) as err:
+        main([str(folder), "-o", str(tmp_path / "r.html")])
+    message = capsys.readouterr().err
+    assert err.value.code == 2 and one_line_naming(message.strip(), folder / "status.json"), message
+
+
 # ---------------------------------------------------------------- a full disk
 def test_a_full_disk_names_the_file_and_the_status_is_true(tmp_path, monkeypatch):
     cfg = validate({**SMALL, "num-rounds": 2, "results-dir": str(tmp_path / "run")})
@@ -191,27 +266,45 @@ def hold_lock(file):
     return proc
 
 
-def test_a_run_whose_writer_was_killed_reads_interrupted(tmp_path):
-    from dpfl_tools.launch import run_status
-    from fl_app.results import LOCK_FILE, read_status
-
+def killed_writer(folder: Path) -> dict:
+    """A run whose writer is SIGKILLed right after it wrote `running`; the status.json it left."""
     code = (
         "import sys, os, signal; from fl_app.results import RunDirectory; r = RunDirectory(sys.argv[1]); "
         "r.write_status('running'); os.kill(os.getpid(), signal.SIGKILL)"
     )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=Path(__file__).parents[1])
-    assert json.loads((tmp_path / "status.json").read_text())["status"] == "running"  # what the dead run left
-    assert read_status(tmp_path)["status"] == "interrupted" and "resume = true" in read_status(tmp_path)["note"]
-    assert run_status(tmp_path) == "interrupted"  # the launcher's view
-    writer = hold_lock(tmp_path / LOCK_FILE)  # a live writer: still running
+    subprocess.run([sys.executable, "-c", code, str(folder)], cwd=Path(__file__).parents[1])
+    return json.loads((folder / "status.json").read_text())
+
+
+def test_a_run_whose_writer_was_killed_reads_interrupted_also_in_the_file(tmp_path):
+    import socket
+
+    from dpfl_tools.launch import run_status
+    from fl_app.results import LOCK_FILE
+
+    left = killed_writer(tmp_path)
+    assert left["status"] == "running" and left["host"] == socket.gethostname()  # what the dead run left
+    record = read_status(tmp_path)
+    assert record["status"] == "interrupted" and "resume = true" in record["note"]
+    on_disk = json.loads((tmp_path / "status.json").read_text())  # a plain JSON reader is told so too
+    assert on_disk["status"] == "interrupted" and on_disk["note"] == record["note"] and on_disk["pid"] == left["pid"]
+    assert on_disk["found_dead"]["pid"] == os.getpid() and on_disk["found_dead"]["time"] >= left["time"]
+    killed_writer(tmp_path)
+    assert run_status(tmp_path) == "interrupted"  # the launcher's view, and it rewrites the file as well
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "interrupted"
+
+    (tmp_path / "status.json").write_text(json.dumps(left))
+    writer = hold_lock(tmp_path / LOCK_FILE)  # a live writer: running, and its file is never rewritten
     try:
         assert read_status(tmp_path)["status"] == "running"
+        assert json.loads((tmp_path / "status.json").read_text()) == left
     finally:
         writer.kill()
         writer.wait()
     (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
     with pytest.raises(PreviousRunError, match="holds a previous run \\(interrupted, 1 rounds"):
         RunDirectory(tmp_path)
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "interrupted"
 
 
 def test_the_next_launch_removes_the_ray_folders_of_dead_launches(tmp_path):
@@ -242,3 +335,4 @@ def test_the_report_names_an_interrupted_run_and_what_to_do(tmp_path, capsys):
         main([str(tmp_path), "-o", str(tmp_path / "r.html")])
     err = capsys.readouterr().err
     assert f"{tmp_path} (interrupted: its process was killed" in err and "resume = true" in err
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "interrupted"  # the file says so now
