@@ -23,11 +23,12 @@ this counter did not: a step with Opacus' per-sample gradients (an `opacus.Priva
 replaced) makes the node's ledger unknown, as does any DP-SGD step taken in the process outside a message the mod
 handled (it cannot be told whose it was).
 
-Where the ledger lives: in `Context.state` and in a node-local file, `<folder>/<run key>.node-<node id>.json`,
+Where the ledger lives: in `Context.state` and in a node-local file, `<folder>/<run key>.<node key>.json`,
 written atomically after each message (folder: `make_sample_ledger_mod(folder=...)`, else node_config
 `sample-ledger-dir`, else `$FLWR_HOME/dpfl-sample-ledgers`, FLWR_HOME defaulting to ~/.flwr; run key: run_config
-`sample-ledger-run`, else the run id). A cleared `Context.state` or a fresh Context (a SuperNode restart; a
-resumed run that sets the same `sample-ledger-run`) continues from the file. A damaged record (lists of unequal
+`sample-ledger-run`, else the run id; node key: node_config `sample-ledger-node`, else `partition-<partition-id>`,
+else `node-<node id>`). A cleared `Context.state` or a fresh Context (a SuperNode restart; a resumed run that sets
+the same `sample-ledger-run`) continues from the file. A damaged record (lists of unequal
 length, a step count below 1, a sigma that is not a number in (0, 1e6], a rate outside (0, 1]), a file and a state
 that disagree, or a step the mod could not see make the ledger unknown for good: one warning line, and every
 later reply says `sample-epsilon` = inf (the server's `sample-epsilon-max` then reads inf) and `sample-accountant`
@@ -66,6 +67,7 @@ from dpcore.task.opacus_import import import_opacus
 STATE_KEY = "dpfl.sample-ledger"  # the ConfigRecord in Context.state that holds the node's ledger
 FOLDER_KEY = "sample-ledger-dir"  # node_config: the node-local folder of the ledger files
 RUN_KEY = "sample-ledger-run"  # run_config: the run's stable name, kept when it is resumed
+NODE_KEY = "sample-ledger-node"  # node_config: the node's stable name (else its partition-id, else its node id)
 DEFAULT_SAMPLE_DELTA = 1e-5  # per client's samples, as ALI-DPFL's default
 MAX_SIGMA = 1e6  # a larger noise multiplier is charged as 1e6: an upper bound (epsilon 0 at 8 digits), no overflow
 LEGACY_FIT_METRICS = "fitres.metrics"
@@ -199,11 +201,16 @@ def extends(longer: list[Event], shorter: list[Event]) -> bool:
 
 
 def ledger_file(context: Context, folder: str | Path | None) -> Path:
+    """<folder>/<run key>.<node key>.json (module docstring): the node key names the node's data, which outlives
+    its node id (a restarted SuperNode, a new run may get another)."""
     configured = folder or context.node_config.get(FOLDER_KEY)
     home = Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
     base = Path(configured) if configured else home / "dpfl-sample-ledgers"
-    run = re.sub(r"[^A-Za-z0-9._-]", "_", str(context.run_config.get(RUN_KEY) or context.run_id))
-    return base / f"{run}.node-{int(context.node_id)}.json"
+    run = context.run_config.get(RUN_KEY) or context.run_id
+    config = context.node_config
+    node = config.get(NODE_KEY) or (f"partition-{config['partition-id']}" if "partition-id" in config else None)
+    name = f"{run}.{node or f'node-{int(context.node_id)}'}"
+    return base / f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.json"
 
 
 def load_ledger(context: Context, path: Path, delta: float, accountant: str) -> tuple[NodeCall, str]:

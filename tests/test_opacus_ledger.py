@@ -41,6 +41,13 @@ def own_ledger_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(opacus_ledger, "_outside", {"steps": 0}, raising=False)
 
 
+@functools.cache
+def truth(steps: int) -> float:
+    """dp-accounting's PLD epsilon of `steps` Poisson-sampled Gaussian events at (SIGMA, BATCH / N), delta 1e-5
+    (the ledger's default accountant is PLD): 3.17, 4.02 and 4.68 after 8, 16 and 24 steps."""
+    return dp_accounting_epsilons(SIGMA, BATCH / N, steps, 1e-5)[0]
+
+
 def data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(N, 5, generator=g), torch.randint(0, 2, (N,), generator=g)), BATCH)
@@ -114,7 +121,7 @@ def test_epsilon_grows_across_rounds_and_matches_dp_accounting(keep_engine):
         assert metrics["train_loss"] == 0.5 and metrics[keys.SAMPLE_ACCOUNTANT] == "pld"
     assert epsilons[0] < epsilons[1] < epsilons[2]
     assert steps == [8, 16, 24]  # each optimizer step once: a kept engine is not charged twice
-    pld_epsilon, _ = dp_accounting_epsilons(SIGMA, BATCH / N, 24, 1e-5)
+    pld_epsilon = truth(24)
     assert epsilons[2] == pytest.approx(pld_epsilon, rel=2e-2)  # our PLD's coarser grid is an upper bound
     assert epsilons[2] >= pld_epsilon * (1 - 1e-3)
 
@@ -244,20 +251,13 @@ def test_the_clients_own_get_epsilon_is_the_ledgers_under_the_mod(with_mod):
         ledger.append(metrics.get(keys.SAMPLE_EPSILON))
     if with_mod:
         assert own == ledger and own[0] < own[1] < own[2]
-        assert own[2] == pytest.approx(dp_accounting_epsilons(SIGMA, BATCH / N, 24, 1e-5)[0], rel=2e-2)
+        assert own[2] == pytest.approx(truth(24), rel=2e-2)
     else:
         assert ledger == [None] * 3 and own[0] == pytest.approx(own[2], rel=1e-9)
         assert own[0] == pytest.approx(dp_accounting_epsilons(SIGMA, BATCH / N, 8, 1e-5)[1], rel=0.2)  # Opacus' PRV
 
 
 # ---------------------------------------------------------------- every step, whoever made the engine (issue 39.1)
-@functools.cache
-def truth(steps: int) -> float:
-    """dp-accounting's PLD epsilon of `steps` Poisson-sampled Gaussian events at (SIGMA, BATCH / N), delta 1e-5
-    (the ledger's default accountant is PLD): 3.17, 4.02 and 4.68 after 8, 16 and 24 steps."""
-    return dp_accounting_epsilons(SIGMA, BATCH / N, steps, 1e-5)[0]
-
-
 def assert_charged_exactly(epsilons: list[float], steps: list[int]) -> None:
     assert steps == [8, 16, 24]
     for eps, n in zip(epsilons, steps):
@@ -348,7 +348,8 @@ def test_an_evaluate_handler_that_clears_the_state_does_not_reset_the_ledger():
 
 def test_a_fresh_context_and_a_resumed_run_keep_the_nodes_ledger():
     """A SuperNode restart (a fresh Context, same run and node) and a resumed run (a new run id with the same
-    run-config `sample-ledger-run`) continue from the node's file; another run starts its own ledger."""
+    run-config `sample-ledger-run`) continue from the node's file; another run starts its own ledger; a node whose
+    id changes keeps its ledger by its partition-id."""
     app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
     assert steps_of(app(train_message(320), context(320))) == 8
     assert steps_of(app(train_message(320), context(320))) == 16  # fresh Context
@@ -360,6 +361,10 @@ def test_a_fresh_context_and_a_resumed_run_keep_the_nodes_ledger():
     assert steps_of(app(train_message(320), run(2, named))) == 8
     assert steps_of(app(train_message(320), run(3, named))) == 16  # resumed: a new run id, the same name
     assert steps_of(app(train_message(320), run(4, {}))) == 8  # another run
+    partition = {"partition-id": 3, "num-partitions": 10}
+    for node, steps in ((321, 8), (322, 16)):  # the node's data keeps its name when its node id changes
+        ctx = Context(run_id=5, node_id=node, node_config=partition, state=RecordDict(), run_config=named)
+        assert steps_of(app(train_message(node), ctx)) == steps
 
 
 DAMAGED = {
