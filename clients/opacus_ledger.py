@@ -1,9 +1,10 @@
-"""Sample-level DP in your own Opacus client: one ledger per client across rounds, kept in `Context.state`.
+"""Sample-level DP in your own Opacus client: one ledger per node across rounds, charged at each DP-SGD step.
 
 Flower's Opacus example builds a new `opacus.PrivacyEngine` every round, so the epsilon it prints covers one
-round and never grows. With this module the steps every round takes are charged to one ledger per client
-(`dpcore.privacy.ledger.PrivacyLedger`, the project's accountant: PLD by default), the engine's `get_epsilon`
-answers from it, and each train reply carries the cumulative epsilon. Two changed lines on the client:
+round and never grows. With this module every DP-SGD step an Opacus optimizer takes while the mod handles one of
+the node's messages is charged to one ledger per node (`dpcore.privacy.ledger.PrivacyLedger`, the project's
+accountant: PLD by default), the engine's `get_epsilon` answers from it, and each train reply carries the
+cumulative epsilon. Two changed lines on the client:
 
     from dpfl import PrivacyEngine, sample_ledger_mod          # was: from opacus import PrivacyEngine
     app = ClientApp(client_fn=client_fn, mods=[sample_ledger_mod])
@@ -13,122 +14,265 @@ and, on a server that does not aggregate its clients' epsilon already, `fit_metr
 max_sample_epsilon` (legacy FedAvg) or `train_metrics_aggr_fn=max_sample_epsilon_records` (Message-API FedAvg),
 `strategies.sample_epsilon`.
 
-`PrivacyEngine` is Opacus' own with two additions: created while the mod handles a train message, it belongs to
-that node, and its `get_epsilon(delta)` is the node's cumulative epsilon (the ledger's earlier rounds and this
-round's steps so far). After the client's train function returns, the mod reads each of the node's engines'
-accountant history (Opacus records (noise_multiplier, sample_rate, steps) at every optimizer step, whatever
-accountant it was given) and charges the steps not charged before: an engine made every round and one kept across
-rounds are both counted once. The reply's metrics gain `sample-epsilon` (cumulative, at `sample-delta`),
-`sample-steps` and `sample-accountant` (the accountant whose bound it is: `pld`, or `rdp` where PLD falls back,
-e.g. sigma below 0.2).
+Where steps are counted: `PrivacyEngine` is Opacus' own, whose `make_private` (and so `make_private_with_epsilon`)
+puts a counter in front of the optimizer's step hook, the hook Opacus' accountants use: each noisy step is one
+event (sigma = the optimizer's noise_multiplier, q = (1 / len(data_loader)) * accumulated_iterations, as Opacus
+charges it), charged to the node whose message is being handled when the step happens, whichever object or round
+made the engine and whatever the client does to its `accountant`. A torch optimizer step pre-hook sees the steps
+this counter did not: a step with Opacus' per-sample gradients (an `opacus.PrivacyEngine`, or a step hook
+replaced) makes the node's ledger unknown, as does any DP-SGD step taken in the process outside a message the mod
+handled (it cannot be told whose it was).
+
+Where the ledger lives: in `Context.state` and in a node-local file, `<folder>/<run key>.<node key>.json`,
+written atomically after each message (folder: `make_sample_ledger_mod(folder=...)`, else node_config
+`sample-ledger-dir`, else `$FLWR_HOME/dpfl-sample-ledgers`, FLWR_HOME defaulting to ~/.flwr; run key: run_config
+`sample-ledger-run`, else the run id; node key: node_config `sample-ledger-node`, else `partition-<partition-id>`,
+else `node-<node id>`). A cleared `Context.state` or a fresh Context (a SuperNode restart; a resumed run that sets
+the same `sample-ledger-run`) continues from the file. A damaged record (lists of unequal
+length, a step count below 1, a sigma that is not a number in (0, 1e6], a rate outside (0, 1]), a file and a state
+that disagree, or a step the mod could not see make the ledger unknown for good: one warning line, and every
+later reply says `sample-epsilon` = inf (the server's `sample-epsilon-max` then reads inf) and `sample-accountant`
+`unknown: <why>`.
+
+The reply's metrics gain `sample-epsilon` (cumulative, at `sample-delta`), `sample-steps` and `sample-accountant`
+(legacy replies only: `pld`, or `rdp` where PLD falls back, e.g. sigma below 0.2; or `unknown: ...`).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+import tempfile
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import ContextVar
+from dataclasses import dataclass
+from logging import WARNING
+from pathlib import Path
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord
 from flwr.clientapp.typing import ClientAppCallable, Mod
+from flwr.common import log
 from flwr.compat.common import recorddict_compat as compat
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, accountant_used
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, Event, accountant_used
 from dpcore.privacy.ledger import PrivacyLedger
 from dpcore.task.opacus_import import import_opacus
 
 STATE_KEY = "dpfl.sample-ledger"  # the ConfigRecord in Context.state that holds the node's ledger
+FOLDER_KEY = "sample-ledger-dir"  # node_config: the node-local folder of the ledger files
+RUN_KEY = "sample-ledger-run"  # run_config: the run's stable name, kept when it is resumed
+NODE_KEY = "sample-ledger-node"  # node_config: the node's stable name (else its partition-id, else its node id)
 DEFAULT_SAMPLE_DELTA = 1e-5  # per client's samples, as ALI-DPFL's default
+MAX_SIGMA = 1e6  # a larger noise multiplier is charged as 1e6: an upper bound (epsilon 0 at 8 digits), no overflow
 LEGACY_FIT_METRICS = "fitres.metrics"
+OPACUS_GRADIENT_STATE = ("grad_sample", "summed_grad", "_norm_sample")  # what Opacus puts on a parameter
 
-# While the mod handles a node's train message: (the node, the engines made during the call, the node's ledger as
-# it stood before the call). The list holds the engines until the mod has read them (an engine made in fit() is
-# gone once fit() returns); _engines keeps the ones a client holds across rounds.
-_call: ContextVar[tuple[int, list, PrivacyLedger] | None] = ContextVar("dpfl_sample_ledger_call", default=None)
-_engines: weakref.WeakSet = weakref.WeakSet()
+
+@dataclass
+class NodeCall:
+    """The node whose message the mod is handling, its ledger (charged step by step) and, once it cannot vouch
+    for it, why (`unknown`)."""
+
+    node: int
+    ledger: PrivacyLedger
+    unknown: str = ""
+
+    def mark_unknown(self, why: str) -> None:
+        self.unknown = self.unknown or why
+
+    def epsilon(self, delta: float) -> float:
+        if self.unknown:
+            return math.inf
+        return PrivacyLedger(delta=delta, accountant=self.ledger.accountant, history=self.ledger.history).epsilon()
+
+
+_call: ContextVar[NodeCall | None] = ContextVar("dpfl_sample_ledger_call", default=None)
+_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner optimizer -> its next step was counted
+_outside = {"steps": 0}  # DP-SGD steps this process took outside any message the mod handled
+
+
+def charge_step(sigma: float, sample_rate: float) -> None:
+    """One DP-SGD step (sigma, q), to the node whose message is being handled."""
+    call = _call.get()
+    if call is None:
+        _outside["steps"] += 1
+    elif not sigma > 0:  # nan, 0 or negative: nothing to charge that bounds it
+        call.mark_unknown(f"a DP-SGD step at noise multiplier {sigma}")
+    else:
+        call.ledger.record(min(float(sigma), MAX_SIGMA), min(float(sample_rate), 1.0), 1)
+
+
+def watch(optimizer, sample_rate: float) -> None:
+    """Count the noisy steps of an Opacus `DPOptimizer`, in front of the step hook it has (its accountant's)."""
+    accountant_hook = optimizer.step_hook
+
+    def step_hook(optim) -> None:
+        _counted[optim.original_optimizer] = True
+        charge_step(optim.noise_multiplier, sample_rate * optim.accumulated_iterations)
+        if accountant_hook is not None:
+            accountant_hook(optim)
+
+    optimizer.attach_step_hook(step_hook)
+
+
+def uncounted_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Torch's pre-hook of every optimizer step: a step on parameters carrying Opacus' per-sample gradients that
+    `watch`'s counter did not see makes the ledger unknown."""
+    if _counted.pop(optimizer, False):
+        return
+    first = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad), None)
+    if first is None or all(getattr(first, name, None) is None for name in OPACUS_GRADIENT_STATE):
+        return
+    call = _call.get()
+    if call is None:
+        _outside["steps"] += 1
+    else:
+        call.mark_unknown(
+            "a DP-SGD step of an Opacus optimizer not made by dpfl's PrivacyEngine (or its step hook replaced)"
+        )
+
+
+register_optimizer_step_pre_hook(uncounted_step)
 
 
 class PrivacyEngine(import_opacus().PrivacyEngine):
-    """`opacus.PrivacyEngine`, whose steps `sample_ledger_mod` charges to the node that made it."""
+    """`opacus.PrivacyEngine`, whose optimizers' steps `sample_ledger_mod` charges to the node that takes them."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        call = _call.get()
-        self.dpfl_node = None if call is None else call[0]
-        self.dpfl_charged: list[tuple[float, float, int]] = []  # the part of accountant.history already charged
-        if call is not None:
-            call[1].append(self)
-            _engines.add(self)
+    def make_private(self, **kwargs):
+        made = super().make_private(**kwargs)  # (module, optimizer, [criterion,] data_loader)
+        watch(made[1], 1 / len(made[-1]))  # Opacus' own sample rate: 1 / len of the loader it returns
+        return made
 
     def get_epsilon(self, delta: float) -> float:
-        """Made while `sample_ledger_mod` handles a train message: the node's cumulative epsilon at `delta`, from
-        the project's ledger (every earlier round's steps and this round's so far, as the reply's
-        `sample-epsilon` will say). Otherwise Opacus' own figure for this engine alone."""
+        """While `sample_ledger_mod` handles a message: the node's cumulative epsilon at `delta` (every earlier
+        round's steps and this one's so far, as the reply's `sample-epsilon` will say; inf if unknown).
+        Otherwise Opacus' own figure for this engine alone."""
         call = _call.get()
-        if call is None or self.dpfl_node != call[0]:
-            return super().get_epsilon(delta)
-        node, made_now, ledger = call
-        running = PrivacyLedger(delta=delta, accountant=ledger.accountant, history=list(ledger.history))
-        for sigma, q, steps in uncharged_events(node, made_now):
-            running.record(sigma, q, steps)
-        return running.epsilon()
+        return super().get_epsilon(delta) if call is None else call.epsilon(delta)
 
 
-def new_events(history: list, charged: list) -> list[tuple[float, float, int]]:
-    """The events of Opacus' `history` [(sigma, q, steps), ...] beyond `charged` (an earlier copy of it: Opacus
-    only appends entries or adds steps to the last one)."""
-    events = []
-    for i, (sigma, q, steps) in enumerate(history):
-        before = charged[i][2] if i < len(charged) and charged[i][:2] == (sigma, q) else 0
-        if steps > before:
-            events.append((float(sigma), float(q), int(steps - before)))
-    return events
+# ---------------------------------------------------------------- the node's record
+def as_record(ledger: PrivacyLedger, unknown: str) -> dict:
+    return {
+        "sigmas": [float(s) for s, _, _ in ledger.history],
+        "sample-rates": [float(q) for _, q, _ in ledger.history],
+        "steps": [int(n) for _, _, n in ledger.history],
+        "unknown": unknown,
+    }
 
 
-def load_ledger(context: Context, delta: float, accountant: str) -> PrivacyLedger:
-    record = context.state.config_records.get(STATE_KEY)
-    if record is None:
-        return PrivacyLedger(delta=delta, accountant=accountant)
-    sigmas, rates, steps = list(record["sigmas"]), list(record["sample-rates"]), list(record["steps"])
-    return PrivacyLedger(delta=delta, accountant=accountant, history=list(zip(sigmas, rates, steps)))
+def number(value, low: float, high: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low < value <= high
 
 
-def save_ledger(context: Context, ledger: PrivacyLedger) -> None:
-    context.state.config_records[STATE_KEY] = ConfigRecord(
-        {
-            "sigmas": [float(s) for s, _, _ in ledger.history],
-            "sample-rates": [float(q) for _, q, _ in ledger.history],
-            "steps": [int(n) for _, _, n in ledger.history],
+def read_record(record: Mapping) -> tuple[list[Event], str]:
+    """(history, why unknown) of a stored record; ValueError naming what is damaged."""
+    try:
+        sigmas, rates, steps = list(record["sigmas"]), list(record["sample-rates"]), list(record["steps"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"no list {exc}") from None
+    unknown = record.get("unknown", "")
+    if not len(sigmas) == len(rates) == len(steps):
+        raise ValueError(f"{len(sigmas)} sigmas, {len(rates)} sample-rates, {len(steps)} steps")
+    for s, q, n in zip(sigmas, rates, steps):
+        if not (number(s, 0, MAX_SIGMA) and number(q, 0, 1) and isinstance(n, int) and not isinstance(n, bool)):
+            raise ValueError(f"event (sigma={s!r}, sample-rate={q!r}, steps={n!r}) outside (0, 1e6] x (0, 1] x int")
+        if n < 1:
+            raise ValueError(f"{n} steps")
+    if not isinstance(unknown, str):
+        raise ValueError(f"unknown={unknown!r}")
+    return [(float(s), float(q), int(n)) for s, q, n in zip(sigmas, rates, steps)], unknown
+
+
+def extends(longer: list[Event], shorter: list[Event]) -> bool:
+    """Whether `shorter` is an earlier state of the append-only history `longer`."""
+    if len(shorter) > len(longer) or shorter[:-1] != longer[: len(shorter) - 1]:
+        return False
+    if not shorter:
+        return True
+    last, there = shorter[-1], longer[len(shorter) - 1]
+    return last[:2] == there[:2] and last[2] <= there[2]
+
+
+def ledger_file(context: Context, folder: str | Path | None) -> Path:
+    """<folder>/<run key>.<node key>.json (module docstring): the node key names the node's data, which outlives
+    its node id (a restarted SuperNode, a new run may get another)."""
+    configured = folder or context.node_config.get(FOLDER_KEY)
+    home = Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+    base = Path(configured) if configured else home / "dpfl-sample-ledgers"
+    run = context.run_config.get(RUN_KEY) or context.run_id
+    config = context.node_config
+    node = config.get(NODE_KEY) or (f"partition-{config['partition-id']}" if "partition-id" in config else None)
+    name = f"{run}.{node or f'node-{int(context.node_id)}'}"
+    return base / f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.json"
+
+
+def load_ledger(context: Context, path: Path, delta: float, accountant: str) -> tuple[NodeCall, str]:
+    """(the node's ledger from Context.state and its file: the longer where one extends the other, unknown where
+    either is damaged or they disagree; why the records already said it is unknown)."""
+    sources = {}
+    state = context.state.config_records.get(STATE_KEY)
+    if state is not None:
+        sources["Context.state"] = dict(state)
+    if path.exists():
+        try:
+            sources[str(path)] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            sources[str(path)] = exc
+    read, unknown, stored = [], "", ""
+    for where, raw in sources.items():
+        try:
+            if isinstance(raw, Exception):
+                raise ValueError(str(raw))
+            history, why = read_record(raw)
+            read.append(history)
+            stored = stored or why
+        except ValueError as exc:
+            unknown = unknown or f"the ledger record in {where} is damaged: {exc}"
+    read.sort(key=lambda h: sum(n for _, _, n in h))
+    if len(read) == 2 and not extends(read[1], read[0]):
+        unknown = unknown or f"Context.state and {path} hold different histories"
+    ledger = PrivacyLedger(delta, accountant, read[-1] if read else [])
+    return NodeCall(int(context.node_id), ledger, stored or unknown), stored
+
+
+def save_ledger(context: Context, path: Path, call: NodeCall) -> None:
+    """Into Context.state, and atomically into the node's file (a temporary file renamed over it)."""
+    record = as_record(call.ledger, call.unknown)
+    context.state.config_records[STATE_KEY] = ConfigRecord(record)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f.name, path)
+    except OSError as exc:
+        raise OSError(
+            f"sample_ledger_mod cannot write the node's ledger to {path} ({exc}): set node_config "
+            f"'{FOLDER_KEY}' (or FLWR_HOME) to a writable node-local folder"
+        ) from exc
+
+
+def ledger_metrics(ledger: PrivacyLedger, unknown: str) -> dict:
+    steps = sum(n for _, _, n in ledger.history)
+    if unknown:
+        return {
+            keys.SAMPLE_EPSILON: math.inf,
+            keys.SAMPLE_DELTA: ledger.delta,
+            keys.SAMPLE_STEPS: steps,
+            keys.SAMPLE_ACCOUNTANT: f"unknown: {unknown}",
         }
-    )
-
-
-def node_engines(node: int, made_now: list) -> list:
-    """The node's engines: made in this call, or kept from earlier ones."""
-    return list({id(e): e for e in [*made_now, *(e for e in list(_engines) if e.dpfl_node == node)]}.values())
-
-
-def uncharged_events(node: int, made_now: list) -> list[tuple[float, float, int]]:
-    """The steps the node's engines took since they were last charged, (sigma, q, steps) each."""
-    return [event for e in node_engines(node, made_now) for event in new_events(e.accountant.history, e.dpfl_charged)]
-
-
-def charge_node_engines(node: int, made_now: list, ledger: PrivacyLedger) -> None:
-    """Charge the steps the node's engines took since they were last charged, and mark them charged."""
-    for engine in node_engines(node, made_now):
-        history = list(engine.accountant.history)
-        for sigma, q, steps in new_events(history, engine.dpfl_charged):
-            ledger.record(sigma, q, steps)
-        engine.dpfl_charged = [tuple(e) for e in history]
-
-
-def ledger_metrics(ledger: PrivacyLedger) -> dict:
     return {
         keys.SAMPLE_EPSILON: ledger.epsilon(),
         keys.SAMPLE_DELTA: ledger.delta,
-        keys.SAMPLE_STEPS: sum(n for _, _, n in ledger.history),
+        keys.SAMPLE_STEPS: steps,
         keys.SAMPLE_ACCOUNTANT: accountant_used(ledger.history, ledger.delta, ledger.accountant),
     }
 
@@ -148,35 +292,48 @@ def add_metrics(reply: Message, metrics: dict) -> None:
     records[name] = MetricRecord({**dict(records.get(name, MetricRecord())), **numbers})
 
 
-@contextmanager
-def engines_made_for(node: int, ledger: PrivacyLedger) -> Iterator[list]:
-    """While active, the PrivacyEngines this call makes are listed (the list yielded) for `node`, whose `ledger`
-    their `get_epsilon` continues. A module-level function, so the mod's closure holds no ContextVar: Ray pickles
-    the ClientApp, mods included, and a ContextVar cannot be pickled."""
-    made_now: list = []
-    token = _call.set((node, made_now, ledger))
+def handle(
+    msg: Message, context: Context, call_next: ClientAppCallable, delta: float, accountant: str, folder
+) -> Message:
+    """The mod's work (module-level, so the mod's closure holds no ContextVar: Ray pickles the ClientApp, mods
+    included, and a ContextVar cannot be pickled). Steps in any message are charged; train replies report."""
+    path = ledger_file(context, folder)
+    call, stored = load_ledger(context, path, delta, accountant)
+    before = (list(call.ledger.history), call.unknown)
+    token = _call.set(call)
     try:
-        yield made_now
+        reply = call_next(msg, context)
     finally:
         _call.reset(token)
+        if _outside["steps"]:
+            call.mark_unknown(
+                f"{_outside['steps']} DP-SGD steps taken in this process outside a message the mod handled"
+            )
+        train = msg.metadata.message_type == MessageType.TRAIN
+        if train or (call.ledger.history, call.unknown) != before or STATE_KEY not in context.state.config_records:
+            save_ledger(context, path, call)
+        if call.unknown != stored:
+            log(
+                WARNING,
+                "sample_ledger_mod: node %d's sample-level epsilon is unknown from now on (%s); its replies "
+                "say sample-epsilon = inf",
+                call.node,
+                call.unknown,
+            )
+    if train and not reply.has_error():
+        add_metrics(reply, ledger_metrics(call.ledger, call.unknown))
+    return reply
 
 
-def make_sample_ledger_mod(delta: float = DEFAULT_SAMPLE_DELTA, accountant: str = DEFAULT_ACCOUNTANT) -> Mod:
-    """A mod that charges the node's `PrivacyEngine` steps to its ledger in Context.state after each train
-    message and reports the cumulative epsilon in the reply (module docstring)."""
+def make_sample_ledger_mod(
+    delta: float = DEFAULT_SAMPLE_DELTA, accountant: str = DEFAULT_ACCOUNTANT, folder: str | Path | None = None
+) -> Mod:
+    """A mod that charges the node's DP-SGD steps to its ledger (Context.state and a file in `folder`) and
+    reports the cumulative epsilon in each train reply (module docstring)."""
     PrivacyLedger(delta=delta, accountant=accountant)  # refuses a bad delta or accountant now, not in round 1
 
     def sample_ledger_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        if msg.metadata.message_type != MessageType.TRAIN:
-            return call_next(msg, context)
-        node, ledger = int(context.node_id), load_ledger(context, delta, accountant)
-        with engines_made_for(node, ledger) as made_now:
-            reply = call_next(msg, context)
-        charge_node_engines(node, made_now, ledger)
-        save_ledger(context, ledger)
-        if not reply.has_error():
-            add_metrics(reply, ledger_metrics(ledger))
-        return reply
+        return handle(msg, context, call_next, delta, accountant, folder)
 
     return sample_ledger_mod
 

@@ -1,9 +1,14 @@
 """Sample-level DP in a user's own Opacus client (clients.opacus_ledger, strategies.sample_epsilon): a Flower-style
 NumPyClient that builds a new PrivacyEngine every round reports an epsilon that grows across rounds and equals
-dp-accounting's for all its steps; an engine kept across rounds is charged once per step; nodes in one process keep
-separate ledgers; the server shows the largest epsilon and ignores what is not a ledger's figure."""
+dp-accounting's (PLD of the Poisson-sampled Gaussian composed once per step) for all its steps; an engine kept
+across rounds, made outside the mod, or given a new accountant is charged once per step; nodes in one process keep
+separate ledgers, which survive a cleared Context.state, a fresh Context and a resumed run; what the ledger cannot
+vouch for (a damaged record, Opacus' own engine, a step outside a message) reads inf; the server shows the largest
+epsilon and ignores what is not a ledger's figure."""
 
 import copy
+import functools
+import logging
 import math
 from itertools import count
 
@@ -12,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from dp_accounting import rdp
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client import ClientApp, NumPyClient
 from flwr.common import FitIns, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
@@ -20,12 +25,27 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from clients import opacus_ledger
 from clients.opacus_ledger import PrivacyEngine, make_sample_ledger_mod, sample_ledger_mod
 from dpcore.privacy import protocol as keys
 from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
 from tests.independent_accountant import dp_accounting_epsilons
 
 SIGMA, BATCH, N = 1.0, 16, 128  # q = 16 / 128; one epoch = 8 expected steps
+
+
+@pytest.fixture(autouse=True)
+def own_ledger_folder(tmp_path, monkeypatch):
+    """Each test's nodes keep their ledger files in its own FLWR_HOME; no step outside a message is left over."""
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    monkeypatch.setattr(opacus_ledger, "_outside", {"steps": 0}, raising=False)
+
+
+@functools.cache
+def truth(steps: int) -> float:
+    """dp-accounting's PLD epsilon of `steps` Poisson-sampled Gaussian events at (SIGMA, BATCH / N), delta 1e-5
+    (the ledger's default accountant is PLD): 3.17, 4.02 and 4.68 after 8, 16 and 24 steps."""
+    return dp_accounting_epsilons(SIGMA, BATCH / N, steps, 1e-5)[0]
 
 
 def data() -> DataLoader:
@@ -101,7 +121,7 @@ def test_epsilon_grows_across_rounds_and_matches_dp_accounting(keep_engine):
         assert metrics["train_loss"] == 0.5 and metrics[keys.SAMPLE_ACCOUNTANT] == "pld"
     assert epsilons[0] < epsilons[1] < epsilons[2]
     assert steps == [8, 16, 24]  # each optimizer step once: a kept engine is not charged twice
-    pld_epsilon, _ = dp_accounting_epsilons(SIGMA, BATCH / N, 24, 1e-5)
+    pld_epsilon = truth(24)
     assert epsilons[2] == pytest.approx(pld_epsilon, rel=2e-2)  # our PLD's coarser grid is an upper bound
     assert epsilons[2] >= pld_epsilon * (1 - 1e-3)
 
@@ -231,7 +251,217 @@ def test_the_clients_own_get_epsilon_is_the_ledgers_under_the_mod(with_mod):
         ledger.append(metrics.get(keys.SAMPLE_EPSILON))
     if with_mod:
         assert own == ledger and own[0] < own[1] < own[2]
-        assert own[2] == pytest.approx(dp_accounting_epsilons(SIGMA, BATCH / N, 24, 1e-5)[0], rel=2e-2)
+        assert own[2] == pytest.approx(truth(24), rel=2e-2)
     else:
         assert ledger == [None] * 3 and own[0] == pytest.approx(own[2], rel=1e-9)
         assert own[0] == pytest.approx(dp_accounting_epsilons(SIGMA, BATCH / N, 8, 1e-5)[1], rel=0.2)  # Opacus' PRV
+
+
+# ---------------------------------------------------------------- every step, whoever made the engine (issue 39.1)
+def assert_charged_exactly(epsilons: list[float], steps: list[int]) -> None:
+    assert steps == [8, 16, 24]
+    for eps, n in zip(epsilons, steps):
+        assert eps == pytest.approx(truth(n), rel=2e-2) and eps >= truth(n) * (1 - 1e-3)
+
+
+class KeptEngineClient(NumPyClient):
+    """An engine made once, outside any message (as at a client module's top level), kept across rounds; the client
+    reports the engine's own get_epsilon and may give the engine a fresh accountant each round."""
+
+    def __init__(self, engine, private, replace_accountant: bool = False) -> None:
+        self.engine, self.private, self.replace = engine, private, replace_accountant
+
+    def fit(self, parameters, config):
+        from opacus.accountants import RDPAccountant
+
+        if self.replace:
+            self.engine.accountant = RDPAccountant()
+        model, optimizer, loader = self.private
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return [p.detach().numpy().copy() for p in model.parameters()], N, {"epsilon": self.engine.get_epsilon(1e-5)}
+
+
+def engine_made_outside() -> tuple:
+    engine = PrivacyEngine(secure_mode=False)
+    model = nn.Linear(5, 2)
+    private = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data(),
+        noise_multiplier=SIGMA,
+        max_grad_norm=1.0,
+    )
+    return engine, private
+
+
+def three_rounds(app: ClientApp, ctx: Context) -> tuple[list[float], list[int], list[float]]:
+    replies = [fit_metrics(app(train_message(int(ctx.node_id)), ctx)) for _ in range(3)]
+    return [m[keys.SAMPLE_EPSILON] for m in replies], [m[keys.SAMPLE_STEPS] for m in replies], replies
+
+
+@pytest.mark.parametrize("replace_accountant", [False, True])
+def test_an_engine_made_outside_the_mod_is_charged_every_step(replace_accountant):
+    """Issue 39.1: an engine made outside the mod was charged nothing (0 steps, epsilon 0.0); one whose accountant
+    the client replaces was charged 8 of 16 and 24 steps."""
+    engine, private = engine_made_outside()
+    app = ClientApp(
+        client_fn=lambda ctx: KeptEngineClient(engine, private, replace_accountant).to_client(),
+        mods=[sample_ledger_mod],
+    )
+    epsilons, steps, replies = three_rounds(app, context(300))
+    assert_charged_exactly(epsilons, steps)
+    assert [m["epsilon"] for m in replies] == epsilons  # the engine's get_epsilon is the ledger's figure
+
+
+def test_a_kept_engine_given_a_new_accountant_each_round_is_charged_every_step():
+    """Issue 39.1: the engine made in round 1 under the mod; the client replaces its accountant before rounds 2 and
+    3 (the ledger once compared Opacus' history by position: 3.17 in round 3 where the truth is 4.68)."""
+    from opacus.accountants import RDPAccountant
+
+    kept: dict = {}
+
+    class ReplacingClient(SelfReportingClient):
+        def fit(self, parameters, config):
+            if "engine" in kept:
+                kept["engine"].accountant = RDPAccountant()
+                self.engine = kept["engine"]
+            return super().fit(parameters, config)
+
+    app = ClientApp(client_fn=lambda ctx: ReplacingClient(kept).to_client(), mods=[sample_ledger_mod])
+    epsilons, steps, replies = three_rounds(app, context(301))
+    assert_charged_exactly(epsilons, steps)
+    assert [m["epsilon"] for m in replies] == epsilons
+
+
+# ---------------------------------------------------------------- the ledger's other edges (issue 39.4)
+def test_an_evaluate_handler_that_clears_the_state_does_not_reset_the_ledger():
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    ctx = context(310)
+    assert steps_of(app(train_message(310), ctx)) == 8
+    evaluate = Message(RecordDict(), message_type="evaluate", dst_node_id=310, group_id="1")
+    assert sample_ledger_mod(evaluate, ctx, lambda m, c: c.state.config_records.clear() or "reply") == "reply"
+    assert steps_of(app(train_message(310), ctx)) == 16
+
+
+def test_a_fresh_context_and_a_resumed_run_keep_the_nodes_ledger():
+    """A SuperNode restart (a fresh Context, same run and node) and a resumed run (a new run id with the same
+    run-config `sample-ledger-run`) continue from the node's file; another run starts its own ledger; a node whose
+    id changes keeps its ledger by its partition-id."""
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    assert steps_of(app(train_message(320), context(320))) == 8
+    assert steps_of(app(train_message(320), context(320))) == 16  # fresh Context
+    named = {"sample-ledger-run": "experiment-7"}
+
+    def run(run_id: int, config: dict) -> Context:
+        return Context(run_id=run_id, node_id=320, node_config={}, state=RecordDict(), run_config=config)
+
+    assert steps_of(app(train_message(320), run(2, named))) == 8
+    assert steps_of(app(train_message(320), run(3, named))) == 16  # resumed: a new run id, the same name
+    assert steps_of(app(train_message(320), run(4, {}))) == 8  # another run
+    partition = {"partition-id": 3, "num-partitions": 10}
+    for node, steps in ((321, 8), (322, 16)):  # the node's data keeps its name when its node id changes
+        ctx = Context(run_id=5, node_id=node, node_config=partition, state=RecordDict(), run_config=named)
+        assert steps_of(app(train_message(node), ctx)) == steps
+
+
+DAMAGED = {
+    "a shorter list": {"sigmas": [1.0, 1.0], "sample-rates": [0.125], "steps": [8, 8]},
+    "negative steps": {"sigmas": [1.0], "sample-rates": [0.125], "steps": [-8]},
+    "nan sigma": {"sigmas": [math.nan], "sample-rates": [0.125], "steps": [8]},
+    "huge sigma": {"sigmas": [1e300], "sample-rates": [0.125], "steps": [8]},
+    "string sigma": {"sigmas": ["1.0"], "sample-rates": [0.125], "steps": [8]},
+}
+
+
+@pytest.mark.parametrize("damage", [*DAMAGED, "a file that is not JSON"])
+def test_a_damaged_record_reads_unknown_with_one_log_line(damage, caplog, tmp_path):
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    ctx = context(330)
+    if damage in DAMAGED:
+        ctx.state.config_records[opacus_ledger.STATE_KEY] = ConfigRecord(DAMAGED[damage])
+    else:
+        folder = tmp_path / "dpfl-sample-ledgers"
+        folder.mkdir()
+        (folder / "1.node-330.json").write_text('{"sigmas": [1.0], "sample-ra')
+    with caplog.at_level(logging.WARNING):
+        first, second = fit_metrics(app(train_message(330), ctx)), fit_metrics(app(train_message(330), context(330)))
+    for metrics in (first, second):  # for good, a fresh Context included
+        assert metrics[keys.SAMPLE_EPSILON] == math.inf
+        assert metrics[keys.SAMPLE_ACCOUNTANT].startswith("unknown: the ledger record in ")
+    assert [r.getMessage() for r in caplog.records if "sample_ledger_mod" in r.getMessage()] == [
+        f"sample_ledger_mod: node 330's sample-level epsilon is unknown from now on ({first[keys.SAMPLE_ACCOUNTANT][9:]}); "
+        "its replies say sample-epsilon = inf"
+    ]
+    assert (
+        max_sample_epsilon([(N, first), (N, {keys.SAMPLE_EPSILON: 2.0, keys.SAMPLE_DELTA: 1e-5})])["sample-epsilon-max"]
+        == math.inf
+    )  # the server shows the unknown ledger as the weakest
+
+
+def test_a_state_and_a_file_that_disagree_read_unknown_and_an_older_state_is_caught_up():
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    ctx = context(335)
+    app(train_message(335), ctx)
+    older = ctx.state.config_records[opacus_ledger.STATE_KEY]
+    app(train_message(335), ctx)
+    ctx.state.config_records[opacus_ledger.STATE_KEY] = older  # e.g. a Context kept from round 1
+    assert steps_of(app(train_message(335), ctx)) == 24  # the file's 16 steps, and 8 more
+    ctx.state.config_records[opacus_ledger.STATE_KEY] = ConfigRecord(
+        {"sigmas": [2.0], "sample-rates": [0.125], "steps": [24]}
+    )
+    metrics = fit_metrics(app(train_message(335), ctx))
+    assert metrics[keys.SAMPLE_EPSILON] == math.inf and "hold different histories" in metrics[keys.SAMPLE_ACCOUNTANT]
+
+
+def test_an_unwritable_ledger_folder_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[make_sample_ledger_mod(folder=blocker)])
+    with pytest.raises(Exception, match="cannot write the node's ledger to .*sample-ledger-dir"):
+        app(train_message(336), context(336))
+
+
+def test_a_shared_engine_charges_the_node_that_steps():
+    """One engine kept in a dict both nodes' clients see: made in node 340's call, stepped in node 341's."""
+    kept: dict = {}
+    app = ClientApp(client_fn=lambda ctx: OpacusClient(kept).to_client(), mods=[sample_ledger_mod])
+    a, b = context(340), context(341)
+    assert steps_of(app(train_message(340), a)) == 8
+    assert steps_of(app(train_message(341), b)) == 8
+    assert steps_of(app(train_message(340), a)) == 16
+
+
+class OpacusOwnClient(OpacusClient):
+    """Opacus' own PrivacyEngine under the mod: its steps cannot be charged (the mod does not know its q)."""
+
+    def fit(self, parameters, config):
+        from opacus import PrivacyEngine as OpacusEngine
+
+        global PrivacyEngine
+        ours, PrivacyEngine = PrivacyEngine, OpacusEngine
+        try:
+            return super().fit(parameters, config)
+        finally:
+            PrivacyEngine = ours
+
+
+def test_opacus_own_engine_under_the_mod_reads_unknown():
+    app = ClientApp(client_fn=lambda ctx: OpacusOwnClient().to_client(), mods=[sample_ledger_mod])
+    metrics = fit_metrics(app(train_message(350), context(350)))
+    assert metrics[keys.SAMPLE_EPSILON] == math.inf
+    assert metrics[keys.SAMPLE_ACCOUNTANT].startswith("unknown: a DP-SGD step of an Opacus optimizer not made by")
+
+
+def test_a_step_outside_any_message_makes_the_ledger_unknown():
+    engine, (model, optimizer, loader) = engine_made_outside()
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()  # e.g. pre-training on the node's data before round 1: whose step, the mod cannot tell
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    metrics = fit_metrics(app(train_message(360), context(360)))
+    assert metrics[keys.SAMPLE_EPSILON] == math.inf and metrics[keys.SAMPLE_STEPS] == 8
+    assert "outside a message the mod handled" in metrics[keys.SAMPLE_ACCOUNTANT]
