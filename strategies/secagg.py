@@ -157,7 +157,9 @@ class SecureSum:
         the sum and cannot be taken out), else None."""
         seen: set[int] = set()
         for proxy, _ in results:
-            node = int(proxy.node_id)
+            node = getattr(proxy, "node_id", None)
+            if not isinstance(node, int):
+                return f"a result without a node id ({node!r})"
             if problem := node_problem(dp.round, node, seen):
                 return f"node {node}: {problem}"
             seen.add(node)
