@@ -16,15 +16,17 @@ from flwr.app import ArrayRecord, Error, MetricRecord, RecordDict
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
+from strategies import DifferentialPrivacy
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg, reply_message
 from strategies.legacy_wrapper import LegacyDifferentialPrivacy
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from strategies.sample_epsilon import max_sample_epsilon
+from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
 from strategies.secagg import SecAggPlusDPFedAvg
 from strategies.topk import DPFedSAMTopK
 from strategies.wavelet import DPFedAvgWavelet
@@ -431,3 +433,26 @@ def test_the_legacy_apps_fit_metrics_function_gets_the_accepted_replies_only():
         assert strategy.result.train_metrics_clientapp[rnd]["clients"] == len(expected)
         weights = parameters_to_ndarrays(parameters)
     record("legacy app metrics", hostile, rounds)
+
+
+def test_the_message_api_wrappers_metrics_function_gets_no_second_reply():
+    """The Message-API wrapper passes the accepted replies to the wrapped strategy's train_metrics_aggr_fn; a node's
+    second reply, which the gate rejects, once passed with them (it was matched by node id), so a rejected reply
+    claiming sample-epsilon 60 became the round's sample-epsilon-max."""
+    strategy = DifferentialPrivacy(
+        MessageFedAvg(train_metrics_aggr_fn=max_sample_epsilon_records),
+        clipping_norm=C,
+        noise_multiplier=0.0,
+        sample_rate=1.0,
+    )
+    strategy.setup_population(2)
+    strategy.begin_round(initial())
+    nprng = np.random.default_rng(SEED)
+    claims = [(100, 1.5), (101, 2.0), (100, 60.0)]  # node 100 replies twice
+    replies = [
+        reply(node, honest_update(nprng), {keys.NUM_EXAMPLES: 10, keys.SAMPLE_EPSILON: eps, keys.SAMPLE_DELTA: 1e-5})
+        for node, eps in claims
+    ]
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert (metrics["clients"], metrics["rejected"]) == (2, 1)
+    assert metrics["sample-epsilon-max"] == 2.0
