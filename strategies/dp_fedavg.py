@@ -278,7 +278,7 @@ class DifferentialPrivacy(DPRoundLoop):
 
         extra = extra_updates(self, server_round, sum(a.size for a in global_arrays))
         new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
-        own = clients_own_metrics(self, replies)
+        own = clients_own_metrics(self)
         metrics = {
             **own,
             **round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message
 
 from dpcore.privacy.mechanisms import flatten, float_indices
 
@@ -21,7 +21,8 @@ class DPRound:
         from).
     nodes : the nodes sampled (None: not sampled here); `population` the nodes connected when it sampled.
     truncation_probability, sampled_from : how the sample was drawn (`strategies.sampling.Selection`).
-    problems : failed and rejected replies (diagnostics); `accepted_nodes` the node of each accepted update.
+    problems : failed and rejected replies (diagnostics); `accepted_replies` the replies the reply gate accepted
+        (`accepted_nodes` their nodes), in order.
     server_noise_std : the std of the noise the server added to the sum.
     refused : the budget refused the round once it had sampled (`DPRoundLoop.sample_clients`): nothing was sent.
     """
@@ -35,7 +36,7 @@ class DPRound:
     truncation_probability: float = 0.0
     sampled_from: tuple[int, int] | None = None
     problems: list[str] = field(default_factory=list)
-    accepted_nodes: list[int] = field(default_factory=list)
+    accepted_replies: list[Message] = field(default_factory=list)
     server_noise_std: float = 0.0
     refused: bool = False
 
@@ -44,6 +45,10 @@ class DPRound:
         everything = arrays.to_numpy_ndarrays()  # decoded once a round, not once per reply
         positions = float_indices(everything)
         return cls(arrays, everything, positions, flatten([everything[i] for i in positions]))
+
+    @property
+    def accepted_nodes(self) -> list[int]:
+        return [int(reply.metadata.src_node_id) for reply in self.accepted_replies]
 
     def global_arrays(self) -> list[np.ndarray]:
         """The floating-point arrays of the round's global model: what DP trains, clips and noises."""

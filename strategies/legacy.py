@@ -40,14 +40,15 @@ from .wrapped import reply_message
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
 
-def _numbers(metrics) -> dict:
-    """The finite numeric entries of a legacy metrics mapping (MetricRecord holds numbers only)."""
+def _numbers(metrics, finite: bool = True) -> dict:
+    """The numeric entries of a legacy metrics mapping (MetricRecord holds numbers only): the finite ones, or all of
+    them (inf and nan too) with finite=False."""
     if not isinstance(metrics, Mapping):
         return {}
     return {
         str(k): v
         for k, v in metrics.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (not finite or math.isfinite(v))
     }
 
 
@@ -122,8 +123,9 @@ class SeparateUpdates:
 
     def aggregate(
         self, dp: DPFedAvg, global_arrays: list[np.ndarray], server_round: int, results: list, failures: list
-    ) -> tuple[list[np.ndarray], dict]:
-        """(new global arrays, round metrics) from the wrapped strategy's aggregate_train over the results."""
+    ) -> tuple[list[np.ndarray], dict, list]:
+        """(new global arrays, round metrics, the results the reply gate accepted) from the wrapped strategy's
+        aggregate_train over the results."""
         if summed_by_secagg(results):
             raise ValueError(
                 "these results are one SecAgg+ sum (Flower's SecAggPlusWorkflow), which this strategy would count "
@@ -137,9 +139,11 @@ class SeparateUpdates:
             else reply_message(proxy.node_id, legacy_content(dp.arrayrecord_key, res))
             for proxy, res in results
         ]
-        replies += [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
-        arrays, metric_record = dp.aggregate_train(server_round, replies)
-        return arrays.to_numpy_ndarrays(), dict(metric_record)
+        failed = [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
+        arrays, metric_record = dp.aggregate_train(server_round, replies + failed)
+        read = {id(reply) for reply in dp.round.accepted_replies}
+        accepted = [result for result, reply in zip(results, replies) if id(reply) in read]
+        return arrays.to_numpy_ndarrays(), dict(metric_record), accepted
 
 
 class LegacyDPFedAvg(LegacyFedAvg):
@@ -153,9 +157,10 @@ class LegacyDPFedAvg(LegacyFedAvg):
     on_evaluate_config_fn, evaluate_metrics_aggregation_fn : as in Flower's FedAvg: the app's own federated
         evaluation config, and its function that aggregates the clients' evaluate metrics (default: the
         example-weighted mean of the numeric metrics every client reported).
-    fit_metrics_aggregation_fn : the app's function over the (num_examples, metrics) the clients sent (clients
-        that sent no metrics left out, never the DP average; not called when none sent any); what it returns joins
-        the round's fit metrics in Flower's History, outside what epsilon covers; if it raises, the round goes on
+    fit_metrics_aggregation_fn : the app's function over the (num_examples, metrics) of the replies the DP round
+        accepted (a duplicate, unsampled or malformed reply is not passed; clients that sent no metrics left out,
+        never the DP average; not called when none sent any); what it returns (numbers, inf included) joins the
+        round's fit metrics in Flower's History, outside what epsilon covers; if it raises, the round goes on
         without them (a diagnostic).
     aggregation : how the workflow's results carry the updates: `SeparateUpdates()` (default) or SecAgg+'s
         `strategies.secagg.SecureSum()`.
@@ -288,53 +293,62 @@ class LegacyDPFedAvg(LegacyFedAvg):
         sampled = self.dp.sample_clients(server_round, list(proxies))
         if self.dp.round.refused:
             return []
-        config = dict(self.on_fit_config_fn(server_round)) if self.on_fit_config_fn else {}
+        config = self.fit_config(server_round, parameters, client_manager)
         config.update(self.dp.client_train_config(server_round))
         config[keys.SECURE_AGGREGATION] = self.secure_aggregation
         fit_ins = FitIns(parameters, config)
         self._sampled_round = server_round  # sampled: the round is charged, even if nothing comes of it
         return [(proxies[node], fit_ins) for node in sampled]
 
+    def fit_config(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> dict:
+        """The app's train config of the round (its on_fit_config_fn), before the DP keys are added."""
+        return dict(self.on_fit_config_fn(server_round)) if self.on_fit_config_fn else {}
+
     def aggregate_fit(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """The round's release; Flower's History takes the ledger's fit metrics and the app's (outside epsilon)."""
-        app_metrics = self.app_fit_metrics(server_round, results)
-        parameters, published = self.release(server_round, results, failures)
+        """The round's release; Flower's History takes the ledger's fit metrics and the app's (outside epsilon), the
+        app's over the results the round accepted."""
+        parameters, published, accepted = self.release(server_round, results, failures)
+        app_metrics = self.app_fit_metrics(server_round, accepted)
         self.flower_log.fit(server_round, published, app_metrics)
         return parameters, {**app_metrics, **published}
 
     def release(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
-    ) -> tuple[Parameters, dict[str, Scalar]]:
-        """The DP round over the results: (the released model, the fit metrics the ledger covers)."""
+    ) -> tuple[Parameters, dict[str, Scalar], list]:
+        """The DP round over the results: (the released model, the fit metrics the ledger covers, the results it
+        accepted)."""
         if self._global is None:
             raise RuntimeError("aggregate_fit before configure_fit")
         failures = unique_failures(failures)
         self._noise_only = None
-        new_global, metrics = self.aggregate_updates(server_round, results, failures)
+        new_global, metrics, accepted = self.aggregate_updates(server_round, results, failures)
         reasons = [failure_reason(f) for f in failures]
         self._pending = {"round": server_round, **metrics, **({"failed_nodes": reasons} if reasons else {})}
         self.result.arrays = ArrayRecord(new_global)
         self.result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
         published, _ = self.dp.split_record({"round": server_round, **metrics})
         published.pop("round")
-        return ndarrays_to_parameters(new_global), _numbers(published)
+        return ndarrays_to_parameters(new_global), _numbers(published), accepted
 
     def aggregate_updates(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
-    ) -> tuple[list[np.ndarray], dict]:
-        """(new global arrays, round metrics): the results as `aggregation` reads them."""
+    ) -> tuple[list[np.ndarray], dict, list]:
+        """(new global arrays, round metrics, the results accepted): the results as `aggregation` reads them."""
         return self.aggregation.aggregate(self.dp, self._global, server_round, results, failures)
 
-    def app_fit_metrics(self, server_round: int, results: list[tuple[ClientProxy, FitRes]]) -> dict:
-        """The app's fit_metrics_aggregation_fn over the (num_examples, metrics) the clients sent; {} without it,
-        when no client sent metrics, or if it raises (noted in the round's diagnostics)."""
-        sent = [(res.num_examples, dict(res.metrics)) for _, res in results if not fit_res_problem(res) and res.metrics]
+    def app_fit_metrics(self, server_round: int, accepted: list[tuple[ClientProxy, FitRes]]) -> dict:
+        """The app's fit_metrics_aggregation_fn over the (num_examples, metrics) of the accepted results; {} without
+        it, when none sent metrics, or if it raises (noted in the round's diagnostics). Its numbers are kept as it
+        returns them, inf included (a client's sample-epsilon at sigma 0), as the Message-API wrapper keeps them."""
+        sent = [
+            (res.num_examples, dict(res.metrics)) for _, res in accepted if not fit_res_problem(res) and res.metrics
+        ]
         if self.fit_metrics_aggregation_fn is None or not sent:
             return {}
         try:
-            return _numbers(self.fit_metrics_aggregation_fn(sent))
+            return _numbers(self.fit_metrics_aggregation_fn(sent), finite=False)
         except Exception as exc:  # the app's function on what clients sent
             self.dp.note_problem(server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})")
             return {}
@@ -353,7 +367,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
                 "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
                 "sampled or too few finished the protocol): the round releases noise only",
             )
-            parameters, _ = self.release(server_round, [], [])
+            parameters, _, _ = self.release(server_round, [], [])
             self._noise_only = parameters
         res = super().evaluate(server_round, parameters)
         if res is not None:

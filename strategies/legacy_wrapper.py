@@ -4,25 +4,68 @@
 
 takes the arguments of Flower's `DifferentialPrivacyServerSideFixedClipping`. The DP round is `LegacyDPFedAvg`'s
 around a `DPFedAvg` (central noise): fixed-size sampling of m = num_sampled_clients nodes, clipping to C, the
-fixed denominator m, Gaussian noise sigma C / m, the ledger. The wrapped strategy then gets the DP average as if
-it were its only result, and its `aggregate_fit` (FedAdam's, FedAvgM's momentum, ...) is post-processing of that
-release, costing no epsilon, as in the Message-API wrapper. Its SecAgg+ form (clients clip and add their noise
-share, the server reads the secure sum) is `strategies.secagg.SecAggPlusDifferentialPrivacy`.
+fixed denominator m, Gaussian noise sigma C / m, the ledger. The wrapped strategy writes the clients' train config
+(its own `configure_fit`: its on_fit_config_fn, FedProx's proximal_mu), sent to the wrapper's sample. It then gets
+the DP average as if it were its only result, and its `aggregate_fit` (FedAdam's, FedAvgM's momentum, ...) is
+post-processing of that release, costing no epsilon, as in the Message-API wrapper; a strategy whose aggregation
+needs each client's update or loss (Bulyan, QFedAvg, Krum, ...) is refused when the wrapper is built. Its SecAgg+
+form (clients clip and add their noise share, the server reads the secure sum) is
+`strategies.secagg.SecAggPlusDifferentialPrivacy`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from logging import INFO
+from types import SimpleNamespace
 
 import numpy as np
-from flwr.common import Code, FitRes, Status, log, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Parameters, Status, log, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
+from flwr.server.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 
 from .dp_fedavg import DPFedAvg
 from .legacy import LegacyDPFedAvg
+
+# Flower's strategies whose aggregate_fit, given the DP average as its only result, is a server step on it
+WRAPPABLE = (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM)
+
+
+def check_wrappable(strategy) -> None:
+    """Refuses a strategy whose aggregation the wrapper cannot privatize: the Flower class it is (or derives from
+    first) must be one of `WRAPPABLE` (Bulyan, QFedAvg, Krum, FedMedian, ... need each client's update or loss)."""
+    flower = next((c for c in type(strategy).__mro__ if c.__module__.split(".")[0] == "flwr"), None)
+    if flower in WRAPPABLE:
+        return
+    name = type(strategy).__name__
+    kind = f" (a subclass of Flower's {flower.__name__})" if flower not in (None, type(strategy)) else ""
+    raise TypeError(
+        f"LegacyDifferentialPrivacy cannot wrap {name}{kind}: it hands the strategy's aggregate_fit one result, the "
+        "DP average, and only a server step on that average is post-processing the ledger covers; an aggregation "
+        "that needs each client's update or loss (Bulyan, QFedAvg, Krum, FedMedian, ...) cannot be privatized "
+        f"this way. Allowed: {', '.join(c.__name__ for c in WRAPPABLE)}, or a subclass of one of them"
+    )
+
+
+class StandInClients:
+    """Just enough of a ClientManager for a wrapped strategy's configure_fit to write its FitIns: the connected count,
+    and as many stand-in clients as it asks for (at least one); it never waits and draws no random numbers."""
+
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+    def num_available(self) -> int:
+        return self.available
+
+    def wait_for(self, num_clients: int, timeout: int = 0) -> bool:
+        return True
+
+    def sample(self, num_clients: int, min_num_clients: int | None = None, criterion=None) -> list:
+        return [SimpleNamespace(cid=str(i), node_id=i) for i in range(1, max(1, int(num_clients)) + 1)]
+
+    def all(self) -> dict:
+        return {client.cid: client for client in self.sample(self.available)}
 
 
 def no_fit_metrics(_: list) -> dict:
@@ -35,13 +78,14 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
 
     Parameters
     ----------
-    strategy : the app's legacy strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAvgM or a subclass). Its
-        initial_parameters, evaluate_fn, on_fit_config_fn, on_evaluate_config_fn, fraction_evaluate,
-        min_evaluate_clients and evaluate_metrics_aggregation_fn are used as they are; its min_available_clients
-        is the number of nodes to wait for. Its fit_metrics_aggregation_fn gets the (num_examples, metrics) the
-        clients sent (never the DP average); what it returns is added to the round's fit metrics (Flower's
-        History, not printed unless publish_diagnostics), outside what epsilon covers; if it raises, the round goes
-        on without them.
+    strategy : the app's legacy strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM or a subclass;
+        others are refused, `check_wrappable`). Its configure_fit writes the train config (its on_fit_config_fn,
+        FedProx's proximal_mu; the DP keys win on a clash); its initial_parameters, evaluate_fn,
+        on_evaluate_config_fn, fraction_evaluate, min_evaluate_clients and evaluate_metrics_aggregation_fn are used
+        as they are; its min_available_clients is the number of nodes to wait for. Its fit_metrics_aggregation_fn
+        gets the (num_examples, metrics) of the replies the round accepted (never the DP average); what it returns
+        is added to the round's fit metrics (Flower's History, not printed unless publish_diagnostics), outside
+        what epsilon covers; if it raises, the round goes on without them.
     noise_multiplier, clipping_norm : sigma and C.
     num_sampled_clients : m, the clients sampled each round (fixed-size sampling, as the ledger accounts it).
         With fewer than m nodes connected at round 1, m is capped at the number connected (said in the log).
@@ -67,6 +111,7 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
     ) -> None:
         if int(num_sampled_clients) < 1:
             raise ValueError(f"num_sampled_clients={num_sampled_clients!r} must be >= 1")
+        check_wrappable(strategy)
         dp = DPFedAvg(
             noise_multiplier=noise_multiplier,
             clipping_norm=clipping_norm,
@@ -78,7 +123,6 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
         super().__init__(
             dp,
             evaluate_fn=getattr(strategy, "evaluate_fn", None),
-            on_fit_config_fn=getattr(strategy, "on_fit_config_fn", None),
             on_evaluate_config_fn=getattr(strategy, "on_evaluate_config_fn", None),
             evaluate_metrics_aggregation_fn=getattr(strategy, "evaluate_metrics_aggregation_fn", None),
             fit_metrics_aggregation_fn=getattr(strategy, "fit_metrics_aggregation_fn", None),
@@ -121,12 +165,20 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
 
         return count
 
+    def fit_config(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> dict:
+        """The wrapped strategy's own train config of the round: its configure_fit over `StandInClients` (its
+        sampling is not used), the first instruction's FitIns config ({} if it gives none)."""
+        instructions = self.strategy.configure_fit(
+            server_round, parameters, StandInClients(client_manager.num_available())
+        )
+        return dict(instructions[0][1].config) if instructions else {}
+
     def aggregate_updates(
         self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list
-    ) -> tuple[list[np.ndarray], dict]:
+    ) -> tuple[list[np.ndarray], dict, list]:
         """The DP average, then the wrapped strategy's server step on it (post-processing)."""
-        dp_average, metrics = super().aggregate_updates(server_round, results, failures)
-        return self.server_step(server_round, dp_average), metrics
+        dp_average, metrics, accepted = super().aggregate_updates(server_round, results, failures)
+        return self.server_step(server_round, dp_average), metrics, accepted
 
     def server_step(self, server_round: int, dp_average: list[np.ndarray]) -> list[np.ndarray]:
         """The wrapped strategy's aggregate_fit with the DP average as its only result (weight 1), in the DP

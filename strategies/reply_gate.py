@@ -74,6 +74,17 @@ def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dic
     return clean, None
 
 
+def node_problem(rnd, node: int, seen: set[int]) -> str | None:
+    """Why a reply from `node` is not read in the round `rnd` (a `DPRound`), whatever it holds: a second reply (`seen`:
+    the nodes already read), or a node the round did not sample (`rnd.nodes`; None: every node may reply), else None.
+    The SecAgg+ sum's results are checked the same way (`strategies.secagg.SecureSum`)."""
+    if node in seen:
+        return "a second reply"
+    if rnd.nodes is not None and node not in rnd.nodes:
+        return "not sampled this round" if node in rnd.population else "not sampled this round (an unknown node)"
+    return None
+
+
 class ReplyGate:
     """The round loop's reply path (`DPRoundLoop`): every train reply decoded and checked before anything reads it.
     Reads the strategy's round in flight (`round`), its codec and its `reply_metric_rules`."""
@@ -120,21 +131,17 @@ class ReplyGate:
         and the counts of failed and rejected replies. Nothing in a reply can raise here.
 
         Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
-        round did not sample, or a second reply from one node, is rejected. The round's `accepted_nodes` lists the node
-        of each accepted update."""
+        round did not sample, or a second reply from one node, is rejected (`node_problem`). The round's
+        `accepted_replies` lists each accepted reply."""
         accepted, failures, rejected = [], 0, 0
         rnd = self.round
-        rnd.accepted_nodes = []
+        rnd.accepted_replies = []
         seen: set[int] = set()
         for msg in replies:
             node = int(msg.metadata.src_node_id)
-            if not msg.has_error() and (rnd.nodes is not None and node not in rnd.nodes or node in seen):
+            if not msg.has_error() and (problem := node_problem(rnd, node, seen)):
                 rejected += 1
-                self.note_problem(
-                    server_round,
-                    f"rejected a reply of node {node}: "
-                    + ("a second reply" if node in seen else "not sampled this round"),
-                )
+                self.note_problem(server_round, f"rejected a reply of node {node}: {problem}")
                 continue
             if msg.has_error():
                 failures += 1
@@ -154,7 +161,7 @@ class ReplyGate:
                 continue
             seen.add(node)
             accepted.append((vector, metrics))
-            rnd.accepted_nodes.append(node)
+            rnd.accepted_replies.append(msg)
         return accepted, failures, rejected
 
     def note_problem(self, server_round: int, problem: str) -> None:

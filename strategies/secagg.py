@@ -39,7 +39,7 @@ from dpcore.privacy.settings import check_secure_aggregation
 from .dp_fedavg import DPFedAvg, extra_updates
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
 from .legacy_wrapper import LegacyDifferentialPrivacy
-from .reply_gate import upload_norm_bound
+from .reply_gate import node_problem, upload_norm_bound
 from .secure_aggregation import SecureAggregation
 
 SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
@@ -111,20 +111,21 @@ class SecureSum:
 
     def aggregate(
         self, dp: DPFedAvg, global_arrays: list[np.ndarray], server_round: int, results: list, failures: list
-    ) -> tuple[list[np.ndarray], dict]:
-        """(new global arrays, round metrics) from SecAgg+'s results: sum = k * mean, its norm checked."""
+    ) -> tuple[list[np.ndarray], dict, list]:
+        """(new global arrays, round metrics, the results accepted: all or none) from SecAgg+'s results: sum = k * mean,
+        its nodes and its norm checked."""
         shapes = [a.shape for a in global_arrays]
         weights = {res.num_examples for _, res in results}
         k = len(results)
         updates: list[np.ndarray] = []
-        problem = "no client finished the protocol" if k == 0 else None
-        if len(weights) > 1:
+        problem = "no client finished the protocol" if k == 0 else self.nodes_problem(dp, results)
+        if problem is None and len(weights) > 1:
             problem = (
                 f"updates with different weights {sorted(weights)}: the sum of a weighted mean cannot be "
                 "recovered; clients must report num_examples = 1 (clients.mods.uniform_weight_mod and "
                 "dp_privatize_mod do)"
             )
-        elif k:
+        if problem is None:
             try:
                 mean = parameters_to_ndarrays(results[0][1].parameters)
                 problem = update_problem(mean, shapes)
@@ -148,7 +149,21 @@ class SecureSum:
             "server_noise_std": dp.round.server_noise_std,
             **dp.privacy_metrics(),
         }
-        return unflatten(new_global, shapes), metrics
+        return unflatten(new_global, shapes), metrics, list(results) if updates else []
+
+    def nodes_problem(self, dp: DPFedAvg, results: list) -> str | None:
+        """Why the sum cannot be read as the round's sampled clients' (the reply gate's check of each result's
+        node, `reply_gate.node_problem`): a node counted twice, or one the round did not sample (its upload is in
+        the sum and cannot be taken out), else None."""
+        seen: set[int] = set()
+        for proxy, _ in results:
+            node = getattr(proxy, "node_id", None)
+            if not isinstance(node, int):
+                return f"a result without a node id ({node!r})"
+            if problem := node_problem(dp.round, node, seen):
+                return f"node {node}: {problem}"
+            seen.add(node)
+        return None
 
     def sum_bound(self, dp: DPFedAvg, k: int, dim: int) -> float:
         """The norm an honest sum of k uploads exceeds with probability <= 1e-12: each clipped update is at

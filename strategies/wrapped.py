@@ -22,16 +22,15 @@ PROTOCOL_NAMES = frozenset(v for k, v in vars(keys).items() if k.isupper() and i
 OWN_NAMES = PROTOCOL_NAMES | published_and_former_names()  # no client writes these
 
 
-def clients_own_metrics(dp, replies: list[Message]) -> dict:
-    """The accepted clients' own train metrics (e.g. a Flower client's `train_loss`), aggregated by the wrapped
+def clients_own_metrics(dp) -> dict:
+    """The accepted replies' own train metrics (e.g. a Flower client's `train_loss`), aggregated by the wrapped
     strategy as Flower would (its `train_metrics_aggr_fn`, weighted by its `weighted_by_key`): non-private
     diagnostics that reach Flower's Result as the clients sent them (the round's own statistics of the same name
     take precedence). Keys of the protocol or of a published figure (e.g. `epsilon`, `accuracy`) are left out,
     so no client can write a published figure; a failed aggregation (hostile values) is a noted problem, never
     raised."""
     aggregate = getattr(dp.strategy, "train_metrics_aggr_fn", None)
-    accepted = set(dp.round.accepted_nodes)
-    contents = [r.content for r in replies if not r.has_error() and r.metadata.src_node_id in accepted]
+    contents = [r.content for r in dp.round.accepted_replies]  # not a node's second reply, which the gate rejected
     if aggregate is None or not contents:
         return {}
     try:

@@ -2,6 +2,8 @@
 every path, the target a hard cap, what travels beside the update, bounded SecAgg+ sums, ALI-DPFL's
 trust in client numbers, failed runs that say so. Epsilons are checked against dp-accounting."""
 
+from types import SimpleNamespace
+
 import pytest
 from flwr.app import Context, RecordDict
 from flwr.client.mod import secaggplus_mod
@@ -379,7 +381,7 @@ def test_secagg_refuses_a_sum_above_what_honest_clients_can_produce():
         strategy._global = weights
         dp.begin_round(ArrayRecord(weights))
         res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean]), 1, {})
-        parameters, _ = strategy.aggregate_fit(1, [(None, res)] * 3, [])
+        parameters, _ = strategy.aggregate_fit(1, [(SimpleNamespace(node_id=n), res) for n in (1, 2, 3)], [])
         return flatten(parameters_to_ndarrays(parameters)), dict(strategy.result.train_metrics_clientapp[1])
 
     honest = np.full(50, 1.0 / np.sqrt(50), np.float32)  # each client's update at norm C: the sum has norm 3C

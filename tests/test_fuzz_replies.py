@@ -13,14 +13,20 @@ import random
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Error, MetricRecord, RecordDict
-from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters
+from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
+from strategies import DifferentialPrivacy
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg, reply_message
+from strategies.legacy_wrapper import LegacyDifferentialPrivacy
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
 from strategies.secagg import SecAggPlusDPFedAvg
 from strategies.topk import DPFedSAMTopK
 from strategies.wavelet import DPFedAvgWavelet
@@ -355,3 +361,98 @@ def test_client_evaluation_survives_hostile_metrics():
 class FakeProxy:
     def __init__(self, node_id: int) -> None:
         self.node_id = node_id
+        self.cid = str(node_id)
+
+
+def hostile_fit_res(rng: random.Random, nprng: np.random.Generator, metrics: dict) -> tuple[FitRes, str]:
+    """A FitRes the reply gate rejects whoever sends it: (the result, its kind)."""
+    upload = honest_update(nprng)
+    kind = rng.choice(["nan", "float64-1e300", "wrong-shape", "garbage-bytes", "metrics-list"])
+    params = {
+        "nan": lambda: ndarrays_to_parameters([np.full((4, 3), np.nan, np.float32), upload[1]]),
+        "float64-1e300": lambda: ndarrays_to_parameters([a.astype(np.float64) * 1e300 for a in upload]),
+        "wrong-shape": lambda: ndarrays_to_parameters([upload[0].reshape(3, 4), upload[1]]),
+        "garbage-bytes": lambda: Parameters(tensors=[rng.randbytes(40)], tensor_type="numpy.ndarray"),
+        "metrics-list": lambda: ndarrays_to_parameters(upload),
+    }[kind]()
+    sent = list(metrics.items()) if kind == "metrics-list" else metrics
+    return FitRes(Status(Code.OK, ""), params, 10, sent), kind
+
+
+def test_the_legacy_apps_fit_metrics_function_gets_the_accepted_replies_only():
+    """LegacyDifferentialPrivacy samples m of 8 connected nodes; each round their replies come mixed with 1-3 hostile
+    ones: a second reply of a sampled node, a reply of a connected node not sampled, one of a node never connected,
+    and replies the gate rejects (NaN, overflow, wrong shape, garbage bytes, metrics not a dict), each claiming
+    sample-epsilon 60. The app's fit_metrics_aggregation_fn gets exactly the (num_examples, metrics) of the replies
+    accepted (the first well-formed reply of each sampled node, in order), and History's sample-epsilon-max is theirs:
+    never 60 (it once got every result: a rejected second reply put 60.0 there)."""
+    rng, nprng = random.Random(f"{SEED}-legacy-app-metrics"), np.random.default_rng(SEED)
+    manager = SimpleClientManager()
+    for node in range(1, 9):
+        manager.register(FakeProxy(node))
+    calls = []
+
+    def app_fn(results):
+        calls.append(results)
+        return max_sample_epsilon(results)
+
+    strategy = LegacyDifferentialPrivacy(
+        FedAvg(fit_metrics_aggregation_fn=app_fn), 0.0, C, M, delta=1e-3, seed=SEED, secure_rng=False
+    )
+    weights, hostile, rounds = [np.zeros(s, np.float32) for s in SHAPES], 0, 40
+    for rnd in range(1, rounds + 1):
+        sampled = [proxy.node_id for proxy, _ in strategy.configure_fit(rnd, ndarrays_to_parameters(weights), manager)]
+        entries = []  # (node, result, well-formed)
+        for node in sampled:
+            metrics = {keys.SAMPLE_EPSILON: rng.uniform(0.1, 5.0), keys.SAMPLE_DELTA: 1e-5, "node": node}
+            entries.append(
+                (node, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(honest_update(nprng)), 10, metrics), True)
+            )
+        claim = {keys.SAMPLE_EPSILON: 60.0, keys.SAMPLE_DELTA: 1e-5}
+        for kind in rng.sample(["duplicate", "unsampled", "unknown", "malformed"], rng.choice([1, 2, 3])):
+            hostile += 1
+            honest = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(honest_update(nprng)), 10, dict(claim))
+            if kind == "duplicate":
+                entries.append((rng.choice(sampled), honest, True))
+            elif kind == "unsampled":
+                entries.append((rng.choice(sorted(set(range(1, 9)) - set(sampled))), honest, True))
+            elif kind == "unknown":
+                entries.append((999, honest, True))
+            else:
+                entries.append((rng.choice(sampled), hostile_fit_res(rng, nprng, dict(claim))[0], False))
+        rng.shuffle(entries)
+        expected, read = [], set()
+        for node, res, well_formed in entries:  # the reply gate's rule, independently
+            if node in sampled and node not in read and well_formed:
+                read.add(node)
+                expected.append((res.num_examples, res.metrics))
+        before = len(calls)
+        parameters, metrics = strategy.aggregate_fit(rnd, [(FakeProxy(node), res) for node, res, _ in entries], [])
+        assert calls[before:] == ([expected] if expected else []), (rnd, entries)
+        assert metrics.get("sample-epsilon-max") == max((m[keys.SAMPLE_EPSILON] for _, m in expected), default=None)
+        assert strategy.result.train_metrics_clientapp[rnd]["clients"] == len(expected)
+        weights = parameters_to_ndarrays(parameters)
+    record("legacy app metrics", hostile, rounds)
+
+
+def test_the_message_api_wrappers_metrics_function_gets_no_second_reply():
+    """The Message-API wrapper passes the accepted replies to the wrapped strategy's train_metrics_aggr_fn; a node's
+    second reply, which the gate rejects, once passed with them (it was matched by node id), so a rejected reply
+    claiming sample-epsilon 60 became the round's sample-epsilon-max."""
+    strategy = DifferentialPrivacy(
+        MessageFedAvg(train_metrics_aggr_fn=max_sample_epsilon_records),
+        clipping_norm=C,
+        noise_multiplier=0.0,
+        sample_rate=1.0,
+    )
+    strategy.setup_population(2)
+    strategy.begin_round(initial())
+    nprng = np.random.default_rng(SEED)
+    claims = [(100, 1.5), (101, 2.0), (100, 60.0)]  # node 100 replies twice
+    replies = [
+        reply(node, honest_update(nprng), {keys.NUM_EXAMPLES: 10, keys.SAMPLE_EPSILON: eps, keys.SAMPLE_DELTA: 1e-5})
+        for node, eps in claims
+    ]
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert (metrics["clients"], metrics["rejected"]) == (2, 1)
+    assert metrics["sample-epsilon-max"] == 2.0

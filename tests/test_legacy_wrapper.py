@@ -8,18 +8,24 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
+from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import Server, ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedYogi, Krum, QFedAvg
+from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
-from dpcore.privacy.mechanisms import flatten
-from dpfl import LegacyDifferentialPrivacy
+from dpcore.privacy import protocol as keys
+from dpcore.privacy.mechanisms import flatten, unflatten
+from dpfl import LegacyDifferentialPrivacy, SecAggPlusDifferentialPrivacy
 from dpfl_tools.inprocess import InProcessGrid
+from strategies import DifferentialPrivacy
 from strategies.legacy_log import FlowerLegacyLog
 from strategies.round_loop import parse_log_line
+from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
+from strategies.wrapped import reply_message
 from tests.test_dropin import NODES, accuracy, initial_weights, legacy_client_fn, shard
 
 ROUNDS, C, SIGMA, M = 3, 1.0, 0.5, 5
@@ -284,3 +290,167 @@ def test_the_summary_ends_by_naming_the_bound_the_printed_epsilon_is(publish_dia
     assert "(a noise multiplier of 0.025 charged, below 0.2" in lines[said[0]]
     assert lines[said[0]].endswith("not of the accountant asked for (pld)")
     assert strategy.dp.privacy_spent().accounting_method.startswith("rdp")
+
+
+# ---------------------------------------------------------------- the wrapped strategy's own steps (issue 39 item 5)
+SHAPES = [(4, 3), (5,)]
+
+
+class RecordingProxy(ClientProxy):
+    """A legacy client as Flower's legacy Server reaches it: records each FitIns config it is sent and replies with
+    an update of norm C / 2 and `metrics`."""
+
+    def __init__(self, node_id: int, metrics: dict | None = None) -> None:
+        super().__init__(str(node_id))
+        self.node_id = node_id
+        self.metrics = metrics or {}
+        self.configs: list[dict] = []
+
+    def fit(self, ins, timeout, group_id):
+        self.configs.append(dict(ins.config))
+        weights = parameters_to_ndarrays(ins.parameters)
+        return honest_fit_res(weights, self.metrics)
+
+    def evaluate(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def get_properties(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def get_parameters(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+    def reconnect(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+
+def honest_fit_res(weights: list[np.ndarray], metrics: dict, num_examples: int = 10) -> FitRes:
+    """The client's new weights: the global ones plus an update of norm C / 2."""
+    step = np.full(sum(a.size for a in weights), 0.5 * C / math.sqrt(sum(a.size for a in weights)), np.float32)
+    new = unflatten(flatten(weights) + step, [a.shape for a in weights])
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new), num_examples, dict(metrics))
+
+
+def connected(proxies) -> SimpleClientManager:
+    manager = SimpleClientManager()
+    for proxy in proxies:
+        manager.register(proxy)
+    return manager
+
+
+def zeros() -> list[np.ndarray]:
+    return [np.zeros(s, np.float32) for s in SHAPES]
+
+
+def test_fedprox_proximal_mu_and_the_apps_fit_config_reach_the_sampled_clients():
+    """FedProx's configure_fit adds proximal_mu to the FitIns config (and FedAvg's puts on_fit_config_fn's): under the
+    wrapper each of the m clients it samples gets that config plus the DP keys, through Flower's legacy Server; the
+    wrapped strategy's own sampling (fraction_fit=0.1) is not used."""
+    proxies = [RecordingProxy(node) for node in range(1, 9)]
+    inner = FedProx(
+        proximal_mu=0.25,
+        fraction_fit=0.1,
+        fraction_evaluate=0.0,
+        on_fit_config_fn=lambda rnd: {"local-epochs": 2, "round-seen": rnd},
+        initial_parameters=ndarrays_to_parameters(zeros()),
+    )
+    strategy = LegacyDifferentialPrivacy(inner, SIGMA, C, 3, delta=1e-3, seed=1)
+    server = Server(client_manager=connected(proxies), strategy=strategy)
+    try:
+        server.fit(num_rounds=2, timeout=None)
+    finally:
+        strategy.flower_log.uninstall()
+    sent = [config for proxy in proxies for config in proxy.configs]
+    assert len(sent) == 2 * 3  # m = 3 a round, not FedProx's fraction_fit of 8
+    assert all(config["proximal_mu"] == 0.25 and config["local-epochs"] == 2 for config in sent)
+    assert sorted(config["round-seen"] for config in sent) == [1, 1, 1, 2, 2, 2]
+    assert all(config["clipping-norm"] == C for config in sent)  # the DP keys beside them
+    assert [r["clients"] for r in strategy.history] == [3, 3]
+
+
+def test_the_apps_fit_config_cannot_override_the_dp_keys():
+    proxy = RecordingProxy(1)
+    inner = FedAvg(on_fit_config_fn=lambda rnd: {"clipping-norm": 100.0}, min_available_clients=1)
+    strategy = LegacyDifferentialPrivacy(inner, SIGMA, C, 1, delta=1e-3)
+    ((_, fit_ins),) = strategy.configure_fit(1, ndarrays_to_parameters(zeros()), connected([proxy]))
+    assert fit_ins.config["clipping-norm"] == C
+
+
+class MyBulyan(Bulyan):
+    """An app's own subclass of a strategy the wrapper refuses."""
+
+
+class MyFedAvg(FedAvg):
+    """An app's own FedAvg subclass: wrapped."""
+
+
+@pytest.mark.parametrize(
+    "make, named",
+    [
+        (lambda: Bulyan(num_malicious_clients=0, to_keep=0), "cannot wrap Bulyan: "),
+        (lambda: QFedAvg(), "cannot wrap QFedAvg: "),
+        (
+            lambda: MyBulyan(num_malicious_clients=0, to_keep=0),
+            r"cannot wrap MyBulyan \(a subclass of Flower's Bulyan\)",
+        ),
+        (lambda: Krum(), "cannot wrap Krum: "),
+        (lambda: FedMedian(), "cannot wrap FedMedian: "),
+    ],
+)
+@pytest.mark.parametrize("wrapper", [LegacyDifferentialPrivacy, SecAggPlusDifferentialPrivacy])
+def test_strategies_whose_aggregation_cannot_be_privatized_are_refused_by_name(make, named, wrapper):
+    """Bulyan and QFedAvg (FedAvg subclasses) raised out of aggregate_fit in round 1: refused when the wrapper is
+    built, naming the class and what is allowed."""
+    with pytest.raises(TypeError, match=named) as refused:
+        wrapper(make(), SIGMA, C, M, delta=1e-3)
+    assert str(refused.value).endswith(
+        "Allowed: FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM, or a subclass of one of them"
+    )
+
+
+def test_a_subclass_of_an_allowed_strategy_is_wrapped():
+    strategy = LegacyDifferentialPrivacy(MyFedAvg(), SIGMA, C, M, delta=1e-3)
+    assert isinstance(strategy.strategy, MyFedAvg)
+
+
+def test_sample_epsilon_max_shows_inf_for_an_honest_sigma_0_client_as_the_message_api_wrapper_does():
+    """A client training at sigma 0 reports sample-epsilon = inf; the largest over the round is inf. The Message-API
+    wrapper (FedAvg with max_sample_epsilon_records) puts inf into the round's train metrics; the legacy wrapper's
+    History gets inf too (it once dropped non-finite values, so the figure vanished)."""
+    reported = [
+        {keys.SAMPLE_EPSILON: 1.5, keys.SAMPLE_DELTA: 1e-5},
+        {keys.SAMPLE_EPSILON: math.inf, keys.SAMPLE_DELTA: 1e-5},
+    ]
+    # the Message-API wrapper
+    message_api = DifferentialPrivacy(
+        MessageFedAvg(train_metrics_aggr_fn=max_sample_epsilon_records),
+        clipping_norm=C,
+        noise_multiplier=0.0,
+        sample_rate=1.0,
+        min_available_nodes=2,
+    )
+    message_api.setup_population(2)
+    arrays = ArrayRecord(zeros())
+    message_api.begin_round(arrays)
+    replies = [
+        reply_message(
+            node,
+            RecordDict(
+                {
+                    "arrays": ArrayRecord(parameters_to_ndarrays(honest_fit_res(zeros(), {}).parameters)),
+                    "metrics": MetricRecord({keys.NUM_EXAMPLES: 10, **metrics}),
+                }
+            ),
+        )
+        for node, metrics in zip((1, 2), reported)
+    ]
+    _, message_metrics = message_api.aggregate_train(1, replies)
+    assert message_metrics["sample-epsilon-max"] == math.inf
+    # the legacy wrapper
+    proxies = [RecordingProxy(node, metrics) for node, metrics in zip((1, 2), reported)]
+    legacy = LegacyDifferentialPrivacy(FedAvg(fit_metrics_aggregation_fn=max_sample_epsilon), 0.0, C, 2, delta=1e-3)
+    instructions = legacy.configure_fit(1, ndarrays_to_parameters(zeros()), connected(proxies))
+    results = [(proxy, proxy.fit(ins, None, "")) for proxy, ins in instructions]
+    _, legacy_metrics = legacy.aggregate_fit(1, results, [])
+    assert legacy_metrics["sample-epsilon-max"] == message_metrics["sample-epsilon-max"] == math.inf
+    assert legacy_metrics[keys.SAMPLE_DELTA] == 1e-5

@@ -1,6 +1,7 @@
 """SecAgg+: the strategy sees only the sum, the arithmetic of sum/m and top-up, the ledger, accuracy."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -173,7 +174,8 @@ def test_secagg_rejects_unequal_weights():
 
             self.num_examples, self.parameters, self.metrics = n, ndarrays_to_parameters([np.zeros(3)]), {}
 
-    parameters, published = strategy.aggregate_fit(1, [(None, Res(1)), (None, Res(7))], [])
+    proxies = [SimpleNamespace(node_id=n) for n in (1, 2)]  # as Flower's workflow hands them: one per node
+    parameters, published = strategy.aggregate_fit(1, [(proxies[0], Res(1)), (proxies[1], Res(7))], [])
     assert "rejected" not in published  # what Flower's History prints is the ledger's only
     metrics = dict(strategy.result.train_metrics_clientapp[1])
     assert "num_examples = 1" in dp.round.problems[0]

@@ -10,15 +10,17 @@ SecAgg+) is refused before any client trains, naming the change."""
 import logging
 import random
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from flwr.app import Context, MessageType, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server import LegacyContext, ServerApp, ServerConfig
+from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAdam, FedAvg
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
@@ -366,3 +368,42 @@ def test_central_noise_under_dpsecaggplus_workflow_is_refused_naming_the_secagg_
     with pytest.raises(TypeError, match="SecAggPlusDifferentialPrivacy in place of LegacyDifferentialPrivacy"):
         fl_dp_sa(partial(LegacyDifferentialPrivacy, delta=1e-3), DPSecAggPlusWorkflow, dp_mod, grid=grid)
     assert grid.sent == []
+
+
+# ---------------------------------------------------------------- the sum's nodes (issue 39 item 7)
+@pytest.mark.parametrize("extra", ["none", "duplicate", "unsampled", "unknown"])
+def test_the_secure_sum_counts_only_sampled_unique_known_nodes(extra):
+    """SecAgg+'s workflow hands the strategy one result per node that finished the protocol, each carrying the mean of
+    their uploads. The nodes are checked by the reply gate's rule (`reply_gate.node_problem`), as every other path
+    checks replies: the m = 5 sampled nodes are read as a sum of 5 (sigma 0: the model moves by exactly the mean);
+    with a node listed twice, a connected node not sampled or a node never connected among them, the sum (which holds
+    that node's upload) is refused and counted 0, naming the node; the round releases noise only (none at sigma 0).
+    It once counted them all: 6 clients out of m = 5."""
+    manager = SimpleClientManager()
+    for node in range(1, 9):
+        manager.register(SimpleNamespace(cid=str(node), node_id=node))
+    strategy = SecAggPlusDifferentialPrivacy(FedAvg(), 0.0, C, M, delta=1e-3, seed=1)
+    strategy.aggregation.settings = {"quantization_step": 0.0}  # as DPSecAggPlusWorkflow sets it each round
+    start = [np.zeros((4, 3), np.float32), np.zeros(5, np.float32)]
+    sampled = [proxy for proxy, _ in strategy.configure_fit(1, ndarrays_to_parameters(start), manager)]
+    assert len(sampled) == M
+    mean = [np.full((4, 3), 0.05, np.float32), np.full(5, -0.05, np.float32)]  # norm 0.21 < C
+    parameters = ndarrays_to_parameters(mean)  # SecAgg+ hands every result the same Parameters
+    outsider = next(n for n in range(1, 9) if n not in {p.node_id for p in sampled})
+    node = {"none": None, "duplicate": sampled[0].node_id, "unsampled": outsider, "unknown": 999}[extra]
+    proxies = sampled + ([SimpleNamespace(cid=str(node), node_id=node)] if node is not None else [])
+    released, _ = strategy.aggregate_fit(1, [(p, FitRes(Status(Code.OK, ""), parameters, 1, {})) for p in proxies], [])
+    record = strategy.result.train_metrics_clientapp[1]
+    moved = flatten(parameters_to_ndarrays(released)) - flatten(start)
+    if extra == "none":
+        assert (record["clients"], record["rejected"]) == (M, 0)
+        np.testing.assert_allclose(moved, flatten(mean), rtol=1e-6)
+    else:
+        assert (record["clients"], record["rejected"]) == (0, M + 1)
+        assert not moved.any()
+        reason = {"duplicate": "a second reply", "unsampled": "not sampled this round", "unknown": "an unknown node"}
+        (problem,) = strategy.dp.round.problems
+        assert (
+            problem.startswith(f"rejected the secure sum of {M + 1} updates: node {node}: ")
+            and reason[extra] in problem
+        )
