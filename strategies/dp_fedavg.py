@@ -47,7 +47,7 @@ from .parts import ROLES, Part, filling, keywords_of
 from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
-from .wrapped import clients_own_metrics, release
+from .wrapped import metric_replies, own_metrics, release
 
 ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's after_round may give new values
 
@@ -278,7 +278,8 @@ class DifferentialPrivacy(DPRoundLoop):
 
         extra = extra_updates(self, server_round, sum(a.size for a in global_arrays))
         new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
-        own = clients_own_metrics(self, replies)
+        arrays, wrapped_metrics = release(self, server_round, new_global, metric_replies(self, server_round, replies))
+        own = own_metrics(self, wrapped_metrics, replies)
         metrics = {
             **own,
             **round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm),
@@ -292,7 +293,6 @@ class DifferentialPrivacy(DPRoundLoop):
                 if name not in ADJUSTABLE:
                     raise ValueError(f"{type(part).__name__} returned {name!r}: only {ADJUSTABLE} may change")
                 setattr(self, name, value)
-        arrays, _ = release(self, server_round, new_global)
         return arrays, MetricRecord(metrics)
 
     def needs_marked_updates(self) -> bool:
@@ -349,8 +349,9 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def privacy_spent(self) -> PrivacySpent | None:
         """What Flower's DP wrappers' `privacy_spent()` returns, from the ledger: epsilon and delta of the model
-        released so far, the rounds charged, and the accountant whose bound it is; None before round 1."""
-        if self.ledger is None:
+        released so far, the rounds charged, and the accountant whose bound it is; None before round 1 (also when
+        the budget refused round 1)."""
+        if self.ledger is None or not self.completed_rounds:
             return None
         return PrivacySpent(
             epsilon=self.ledger.epsilon(),
