@@ -187,19 +187,9 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     def setup_population(self, num_clients: int) -> None:
         """Fix M, m, n_s and delta, and build the ledger."""
         self.num_clients = num_clients
-        if self.num_sampled_clients:  # m given: q = m / M, capped at all M
-            self.sample_rate = min(1.0, self.num_sampled_clients / max(1, num_clients))
-            if self.num_sampled_clients > num_clients:
-                log(
-                    WARNING,
-                    "num_sampled_clients = %d, but %d nodes are connected: each round samples all %d (capped; "
-                    "charged as fixed-size sampling of %d of %d, without amplification)",
-                    self.num_sampled_clients,
-                    num_clients,
-                    num_clients,
-                    num_clients,
-                    num_clients,
-                )
+        if self.num_sampled_clients:  # m given: q = m / M
+            refuse_more_than_connected(self.num_sampled_clients, num_clients, self.min_available_nodes)
+            self.sample_rate = self.num_sampled_clients / num_clients
         if self.client_sampling == "fixed":
             self.expected_clients = float(max(1, round(self.sample_rate * num_clients)))
         else:
@@ -353,6 +343,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
         total = f"/{self.num_rounds}" if self.num_rounds > 0 else ""  # unknown to a legacy strategy without num_rounds
         log(INFO, "Round %d%s: %s", record["round"], total, line)
+        self.warn_reply_problems(record)
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
 
@@ -395,6 +386,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             flower.round_begins(rnd, num_rounds)
             instructions = list(self.configure_train(rnd, arrays, train_config, grid))
             if self.round.refused:  # over the budget at the round's own sample: nothing was sent
+                result.arrays = arrays  # the model so far (the initial one if round 1 is refused)
                 break
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)
@@ -422,6 +414,20 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
             log(INFO, "%s", note)
         return result
+
+
+def refuse_more_than_connected(num_sampled_clients: int, connected: int, min_available_nodes: int) -> None:
+    """m > M: refused before round 1. A fixed-size sample of m nodes a round divides the noisy sum by m; with
+    fewer nodes the run would either be noised for m over a sum of fewer clients (Flower's wrappers: a smaller
+    noise than sigma accounts for) or noised for the M it has (sigma C / M on the mean, more than m promised)."""
+    require(
+        num_sampled_clients <= connected,
+        "num_sampled_clients",
+        num_sampled_clients,
+        f"more than the {connected} nodes connected at round 1 (a fixed-size sample of m needs m nodes): set it to "
+        f"at most {connected}, or min_available_nodes (legacy: min_available_clients, now {min_available_nodes}) to "
+        f"at least {num_sampled_clients} to wait for more nodes",
+    )
 
 
 NO_REPLY = "no reply before round-timeout"

@@ -310,3 +310,40 @@ def test_one_reply_without_num_examples_costs_only_its_own_metrics():
     assert problems == [
         "metrics of node 103 not aggregated: metric 'num-examples' = None is not a positive finite number"
     ]
+
+
+def test_failed_and_rejected_replies_get_a_warning_line_a_round_and_one_hint_when_none_is_usable(caplog):
+    """Issue 39 item 11: clients without the mod under distributed noise (fl-dp-sa with only the server
+    converted) used to leave normal-looking rounds and no line about the replies; now each round says how many
+    replies failed or were rejected and why, and the first round without a usable reply adds a hint."""
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
+    )
+    with caplog.at_level("WARNING", logger="flwr"):
+        run(strategy, rounds=2)
+    lines = [r.getMessage() for r in caplog.records if "client replies failed or were rejected" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith(f"Round 1: {M} client replies failed or were rejected: {M} x ")
+    assert "not privatized" in lines[0] and "dp_privatize_mod" in lines[0]
+    assert sum(r.getMessage().startswith("No client reply of the round was usable") for r in caplog.records) == 1
+    caplog.clear()
+    crashing = no_noise()  # one node of four raises: its line, no hint
+    with caplog.at_level("WARNING", logger="flwr"):
+        strategy.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
+        crashing.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
+    assert "Round 1: 1 client replies failed or were rejected: 1 x a node failed: RuntimeError: a node crashed" in (
+        caplog.text
+    )
+    assert "No client reply of the round was usable" not in caplog.text
+
+
+def test_a_budget_stop_before_round_1_returns_the_initial_model_and_no_privacy_spent():
+    """Issue 39 item 11: the Result held no arrays and privacy_spent() said epsilon 0.0."""
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, target_epsilon=0.01
+    )  # one round at sigma 0.5 spends far more than 0.01
+    result, grid = run(strategy, rounds=3)
+    assert grid.sent == [] and strategy.history == []
+    assert list(result.arrays.keys()) == list(model().keys())
+    for k in model().keys():
+        np.testing.assert_array_equal(result.arrays[k].numpy(), model()[k].numpy())
+    assert strategy.privacy_spent() is None
