@@ -31,13 +31,14 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore.privacy_accounting import PrivacySpent
+from flwr.supercore.privacy_accounting import PrivacyConfig, PrivacySpent
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
 from dpcore.privacy.ledger import ClientLevelLedger
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
-from dpcore.privacy.settings import check_client_level_dp
+from dpcore.privacy.settings import SettingError, check_client_level_dp
 
 from .audit import AuditCanaries
 from .mechanism import GaussianMechanism
@@ -70,6 +71,29 @@ def sort_keywords(cls, privacy, sampling, run, parts, keywords: dict) -> tuple:
     parts = [*parts, *cls.keyword_parts(keywords, run)]
     refuse_unknown(cls.__name__, keywords)
     return privacy, sampling, run, parts
+
+
+def flower_accountant_keywords(keywords: dict) -> dict:
+    """Flower's `accountant=RdpAccountant(PrivacyConfig(target_delta=..., max_epsilon=...))` (or the PrivacyConfig
+    itself) as this wrapper's keywords: its target_delta is `delta`, its max_epsilon a budget to stop at
+    (`target_epsilon`, mode "stop"), an RdpAccountant the ledger's "rdp" accountant. The ledger computes every
+    figure; Flower's object is read, never composed into (its population_size and sampling_method are Flower's
+    model: the ledger takes M from the connected nodes and charges the sampling this wrapper does)."""
+    given = keywords.get("accountant")
+    config = given if isinstance(given, PrivacyConfig) else getattr(given, "config", None)
+    if isinstance(given, str) or not isinstance(config, PrivacyConfig):
+        return keywords
+    mapped = {"accountant": "rdp" if type(given).__name__ == "RdpAccountant" else DEFAULT_ACCOUNTANT}
+    mapped["delta"] = config.target_delta
+    if config.max_epsilon is not None:
+        mapped.update(target_epsilon=config.max_epsilon, target_epsilon_mode="stop")
+    for key, value in mapped.items():
+        if key != "accountant" and key in keywords and keywords[key] != value:
+            raise SettingError(
+                f"{key}={keywords[key]!r} and Flower's accountant={given!r} (which sets {key}={value!r}) disagree: "
+                f"give one of them"
+            )
+    return {**keywords, **mapped}
 
 
 def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
@@ -145,6 +169,7 @@ class DifferentialPrivacy(DPRoundLoop):
             keywords.update(num_sampled_clients=num_sampled_clients)
             keywords.setdefault("client_sampling", "fixed")
             keywords.setdefault("sample_rate", 1.0)  # q = m / M once M is known
+        keywords = flower_accountant_keywords(keywords)
         privacy, sampling, run, parts = sort_keywords(type(self), privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
         self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)

@@ -382,3 +382,40 @@ def test_legacy_app_keeps_its_evaluate_metrics_and_logs_nothing_outside_the_ledg
     logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= 20)
     for private in ("update_norm", "clipped_fraction", "'clients'", "rejected"):
         assert private not in logged, private
+
+
+def test_flowers_accountant_keyword_sets_the_budget_and_the_ledger_computes_the_figure():
+    """Issue 39 item 11: Flower's `accountant=RdpAccountant(PrivacyConfig(max_epsilon=...))` was refused with an
+    error naming a run-config key. Now its target_delta is the ledger's delta, its max_epsilon a budget to stop at,
+    and the ledger (RDP) computes the epsilon: dp-accounting's, fixed-size sampling of all M nodes (sigma / 2)."""
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
+    from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+    from dpfl import DifferentialPrivacy
+    from tests.independent_accountant import dp_accounting_epsilons
+    from tests.test_wrapper import model, weights_client
+
+    sigma, nodes, delta = 2.0, 4, 1e-5
+    _, after_2 = dp_accounting_epsilons(sigma / 2, 1.0, 2, delta)
+    _, after_3 = dp_accounting_epsilons(sigma / 2, 1.0, 3, delta)
+    config = PrivacyConfig(
+        target_delta=delta,
+        population_size=nodes,
+        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION,
+        max_epsilon=(after_2 + after_3) / 2,
+    )
+    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), sigma, 1.0, nodes, accountant=RdpAccountant(config))
+    assert (strategy.accountant, strategy.target_epsilon, strategy.requested_delta) == (
+        "rdp",
+        config.max_epsilon,
+        delta,
+    )
+    strategy.start(InProcessGrid(weights_client(), nodes, {}), model(), num_rounds=5)
+    assert len(strategy.history) == 2  # the third round would pass max_epsilon
+    spent = strategy.privacy_spent()
+    assert spent.delta == delta and spent.num_releases == 2
+    assert spent.epsilon == pytest.approx(after_2, rel=0.01)
+    with pytest.raises(ValueError, match="delta=0.001 and Flower's accountant"):
+        DifferentialPrivacy(FedAvg(), sigma, 1.0, nodes, accountant=config, delta=1e-3)
