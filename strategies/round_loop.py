@@ -64,7 +64,13 @@ from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
 from .run_record import RunRecord, bound_note
 from .sampling import ClientSampling, covering_noise_shares
-from .wrapped import UnusedSamplingLines, filtered_flower_log, quiet_flower_info, wrapped_train_content
+from .wrapped import (
+    UnusedSamplingLines,
+    filtered_flower_log,
+    own_aggregate_train,
+    quiet_flower_info,
+    wrapped_train_content,
+)
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -293,6 +299,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             type(self.strategy).__name__,
             self.fraction_evaluate,
         )
+        if own_aggregate_train(self.strategy):
+            log(INFO, "\t├──> %s", OWN_AGGREGATE_TRAIN)
         with filtered_flower_log(UnusedSamplingLines()):
             self.strategy.summary()
 
@@ -414,6 +422,12 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
             log(INFO, "%s", note)
         return result
+
+
+OWN_AGGREGATE_TRAIN = (
+    "Its own aggregate_train receives one reply per accepted client: the privatized model and that client's metrics "
+    "as sent (arrays made from the metrics rather than the model are not covered by epsilon)"
+)
 
 
 def refuse_more_than_connected(num_sampled_clients: int, connected: int, min_available_nodes: int) -> None:

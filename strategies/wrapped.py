@@ -114,25 +114,28 @@ def release(
     dp, server_round: int, new_global: np.ndarray, metric_records: list[RecordDict] = ()
 ) -> tuple[ArrayRecord, MetricRecord | None]:
     """The privatized model w' (flat, floating-point arrays only) through the wrapped strategy's aggregation
-    and server optimizer (post-processing): it receives one reply per record of `metric_records` (the accepted
-    clients' own metrics, `metric_replies`), each holding w' and that client's metrics, or, with none, one reply
-    holding w' and only its weight 1. So FedAvg returns w' (a weighted mean of copies of w'), FedAdam steps on
-    w' - w, and an aggregate_train of the app's own reads the clients' metrics it expects. Keys, order, shapes and
-    dtypes are those the server sent; other arrays come back unchanged."""
+    and server optimizer (post-processing), and the accepted clients' own metrics (`metric_records`,
+    `metric_replies`) through its metric aggregation. A Flower strategy (FedAvg, FedAdam, ...) receives one reply
+    holding w' and only its weight 1, so FedAvg returns exactly w' and FedAdam steps on w' - w, and its
+    `train_metrics_aggr_fn` averages the clients' metrics. An aggregate_train of the app's own
+    (`own_aggregate_train`) receives one reply per record instead, each holding w' and that client's metrics, as it
+    would without DP (a weighted mean of copies of w' is w' up to rounding). Keys, order, shapes and dtypes are
+    those the server sent; other arrays come back unchanged."""
     assert dp.current_arrays is not None
     rnd = dp.round
     names = list(rnd.arrays.keys())
     proposal = conform(names, rnd.everything, rnd.float_positions, new_global)
-    weight_only = RecordDict(
-        {METRICS_RECORD: MetricRecord({getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES): 1})}
-    )
-    try:
-        arrays, metrics = wrapped_aggregate(dp, server_round, proposal, metric_records or [weight_only])
-    except Exception as exc:  # hostile metric values its own aggregation cannot read: they cost only themselves
-        if not metric_records:
-            raise  # the strategy's own aggregation fails on w' alone: the app's error, not a client's
-        dp.note_problem(server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
-        arrays, metrics = wrapped_aggregate(dp, server_round, proposal, [weight_only])
+    weight_key = getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
+    weight_only = RecordDict({METRICS_RECORD: MetricRecord({weight_key: 1})})
+    if metric_records and own_aggregate_train(dp.strategy):
+        try:
+            arrays, metrics = wrapped_aggregate(dp, server_round, proposal, metric_records)
+        except Exception as exc:  # hostile metric values its own aggregation cannot read: they cost only themselves
+            dp.note_problem(server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
+            arrays, metrics = wrapped_aggregate(dp, server_round, proposal, [weight_only])
+    else:
+        arrays, _ = wrapped_aggregate(dp, server_round, proposal, [weight_only])
+        metrics = aggregated_metrics(dp, server_round, metric_records)
     if arrays is None:
         return proposal, metrics
     returned = [arrays[k].numpy() for k in arrays.keys()]
@@ -147,6 +150,24 @@ def release(
     return conform(
         names, rnd.everything, rnd.float_positions, flatten([returned[i] for i in rnd.float_positions])
     ), metrics
+
+
+def own_aggregate_train(strategy) -> bool:
+    """Whether the strategy's aggregate_train is the app's own (not one of Flower's classes')."""
+    return not type(strategy).aggregate_train.__module__.startswith("flwr.")
+
+
+def aggregated_metrics(dp, server_round: int, metric_records: list[RecordDict]) -> MetricRecord | None:
+    """The wrapped strategy's `train_metrics_aggr_fn` over the clients' metric records (weighted by its
+    `weighted_by_key`); None without records or function, and a noted problem, never raised, if it fails."""
+    aggregate = getattr(dp.strategy, "train_metrics_aggr_fn", None)
+    if aggregate is None or not metric_records:
+        return None
+    try:
+        return aggregate(list(metric_records), getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES))
+    except Exception as exc:  # hostile values the function cannot read
+        dp.note_problem(server_round, f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
+        return None
 
 
 def wrapped_aggregate(dp, server_round: int, proposal: ArrayRecord, metric_records: list[RecordDict]):

@@ -285,6 +285,7 @@ def test_a_user_fedavg_subclass_gets_the_accepted_replies_metrics_and_its_log_li
         result, _ = run(strategy, app)
     assert seen == [[0.0, 1.0, 2.0, 3.0]]
     assert "OwnFedAvg: round 1, mean train loss 1.500" in caplog.text
+    assert "Its own aggregate_train receives one reply per accepted client" in caplog.text  # said at start
     assert "aggregate_train: Received" not in caplog.text  # Flower's count line stays withheld
     # its weighted mean of the losses (weights 10, 20, 30, 40) reaches the Result; the model is still w + STEP
     assert result.train_metrics_clientapp[1]["train_loss"] == pytest.approx((10 * 0 + 20 + 60 + 120) / 100)
