@@ -178,7 +178,7 @@ class ReplyGate:
         more = f"; and {len(reasons) - REASONS} other reasons" if len(reasons) > REASONS else ""
         log(
             WARNING,
-            "Round %s: %d client replies failed or were rejected: %s%s",
+            "Round %s: client replies failed, were rejected or unusable (%d): %s%s",
             record["round"],
             len(problems),
             listed,

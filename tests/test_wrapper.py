@@ -322,17 +322,21 @@ def test_failed_and_rejected_replies_get_a_warning_line_a_round_and_one_hint_whe
     )
     with caplog.at_level("WARNING", logger="flwr"):
         run(strategy, rounds=2)
-    lines = [r.getMessage() for r in caplog.records if "client replies failed or were rejected" in r.getMessage()]
-    assert len(lines) == 2 and lines[0].startswith(f"Round 1: {M} client replies failed or were rejected: {M} x ")
+    lines = [
+        r.getMessage() for r in caplog.records if "client replies failed, were rejected or unusable" in r.getMessage()
+    ]
+    assert len(lines) == 2 and lines[0].startswith(
+        f"Round 1: client replies failed, were rejected or unusable ({M}): {M} x "
+    )
     assert "not privatized" in lines[0] and "dp_privatize_mod" in lines[0]
     assert sum(r.getMessage().startswith("No client reply of the round was usable") for r in caplog.records) == 1
     caplog.clear()
     crashing = no_noise()  # one node of four raises: its line, no hint
     with caplog.at_level("WARNING", logger="flwr"):
-        strategy.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
         crashing.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
-    assert "Round 1: 1 client replies failed or were rejected: 1 x a node failed: RuntimeError: a node crashed" in (
-        caplog.text
+    assert (
+        "Round 1: client replies failed, were rejected or unusable (1): 1 x a node failed: RuntimeError: a node crashed"
+        in (caplog.text)
     )
     assert "No client reply of the round was usable" not in caplog.text
 
