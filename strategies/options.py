@@ -42,7 +42,8 @@ class SamplingOptions:
 
     num_sampled_clients : m, a fixed-size sample of m nodes a round (Flower's DP wrappers' argument; with it,
         client_sampling is "fixed" and q = m / M once the population M is known). 0: m = round(q M) for "fixed".
-        Fewer than m nodes connected at round 1 is refused before anything is sent (`round_loop.refuse_more_than_connected`).
+        Fewer than m nodes connected at round 1 is refused before anything is sent
+        (`round_loop.refuse_more_than_connected`).
     """
 
     sample_rate: float
