@@ -73,27 +73,26 @@ def sort_keywords(cls, privacy, sampling, run, parts, keywords: dict) -> tuple:
     return privacy, sampling, run, parts
 
 
-def flower_accountant_keywords(keywords: dict) -> dict:
+def flower_accountant_keywords(accountant=None, **keywords) -> dict:
     """Flower's `accountant=RdpAccountant(PrivacyConfig(target_delta=..., max_epsilon=...))` (or the PrivacyConfig
     itself) as this wrapper's keywords: its target_delta is `delta`, its max_epsilon a budget to stop at
     (`target_epsilon`, mode "stop"), an RdpAccountant the ledger's "rdp" accountant. The ledger computes every
     figure; Flower's object is read, never composed into (its population_size and sampling_method are Flower's
     model: the ledger takes M from the connected nodes and charges the sampling this wrapper does)."""
-    given = keywords.get("accountant")
-    config = given if isinstance(given, PrivacyConfig) else getattr(given, "config", None)
-    if isinstance(given, str) or not isinstance(config, PrivacyConfig):
-        return keywords
-    mapped = {"accountant": "rdp" if type(given).__name__ == "RdpAccountant" else DEFAULT_ACCOUNTANT}
-    mapped["delta"] = config.target_delta
+    config = accountant if isinstance(accountant, PrivacyConfig) else getattr(accountant, "config", None)
+    if isinstance(accountant, str) or not isinstance(config, PrivacyConfig):
+        return keywords if accountant is None else {**keywords, "accountant": accountant}
+    mapped = dict(delta=config.target_delta)
     if config.max_epsilon is not None:
         mapped.update(target_epsilon=config.max_epsilon, target_epsilon_mode="stop")
     for key, value in mapped.items():
-        if key != "accountant" and key in keywords and keywords[key] != value:
+        if key in keywords and keywords[key] != value:
             raise SettingError(
-                f"{key}={keywords[key]!r} and Flower's accountant={given!r} (which sets {key}={value!r}) disagree: "
-                f"give one of them"
+                f"{key}={keywords[key]!r} and Flower's accountant={accountant!r} (which sets {key}={value!r}) "
+                "disagree: give one of them"
             )
-    return {**keywords, **mapped}
+    rdp = type(accountant).__name__ == "RdpAccountant"
+    return {**keywords, **mapped, "accountant": "rdp" if rdp else DEFAULT_ACCOUNTANT}
 
 
 def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
@@ -169,7 +168,7 @@ class DifferentialPrivacy(DPRoundLoop):
             keywords.update(num_sampled_clients=num_sampled_clients)
             keywords.setdefault("client_sampling", "fixed")
             keywords.setdefault("sample_rate", 1.0)  # q = m / M once M is known
-        keywords = flower_accountant_keywords(keywords)
+        keywords = flower_accountant_keywords(**keywords)
         privacy, sampling, run, parts = sort_keywords(type(self), privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
         self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)

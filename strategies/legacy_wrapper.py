@@ -23,7 +23,7 @@ from flwr.server.strategy import Strategy
 
 from .dp_fedavg import DPFedAvg
 from .legacy import LegacyDPFedAvg
-from .round_loop import refuse_more_than_connected
+from .options import refuse_more_than_connected
 
 
 def no_fit_metrics(_: list) -> dict:

@@ -59,12 +59,13 @@ from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .dp_round import DPRound
 from .flower_log import FlowerLog
-from .options import RunOptions, SamplingOptions
+from .options import RunOptions, SamplingOptions, refuse_more_than_connected
 from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
 from .run_record import RunRecord, bound_note
 from .sampling import ClientSampling, covering_noise_shares
 from .wrapped import (
+    OWN_AGGREGATE_TRAIN,
     UnusedSamplingLines,
     filtered_flower_log,
     own_aggregate_train,
@@ -422,26 +423,6 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
             log(INFO, "%s", note)
         return result
-
-
-OWN_AGGREGATE_TRAIN = (
-    "Its own aggregate_train receives one reply per accepted client: the privatized model and that client's metrics "
-    "as sent (arrays made from the metrics rather than the model are not covered by epsilon)"
-)
-
-
-def refuse_more_than_connected(num_sampled_clients: int, connected: int, min_available_nodes: int) -> None:
-    """m > M: refused before round 1. A fixed-size sample of m nodes a round divides the noisy sum by m; with
-    fewer nodes the run would either be noised for m over a sum of fewer clients (Flower's wrappers: a smaller
-    noise than sigma accounts for) or noised for the M it has (sigma C / M on the mean, more than m promised)."""
-    require(
-        num_sampled_clients <= connected,
-        "num_sampled_clients",
-        num_sampled_clients,
-        f"more than the {connected} nodes connected at round 1 (a fixed-size sample of m needs m nodes): set it to "
-        f"at most {connected}, or min_available_nodes (legacy: min_available_clients, now {min_available_nodes}) to "
-        f"at least {num_sampled_clients} to wait for more nodes",
-    )
 
 
 NO_REPLY = "no reply before round-timeout"

@@ -152,6 +152,12 @@ def release(
     ), metrics
 
 
+OWN_AGGREGATE_TRAIN = (
+    "Its own aggregate_train receives one reply per accepted client: the privatized model and that client's metrics "
+    "as sent (arrays made from the metrics rather than the model are not covered by epsilon)"
+)
+
+
 def own_aggregate_train(strategy) -> bool:
     """Whether the strategy's aggregate_train is the app's own (not one of Flower's classes')."""
     return not type(strategy).aggregate_train.__module__.startswith("flwr.")
