@@ -149,6 +149,18 @@ class PrivacyEngine(import_opacus().PrivacyEngine):
         watch(made[1], 1 / len(made[-1]))  # Opacus' own sample rate: 1 / len of the loader it returns
         return made
 
+    def make_private_with_epsilon(self, *args, **kwargs):
+        """Opacus' own, except under `sample_ledger_mod`, where it is refused (docs/dropin.md, "A per-client target
+        epsilon"): it sizes the noise for this engine's steps alone, the mod charges every round's to one ledger."""
+        if _call.get() is not None:
+            raise ValueError(
+                "make_private_with_epsilon under sample_ledger_mod: Opacus picks the noise so that this engine's "
+                "steps alone reach target_epsilon, but the mod charges every round's engine to the node's one ledger, "
+                "so the run would pass the target; use make_private(noise_multiplier=...) with a sigma chosen for the "
+                "whole run (dpfl.epsilon_of) and stop once get_epsilon(delta) reaches it"
+            )
+        return super().make_private_with_epsilon(*args, **kwargs)
+
     def get_epsilon(self, delta: float) -> float:
         """While `sample_ledger_mod` handles a message: the node's cumulative epsilon at `delta` (every earlier
         round's steps and this one's so far, as the reply's `sample-epsilon` will say; inf if unknown).

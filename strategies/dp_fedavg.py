@@ -31,13 +31,14 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore.privacy_accounting import PrivacySpent
+from flwr.supercore.privacy_accounting import PrivacyConfig, PrivacySpent
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
 from dpcore.privacy.ledger import ClientLevelLedger
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
-from dpcore.privacy.settings import check_client_level_dp
+from dpcore.privacy.settings import SettingError, check_client_level_dp
 
 from .audit import AuditCanaries
 from .mechanism import GaussianMechanism
@@ -47,7 +48,7 @@ from .parts import ROLES, Part, filling, keywords_of
 from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
-from .wrapped import clients_own_metrics, release
+from .wrapped import metric_replies, own_metrics, release
 
 ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's after_round may give new values
 
@@ -70,6 +71,28 @@ def sort_keywords(cls, privacy, sampling, run, parts, keywords: dict) -> tuple:
     parts = [*parts, *cls.keyword_parts(keywords, run)]
     refuse_unknown(cls.__name__, keywords)
     return privacy, sampling, run, parts
+
+
+def flower_accountant_keywords(accountant=None, **keywords) -> dict:
+    """Flower's `accountant=RdpAccountant(PrivacyConfig(target_delta=..., max_epsilon=...))` (or the PrivacyConfig
+    itself) as this wrapper's keywords: its target_delta is `delta`, its max_epsilon a budget to stop at
+    (`target_epsilon`, mode "stop"), an RdpAccountant the ledger's "rdp" accountant. The ledger computes every
+    figure; Flower's object is read, never composed into (its population_size and sampling_method are Flower's
+    model: the ledger takes M from the connected nodes and charges the sampling this wrapper does)."""
+    config = accountant if isinstance(accountant, PrivacyConfig) else getattr(accountant, "config", None)
+    if isinstance(accountant, str) or not isinstance(config, PrivacyConfig):
+        return keywords if accountant is None else {**keywords, "accountant": accountant}
+    mapped = dict(delta=config.target_delta)
+    if config.max_epsilon is not None:
+        mapped.update(target_epsilon=config.max_epsilon, target_epsilon_mode="stop")
+    for key, value in mapped.items():
+        if key in keywords and keywords[key] != value:
+            raise SettingError(
+                f"{key}={keywords[key]!r} and Flower's accountant={accountant!r} (which sets {key}={value!r}) "
+                "disagree: give one of them"
+            )
+    rdp = type(accountant).__name__ == "RdpAccountant"
+    return {**keywords, **mapped, "accountant": "rdp" if rdp else DEFAULT_ACCOUNTANT}
 
 
 def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
@@ -145,6 +168,7 @@ class DifferentialPrivacy(DPRoundLoop):
             keywords.update(num_sampled_clients=num_sampled_clients)
             keywords.setdefault("client_sampling", "fixed")
             keywords.setdefault("sample_rate", 1.0)  # q = m / M once M is known
+        keywords = flower_accountant_keywords(**keywords)
         privacy, sampling, run, parts = sort_keywords(type(self), privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
         self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)
@@ -278,7 +302,8 @@ class DifferentialPrivacy(DPRoundLoop):
 
         extra = extra_updates(self, server_round, sum(a.size for a in global_arrays))
         new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
-        own = clients_own_metrics(self)
+        arrays, wrapped_metrics = release(self, server_round, new_global, metric_replies(self, server_round, replies))
+        own = own_metrics(self, wrapped_metrics, replies)
         metrics = {
             **own,
             **round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm),
@@ -292,7 +317,6 @@ class DifferentialPrivacy(DPRoundLoop):
                 if name not in ADJUSTABLE:
                     raise ValueError(f"{type(part).__name__} returned {name!r}: only {ADJUSTABLE} may change")
                 setattr(self, name, value)
-        arrays, _ = release(self, server_round, new_global)
         return arrays, MetricRecord(metrics)
 
     def needs_marked_updates(self) -> bool:
@@ -349,8 +373,9 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def privacy_spent(self) -> PrivacySpent | None:
         """What Flower's DP wrappers' `privacy_spent()` returns, from the ledger: epsilon and delta of the model
-        released so far, the rounds charged, and the accountant whose bound it is; None before round 1."""
-        if self.ledger is None:
+        released so far, the rounds charged, and the accountant whose bound it is; None before round 1 (also when
+        the budget refused round 1)."""
+        if self.ledger is None or not self.completed_rounds:
             return None
         return PrivacySpent(
             epsilon=self.ledger.epsilon(),

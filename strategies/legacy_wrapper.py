@@ -27,6 +27,7 @@ from flwr.server.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, 
 
 from .dp_fedavg import DPFedAvg
 from .legacy import LegacyDPFedAvg
+from .options import refuse_more_than_connected
 
 # Flower's strategies whose aggregate_fit, given the DP average as its only result, is a server step on it
 WRAPPABLE = (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM)
@@ -88,7 +89,7 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
         what epsilon covers; if it raises, the round goes on without them.
     noise_multiplier, clipping_norm : sigma and C.
     num_sampled_clients : m, the clients sampled each round (fixed-size sampling, as the ledger accounts it).
-        With fewer than m nodes connected at round 1, m is capped at the number connected (said in the log).
+        Fewer than m nodes connected at round 1 is refused with an error naming both.
     num_rounds : the number of rounds, for the log's `Round r/R` (Flower's ServerConfig does not tell the strategy;
         without it the log reads `Round r`) and for target_epsilon_mode='calibrate'.
     aggregation : how the workflow's results carry the updates (`strategies.legacy.LegacyDPFedAvg`).
@@ -148,18 +149,12 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
         return f"LegacyDifferentialPrivacy({self.strategy!r}, num_sampled_clients={self.num_sampled_clients})"
 
     def node_counter(self, client_manager: ClientManager) -> Callable[[], int]:
-        """Counts the nodes and sets q = m / M (fixed-size sampling of m), m capped at M with a log line."""
+        """Counts the nodes and sets q = m / M (fixed-size sampling of m); m > M is refused (`refuse_more_than_connected`)."""
 
         def count() -> int:
             available = client_manager.num_available()
-            if 0 < available < self.num_sampled_clients:
-                log(
-                    INFO,
-                    "num_sampled_clients=%d but %d nodes are connected: %d are sampled a round",
-                    self.num_sampled_clients,
-                    available,
-                    available,
-                )
+            if available >= self.dp.min_available_nodes:  # the population is fixed now (ensure_population)
+                refuse_more_than_connected(self.num_sampled_clients, available, self.dp.min_available_nodes)
             self.dp.sample_rate = min(1.0, self.num_sampled_clients / max(1, available))
             return available
 

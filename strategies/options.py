@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpcore.privacy.settings import require
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class SamplingOptions:
 
     num_sampled_clients : m, a fixed-size sample of m nodes a round (Flower's DP wrappers' argument; with it,
         client_sampling is "fixed" and q = m / M once the population M is known). 0: m = round(q M) for "fixed".
-        Fewer than m connected nodes: the round samples all of them, says so, and is charged as such.
+        Fewer than m nodes connected at round 1 is refused before anything is sent
+        (`refuse_more_than_connected`).
     """
 
     sample_rate: float
@@ -69,6 +71,20 @@ class RunOptions:
     publish_diagnostics: bool = False
     on_round_end: Callable | None = None
     on_checkpoint: Callable | None = None
+
+
+def refuse_more_than_connected(num_sampled_clients: int, connected: int, min_available_nodes: int) -> None:
+    """m > M: refused before round 1. A fixed-size sample of m nodes a round divides the noisy sum by m; with
+    fewer nodes the run would either be noised for m over a sum of fewer clients (Flower's wrappers: a smaller
+    noise than sigma accounts for) or noised for the M it has (sigma C / M on the mean, more than m promised)."""
+    require(
+        num_sampled_clients <= connected,
+        "num_sampled_clients",
+        num_sampled_clients,
+        f"more than the {connected} nodes connected at round 1 (a fixed-size sample of m needs m nodes): set it to "
+        f"at most {connected}, or min_available_nodes (legacy: min_available_clients, now {min_available_nodes}) to "
+        f"at least {num_sampled_clients} to wait for more nodes",
+    )
 
 
 def take(option_class, keywords: dict, given=None):

@@ -15,6 +15,8 @@ in the ServerApp: metric values are read only through `read_metrics`.
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import DEBUG, WARNING
@@ -91,6 +93,7 @@ class ReplyGate:
 
     reply_metric_rules: dict[str, MetricRule] = {}
     publish_diagnostics = False
+    all_failed_hinted = False  # ALL_FAILED_HINT is given once a run
 
     def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
         """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.DenseCodec`:
@@ -170,9 +173,53 @@ class ReplyGate:
         self.round.problems.append(problem)
         log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
 
+    def warn_reply_problems(self, record: dict) -> None:
+        """One warning line per round that had failed or rejected replies: how many and why, grouped by reason
+        (`round_problems`); and, the first time no reply of a round was usable, a hint at the usual causes. The
+        count is a non-private diagnostic; each reply's own line (with its node) is logged with publish_diagnostics."""
+        problems = round_problems(self.round.problems, record.get("failed_nodes", []))
+        if not problems:
+            return
+        reasons = Counter(NODE_ID.sub("a node", p) for p in problems)
+        listed = "; ".join(f"{n} x {reason[:REASON_CHARS]}" for reason, n in reasons.most_common(REASONS))
+        more = f"; and {len(reasons) - REASONS} other reasons" if len(reasons) > REASONS else ""
+        log(
+            WARNING,
+            "Round %s: client replies failed, were rejected or unusable (%d): %s%s",
+            record["round"],
+            len(problems),
+            listed,
+            more,
+        )
+        if record.get("clients", len(self.round.accepted_nodes)) == 0 and not self.all_failed_hinted:
+            self.all_failed_hinted = True
+            log(WARNING, "%s", ALL_FAILED_HINT)
+
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
         return None
+
+
+NODE_ID = re.compile(r"\bnode -?\d+\b")
+REASONS, REASON_CHARS = 5, 300  # at most this many reasons a round, each this long: a client writes its error text
+ALL_FAILED_HINT = (
+    "No client reply of the round was usable, so the model moved by noise only. Usual causes: the ClientApp lacks "
+    "the mod the server expects (the DP wrapper's dp_privatize_mod under distributed noise or SecAgg+, e.g. "
+    "`@app.train(mods=[dp_privatize_mod])` or the legacy client's mods=[secaggplus_mod, dp_privatize_mod]), the "
+    "client raises (its error is the reason above), or its replies do not match the model. docs/dropin.md lists "
+    "the server and client lines; publish_diagnostics=True logs each reply's reason with its node"
+)
+
+
+def round_problems(problems: list[str], failed_nodes: list[str]) -> list[str]:
+    """The round's noted problems, plus the failed nodes (`node <id>: <reason>`) none of them names."""
+    named = {m.group(0) for p in problems for m in NODE_ID.finditer(p)}
+    extra = []
+    for entry in failed_nodes:
+        node, _, reason = str(entry).partition(": ")
+        if node not in named:
+            extra.append(f"{node} failed: {reason}")
+    return list(problems) + extra
 
 
 def upload_norm_bound(

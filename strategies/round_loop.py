@@ -59,12 +59,19 @@ from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .dp_round import DPRound
 from .flower_log import FlowerLog
-from .options import RunOptions, SamplingOptions
+from .options import RunOptions, SamplingOptions, refuse_more_than_connected
 from .parts import DenseCodec, Part
 from .reply_gate import ReplyGate
 from .run_record import RunRecord, bound_note
 from .sampling import ClientSampling, covering_noise_shares
-from .wrapped import UnusedSamplingLines, filtered_flower_log, quiet_flower_info, wrapped_train_content
+from .wrapped import (
+    OWN_AGGREGATE_TRAIN,
+    UnusedSamplingLines,
+    filtered_flower_log,
+    own_aggregate_train,
+    quiet_flower_info,
+    wrapped_train_content,
+)
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -187,19 +194,9 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     def setup_population(self, num_clients: int) -> None:
         """Fix M, m, n_s and delta, and build the ledger."""
         self.num_clients = num_clients
-        if self.num_sampled_clients:  # m given: q = m / M, capped at all M
-            self.sample_rate = min(1.0, self.num_sampled_clients / max(1, num_clients))
-            if self.num_sampled_clients > num_clients:
-                log(
-                    WARNING,
-                    "num_sampled_clients = %d, but %d nodes are connected: each round samples all %d (capped; "
-                    "charged as fixed-size sampling of %d of %d, without amplification)",
-                    self.num_sampled_clients,
-                    num_clients,
-                    num_clients,
-                    num_clients,
-                    num_clients,
-                )
+        if self.num_sampled_clients:  # m given: q = m / M
+            refuse_more_than_connected(self.num_sampled_clients, num_clients, self.min_available_nodes)
+            self.sample_rate = self.num_sampled_clients / num_clients
         if self.client_sampling == "fixed":
             self.expected_clients = float(max(1, round(self.sample_rate * num_clients)))
         else:
@@ -303,6 +300,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             type(self.strategy).__name__,
             self.fraction_evaluate,
         )
+        if own_aggregate_train(self.strategy):
+            log(INFO, "\t├──> %s", OWN_AGGREGATE_TRAIN)
         with filtered_flower_log(UnusedSamplingLines()):
             self.strategy.summary()
 
@@ -353,6 +352,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
         total = f"/{self.num_rounds}" if self.num_rounds > 0 else ""  # unknown to a legacy strategy without num_rounds
         log(INFO, "Round %d%s: %s", record["round"], total, line)
+        self.warn_reply_problems(record)
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
 
@@ -395,6 +395,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             flower.round_begins(rnd, num_rounds)
             instructions = list(self.configure_train(rnd, arrays, train_config, grid))
             if self.round.refused:  # over the budget at the round's own sample: nothing was sent
+                result.arrays = arrays  # the model so far (the initial one if round 1 is refused)
                 break
             replies = list(grid.send_and_receive(instructions, timeout=timeout))
             arrays, train_metrics = self.aggregate_train(rnd, replies)

@@ -37,20 +37,21 @@ def _reported(metrics: list[dict]) -> list[tuple[float, float]]:
     return pairs
 
 
-def sample_epsilon_summary(metrics: list[dict]) -> dict:
+def sample_epsilon_summary(metrics: list[dict], announce: bool = True) -> dict:
     """{'sample-epsilon-max', 'sample-delta'} over the replies (the largest delta any of them used); {} if none
-    reported, and a log line."""
+    reported, and (`announce`) a log line."""
     pairs = _reported(metrics)
     if not pairs:
         return {}
     eps, delta = max(e for e, _ in pairs), max(d for _, d in pairs)
-    log(
-        INFO,
-        "Sample-level DP: epsilon = %.4g at delta = %g (the largest of %d clients' ledgers)",
-        eps,
-        delta,
-        len(pairs),
-    )
+    if announce:
+        log(
+            INFO,
+            "Sample-level DP: epsilon = %.4g at delta = %g (the largest of %d clients' ledgers)",
+            eps,
+            delta,
+            len(pairs),
+        )
     return {MAX_KEY: eps, keys.SAMPLE_DELTA: delta}
 
 

@@ -6,10 +6,13 @@ message)."""
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from contextlib import contextmanager
 from logging import WARNING
 
+import flwr
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.common import log
@@ -18,27 +21,79 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.figures import published_and_former_names
 from dpcore.privacy.mechanisms import flatten, unflatten
 
+from .reply_gate import METRICS_RECORD
+from .sample_epsilon import sample_epsilon_summary
+
 PROTOCOL_NAMES = frozenset(v for k, v in vars(keys).items() if k.isupper() and isinstance(v, str))
 OWN_NAMES = PROTOCOL_NAMES | published_and_former_names()  # no client writes these
 
 
-def clients_own_metrics(dp) -> dict:
-    """The accepted replies' own train metrics (e.g. a Flower client's `train_loss`), aggregated by the wrapped
-    strategy as Flower would (its `train_metrics_aggr_fn`, weighted by its `weighted_by_key`): non-private
-    diagnostics that reach Flower's Result as the clients sent them (the round's own statistics of the same name
-    take precedence). Keys of the protocol or of a published figure (e.g. `epsilon`, `accuracy`) are left out,
-    so no client can write a published figure; a failed aggregation (hostile values) is a noted problem, never
-    raised."""
-    aggregate = getattr(dp.strategy, "train_metrics_aggr_fn", None)
-    contents = [r.content for r in dp.round.accepted_replies]  # not a node's second reply, which the gate rejected
-    if aggregate is None or not contents:
-        return {}
-    try:
-        record = aggregate(contents, getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES))
-    except Exception as exc:  # hostile metrics: the wrapped strategy's function raised
-        dp.round.problems.append(f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
-        return {}
-    return {k: v for k, v in dict(record or {}).items() if k not in OWN_NAMES}
+def own_metrics(dp, metrics: MetricRecord | None, replies: list[Message]) -> dict:
+    """The clients' own train metrics as the wrapped strategy aggregated them (`metrics`, e.g. FedAvg's weighted
+    `train_loss`), plus the largest sample-level epsilon of every accepted reply (`sample-epsilon-max` at
+    `sample-delta`, `strategies.sample_epsilon`): non-private diagnostics that reach Flower's Result (the round's
+    own statistics of the same name take precedence). Keys of the protocol or of a published figure (e.g.
+    `epsilon`, `accuracy`) are left out, so no client can write a published figure."""
+    own = {k: v for k, v in dict(metrics or {}).items() if k not in OWN_NAMES}
+    accepted = [only_metrics(r.content) for r in accepted_replies(dp, replies)]
+    return {**own, **sample_epsilon_summary(accepted, announce=False)}
+
+
+def only_metrics(content: RecordDict) -> dict:
+    """A reply's metric record as the reply gate reads it: the one named `metrics`, or the only one ({} if neither)."""
+    records = content.metric_records
+    if METRICS_RECORD in records:
+        return dict(records[METRICS_RECORD])
+    return dict(next(iter(records.values()))) if len(records) == 1 else {}
+
+
+def accepted_replies(dp, replies: list[Message]) -> list[Message]:
+    """The replies the reply gate accepted this round, in order: not a node's second reply, which the gate
+    rejected (`round.accepted_replies`; `replies` is what came back, kept for the callers' symmetry)."""
+    return list(dp.round.accepted_replies)
+
+
+def metric_problem(content: RecordDict, weight_key: str) -> str | None:
+    """Why Flower's aggregation cannot read one reply's metrics (it needs exactly one MetricRecord with a positive
+    finite weight `weight_key` and numbers or lists of numbers), else None."""
+    if len(content.metric_records) != 1:
+        return f"{len(content.metric_records)} metric records, not one"
+    record = next(iter(content.metric_records.values()))
+    weight = record.get(weight_key)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        return f"metric '{weight_key}' = {weight!r} is not a positive finite number"
+    for key, value in record.items():
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            return f"metric '{key}' is not finite"
+    return None
+
+
+def metric_replies(dp, server_round: int, replies: list[Message]) -> list[RecordDict]:
+    """The accepted replies' metric records the wrapped strategy can aggregate: each reply readable on its own
+    (`metric_problem`), and of the key set most replies have (Flower's aggregation skips the whole round when one
+    reply's keys differ). One bad reply costs only its own metrics: it is a noted problem, never raised."""
+    weight_key = getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
+    usable = []
+    for reply in accepted_replies(dp, replies):
+        if problem := metric_problem(reply.content, weight_key):
+            dp.note_problem(server_round, f"metrics of node {reply.metadata.src_node_id} not aggregated: {problem}")
+        else:
+            usable.append(reply)
+    key_sets = [frozenset(next(iter(r.content.metric_records.values())).keys()) for r in usable]
+    common = max(key_sets, key=key_sets.count, default=frozenset())
+    for reply, key_set in zip(usable, key_sets):
+        if key_set != common:
+            dp.note_problem(
+                server_round,
+                f"metrics of node {reply.metadata.src_node_id} not aggregated: keys {sorted(key_set)} differ from "
+                f"the other replies' {sorted(common)}",
+            )
+    return [
+        RecordDict({name: record for name, record in r.content.metric_records.items()})
+        for r, key_set in zip(usable, key_sets)
+        if key_set == common
+    ]
 
 
 def wrapped_train_content(dp, server_round: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
@@ -55,26 +110,32 @@ def wrapped_train_content(dp, server_round: int, arrays: ArrayRecord, config: Co
 
 
 # ------------------------------------------------------------------ the wrapped strategy's part
-def release(dp, server_round: int, new_global: np.ndarray) -> tuple[ArrayRecord, MetricRecord | None]:
+def release(
+    dp, server_round: int, new_global: np.ndarray, metric_records: list[RecordDict] = ()
+) -> tuple[ArrayRecord, MetricRecord | None]:
     """The privatized model w' (flat, floating-point arrays only) through the wrapped strategy's aggregation
-    and server optimizer (post-processing): it receives one reply holding w', so FedAvg returns w' and
-    FedAdam steps on w' - w. Keys, order, shapes and dtypes are those the server sent; other arrays come
-    back unchanged."""
+    and server optimizer (post-processing), and the accepted clients' own metrics (`metric_records`,
+    `metric_replies`) through its metric aggregation. A Flower strategy (FedAvg, FedAdam, ...) receives one reply
+    holding w' and only its weight 1, so FedAvg returns exactly w' and FedAdam steps on w' - w, and its
+    `train_metrics_aggr_fn` averages the clients' metrics. An aggregate_train of the app's own
+    (`own_aggregate_train`) receives one reply per record instead, each holding w' and that client's metrics, as it
+    would without DP (a weighted mean of copies of w' is w' up to rounding). Keys, order, shapes and dtypes are
+    those the server sent; other arrays come back unchanged."""
     assert dp.current_arrays is not None
     rnd = dp.round
     names = list(rnd.arrays.keys())
     proposal = conform(names, rnd.everything, rnd.float_positions, new_global)
-    reply = reply_message(
-        0,
-        RecordDict(
-            {
-                dp.arrayrecord_key: proposal,
-                "metrics": MetricRecord({getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES): 1}),
-            }
-        ),
-    )
-    with quiet_flower_info():
-        arrays, metrics = dp.strategy.aggregate_train(server_round, [reply])
+    weight_key = getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
+    weight_only = RecordDict({METRICS_RECORD: MetricRecord({weight_key: 1})})
+    if metric_records and own_aggregate_train(dp.strategy):
+        try:
+            arrays, metrics = wrapped_aggregate(dp, server_round, proposal, metric_records)
+        except Exception as exc:  # hostile metric values its own aggregation cannot read: they cost only themselves
+            dp.note_problem(server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
+            arrays, metrics = wrapped_aggregate(dp, server_round, proposal, [weight_only])
+    else:
+        arrays, _ = wrapped_aggregate(dp, server_round, proposal, [weight_only])
+        metrics = aggregated_metrics(dp, server_round, metric_records)
     if arrays is None:
         return proposal, metrics
     returned = [arrays[k].numpy() for k in arrays.keys()]
@@ -89,6 +150,40 @@ def release(dp, server_round: int, new_global: np.ndarray) -> tuple[ArrayRecord,
     return conform(
         names, rnd.everything, rnd.float_positions, flatten([returned[i] for i in rnd.float_positions])
     ), metrics
+
+
+OWN_AGGREGATE_TRAIN = (
+    "Its own aggregate_train receives one reply per accepted client: the privatized model and that client's metrics "
+    "as sent (arrays made from the metrics rather than the model are not covered by epsilon)"
+)
+
+
+def own_aggregate_train(strategy) -> bool:
+    """Whether the strategy's aggregate_train is the app's own (not one of Flower's classes')."""
+    return not type(strategy).aggregate_train.__module__.startswith("flwr.")
+
+
+def aggregated_metrics(dp, server_round: int, metric_records: list[RecordDict]) -> MetricRecord | None:
+    """The wrapped strategy's `train_metrics_aggr_fn` over the clients' metric records (weighted by its
+    `weighted_by_key`); None without records or function, and a noted problem, never raised, if it fails."""
+    aggregate = getattr(dp.strategy, "train_metrics_aggr_fn", None)
+    if aggregate is None or not metric_records:
+        return None
+    try:
+        return aggregate(list(metric_records), getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES))
+    except Exception as exc:  # hostile values the function cannot read
+        dp.note_problem(server_round, f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
+        return None
+
+
+def wrapped_aggregate(dp, server_round: int, proposal: ArrayRecord, metric_records: list[RecordDict]):
+    """The wrapped strategy's aggregate_train over one reply per metric record, each holding `proposal`."""
+    replies = [
+        reply_message(0, RecordDict({dp.arrayrecord_key: proposal, **dict(m.metric_records.items())}))
+        for m in metric_records
+    ]
+    with quiet_flower_info():
+        return dp.strategy.aggregate_train(server_round, replies)
 
 
 def conform(names: list[str], template: list[np.ndarray], positions: list[int], vector: np.ndarray) -> ArrayRecord:
@@ -111,12 +206,16 @@ class StandInGrid:
         return list(range(1, self.n + 1))
 
 
+FLOWER_PACKAGE = os.path.dirname(flwr.__file__) + os.sep
+
+
 class FlowerInfoFilter(logging.Filter):
-    """Drops Flower's INFO lines (a wrapped strategy's "Sampled N nodes", "Received N results"): they count
-    nodes, which epsilon does not cover. Warnings and errors pass."""
+    """Drops the INFO lines of Flower's own code (a wrapped strategy's "Sampled N nodes", "Received N results"):
+    they count nodes, which epsilon does not cover. Warnings, errors and the lines of the app's own code (a
+    strategy subclass's `log(INFO, ...)`) pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
+        return record.levelno >= logging.WARNING or not record.pathname.startswith(FLOWER_PACKAGE)
 
 
 class UnusedSamplingLines(logging.Filter):

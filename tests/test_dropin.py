@@ -382,3 +382,73 @@ def test_legacy_app_keeps_its_evaluate_metrics_and_logs_nothing_outside_the_ledg
     logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= 20)
     for private in ("update_norm", "clipped_fraction", "'clients'", "rejected"):
         assert private not in logged, private
+
+
+def test_flowers_accountant_keyword_sets_the_budget_and_the_ledger_computes_the_figure():
+    """Issue 39 item 11: Flower's `accountant=RdpAccountant(PrivacyConfig(max_epsilon=...))` was refused with an
+    error naming a run-config key. Now its target_delta is the ledger's delta, its max_epsilon a budget to stop at,
+    and the ledger (RDP) computes the epsilon: dp-accounting's, fixed-size sampling of all M nodes (sigma / 2)."""
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
+    from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+    from dpfl import DifferentialPrivacy
+    from tests.independent_accountant import dp_accounting_epsilons
+    from tests.test_wrapper import model, weights_client
+
+    sigma, nodes, delta = 2.0, 4, 1e-5
+    _, after_2 = dp_accounting_epsilons(sigma / 2, 1.0, 2, delta)
+    _, after_3 = dp_accounting_epsilons(sigma / 2, 1.0, 3, delta)
+    config = PrivacyConfig(
+        target_delta=delta,
+        population_size=nodes,
+        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION,
+        max_epsilon=(after_2 + after_3) / 2,
+    )
+    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), sigma, 1.0, nodes, accountant=RdpAccountant(config))
+    assert (strategy.accountant, strategy.target_epsilon, strategy.requested_delta) == (
+        "rdp",
+        config.max_epsilon,
+        delta,
+    )
+    strategy.start(InProcessGrid(weights_client(), nodes, {}), model(), num_rounds=5)
+    assert len(strategy.history) == 2  # the third round would pass max_epsilon
+    spent = strategy.privacy_spent()
+    assert spent.delta == delta and spent.num_releases == 2
+    assert spent.epsilon == pytest.approx(after_2, rel=0.01)
+    with pytest.raises(ValueError, match="delta=0.001 and Flower's accountant"):
+        DifferentialPrivacy(FedAvg(), sigma, 1.0, nodes, accountant=config, delta=1e-3)
+
+
+def test_make_private_with_epsilon_is_refused_under_the_sample_ledger_mod():
+    """Issue 39 item 11: under the mod every round's engine is charged to one ledger, so Opacus' per-engine target
+    (e.g. epochs=1 each round) would be passed silently; it is refused with the remedy."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_opacus_ledger import context, train_message
+
+    class TargetClient(NumPyClient):
+        def fit(self, parameters, config):
+            from dpfl import PrivacyEngine
+
+            model = torch.nn.Linear(5, 2)
+            PrivacyEngine(secure_mode=False).make_private_with_epsilon(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(TensorDataset(torch.randn(8, 5), torch.randint(0, 2, (8,))), 4),
+                target_epsilon=1.0,
+                target_delta=1e-5,
+                epochs=1,
+                max_grad_norm=1.0,
+            )
+            return parameters, 8, {}
+
+    from dpfl import sample_ledger_mod
+
+    app = ClientApp(client_fn=lambda ctx: TargetClient().to_client(), mods=[sample_ledger_mod])
+    with pytest.raises(
+        ValueError, match="make_private_with_epsilon under sample_ledger_mod.*make_private\\(noise_mult"
+    ):
+        app(train_message(100), context(100))

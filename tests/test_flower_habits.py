@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.privacy_accounting import PrivacySpent
 
+from dpcore.privacy.settings import SettingError
 from dpfl import DifferentialPrivacy as DifferentialPrivacyServerSideFixedClipping
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_wrapper import model, weights_client
@@ -60,14 +61,13 @@ def test_flowers_positional_signature_samples_m_nodes_and_charges_fixed_size_sam
     assert keywords.privacy_metrics() == ours.privacy_metrics()  # Flower's keywords too
 
 
-def test_fewer_connected_nodes_than_m_are_all_sampled_and_the_log_says_so(caplog):
-    with caplog.at_level(logging.WARNING, logger="flwr"):
-        capped = flower_call(10)
-        assert run(capped) == [NODES] * 3
-    assert "num_sampled_clients = 10, but 6 nodes are connected: each round samples all 6 (capped" in caplog.text
-    everyone = flower_call(NODES)
-    run(everyone)
-    assert capped.privacy_metrics() == everyone.privacy_metrics()
+def test_fewer_connected_nodes_than_m_are_refused_before_round_1():
+    """m = 10 on 6 nodes (issue 39 item 11, fl-dp-sa's m = 20 on 10): refused, naming m and the node count,
+    before anything is sent (it used to sample all 6 and noise the mean with sigma C / 6, twice m's promise)."""
+    grid = InProcessGrid(weights_client(), NODES, {})
+    with pytest.raises(SettingError, match=r"num_sampled_clients=10 .*more than the 6 nodes connected at round 1"):
+        flower_call(10).start(grid, model(), num_rounds=3)
+    assert grid.sent == []
 
 
 def test_privacy_spent_is_the_ledgers_figure_in_flowers_form():

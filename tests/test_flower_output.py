@@ -205,3 +205,24 @@ def test_the_withheld_note_names_at_most_twenty_keys_a_kind_and_counts_the_rest(
     note = withheld_note({"train": dict.fromkeys(f"k{i}" for i in range(50)), "clients' evaluation": {}}, False)
     assert "k19, and" not in note and "k19 and 30 more" in note and "k20" not in note
     assert withheld_note({"train": {"a": None}}, True) == ""
+
+
+def test_epsilon_against_server_under_central_noise_is_printed_as_docs_privacy_says(caplog):
+    """Issue 39 item 11: the log printed `inf` where docs/privacy.md said null; the docs now say what each output
+    writes (inf in the log and metric records, null in the JSON files)."""
+    from pathlib import Path
+
+    strategy = DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=C,
+        noise_multiplier=SIGMA,
+        sample_rate=1.0,
+        min_available_nodes=NODES,
+        noise_placement="central",
+    )
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(InProcessGrid(flower_client(), NODES, {}), model(), num_rounds=1)
+    assert "epsilon_against_server=inf" in caplog.text
+    assert result.train_metrics_clientapp[1]["epsilon_against_server"] == float("inf")
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "privacy.md").read_text().split())
+    assert "`epsilon_against_server` = inf in the log and the metric records, null in the JSON files" in docs

@@ -238,3 +238,117 @@ def test_sampling_returns_the_exact_64_bit_node_ids():
     poisson.setup_population(2)  # the pool grew after the population was fixed: samples get truncated to n_s
     for rnd in range(1, 20):
         assert set(poisson.sample_clients(rnd, ids)) <= set(ids)
+
+
+def metrics_client(metrics_of) -> ClientApp:
+    """weights_client's update, with the metrics `metrics_of(partition id)` (a dict) in its reply."""
+    app = ClientApp()
+    inner = weights_client()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        reply = inner(msg, context)
+        return Message(
+            RecordDict(
+                {
+                    "arrays": reply.content["arrays"],
+                    "metrics": MetricRecord(metrics_of(context.node_config["partition-id"])),
+                }
+            ),
+            reply_to=msg,
+        )
+
+    return app
+
+
+def test_a_user_fedavg_subclass_gets_the_accepted_replies_metrics_and_its_log_lines_are_printed(caplog):
+    """A FedAvg subclass of the app's own (issue 39 item 11): its aggregate_train reads each reply's `train_loss`
+    and logs; under the wrapper it receives one reply per accepted client, with that client's metrics and the
+    privatized model, and its line is printed (Flower's own node-count lines are not)."""
+    from logging import INFO
+
+    from flwr.common import log
+
+    seen = []
+
+    class OwnFedAvg(FedAvg):
+        def aggregate_train(self, server_round, replies):
+            replies = list(replies)
+            losses = [r.content["metrics"]["train_loss"] for r in replies]
+            seen.append(losses)
+            log(INFO, "OwnFedAvg: round %d, mean train loss %.3f", server_round, sum(losses) / len(losses))
+            return super().aggregate_train(server_round, replies)
+
+    strategy = no_noise(OwnFedAvg(fraction_evaluate=0.0))
+    app = metrics_client(lambda i: {"num-examples": 10 * (i + 1), "train_loss": float(i)})
+    with caplog.at_level("INFO", logger="flwr"):
+        result, _ = run(strategy, app)
+    assert seen == [[0.0, 1.0, 2.0, 3.0]]
+    assert "OwnFedAvg: round 1, mean train loss 1.500" in caplog.text
+    assert "Its own aggregate_train receives one reply per accepted client" in caplog.text  # said at start
+    assert "aggregate_train: Received" not in caplog.text  # Flower's count line stays withheld
+    # its weighted mean of the losses (weights 10, 20, 30, 40) reaches the Result; the model is still w + STEP
+    assert result.train_metrics_clientapp[1]["train_loss"] == pytest.approx((10 * 0 + 20 + 60 + 120) / 100)
+    np.testing.assert_allclose(result.arrays["fc.weight"].numpy(), 1 + STEP, rtol=1e-6)
+
+
+def test_one_reply_without_num_examples_costs_only_its_own_metrics():
+    """Issue 39 item 6: a reply without `num-examples` used to make Flower's averaging raise and every client
+    metric of the round was dropped, `sample-epsilon-max` included; now only its own metrics are left out of the
+    average, the largest sample-level epsilon counts every accepted reply, and `sample-delta` is shown."""
+
+    def metrics_of(i: int) -> dict:
+        own = {"train_loss": float(i), keys.SAMPLE_EPSILON: 1.0 + i, keys.SAMPLE_DELTA: 1e-5}
+        return own if i == 3 else {"num-examples": 10, **own}  # the last node sends no num-examples
+
+    strategy = no_noise()
+    result, _ = run(strategy, metrics_client(metrics_of))
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["clients"] == M  # its update is averaged in (the DP average is uniform)
+    assert metrics["train_loss"] == pytest.approx(1.0)  # the mean of 0, 1, 2: the other three's average
+    assert metrics["sample-epsilon-max"] == 4.0 and metrics[keys.SAMPLE_DELTA] == pytest.approx(1e-5)
+    problems = strategy.history[-1]["problems"]
+    assert problems == [
+        "metrics of node 103 not aggregated: metric 'num-examples' = None is not a positive finite number"
+    ]
+
+
+def test_failed_and_rejected_replies_get_a_warning_line_a_round_and_one_hint_when_none_is_usable(caplog):
+    """Issue 39 item 11: clients without the mod under distributed noise (fl-dp-sa with only the server
+    converted) used to leave normal-looking rounds and no line about the replies; now each round says how many
+    replies failed or were rejected and why, and the first round without a usable reply adds a hint."""
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
+    )
+    with caplog.at_level("WARNING", logger="flwr"):
+        run(strategy, rounds=2)
+    lines = [
+        r.getMessage() for r in caplog.records if "client replies failed, were rejected or unusable" in r.getMessage()
+    ]
+    assert len(lines) == 2 and lines[0].startswith(
+        f"Round 1: client replies failed, were rejected or unusable ({M}): {M} x "
+    )
+    assert "not privatized" in lines[0] and "dp_privatize_mod" in lines[0]
+    assert sum(r.getMessage().startswith("No client reply of the round was usable") for r in caplog.records) == 1
+    caplog.clear()
+    crashing = no_noise()  # one node of four raises: its line, no hint
+    with caplog.at_level("WARNING", logger="flwr"):
+        crashing.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
+    assert (
+        "Round 1: client replies failed, were rejected or unusable (1): 1 x a node failed: RuntimeError: a node crashed"
+        in (caplog.text)
+    )
+    assert "No client reply of the round was usable" not in caplog.text
+
+
+def test_a_budget_stop_before_round_1_returns_the_initial_model_and_no_privacy_spent():
+    """Issue 39 item 11: the Result held no arrays and privacy_spent() said epsilon 0.0."""
+    strategy = DifferentialPrivacy(
+        clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, target_epsilon=0.01
+    )  # one round at sigma 0.5 spends far more than 0.01
+    result, grid = run(strategy, rounds=3)
+    assert grid.sent == [] and strategy.history == []
+    assert list(result.arrays.keys()) == list(model().keys())
+    for k in model().keys():
+        np.testing.assert_array_equal(result.arrays[k].numpy(), model()[k].numpy())
+    assert strategy.privacy_spent() is None
