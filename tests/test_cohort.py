@@ -1,0 +1,178 @@
+"""The cohort engine (dpfl_tools.cohort.CohortGrid) against the sequential in-process grid.
+
+Tolerance: every array of every train reply within 1e-5 x its largest |value| of the sequential reply's, every
+metric within 1e-5 relative (float32 rounding: vmap'd kernels sum in another order); the printed epsilon and
+everything the ledger writes identical (the engine changes no privacy number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from dpfl_tools.cohort import CohortGrid
+from dpfl_tools.inprocess import InProcessGrid
+from fl_app.client_app import app as client_app
+from fl_app.client_app import build_client
+from fl_app.config import validate
+from fl_app.server_app import run_federated
+
+RTOL = 1e-5
+NODES = 6
+BASE = {
+    "dataset": "digits",
+    "model": "mlp",
+    "num-rounds": 2,
+    "local-steps": 0,
+    "local-epochs": 1,  # Dirichlet partitions: every client its own number of steps (ragged)
+    "batch-size": 16,
+    "seed": 0,
+    "secure-rng": False,
+    "sample-rate": 1.0,
+}
+
+
+def assert_replies_close(seq: list[Message], coh: list[Message]) -> None:
+    assert len(seq) == len(coh)
+    for a, b in zip(seq, coh):
+        assert not a.has_error() and not b.has_error()
+        assert a.metadata.message_type == b.metadata.message_type
+        assert a.content.keys() == b.content.keys()
+        if "arrays" in a.content:
+            xa, xb = a.content["arrays"].to_numpy_ndarrays(), b.content["arrays"].to_numpy_ndarrays()
+            assert [(x.dtype, x.shape) for x in xa] == [(x.dtype, x.shape) for x in xb]
+            for x, y in zip(xa, xb):
+                assert np.abs(x - y).max() <= RTOL * np.abs(x).max()
+        ma, mb = dict(a.content["metrics"]), dict(b.content["metrics"])
+        assert ma.keys() == mb.keys()
+        for k in ma:
+            assert type(ma[k]) is type(mb[k]) and mb[k] == pytest.approx(ma[k], rel=RTOL), k
+
+
+def run(grid_class, overrides: dict, tmp_path):
+    torch.set_num_threads(1)
+    cfg = validate({**BASE, **overrides, "results-dir": str(tmp_path / grid_class.__name__)})
+    grid = grid_class(client_app, NODES, cfg)
+    summary = run_federated(grid, cfg)
+    return grid, summary
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"algorithm": "dp-fedsam"}, id="dp-fedsam", marks=pytest.mark.slow),
+        pytest.param({"algorithm": "dp-fedavg", "noise-placement": "distributed"}, id="dp-fedavg-distributed"),
+        pytest.param(
+            {"algorithm": "dp-fedavg", "noise-placement": "central"}, id="dp-fedavg-central", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_replies_and_epsilon_equal_sequential(overrides, tmp_path):
+    seq, s1 = run(InProcessGrid, overrides, tmp_path)
+    coh, s2 = run(CohortGrid, overrides, tmp_path)
+    trains = [m for m in seq.received if m.metadata.message_type == "train"]
+    assert coh.batched == len(trains) == 2 * NODES  # every train message went through the batch
+    assert len({m.content["metrics"]["local-steps"] for m in trains}) > 1  # ragged clients
+    assert_replies_close(seq.received, coh.received)
+    assert s2["epsilon"] == s1["epsilon"] and s2["delta"] == s1["delta"]
+    assert s2["final_accuracy"] == pytest.approx(s1["final_accuracy"], abs=0.01)
+    ledger = [json.loads(line)["epsilon"] for line in (tmp_path / "CohortGrid" / "metrics.jsonl").open()]
+    assert ledger == [json.loads(line)["epsilon"] for line in (tmp_path / "InProcessGrid" / "metrics.jsonl").open()]
+
+
+def train_messages(grid, noise_std: dict[int, float] | None = None) -> list[Message]:
+    weights = [v.detach().numpy() for v in build_client(grid.contexts[100]).model.state_dict().values()]
+    config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5}
+    return [
+        grid.create_message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord(weights),
+                    "config": ConfigRecord({**config, "noise-std": (noise_std or {}).get(node, 0.05)}),
+                }
+            ),
+            "train",
+            node,
+            "1",
+        )
+        for node in grid.get_node_ids()
+    ]
+
+
+def arrays(replies: list[Message]) -> list[list[np.ndarray]]:
+    return [r.content["arrays"].to_numpy_ndarrays() for r in replies]
+
+
+def test_no_client_leaks_into_another(monkeypatch):
+    """One client's data or noise changed: its reply changes, every other reply is bit for bit the same."""
+    cfg = validate({**BASE, "algorithm": "dp-fedsam"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    base = arrays(grid.send_and_receive(train_messages(grid)))
+
+    grid = CohortGrid(client_app, NODES, cfg)
+    noisier = arrays(grid.send_and_receive(train_messages(grid, noise_std={102: 0.5})))
+
+    import fl_app.client_app as project
+
+    load = project.load_client_partition
+
+    def other_data(s, pid, n):
+        train, test = load(s, pid, n)
+        if pid == 4:  # a copy (the loaded partition may be cached): mirrored images
+            train = dataclasses.replace(train, x=np.ascontiguousarray(np.flip(train.x, axis=-1)))
+        return train, test
+
+    monkeypatch.setattr(project, "load_client_partition", other_data)
+    grid = CohortGrid(client_app, NODES, cfg)
+    other = arrays(grid.send_and_receive(train_messages(grid)))
+    assert grid.batched == NODES
+    for i in range(NODES):
+        for changed, index in ((noisier, 2), (other, 4)):
+            same = all(np.array_equal(a, b) for a, b in zip(base[i], changed[i]))
+            assert same == (i != index), (i, index)
+
+
+def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog):
+    """dp-fedsam-topk (not batched yet) and a user's own ClientApp: message by message, one log line each, the
+    sequential replies exactly."""
+    cfg = validate({**BASE, "algorithm": "dp-fedsam-topk"})
+    seq = InProcessGrid(client_app, NODES, cfg)
+    expected = arrays(seq.send_and_receive(train_messages(seq)))
+    grid = CohortGrid(client_app, NODES, cfg)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        got = arrays(grid.send_and_receive(train_messages(grid)))
+        grid.send_and_receive(train_messages(grid))
+    assert grid.batched == 0
+    assert all(np.array_equal(a, b) for x, y in zip(expected, got) for a, b in zip(x, y))
+    lines = [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()]
+    assert lines == ["Cohort engine: TopKSAMClient's local rule is not batched yet: its messages run one by one"]
+
+    def own_app(msg, context):
+        return client_app(msg, context)
+
+    grid = CohortGrid(own_app, NODES, validate({**BASE, "algorithm": "dp-fedavg"}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        replies = grid.send_and_receive(train_messages(grid))
+    assert grid.batched == 0 and not any(r.has_error() for r in replies)
+    assert [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()] == [
+        "Cohort engine: a ClientApp other than the project's (fl_app.client_app.app): messages run one by one"
+    ]
+
+
+def test_malformed_message_gets_the_clientapps_error():
+    """A message whose arrays do not fit the model is not batched: its reply is the ClientApp's error, the others
+    train in the batch."""
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    messages = train_messages(grid)
+    messages[1].content["arrays"] = ArrayRecord([np.zeros(3, dtype=np.float32)])
+    replies = grid.send_and_receive(messages)
+    assert [r.has_error() for r in replies] == [False, True] + [False] * (NODES - 2)
+    assert grid.batched == NODES - 1
