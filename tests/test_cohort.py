@@ -176,3 +176,47 @@ def test_malformed_message_gets_the_clientapps_error():
     replies = grid.send_and_receive(messages)
     assert [r.has_error() for r in replies] == [False, True] + [False] * (NODES - 2)
     assert grid.batched == NODES - 1
+
+
+def launch(engine: str, tmp_path, run_config: str, clients: int) -> dict:
+    from dpfl_tools.launch import main
+
+    folder = tmp_path / engine
+    assert main(["--engine", engine, "--clients", str(clients), "-c", f'{run_config} results-dir="{folder}"']) == 0
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "run_config, clients, tolerance",
+    # accuracy tolerance: float32 rounding differences grow with local steps (ReLU and max-pool switches; cnn-mnist:
+    # 1e-7 relative after 1 step, 4e-7 after 10, up to 4e-3 after an epoch), so accuracies agree to a point or two
+    [
+        pytest.param(
+            'dataset="digits" model="mlp" num-rounds=3 sample-rate=1.0 noise-multiplier=0.1 clipping-norm=1.0 '
+            "secure-rng=false tensorboard=false",
+            6,
+            0.01,
+            id="digits",
+            marks=pytest.mark.slow,
+        ),
+        # the default job (pyproject's config: dp-fedsam, cnn-mnist, mnist-embedded), 2 rounds of 20 clients; sigma
+        # 0.3, as 20 clients' average does not bear sigma = 1 (the sequential engine's replies turn NaN too)
+        pytest.param(
+            "num-rounds=2 noise-multiplier=0.3 secure-rng=false tensorboard=false",
+            20,
+            0.03,
+            id="default",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_launch_engine_cohort_same_accuracy_and_epsilon(run_config, clients, tolerance, tmp_path, capsys):
+    """`python -m dpfl_tools.launch --engine cohort`: the accuracy and epsilon of `--engine inprocess` (same seed)."""
+    torch.set_num_threads(1)
+    sequential = launch("inprocess", tmp_path, run_config, clients)
+    cohort = launch("cohort", tmp_path, run_config, clients)
+    assert cohort["rounds_completed"] == sequential["rounds_completed"]
+    assert cohort["epsilon"] == sequential["epsilon"] and cohort["epsilon"] > 0
+    assert cohort["final_accuracy"] == pytest.approx(sequential["final_accuracy"], abs=tolerance)
+    assert cohort["final_accuracy"] > 0.15  # above chance (10 classes)
+    assert f"epsilon={cohort['epsilon']}" in capsys.readouterr().out
