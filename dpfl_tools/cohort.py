@@ -27,21 +27,18 @@ per reason. Replies equal the sequential path's to float32 rounding (tests/test_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from contextlib import contextmanager
 from logging import INFO
-from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from dpcore.privacy import protocol as keys
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.settings import Settings
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
 CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
@@ -62,17 +59,8 @@ class CohortGrid(InProcessGrid):
     threads: torch threads while training a chunk (default: as set in the process; the ClientApp sets 1, one
     simulated client per CPU, and more threads than free cores cost far more than they gain)."""
 
-    def __init__(
-        self,
-        client_app: ClientApp | Callable[[Message, Context], Message],
-        num_nodes: int,
-        run_config: Mapping[str, Any] | Settings,
-        *,
-        fail: Callable[[int, Message], bool] | None = None,
-        memory_budget: int | None = None,
-        threads: int | None = None,
-    ) -> None:
-        super().__init__(client_app, num_nodes, run_config, fail=fail)
+    def __init__(self, *args, memory_budget: int | None = None, threads: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # InProcessGrid's: client_app, num_nodes, run_config, fail
         self.memory_budget, self.threads = memory_budget, threads
         self.said: set[str] = set()
         self.batched = 0  # train replies computed in a batch (tests read it)
@@ -129,16 +117,11 @@ class CohortGrid(InProcessGrid):
         return client
 
     def shared_model(self, context: Context) -> torch.nn.Module:
-        """One module per run config and input shape for all clients: the structure functional_call runs."""
-        from dpcore.task.models import build_model
-        from fl_app.builders import load_client_partition
-        from fl_app.client_app import partition_of
-        from fl_app.config import validate
+        """One module for all clients (the ClientApp's, built once): the structure functional_call runs."""
+        from fl_app.client_app import build_client
 
         if getattr(self, "_model", None) is None:
-            s = validate(context.run_config)
-            trainset, _ = load_client_partition(s, *partition_of(context))
-            self._model = build_model(s.training.model, trainset.x.shape[1:], trainset.num_classes, seed=s.run.seed)
+            self._model = build_client(context).model
         return self._model
 
 
