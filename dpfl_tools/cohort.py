@@ -27,7 +27,7 @@ per reason. Replies equal the sequential path's to float32 rounding (tests/test_
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from logging import INFO
 
@@ -48,8 +48,16 @@ def local_rule(client) -> str | None:
     """'sgd' or 'sam' for the clients whose local rule is batched (exact types: a subclass changes the rule)."""
     from clients.base import TrainingClient
     from clients.sam import SAMClient
+    from clients.topk import TopKSAMClient
 
-    return {TrainingClient: "sgd", SAMClient: "sam"}.get(type(client))
+    return {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}.get(type(client))
+
+
+def trainer(client):
+    """The client that trains: a -FT baseline's inner client (its fit is the inner client's fit)."""
+    from clients.personalized import FineTuneClient
+
+    return client.inner if type(client) is FineTuneClient else client
 
 
 class CohortGrid(InProcessGrid):
@@ -81,9 +89,14 @@ class CohortGrid(InProcessGrid):
             except Exception as exc:  # never a wrong reply: the ClientApp answers each of them instead
                 self.say(f"a batch failed ({type(exc).__name__}: {exc}); its messages run one by one")
             self.batched += len(trained)
-        return [
-            self.answer(m, (lambda r: lambda *_: r)(trained[id(m)]) if id(m) in trained else None) for m in delivered
-        ]
+        return [self.answer(m, self.replier(trained[id(m)]) if id(m) in trained else None) for m in delivered]
+
+    @staticmethod
+    def replier(reply: Message) -> Callable[[Message, Context], Message]:
+        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply."""
+        from fl_app.client_app import train_with
+
+        return lambda msg, context: train_with(lambda *_: reply, msg, context)
 
     def batchable(self, msg: Message):
         """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
@@ -97,10 +110,10 @@ class CohortGrid(InProcessGrid):
             return None
         context = self.contexts[msg.metadata.dst_node_id]
         try:
-            if project.secure_aggregation(context) or project.train_mods(context):
-                self.say("client mods (secure aggregation, local DP, adaptive clipping's bit) run one by one")
+            if project.secure_aggregation(context):
+                self.say("secure aggregation (SecAgg+) runs one by one")
                 return None
-            client = project.build_client(context, model=self.shared_model(context))
+            client = trainer(project.build_client(context, model=self.shared_model(context)))
         except Exception:
             return None  # the ClientApp raises it again, as its reply
         rule = local_rule(client)
@@ -121,7 +134,7 @@ class CohortGrid(InProcessGrid):
         from fl_app.client_app import build_client
 
         if getattr(self, "_model", None) is None:
-            self._model = build_client(context).model
+            self._model = trainer(build_client(context)).model
         return self._model
 
 

@@ -108,7 +108,11 @@ def train(msg: Message, context: Context) -> Message:
     one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
-    handler = plain_train
+    return train_with(plain_train, msg, context)
+
+
+def train_with(handler, msg: Message, context: Context) -> Message:
+    """`handler` (the NumPyClient's reply; the cohort engine's precomputed one) under the run's train mods."""
     for mod in reversed(train_mods(context)):
         handler = (lambda m, inner: lambda message, ctx: m(message, ctx, inner))(mod, handler)
     return handler(msg, context)
