@@ -2,8 +2,8 @@
 
 `CohortGrid` is an `InProcessGrid` (the same nodes, contexts, message copies and failure hook) whose
 `send_and_receive` takes the round's messages at once. The train messages of the project's own ClientApp
-(`fl_app.client_app.app`) whose client is a plain `TrainingClient` (dp-fedavg: local SGD) or `SAMClient`
-(dp-fedsam: local SAM) are trained in chunks of clients: the clients' parameters are stacked on a leading
+(`fl_app.client_app.app`) whose client is a `TrainingClient` (local SGD), `SAMClient` or `TopKSAMClient`
+(local SAM) are trained in chunks of clients: the clients' parameters are stacked on a leading
 dimension and one step of every client is one call of `torch.func.vmap` over `grad` of the loss of
 `torch.func.functional_call(model, params_i, x_i)`. Per client i and step t (the rules of clients/base.py
 and clients/sam.py, re-expressed on stacked tensors and tested against them in tests/test_cohort.py):
@@ -19,9 +19,11 @@ Nothing mixes clients: every operation is per client under vmap, and models with
 statistics) are not batched. The reply is the client's own `upload` (Delta, clip, noise share, metrics) and
 `clients.adapter.fit_reply`, so the ServerApp, the strategy and the ledger see what the ClientApp would send.
 
-Everything else (evaluate messages, a user's own ClientApp, algorithms whose local rule is not batched yet,
-client mods, SecAgg+, models with buffers) runs message by message through the ClientApp, with one log line
-per reason. Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
+The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
+(`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
+client. Everything else (evaluate messages, a user's own ClientApp, personal heads, DP-SGD, SecAgg+, models with
+buffers, malformed messages) runs message by message through the ClientApp, with one log line per reason.
+Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
 """
 
 from __future__ import annotations
