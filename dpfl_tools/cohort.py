@@ -232,15 +232,10 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
     b: dict[str, torch.Tensor] = {}
     history = []  # per step: each client's loss, NaN where it took no step
     sample = tuple(clients[0].trainset.x.shape[1:])
-    for t in range(int(steps.max().item()) if n else 0):
+    counts = [plan[0][0] for plan in plans]
+    for t in range(max(counts, default=0)):
         active = steps > t
-        x = torch.zeros((n, batch, *sample), device=device)
-        y = torch.zeros((n, batch), dtype=torch.long, device=device)
-        m = torch.zeros((n, batch), device=device)
-        for i in range(n):
-            if active[i]:
-                xi, yi = next(iters[i])
-                x[i, : len(yi)], y[i, : len(yi)], m[i, : len(yi)] = xi, yi, 1.0
+        x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
         g, loss = step_fn(w, x, y, m)
         new_w, new_b = {}, {}
         for k in names:
@@ -255,3 +250,19 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
     table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in range(n)]
     losses = [[v for v in row if not math.isnan(v)] for row in table]
     return [[out[k][i].copy() for k in names] for i in range(n)], losses
+
+
+def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each client's minibatch (None: it took its last step) stacked as (x, y, mask) of `batch` rows per client:
+    a short or missing one padded with zeros and mask 0."""
+    if all(b is not None and len(b[1]) == batch for b in batches):  # the common case: one stack, no copies
+        x, y = torch.stack([b[0].contiguous() for b in batches]), torch.stack([b[1] for b in batches])
+        return x, y, torch.ones(y.shape, device=device)
+    n = len(batches)
+    x = torch.zeros((n, batch, *sample), device=device)
+    y = torch.zeros((n, batch), dtype=torch.long, device=device)
+    m = torch.zeros((n, batch), device=device)
+    for i, b in enumerate(batches):
+        if b is not None:
+            x[i, : len(b[1])], y[i, : len(b[1])], m[i, : len(b[1])] = b[0], b[1], 1.0
+    return x, y, m
