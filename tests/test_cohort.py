@@ -245,3 +245,16 @@ def test_launch_engine_cohort_same_accuracy_and_epsilon(run_config, clients, tol
     assert cohort["final_accuracy"] == pytest.approx(sequential["final_accuracy"], abs=tolerance)
     assert cohort["final_accuracy"] > 0.15  # above chance (10 classes)
     assert f"epsilon={cohort['epsilon']}" in capsys.readouterr().out
+
+
+def test_model_with_buffers_is_not_batched(caplog):
+    """BatchNorm's running statistics would mix clients in a batch: such a model runs message by message, said once."""
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    grid._model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        replies = grid.send_and_receive(train_messages(grid))
+    assert grid.batched == 0 and not any(r.has_error() for r in replies)
+    assert [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()] == [
+        "Cohort engine: the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one"
+    ]
