@@ -73,7 +73,9 @@ def one(model: str, clients: int, engine: str, device: str, steps: int, samples:
 
     def round_seconds(n: int) -> float:
         grid = grid_class(project.app, n, cfg)
-        weights = [v.detach().numpy() for v in project.build_client(grid.contexts[100]).model.state_dict().values()]
+        weights = [
+            v.detach().cpu().numpy() for v in project.build_client(grid.contexts[100]).model.state_dict().values()
+        ]
         config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5, "noise-std": 0.1}
         messages = [
             grid.create_message(

@@ -111,7 +111,7 @@ def test_replies_and_epsilon_equal_sequential(overrides, tmp_path):
 
 
 def train_messages(grid, noise_std: dict[int, float] | None = None) -> list[Message]:
-    weights = [v.detach().numpy() for v in build_client(grid.contexts[100]).model.state_dict().values()]
+    weights = [v.detach().cpu().numpy() for v in build_client(grid.contexts[100]).model.state_dict().values()]
     config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5}
     return [
         grid.create_message(
