@@ -27,7 +27,7 @@ def _metric_record(metrics: dict) -> MetricRecord:
     return MetricRecord(clean)
 
 
-def _config(msg: Message) -> dict:
+def config_of(msg: Message) -> dict:
     records = msg.content.config_records
     return dict(records["config"]) if "config" in records else {}
 
@@ -35,7 +35,12 @@ def _config(msg: Message) -> dict:
 def train_reply(client: NumPyClient, msg: Message) -> Message:
     """Call client.fit on the message's arrays and config; reply with arrays + metrics."""
     parameters = msg.content["arrays"].to_numpy_ndarrays()
-    arrays, num_examples, metrics = client.fit(parameters, _config(msg))
+    return fit_reply(msg, client.fit(parameters, config_of(msg)))
+
+
+def fit_reply(msg: Message, fitted: tuple) -> Message:
+    """The train reply to `msg` from a NumPyClient.fit result (arrays, num_examples, metrics)."""
+    arrays, num_examples, metrics = fitted
     content = RecordDict(
         {"arrays": ArrayRecord(arrays), "metrics": _metric_record({**metrics, keys.NUM_EXAMPLES: num_examples})}
     )
@@ -45,6 +50,6 @@ def train_reply(client: NumPyClient, msg: Message) -> Message:
 def evaluate_reply(client: NumPyClient, msg: Message) -> Message:
     """Call client.evaluate; reply with loss, accuracy and num-examples."""
     parameters = msg.content["arrays"].to_numpy_ndarrays()
-    loss, num_examples, metrics = client.evaluate(parameters, _config(msg))
+    loss, num_examples, metrics = client.evaluate(parameters, config_of(msg))
     content = RecordDict({"metrics": _metric_record({keys.LOSS: loss, **metrics, keys.NUM_EXAMPLES: num_examples})})
     return Message(content, reply_to=msg)

@@ -147,14 +147,19 @@ class TrainingClient(NumPyClient):
         """One local step (SGD here, SAM in SAMClient); returns the minibatch loss."""
         return sgd_step(self.model, self.loss_fn, x, y, optimizer)
 
+    def round_batches(self, config: dict):
+        """(steps, the round's minibatches): the batch order comes from the client's own generator
+        (seed, 4, round, partition-id)."""
+        steps = self.num_steps(config)
+        rng = make_rng(self.seed, 4, int(config.get(keys.SERVER_ROUND, 0)), self.partition_id)
+        return steps, self.batches(steps, rng)
+
     def train(self, config: dict) -> tuple[float, int]:
         """Run the round's local steps; returns (mean loss, steps)."""
-        rnd = int(config.get(keys.SERVER_ROUND, 0))
-        steps = self.num_steps(config)
+        steps, batches = self.round_batches(config)
         optimizer = self.make_optimizer(config)
         self.model.train()
-        rng = make_rng(self.seed, 4, rnd, self.partition_id)
-        losses = [self.local_step(x, y, optimizer) for x, y in self.batches(steps, rng)]
+        losses = [self.local_step(x, y, optimizer) for x, y in batches]
         return (float(np.mean(losses)) if losses else math.nan), steps
 
     # -- Flower API -----------------------------------------------------------
@@ -168,7 +173,11 @@ class TrainingClient(NumPyClient):
     def fit(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.model, parameters)
         loss, steps = self.train(config)
-        new = get_weights(self.model)
+        return self.upload(parameters, get_weights(self.model), loss, steps, config)
+
+    def upload(self, parameters: list[np.ndarray], new: list[np.ndarray], loss: float, steps: int, config: dict):
+        """fit's reply from the trained weights `new`: Delta = new - parameters, privatized, and the metrics
+        (also what the cohort engine, dpfl_tools.cohort, replies with after training clients together)."""
         update = flatten(new) - flatten(parameters)
         upload, norm = self.privatize(update, config)
         n = len(self.trainset)

@@ -20,8 +20,8 @@ class TopKSAMClient(SAMClient):
     """SAMClient whose upload is sparsified when the train config carries `sparsity`
     (and `topk-mode`), as DPFedSAMTopK sends it."""
 
-    def fit(self, parameters: list[np.ndarray], config: dict):
-        upload, num_examples, metrics = super().fit(parameters, config)
+    def upload(self, parameters: list[np.ndarray], new: list[np.ndarray], loss: float, steps: int, config: dict):
+        upload, num_examples, metrics = super().upload(parameters, new, loss, steps, config)
         if keys.SPARSITY not in config:
             return upload, num_examples, metrics
         masks = topk_sparsify(upload, float(config[keys.SPARSITY]), str(config.get(keys.TOPK_MODE, "per-layer")))

@@ -76,19 +76,24 @@ class InProcessGrid(Grid):
         raise NotImplementedError("use send_and_receive")
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        replies = []
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = str(next(self._ids))  # the SuperLink would set it
-            # The node sees a copy, as it would over the network.
-            delivered = Message(content=deepcopy(msg.content), metadata=deepcopy(msg.metadata))
-            self.sent.append(delivered)
-            node = msg.metadata.dst_node_id
-            try:
-                if self.fail and self.fail(node, delivered):
-                    raise RuntimeError(f"node {node} crashed (simulated)")
-                reply = self.client_app(delivered, self.contexts[node])
-            except Exception as exc:  # a failing node costs only its reply
-                reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=delivered)
-            self.received.append(reply)
-            replies.append(reply)
-        return replies
+        return [self.answer(self.deliver(msg)) for msg in messages]
+
+    def deliver(self, msg: Message) -> Message:
+        """The copy of `msg` its node sees, as it would over the network, with the id the SuperLink would set."""
+        msg.metadata.__dict__["_message_id"] = str(next(self._ids))
+        delivered = Message(content=deepcopy(msg.content), metadata=deepcopy(msg.metadata))
+        self.sent.append(delivered)
+        return delivered
+
+    def answer(self, delivered: Message, run: Callable[[Message, Context], Message] | None = None) -> Message:
+        """The node's reply to `delivered` from `run` (default: the ClientApp); a failing node costs only its
+        reply (an Error)."""
+        node = delivered.metadata.dst_node_id
+        try:
+            if self.fail and self.fail(node, delivered):
+                raise RuntimeError(f"node {node} crashed (simulated)")
+            reply = (run or self.client_app)(delivered, self.contexts[node])
+        except Exception as exc:
+            reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=delivered)
+        self.received.append(reply)
+        return reply

@@ -2,6 +2,12 @@
 
     python -m dpfl_tools.launch [--clients N] [--reference] [-c "key=value ..."] [--sweep "key=v1,v2,..."]
     python -m dpfl_tools.launch --resume RUN_DIR [--clients N] [-c "num-rounds=..."]
+    python -m dpfl_tools.launch --engine cohort [--clients N] [-c ...]   (in this process, no flwr run)
+
+--engine inprocess runs each run's ServerApp code in this process on `dpfl_tools.inprocess.InProcessGrid` (the
+clients one after the other); --engine cohort on `dpfl_tools.cohort.CohortGrid` (a round's clients trained
+together as one batched model, on device = auto: CUDA where torch sees it). Same run folders, no SuperLink, Ray
+or network namespace. The default, --engine flwr:
 
 What it does, so that nothing is left behind:
 0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will), --clients
@@ -196,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         "online, a RAY_ADDRESS cluster), else a warning; require: exit instead; off: other "
         "local accounts can submit runs that execute as you",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("flwr", "inprocess", "cohort"),
+        default="flwr",
+        help="flwr (default): `flwr run` with Ray; inprocess: in this process, clients one by one; cohort: in this "
+        "process, a round's clients trained together as one batched model (dpfl_tools.cohort)",
+    )
     args = parser.parse_args(argv)
+    if args.engine != "flwr":
+        return run_in_process(args)
     user_namespace = own_user_namespace(args.network_isolation)  # first: the process must be single-threaded
     gpus = gpus_per_client(args.gpus_per_client, args.clients, args.run_config, args.cpus_per_client)
     if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints where the launcher is (a hang's report)
@@ -249,6 +264,35 @@ def main(argv: list[str] | None = None) -> int:
         stop(proc, env["FLWR_HOME"])
         release_watchdog(guard)
         shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)  # its SuperLink's state (about 3 MB): gone with it
+    print_summaries(run_dirs, args, stamp)
+    return 0
+
+
+def run_in_process(args: argparse.Namespace) -> int:
+    """--engine inprocess / cohort: each planned run through the ServerApp's `run_federated` on a Grid in this
+    process, with --clients nodes."""
+    from dpfl_tools.cohort import CohortGrid
+    from dpfl_tools.inprocess import InProcessGrid
+    from fl_app.client_app import app as client_app
+    from fl_app.results import read_status
+    from fl_app.server_app import run_federated
+
+    grid_class = CohortGrid if args.engine == "cohort" else InProcessGrid
+    stamp = run_stamp()
+    run_dirs = []
+    for run in plan_runs(args, stamp):
+        run_federated(grid_class(client_app, args.clients, run.settings), run.settings)
+        status = read_status(run.folder).get("status", "missing")
+        if status != "completed":
+            print(f"Run '{run.name}' did not complete (run folder status {status!r})", file=sys.stderr)
+            return 1
+        run_dirs.append(run.folder)
+    print_summaries(run_dirs, args, stamp)
+    return 0
+
+
+def print_summaries(run_dirs: list[Path], args: argparse.Namespace, stamp: str) -> None:
+    """Each run's accuracy and epsilon; with several runs, the comparison plot and the report command."""
     for run_dir in run_dirs:
         s = json.loads((run_dir / "summary.json").read_text())
         d = json.loads((run_dir / "diagnostics-summary.json").read_text())
@@ -273,7 +317,6 @@ def main(argv: list[str] | None = None) -> int:
             "-o",
             shlex.quote(str(Path(args.results, f"{stamp}-report.html"))),
         )
-    return 0
 
 
 if __name__ == "__main__":

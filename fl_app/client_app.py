@@ -53,12 +53,15 @@ def partition_of(context: Context) -> tuple[int, int]:
     return pid, n
 
 
-def build_client(context: Context) -> NumPyClient:
-    """The NumPyClient of the run's algorithm (from the registry) on this node's partition."""
+def build_client(context: Context, model=None) -> NumPyClient:
+    """The NumPyClient of the run's algorithm (from the registry) on this node's partition; its model is built
+    from the run's seed unless `model` is given (the cohort engine's one module for all its clients)."""
     settings = validate(context.run_config)
     pid, n = partition_of(context)
     trainset, testset = load_client_partition(settings, pid, n)
-    model = build_model(settings.training.model, trainset.x.shape[1:], trainset.num_classes, seed=settings.run.seed)
+    if model is None:
+        shape, classes = trainset.x.shape[1:], trainset.num_classes
+        model = build_model(settings.training.model, shape, classes, seed=settings.run.seed)
     algo = algorithm(settings.run.algorithm)  # the run's registry record
     return algo.build_client(ClientSetup(settings, context, pid, trainset, testset, model))
 
@@ -105,7 +108,11 @@ def train(msg: Message, context: Context) -> Message:
     one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
-    handler = plain_train
+    return train_with(plain_train, msg, context)
+
+
+def train_with(handler, msg: Message, context: Context) -> Message:
+    """`handler` (the NumPyClient's reply; the cohort engine's precomputed one) under the run's train mods."""
     for mod in reversed(train_mods(context)):
         handler = (lambda m, inner: lambda message, ctx: m(message, ctx, inner))(mod, handler)
     return handler(msg, context)

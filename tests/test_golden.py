@@ -124,14 +124,18 @@ ROUTES: dict[str, dict] = {
         "accountant": "rdp",
     },
     "fedadam-prv": {"algorithm": "dp-fedavg", "server-strategy": "fedadam", "accountant": "prv"},
+    # issue 40: the cohort engine (dpfl_tools.cohort.CohortGrid), the round's clients trained as one batched model
+    "dp-fedsam-cohort": {"algorithm": "dp-fedsam", "engine": "cohort"},
 }
 
 
 def run_route(overrides: dict, run_dir: Path) -> Path:
     """Run the app once with BASE | overrides into `run_dir`, as the ServerApp does, on an in-process grid of
-    NUM_NODES nodes. The only place that knows the app's import paths."""
+    NUM_NODES nodes (overrides' "engine" = "cohort": the cohort engine's). The only place that knows the app's
+    import paths."""
     import torch
 
+    from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
     from fl_app.client_app import app as client_app
     from fl_app.config import validate
@@ -139,8 +143,10 @@ def run_route(overrides: dict, run_dir: Path) -> Path:
 
     torch.set_num_threads(1)
     np.random.seed(0)  # Flower's SecAgg+ quantization rounds stochastically with the global NumPy generator
+    overrides = dict(overrides)
+    grid_class = CohortGrid if overrides.pop("engine", "inprocess") == "cohort" else InProcessGrid
     cfg = validate({**BASE, **overrides, "results-dir": str(run_dir)})
-    run_federated(InProcessGrid(client_app, NUM_NODES, cfg), cfg)
+    run_federated(grid_class(client_app, NUM_NODES, cfg), cfg)
     return run_dir
 
 

@@ -1,0 +1,268 @@
+"""The cohort engine: a Grid that trains a round's sampled clients together, as one batched model.
+
+`CohortGrid` is an `InProcessGrid` (the same nodes, contexts, message copies and failure hook) whose
+`send_and_receive` takes the round's messages at once. The train messages of the project's own ClientApp
+(`fl_app.client_app.app`) whose client is a `TrainingClient` (local SGD), `SAMClient` or `TopKSAMClient`
+(local SAM) are trained in chunks of clients: the clients' parameters are stacked on a leading
+dimension and one step of every client is one call of `torch.func.vmap` over `grad` of the loss of
+`torch.func.functional_call(model, params_i, x_i)`. Per client i and step t (the rules of clients/base.py
+and clients/sam.py, re-expressed on stacked tensors and tested against them in tests/test_cohort.py):
+
+    g = grad F_i(w)                                    (SGD)
+    g = grad F_i(w + e), e = rho g0 / (||g0||_2 + 1e-12), g0 = grad F_i(w)   (SAM)
+    g <- g + lambda w;  b <- mu b + g (b = g at t = 0);  w <- w - eta_i b
+
+Each client keeps its own minibatches (its own generator, `TrainingClient.round_batches`) and its own number
+of steps: a chunk runs max_i steps_i steps, and a client past its last step is masked (its w and b kept); a
+client with fewer samples than a batch is padded and masked inside the loss (mean over its real samples).
+Nothing mixes clients: every operation is per client under vmap, and models with buffers (BatchNorm
+statistics) are not batched. The reply is the client's own `upload` (Delta, clip, noise share, metrics) and
+`clients.adapter.fit_reply`, so the ServerApp, the strategy and the ledger see what the ClientApp would send.
+
+The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
+(`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
+client. Everything else (evaluate messages, a user's own ClientApp, personal heads, DP-SGD, SecAgg+, models with
+buffers, malformed messages) runs message by message through the ClientApp, with one log line per reason.
+Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from logging import INFO
+
+import numpy as np
+import torch
+from flwr.app import Context, Message
+from flwr.common.logger import log
+from torch.func import functional_call, grad, grad_and_value, vmap
+
+from dpcore.privacy import protocol as keys
+from dpfl_tools.inprocess import InProcessGrid
+
+CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
+CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
+
+
+def local_rule(client) -> str | None:
+    """'sgd' or 'sam' for the clients whose local rule is batched (exact types: a subclass changes the rule)."""
+    from clients.base import TrainingClient
+    from clients.sam import SAMClient
+    from clients.topk import TopKSAMClient
+
+    return {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}.get(type(client))
+
+
+def trainer(client):
+    """The client that trains: a -FT baseline's inner client (its fit is the inner client's fit)."""
+    from clients.personalized import FineTuneClient
+
+    return client.inner if type(client) is FineTuneClient else client
+
+
+class CohortGrid(InProcessGrid):
+    """InProcessGrid that trains a round's train messages for the project's ClientApp as one batched model.
+
+    memory_budget: bytes per chunk (default: CPU_BUDGET, or CUDA_BUDGET_SHARE of the free GPU memory);
+    threads: torch threads while training a chunk (default: as set in the process; the ClientApp sets 1, one
+    simulated client per CPU, and more threads than free cores cost far more than they gain)."""
+
+    def __init__(self, *args, memory_budget: int | None = None, threads: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # InProcessGrid's: client_app, num_nodes, run_config, fail
+        self.memory_budget, self.threads = memory_budget, threads
+        self.said: set[str] = set()
+        self.batched = 0  # train replies computed in a batch (tests read it)
+
+    def say(self, reason: str) -> None:
+        if reason not in self.said:
+            self.said.add(reason)
+            log(INFO, "Cohort engine: %s", reason)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        delivered = [self.deliver(msg) for msg in messages]
+        clients = {id(m): c for m in delivered if (c := self.batchable(m)) is not None}
+        trained: dict[int, Message] = {}
+        if clients:
+            cohort = [m for m in delivered if id(m) in clients]
+            try:
+                trained = train_cohort(cohort, [clients[id(m)] for m in cohort], self.memory_budget, self.threads)
+            except Exception as exc:  # never a wrong reply: the ClientApp answers each of them instead
+                self.say(f"a batch failed ({type(exc).__name__}: {exc}); its messages run one by one")
+            self.batched += len(trained)
+        return [self.answer(m, self.replier(trained[id(m)]) if id(m) in trained else None) for m in delivered]
+
+    @staticmethod
+    def replier(reply: Message) -> Callable[[Message, Context], Message]:
+        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply."""
+        from fl_app.client_app import train_with
+
+        return lambda msg, context: train_with(lambda *_: reply, msg, context)
+
+    def batchable(self, msg: Message):
+        """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
+        from fl_app import client_app as project
+
+        if self.client_app is not project.app:
+            self.say("a ClientApp other than the project's (fl_app.client_app.app): messages run one by one")
+            return None
+        if msg.metadata.message_type != "train":
+            self.say(f"{msg.metadata.message_type} messages run one by one through the ClientApp")
+            return None
+        context = self.contexts[msg.metadata.dst_node_id]
+        try:
+            if project.secure_aggregation(context):
+                self.say("secure aggregation (SecAgg+) runs one by one")
+                return None
+            client = trainer(project.build_client(context, model=self.shared_model(context)))
+        except Exception:
+            return None  # the ClientApp raises it again, as its reply
+        rule = local_rule(client)
+        if rule is None:
+            self.say(f"{type(client).__name__}'s local rule is not batched yet: its messages run one by one")
+            return None
+        if any(True for _ in client.model.buffers()):
+            self.say("the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one")
+            return None
+        shapes = [tuple(v.shape) for v in client.model.state_dict().values()]
+        arrays = msg.content.array_records.get("arrays")
+        if arrays is None or [tuple(a.shape) for a in arrays.values()] != shapes:
+            return None  # a malformed message: the ClientApp's own error is its reply
+        return client
+
+    def shared_model(self, context: Context) -> torch.nn.Module:
+        """One module for all clients (the ClientApp's, built once): the structure functional_call runs."""
+        from fl_app.client_app import build_client
+
+        if getattr(self, "_model", None) is None:
+            self._model = trainer(build_client(context)).model
+        return self._model
+
+
+@contextmanager
+def torch_threads(n: int | None):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def train_cohort(messages: list[Message], clients: list, budget: int | None, threads: int | None) -> dict[int, Message]:
+    """Train each message's client in chunks; {id(message): its train reply}."""
+    from clients.adapter import config_of, fit_reply
+
+    configs = [config_of(m) for m in messages]
+    plans = [(c.round_batches(cfg), cfg) for c, cfg in zip(clients, configs)]
+    order = sorted(range(len(messages)), key=lambda i: -plans[i][0][0])  # similar step counts share a chunk
+    model, device = clients[0].model, clients[0].device
+    size = chunk_size(model, clients[0], budget)
+    replies = {}
+    with torch_threads(threads):
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            params = [messages[i].content["arrays"].to_numpy_ndarrays() for i in chunk]
+            new, losses = train_chunk(
+                model,
+                local_rule(clients[chunk[0]]),
+                [clients[i] for i in chunk],
+                [plans[i] for i in chunk],
+                params,
+                device,
+            )
+            for j, i in enumerate(chunk):
+                steps = plans[i][0][0]
+                loss = float(np.mean(losses[j])) if steps else math.nan
+                fitted = clients[i].upload(params[j], new[j], loss, steps, configs[i])
+                replies[id(messages[i])] = fit_reply(messages[i], fitted)
+    return replies
+
+
+def chunk_size(model: torch.nn.Module, client, budget: int | None) -> int:
+    """Clients per chunk: the budget over one client's bytes, 4 (6 P + 4 B A): P parameters (w, b, g, the
+    SAM point, the masked copies), B samples of A activation values (saved, their gradients; SAM twice)."""
+    device = client.device
+    if budget is None:
+        budget = CPU_BUDGET if device.type != "cuda" else int(CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
+    p = sum(v.numel() for v in model.parameters())
+    sizes = []
+    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel())) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            x = torch.as_tensor(client.trainset.x[:1], dtype=torch.float32).to(device)
+            model.to(device)(x.contiguous())
+    finally:
+        for h in hooks:
+            h.remove()
+    per_client = 4 * (6 * p + 4 * client.batch_size * sum(sizes))
+    return max(1, int(budget // per_client))
+
+
+def train_chunk(model, rule: str, clients: list, plans: list, params: list, device) -> tuple[list, list]:
+    """The local steps of `clients` at once; (each client's new weights as numpy arrays, its step losses)."""
+    names = list(model.state_dict())
+    w = {
+        k: torch.stack([torch.from_numpy(np.asarray(p[j], dtype=np.float32)) for p in params]).to(device)
+        for j, k in enumerate(names)
+    }
+    n = len(clients)
+    steps = torch.tensor([plan[0][0] for plan in plans], device=device)
+    iters = [plan[0][1] for plan in plans]
+    configs = [plan[1] for plan in plans]
+    lr = torch.tensor(
+        [c.round_lr(float(cfg.get(keys.LEARNING_RATE, c.lr)), cfg) for c, cfg in zip(clients, configs)], device=device
+    )
+    mu, wd, rho = clients[0].momentum, clients[0].weight_decay, getattr(clients[0], "rho", 0.0)
+    batch = clients[0].batch_size
+    model.train()
+
+    def loss_of(p, x, y, m):
+        out = functional_call(model, p, (x,))
+        ce = torch.nn.functional.cross_entropy(out, y, reduction="none")
+        return (ce * m).sum() / m.sum().clamp(min=1)
+
+    def sam_grad(p, x, y, m):
+        g0, loss = grad_and_value(loss_of)(p, x, y, m)
+        scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
+        return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, x, y, m), loss
+
+    step_fn = vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
+    b: dict[str, torch.Tensor] = {}
+    history = []  # per step: each client's loss, NaN where it took no step
+    sample = tuple(clients[0].trainset.x.shape[1:])
+    counts = [plan[0][0] for plan in plans]
+    for t in range(max(counts, default=0)):
+        active = steps > t
+        x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
+        g, loss = step_fn(w, x, y, m)
+        new_w, new_b = {}, {}
+        for k in names:
+            keep = active.view(-1, *[1] * (w[k].dim() - 1))
+            gk = g[k] + wd * w[k] if wd else g[k]
+            bk = gk if t == 0 or not mu else b[k] * mu + gk
+            new_b[k] = torch.where(keep, bk, b[k]) if t else bk
+            new_w[k] = torch.where(keep, w[k] - lr.view_as(keep) * bk, w[k])
+        w, b = new_w, new_b
+        history.append(torch.where(active, loss.detach(), torch.nan))
+    out = {k: v.detach().cpu().numpy() for k, v in w.items()}
+    table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in range(n)]
+    losses = [[v for v in row if not math.isnan(v)] for row in table]
+    return [[out[k][i].copy() for k in names] for i in range(n)], losses
+
+
+def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each client's minibatch (None: it took its last step) stacked as (x, y, mask) of `batch` rows per client:
+    a short or missing one padded with zeros and mask 0."""
+    if all(b is not None and len(b[1]) == batch for b in batches):  # the common case: one stack, no copies
+        x, y = torch.stack([b[0].contiguous() for b in batches]), torch.stack([b[1] for b in batches])
+        return x, y, torch.ones(y.shape, device=device)
+    n = len(batches)
+    x = torch.zeros((n, batch, *sample), device=device)
+    y = torch.zeros((n, batch), dtype=torch.long, device=device)
+    m = torch.zeros((n, batch), device=device)
+    for i, b in enumerate(batches):
+        if b is not None:
+            x[i, : len(b[1])], y[i, : len(b[1])], m[i, : len(b[1])] = b[0], b[1], 1.0
+    return x, y, m

@@ -1,0 +1,260 @@
+"""The cohort engine (dpfl_tools.cohort.CohortGrid) against the sequential in-process grid.
+
+Tolerance: every array of every train reply within 1e-5 x its largest |value| of the sequential reply's, every
+metric within 1e-5 relative (float32 rounding: vmap'd kernels sum in another order); the printed epsilon and
+everything the ledger writes identical (the engine changes no privacy number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from dpfl_tools.cohort import CohortGrid
+from dpfl_tools.inprocess import InProcessGrid
+from fl_app.client_app import app as client_app
+from fl_app.client_app import build_client
+from fl_app.config import validate
+from fl_app.server_app import run_federated
+
+RTOL = 1e-5
+NODES = 6
+BASE = {
+    "dataset": "digits",
+    "model": "mlp",
+    "num-rounds": 2,
+    "local-steps": 0,
+    "local-epochs": 1,  # Dirichlet partitions: every client its own number of steps (ragged)
+    "batch-size": 16,
+    "seed": 0,
+    "secure-rng": False,
+    "sample-rate": 1.0,
+}
+
+
+def assert_replies_close(seq: list[Message], coh: list[Message]) -> None:
+    assert len(seq) == len(coh)
+    for a, b in zip(seq, coh):
+        assert not a.has_error() and not b.has_error()
+        assert a.metadata.message_type == b.metadata.message_type
+        assert a.content.keys() == b.content.keys()
+        if "arrays" in a.content:
+            xa, xb = a.content["arrays"].to_numpy_ndarrays(), b.content["arrays"].to_numpy_ndarrays()
+            assert [(x.dtype, x.shape) for x in xa] == [(x.dtype, x.shape) for x in xb]
+            for x, y in zip(xa, xb):
+                assert np.abs(x - y).max() <= RTOL * np.abs(x).max()
+        ma, mb = dict(a.content["metrics"]), dict(b.content["metrics"])
+        assert ma.keys() == mb.keys()
+        for k in ma:
+            assert type(ma[k]) is type(mb[k]) and mb[k] == pytest.approx(ma[k], rel=RTOL), k
+
+
+def run(grid_class, overrides: dict, tmp_path):
+    torch.set_num_threads(1)
+    cfg = validate({**BASE, **overrides, "results-dir": str(tmp_path / grid_class.__name__)})
+    grid = grid_class(client_app, NODES, cfg)
+    summary = run_federated(grid, cfg)
+    return grid, summary
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"algorithm": "dp-fedsam"}, id="dp-fedsam", marks=pytest.mark.slow),
+        pytest.param({"algorithm": "dp-fedavg", "noise-placement": "distributed"}, id="dp-fedavg-distributed"),
+        pytest.param(
+            {"algorithm": "dp-fedavg", "noise-placement": "central"}, id="dp-fedavg-central", marks=pytest.mark.slow
+        ),
+        # the ClientApp's mods around the batched reply: local DP, adaptive clipping's noisy bit
+        pytest.param(
+            {"algorithm": "dp-fedavg", "noise-placement": "local", "noise-multiplier": 4.0},
+            id="local-dp",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"algorithm": "dp-fedavg", "adaptive-clipping": True, "clip-count-noise-multiplier": 2.0},
+            id="adaptive-clipping",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"algorithm": "dp-fedavg-wav", "noise-placement": "central"}, id="wavelet", marks=pytest.mark.slow
+        ),
+        pytest.param({"algorithm": "dp-ftrl", "partitioner": "iid"}, id="dp-ftrl", marks=pytest.mark.slow),
+        pytest.param({"algorithm": "dp-fedsam-ft", "fine-tune-steps": 2}, id="dp-fedsam-ft", marks=pytest.mark.slow),
+        # one round: a coordinate at the k-th largest |value| may swap with its neighbour on a rounding difference,
+        # which moves the next round's global model by a whole coordinate
+        pytest.param(
+            {"algorithm": "dp-fedsam-topk", "sparsity": 0.4, "num-rounds": 1},
+            id="dp-fedsam-topk",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_replies_and_epsilon_equal_sequential(overrides, tmp_path):
+    seq, s1 = run(InProcessGrid, overrides, tmp_path)
+    coh, s2 = run(CohortGrid, overrides, tmp_path)
+    trains = [m for m in seq.received if m.metadata.message_type == "train"]
+    assert coh.batched == len(trains) > 0  # every train message went through the batch
+    if "partitioner" not in overrides and "local-steps" in trains[0].content["metrics"]:
+        assert len({m.content["metrics"]["local-steps"] for m in trains}) > 1  # ragged clients
+    assert_replies_close(seq.received, coh.received)
+    assert s2["epsilon"] == s1["epsilon"] and s2["delta"] == s1["delta"]
+    assert s2["final_accuracy"] == pytest.approx(s1["final_accuracy"], abs=0.01)
+    ledger = [json.loads(line)["epsilon"] for line in (tmp_path / "CohortGrid" / "metrics.jsonl").open()]
+    assert ledger == [json.loads(line)["epsilon"] for line in (tmp_path / "InProcessGrid" / "metrics.jsonl").open()]
+
+
+def train_messages(grid, noise_std: dict[int, float] | None = None) -> list[Message]:
+    weights = [v.detach().cpu().numpy() for v in build_client(grid.contexts[100]).model.state_dict().values()]
+    config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5}
+    return [
+        grid.create_message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord(weights),
+                    "config": ConfigRecord({**config, "noise-std": (noise_std or {}).get(node, 0.05)}),
+                }
+            ),
+            "train",
+            node,
+            "1",
+        )
+        for node in grid.get_node_ids()
+    ]
+
+
+def arrays(replies: list[Message]) -> list[list[np.ndarray]]:
+    return [r.content["arrays"].to_numpy_ndarrays() for r in replies]
+
+
+def test_no_client_leaks_into_another(monkeypatch):
+    """One client's data or noise changed: its reply changes, every other reply is bit for bit the same."""
+    cfg = validate({**BASE, "algorithm": "dp-fedsam"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    base = arrays(grid.send_and_receive(train_messages(grid)))
+
+    grid = CohortGrid(client_app, NODES, cfg)
+    noisier = arrays(grid.send_and_receive(train_messages(grid, noise_std={102: 0.5})))
+
+    import fl_app.client_app as project
+
+    load = project.load_client_partition
+
+    def other_data(s, pid, n):
+        train, test = load(s, pid, n)
+        if pid == 4:  # a copy (the loaded partition may be cached): mirrored images
+            train = dataclasses.replace(train, x=np.ascontiguousarray(np.flip(train.x, axis=-1)))
+        return train, test
+
+    monkeypatch.setattr(project, "load_client_partition", other_data)
+    grid = CohortGrid(client_app, NODES, cfg)
+    other = arrays(grid.send_and_receive(train_messages(grid)))
+    assert grid.batched == NODES
+    for i in range(NODES):
+        for changed, index in ((noisier, 2), (other, 4)):
+            same = all(np.array_equal(a, b) for a, b in zip(base[i], changed[i]))
+            assert same == (i != index), (i, index)
+
+
+def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path):
+    """dp2-fedsam (its personal heads are not batched yet) and a user's own ClientApp: message by message, one log
+    line each, the sequential replies exactly."""
+    seq, _ = run(InProcessGrid, {"algorithm": "dp2-fedsam", "num-rounds": 1}, tmp_path)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        grid, _ = run(CohortGrid, {"algorithm": "dp2-fedsam", "num-rounds": 1}, tmp_path)
+    assert grid.batched == 0 and len(grid.received) == len(seq.received) > 0
+    for a, b in zip(seq.received, grid.received):
+        assert not a.has_error() and a.content.keys() == b.content.keys()
+        if "arrays" in a.content:
+            x, y = a.content["arrays"].to_numpy_ndarrays(), b.content["arrays"].to_numpy_ndarrays()
+            assert all(np.array_equal(u, v) for u, v in zip(x, y))
+    lines = [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()]
+    assert "Cohort engine: DP2FedSAMClient's local rule is not batched yet: its messages run one by one" in lines
+    assert len(lines) == len(set(lines))  # once per reason
+
+    def own_app(msg, context):
+        return client_app(msg, context)
+
+    grid = CohortGrid(own_app, NODES, validate({**BASE, "algorithm": "dp-fedavg"}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        replies = grid.send_and_receive(train_messages(grid))
+    assert grid.batched == 0 and not any(r.has_error() for r in replies)
+    assert [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()] == [
+        "Cohort engine: a ClientApp other than the project's (fl_app.client_app.app): messages run one by one"
+    ]
+
+
+def test_malformed_message_gets_the_clientapps_error():
+    """A message whose arrays do not fit the model is not batched: its reply is the ClientApp's error, the others
+    train in the batch."""
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    messages = train_messages(grid)
+    messages[1].content["arrays"] = ArrayRecord([np.zeros(3, dtype=np.float32)])
+    replies = grid.send_and_receive(messages)
+    assert [r.has_error() for r in replies] == [False, True] + [False] * (NODES - 2)
+    assert grid.batched == NODES - 1
+
+
+def launch(engine: str, tmp_path, run_config: str, clients: int) -> dict:
+    from dpfl_tools.launch import main
+
+    folder = tmp_path / engine
+    assert main(["--engine", engine, "--clients", str(clients), "-c", f'{run_config} results-dir="{folder}"']) == 0
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "run_config, clients, tolerance",
+    # accuracy tolerance: float32 rounding differences grow with local steps (ReLU and max-pool switches; cnn-mnist:
+    # 1e-7 relative after 1 step, 4e-7 after 10, up to 4e-3 after an epoch), so accuracies agree to a point or two
+    [
+        pytest.param(
+            'dataset="digits" model="mlp" num-rounds=3 sample-rate=1.0 noise-multiplier=0.1 clipping-norm=1.0 '
+            "secure-rng=false tensorboard=false",
+            6,
+            0.01,
+            id="digits",
+            marks=pytest.mark.slow,
+        ),
+        # the default job (pyproject's config: dp-fedsam, cnn-mnist, mnist-embedded), 2 rounds of 20 clients; sigma
+        # 0.3, as 20 clients' average does not bear sigma = 1 (the sequential engine's replies turn NaN too)
+        pytest.param(
+            "num-rounds=2 noise-multiplier=0.3 secure-rng=false tensorboard=false",
+            20,
+            0.03,
+            id="default",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_launch_engine_cohort_same_accuracy_and_epsilon(run_config, clients, tolerance, tmp_path, capsys):
+    """`python -m dpfl_tools.launch --engine cohort`: the accuracy and epsilon of `--engine inprocess` (same seed)."""
+    torch.set_num_threads(1)
+    sequential = launch("inprocess", tmp_path, run_config, clients)
+    cohort = launch("cohort", tmp_path, run_config, clients)
+    assert cohort["rounds_completed"] == sequential["rounds_completed"]
+    assert cohort["epsilon"] == sequential["epsilon"] and cohort["epsilon"] > 0
+    assert cohort["final_accuracy"] == pytest.approx(sequential["final_accuracy"], abs=tolerance)
+    assert cohort["final_accuracy"] > 0.15  # above chance (10 classes)
+    assert f"epsilon={cohort['epsilon']}" in capsys.readouterr().out
+
+
+def test_model_with_buffers_is_not_batched(caplog):
+    """BatchNorm's running statistics would mix clients in a batch: such a model runs message by message, said once."""
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    grid._model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        replies = grid.send_and_receive(train_messages(grid))
+    assert grid.batched == 0 and not any(r.has_error() for r in replies)
+    assert [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()] == [
+        "Cohort engine: the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one"
+    ]
