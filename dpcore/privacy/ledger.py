@@ -7,7 +7,8 @@ restore it.
 The ledgers implement the one interface `Ledger` that strategies and reports use:
 `ClientLevelLedger` (one protected unit: a client; against the released model and against
 the server), `SampleLevelLedgers` (one ledger per client of its samples, DP-SGD) and
-`TreeAggregationLedger` (DP-FTRL's trees).
+`TreeAggregationLedger` (DP-FTRL's trees); `dpcore.privacy.matrix_factorization.MatrixFactorizationLedger`
+(DP-FTRL's BLT and banded noise) beside its math.
 """
 
 from __future__ import annotations
