@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,3 +204,73 @@ def test_jax_is_not_imported_by_default_and_its_absence_is_refused_with_the_inst
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "'ftrl-strategy' = 'blt'" in out.stdout and 'pip install -e ".[mf]"' in out.stdout
+
+
+@pytest.mark.slow
+def test_blt_and_banded_add_less_noise_than_the_tree_at_equal_epsilon():
+    """n = 100 rounds, min separation 10, epsilon 8 (delta 1e-5): jax-privacy's optimized strategies against the
+    tree, each calibrated by the ledger to the same epsilon (benchmarks/mf_noise.py)."""
+    from benchmarks.mf_noise import measure
+
+    rows = measure(100, 10, 8.0, 1e-5)
+    for kind in ("blt", "banded"):
+        assert rows[kind]["epsilon"] == pytest.approx(8.0, rel=1e-3)
+        assert rows[kind]["max_std"] < rows["tree"]["max_std"] and rows[kind]["mean_std"] < rows["tree"]["mean_std"]
+    assert rows["tree"]["epsilon"] <= 8.0 * 1.001
+
+
+@pytest.mark.slow
+def test_plain_flwr_run_with_banded_noise_prints_the_independently_recomputed_epsilon(superlink, tmp_path):
+    from dpfl_tools.plan import format_run_config
+    from dpfl_tools.processes import BIN
+
+    root = Path(__file__).resolve().parents[1]
+    config = {
+        **{k: v for k, v in SMALL.items() if k != "secure-rng"},
+        "ftrl-strategy": "banded",
+        "num-rounds": 3,
+        "results-dir": str(tmp_path / "run"),
+    }
+    out = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(root),
+            "--stream",
+            "--run-config",
+            format_run_config(config),
+            "--federation-config",
+            "num-supernodes=4 client-resources-num-cpus=1",
+        ],
+        env=superlink,
+        timeout=500,
+        capture_output=True,
+        text=True,
+    )
+    summary_file = tmp_path / "run" / "summary.json"
+    assert summary_file.exists(), (out.stdout + out.stderr)[-3000:]
+    summary = json.loads(summary_file.read_text())
+    ftrl, ledger = summary["ftrl"], summary["ledger"]
+    assert ftrl["strategy"] == "banded" and ledger["rounds"] == 3 and ftrl["min_separation"] == 2
+    strategy = Strategy.from_dict(ftrl["coefficients"])
+    assert len(strategy.bands) == 2  # b = 4 nodes // 2 per round bands
+    sensitivity = independent_sensitivity(strategy, 3, 2, ftrl["max_participations"])
+    expected, _ = dp_accounting_epsilons(summary["noise_multiplier"] / sensitivity, 1.0, 1, summary["delta"])
+    assert summary["epsilon"] == pytest.approx(expected, rel=2e-3)
+
+
+def test_the_model_steps_by_the_noisy_round_sum_and_its_momentum_form():
+    """No noise (sigma = 0): w_t = w_{t-1} + eta v_t / m with v_t = gamma v_{t-1} + x_t."""
+    from types import SimpleNamespace
+
+    part = MatrixFactorizationFTRL("blt", momentum=0.5, strategy=BLT)
+    part.clients_per_round = 2
+    dp = SimpleNamespace(ledger=SimpleNamespace(rounds=0), noise_multiplier=0.0, clipping_norm=1.0)
+    dp.server_learning_rate = 0.1
+    w, velocity = np.zeros(3, np.float32), np.zeros(3)
+    for t, x in enumerate([np.array([1.0, 0, 0]), np.array([0, 2.0, 0]), np.array([0, 0, 4.0])], start=1):
+        w_next, std = part.release(dp, t, [x.astype(np.float32)], w, 1)
+        velocity = 0.5 * velocity + x
+        np.testing.assert_allclose(w_next, w + 0.1 * velocity / 2, rtol=1e-6)
+        assert std == 0.0
+        w, dp.ledger.rounds = w_next, t
