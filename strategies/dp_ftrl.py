@@ -107,9 +107,7 @@ class DPFTRL(Part):
         nothing truncated, no sampling-without-replacement bound)."""
         epoch = self.epoch(server_round)
         eligible = [n for n in sorted(set(node_ids)) if self.last_epoch.get(n) != epoch]
-        rng = make_rng(strategy.seed, SELECTION_STREAM, server_round, secure=strategy.secure_rng)
-        picks = rng.choice(len(eligible), size=min(len(eligible), self.clients_per_round), replace=False)
-        chosen = sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
+        chosen = choose(strategy, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
         for node in chosen:
             self.last_epoch[node] = epoch
         return Selection(chosen)
@@ -164,6 +162,13 @@ class DPFTRL(Part):
             "enforced by the server (ineligible nodes are not sent a train message "
             "and their replies are refused)",
         }
+
+
+def choose(strategy, stream: int, server_round: int, eligible: list[int], m: int) -> list[int]:
+    """Up to m of the eligible node ids, uniformly (seeded per round, or OS entropy), sorted."""
+    rng = make_rng(strategy.seed, stream, server_round, secure=strategy.secure_rng)
+    picks = rng.choice(len(eligible), size=min(len(eligible), m), replace=False)
+    return sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
 
 
 def check_ftrl(privacy, others: frozenset[str], modes: tuple[str, ...]) -> None:

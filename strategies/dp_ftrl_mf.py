@@ -33,7 +33,7 @@ from dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, Noise
 from dpcore.privacy.mechanisms import gaussian_noise, make_rng
 from dpcore.privacy.settings import one_of, require
 
-from .dp_ftrl import check_ftrl
+from .dp_ftrl import check_ftrl, choose
 from .parts import Part
 from .sampling import Selection
 
@@ -122,9 +122,7 @@ class MatrixFactorizationFTRL(Part):
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
         """Up to m of the eligible nodes, marked as having taken part (no sampling)."""
         eligible = [n for n in sorted(set(node_ids)) if self.eligible(n, server_round)]
-        rng = make_rng(dp.seed, SELECTION_STREAM, server_round, secure=dp.secure_rng)
-        picks = rng.choice(len(eligible), size=min(len(eligible), self.clients_per_round), replace=False)
-        chosen = sorted(int(eligible[i]) for i in picks)
+        chosen = choose(dp, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
         for node in chosen:
             self.taken[node] = [int(server_round), self.taken.get(node, (None, 0))[1] + 1]
         return Selection(chosen)

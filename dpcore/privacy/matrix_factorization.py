@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .accountants import ACCOUNTANTS, DEFAULT_ACCOUNTANT, accountant_used, epsilon_of
+from .accountants import DEFAULT_ACCOUNTANT, accountant_used, epsilon_of
+from .ledger import check_ledger_settings
 
 INSTALL = 'pip install -e ".[mf]"'  # jax-privacy (it brings jax) for the blt and banded strategies
 STRATEGIES = ("tree", "blt", "banded")
@@ -196,10 +197,7 @@ class MatrixFactorizationLedger:
         )
 
     def __post_init__(self) -> None:
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant={self.accountant!r} is not one of: {', '.join(ACCOUNTANTS)}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta={self.delta!r} must be in (0, 1)")
+        check_ledger_settings(self.delta, self.accountant)
         self._sensitivities: dict[int, float] = {}
 
     def sensitivity(self, rounds: int | None = None) -> float:
