@@ -132,7 +132,11 @@ def ftrl_settings(s: Settings) -> dict:
         "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum)
         if s.ftrl.strategy == "tree"
         else MatrixFactorizationFTRL(
-            s.ftrl.strategy, s.ftrl.epoch_rounds, s.ftrl.max_participations, momentum=s.ftrl.momentum
+            s.ftrl.strategy,
+            s.ftrl.epoch_rounds,
+            s.ftrl.max_participations,
+            momentum=s.ftrl.momentum,
+            amplified=s.ftrl.amplified,
         ),
     }
 
@@ -310,8 +314,9 @@ def check_ftrl_config(s: Settings) -> None:
             "checkpointed, and redrawing it would release the same nodes twice; ftrl-strategy 'blt' or 'banded' "
             "resumes)"
         )
-    elif s.ftrl.max_participations:
+    elif s.ftrl.max_participations or s.ftrl.amplified:
         raise ValueError(
-            f"run-config key 'ftrl-max-participations' = {s.ftrl.max_participations!r} applies only with "
-            "ftrl-strategy 'blt' or 'banded' (the tree allows one round per epoch)"
+            f"run-config keys 'ftrl-max-participations' = {s.ftrl.max_participations!r} and 'ftrl-amplified' = "
+            f"{s.ftrl.amplified!r} apply only with ftrl-strategy 'blt' or 'banded' (the tree allows one round per "
+            "epoch, without sampling)"
         )

@@ -347,6 +347,12 @@ class FTRLSettings:
         low=0,
         key="ftrl-max-participations",
     )
+    amplified: bool = setting(
+        False,
+        "dp-ftrl banded: the amplified form, cyclic Poisson sampling (nodes in b groups by node id, round t's group "
+        "sampled with probability sample-rate * b), accounted as amplified banded MF",
+        key="ftrl-amplified",
+    )
     momentum: float = setting(
         0.0,
         "dp-ftrl: server momentum gamma on the noisy prefix sums (DP-FTRLM; 0: plain DP-FTRL)",

@@ -61,6 +61,7 @@ class MatrixFactorizationFTRL(Part):
         momentum: float = 0.0,
         max_buffers: int = 6,
         strategy: Strategy | None = None,
+        amplified: bool = False,
     ) -> None:
         one_of("ftrl_strategy", kind, ("blt", "banded"))
         require(int(min_sep) == min_sep and min_sep >= 0, "epoch_rounds", min_sep, "must be an integer >= 0")
@@ -71,9 +72,16 @@ class MatrixFactorizationFTRL(Part):
             "must be an integer >= 0 (0: ceil(rounds / min separation))",
         )
         require(0 <= momentum < 1, "ftrl_momentum", momentum, "must be in [0, 1)")
+        require(
+            not amplified or kind == "banded",
+            "ftrl_amplified",
+            amplified,
+            "the amplified form (cyclic Poisson sampling) is accounted for 'banded' only",
+        )
         self.kind = kind
         self.requested_min_sep, self.requested_participations = int(min_sep), int(max_participations)
-        self.momentum, self.max_buffers = float(momentum), int(max_buffers)
+        self.momentum, self.max_buffers, self.amplified = float(momentum), int(max_buffers), bool(amplified)
+        self.group_rate = 1.0  # amplified: p, the probability a node of the round's group is sampled
         self.strategy = strategy
         self.min_sep = self.max_participations = self.clients_per_round = 0
         self.key = 0  # the noise key: z_t from make_rng(key, NOISE_STREAM, t)
@@ -91,13 +99,29 @@ class MatrixFactorizationFTRL(Part):
         self.clients_per_round = max(1, round(dp.sample_rate * dp.num_clients))
         self.min_sep = self.requested_min_sep or max(1, dp.num_clients // self.clients_per_round)
         self.max_participations = self.requested_participations or math.ceil(rounds / self.min_sep)
+        if self.amplified:  # each node in one group of b, sampled with p = q b when its group's round comes
+            self.group_rate = dp.sample_rate * self.min_sep
+            require(
+                self.group_rate <= 1,
+                "sample_rate",
+                dp.sample_rate,
+                f"with ftrl-amplified each of the {self.min_sep} groups is sampled at sample-rate x {self.min_sep}, "
+                "which must be at most 1: lower sample-rate or ftrl-epoch-rounds",
+            )
+            self.max_participations = 1  # the sensitivity of one participation; the ledger composes the cycles
         if self.strategy is None:
             self.strategy = optimize_strategy(
                 self.kind, rounds, self.min_sep, self.max_participations, self.max_buffers
             )
         self.key = secrets.randbits(128) if dp.secure_rng else int(make_rng(dp.seed, NOISE_STREAM).integers(2**63))
         return MatrixFactorizationLedger(
-            delta, dp.accountant, self.strategy.as_dict(), self.min_sep, self.max_participations
+            delta,
+            dp.accountant,
+            self.strategy.as_dict(),
+            self.min_sep,
+            self.max_participations,
+            cycle=self.min_sep if self.amplified else 0,
+            sample_rate=self.group_rate,
         )
 
     def calibrated_noise_multiplier(self, dp, ledger: MatrixFactorizationLedger) -> float:
@@ -120,7 +144,12 @@ class MatrixFactorizationFTRL(Part):
         return count < self.max_participations and (last is None or server_round - last >= self.min_sep)
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
-        """Up to m of the eligible nodes, marked as having taken part (no sampling)."""
+        """Up to m of the eligible nodes, marked as having taken part (no sampling); amplified: each node of the
+        round's group (node id mod b = (t - 1) mod b) with probability p."""
+        if self.amplified:
+            group = [n for n in sorted(set(node_ids)) if n % self.min_sep == (server_round - 1) % self.min_sep]
+            rng = make_rng(dp.seed, SELECTION_STREAM, server_round, secure=dp.secure_rng)
+            return Selection([n for n, u in zip(group, rng.random(len(group))) if u < self.group_rate])
         eligible = [n for n in sorted(set(node_ids)) if self.eligible(n, server_round)]
         chosen = choose(dp, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
         for node in chosen:
@@ -161,6 +190,7 @@ class MatrixFactorizationFTRL(Part):
                 "min_sep": self.min_sep,
                 "max_participations": self.max_participations,
                 "clients_per_round": self.clients_per_round,
+                "group_rate": self.group_rate,
                 "key": str(self.key),
                 "taken": {str(n): v for n, v in self.taken.items()},
                 "velocity": None if self.velocity is None else self.velocity.tolist(),
@@ -172,6 +202,7 @@ class MatrixFactorizationFTRL(Part):
         self.strategy = None if own["strategy"] is None else Strategy.from_dict(own["strategy"])
         self.min_sep, self.max_participations = int(own["min_sep"]), int(own["max_participations"])
         self.clients_per_round, self.key = int(own["clients_per_round"]), int(own["key"])
+        self.group_rate = float(own.get("group_rate", 1.0))
         self.taken = {int(n): [int(v[0]), int(v[1])] for n, v in own["taken"].items()}
         self.velocity = None if own["velocity"] is None else np.asarray(own["velocity"], np.float32)
         self.stream = None  # replayed at the next release
@@ -183,14 +214,21 @@ class MatrixFactorizationFTRL(Part):
                 "strategy": self.kind,
                 "coefficients": None if self.strategy is None else self.strategy.as_dict(),
                 "min_separation": self.min_sep,
+                "amplified": self.amplified,
+                "group_sample_rate": self.group_rate if self.amplified else None,
                 "max_participations": self.max_participations,
                 "clients_per_round": self.clients_per_round,
                 "momentum": self.momentum,
                 "sensitivity": ledger.sensitivity() if ledger.rounds else None,
                 "equivalent_noise_multiplier": ledger.equivalent_noise_multiplier() if ledger.rounds else None,
-                "participation_rule": f"each node in rounds at least {self.min_sep} apart, at most "
-                f"{self.max_participations} times, enforced by the server (ineligible nodes are not sent a train "
-                "message and their replies are refused)",
+                "participation_rule": (
+                    f"cyclic Poisson sampling: node id mod {self.min_sep} groups, round t's group sampled with "
+                    f"probability {self.group_rate:g}"
+                    if self.amplified
+                    else f"each node in rounds at least {self.min_sep} apart, at most {self.max_participations} times"
+                )
+                + ", enforced by the server (nodes not chosen are not sent a train message and their replies are "
+                "refused)",
             }
         }
 

@@ -15,7 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 import strategies.dp_ftrl_mf as dp_ftrl_mf
-from dpcore.privacy.matrix_factorization import NoiseStream, Strategy
+from dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy
 from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.config import validate
@@ -274,3 +274,45 @@ def test_the_model_steps_by_the_noisy_round_sum_and_its_momentum_form():
         np.testing.assert_allclose(w_next, w + 0.1 * velocity / 2, rtol=1e-6)
         assert std == 0.0
         w, dp.ledger.rounds = w_next, t
+
+
+def test_amplified_banded_samples_the_rounds_group_and_matches_jax_privacys_cyclic_poisson_accountant():
+    """Nodes in b = 2 groups by node id, round t's group sampled with p = q b = 0.5; epsilon: ceil(t / b)
+    Poisson-sampled Gaussian releases at sigma / ||c|| (jax-privacy's DpsgdTrainingAccountant with cycle_length)."""
+    from jax_privacy import accounting
+
+    nodes, rounds, sigma, q, b = 12, 6, 1.5, 0.25, 2
+    bands = Strategy("banded", bands=(0.8, 0.6))  # ||c|| = 1
+    strategy = DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=0.1,
+        noise_multiplier=sigma,
+        sample_rate=q,
+        noise_placement="central",
+        min_available_nodes=nodes,
+        ftrl=MatrixFactorizationFTRL("banded", min_sep=b, strategy=bands, amplified=True),
+    )
+    grid = InProcessGrid(unchanged_weights_client(), nodes, {})
+    strategy.start(grid, ArrayRecord({"w": Array(np.zeros(3))}), rounds)
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
+    assert sent and all(node % b == (rnd - 1) % b for rnd, node in sent)
+    assert 0 < len(sent) < nodes * rounds / b  # sampled: not every node of each group, every round
+    params = accounting.DpParams(
+        noise_multipliers=sigma, num_samples=b * 1000, batch_size=500, delta=strategy.ledger.delta, cycle_length=b
+    )
+    expected = accounting.DpsgdTrainingAccountant(accounting.PldAccountantConfig()).compute_epsilon(rounds, params)
+    assert strategy.ledger.epsilon() == pytest.approx(expected, rel=1e-2)
+    assert strategy.ledger.epsilon() == pytest.approx(
+        dp_accounting_epsilons(sigma, 0.5, 3, strategy.ledger.delta)[0], rel=2e-3
+    )
+    assert (
+        strategy.ledger.epsilon()
+        < MatrixFactorizationLedger(
+            strategy.ledger.delta,
+            strategy=bands.as_dict(),
+            min_sep=b,
+            max_participations=3,
+            rounds=rounds,
+            noise_multiplier=sigma,
+        ).epsilon()
+    )  # below the same noise without sampling

@@ -183,12 +183,21 @@ class MatrixFactorizationLedger:
     max_participations: int = 1
     rounds: int = 0
     noise_multiplier: float = math.inf  # the smallest sigma charged so far
+    cycle: int = 0  # amplified banded: b groups, one per round in turn (0: no sampling)
+    sample_rate: float = 1.0  # amplified banded: p, each node of the round's group sampled with probability p
 
     kind = "matrix-factorization"
     server_threat_model = "trusted server: it sees raw clipped updates, no DP against it"
 
     @property
     def relation(self) -> str:
+        if self.cycle:
+            return (
+                f"add/remove-one, cyclic Poisson sampling: nodes in {self.cycle} groups by node id, round t samples "
+                f"group t mod {self.cycle} with probability {self.sample_rate:g}; the amplified banded "
+                "matrix-factorization mechanism (arXiv 2306.08153): ceil(t / groups) Poisson-sampled Gaussian "
+                "releases at sigma / (C's largest column norm)"
+            )
         return (
             "replace-special (a client's updates replaced by zero), no sampling: each client in rounds at least "
             f"{self.min_sep} apart, at most {self.max_participations} times (enforced by the server); one Gaussian "
@@ -217,9 +226,14 @@ class MatrixFactorizationLedger:
     def _epsilon(self, noise_multiplier: float, rounds: int) -> float:
         if rounds <= 0:
             return 0.0
-        return epsilon_of(
-            [(self.equivalent_noise_multiplier(noise_multiplier, rounds), 1.0, 1)], self.delta, self.accountant
-        )
+        return epsilon_of(self._events(noise_multiplier, rounds), self.delta, self.accountant)
+
+    def _events(self, noise_multiplier: float, rounds: int) -> list:
+        """One Gaussian release at sigma / sens; amplified: ceil(t / b) sampled ones at sigma / (column norm)."""
+        multiplier = self.equivalent_noise_multiplier(noise_multiplier, rounds)
+        if self.cycle:
+            return [(multiplier, self.sample_rate, math.ceil(rounds / self.cycle))]
+        return [(multiplier, 1.0, 1)]
 
     def record_round(
         self,
@@ -251,7 +265,7 @@ class MatrixFactorizationLedger:
         return math.inf
 
     def model_bound_by(self) -> str:
-        events = [(self.equivalent_noise_multiplier(), 1.0, 1)] if self.rounds else []
+        events = self._events(self.noise_multiplier, self.rounds) if self.rounds else []
         return f"{accountant_used(events, self.delta, self.accountant)} (Gaussian at sigma / sensitivity)"
 
     def state_dict(self) -> dict:
@@ -263,6 +277,8 @@ class MatrixFactorizationLedger:
             "min_sep": self.min_sep,
             "max_participations": self.max_participations,
             "rounds": self.rounds,
+            "cycle": self.cycle,
+            "sample_rate": self.sample_rate,
             "noise_multiplier": self.noise_multiplier if self.rounds else None,
             "relation": self.relation,
             "model_bound_by": self.model_bound_by(),
@@ -281,4 +297,6 @@ class MatrixFactorizationLedger:
             int(state["max_participations"]),
             int(state["rounds"]),
             math.inf if sigma is None else float(sigma),
+            int(state.get("cycle", 0)),
+            float(state.get("sample_rate", 1.0)),
         )
