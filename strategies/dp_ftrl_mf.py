@@ -125,9 +125,12 @@ class MatrixFactorizationFTRL(Part):
         )
 
     def calibrated_noise_multiplier(self, dp, ledger: MatrixFactorizationLedger) -> float:
-        """sigma = sens_n x the Gaussian multiplier whose eps(delta) is the target (n: the configured rounds)."""
-        gaussian = calibrate_noise_multiplier(dp.target_epsilon, ledger.delta, 1.0, 1, dp.accountant)
-        return gaussian * ledger.sensitivity(max(1, dp.num_rounds))
+        """sigma = sens_n x the multiplier whose eps(delta) is the target (n: the configured rounds): of one Gaussian
+        release, or amplified, of ceil(n / b) Poisson-sampled ones at rate p."""
+        rounds = max(1, dp.num_rounds)
+        releases, rate = (math.ceil(rounds / ledger.cycle), ledger.sample_rate) if ledger.cycle else (1, 1.0)
+        multiplier = calibrate_noise_multiplier(dp.target_epsilon, ledger.delta, rate, releases, dp.accountant)
+        return multiplier * ledger.sensitivity(rounds)
 
     def ledger_from_state(self, state: dict) -> MatrixFactorizationLedger:
         return MatrixFactorizationLedger.from_state_dict(state)

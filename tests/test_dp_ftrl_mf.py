@@ -125,7 +125,8 @@ def test_the_released_model_moves_by_the_streamed_noise_with_the_prefix_std():
         assert model.std() == pytest.approx(sigma * 0.1 * norm / 3, rel=rel_tolerance(dim))
 
 
-def test_calibration_reaches_the_target_epsilon():
+@pytest.mark.parametrize("amplified", [False, True], ids=["banded", "amplified-banded"])
+def test_calibration_reaches_the_target_epsilon(amplified):
     nodes, rounds, target = 9, 8, 3.0
     strategy = DifferentialPrivacy(
         FedAvg(fraction_evaluate=0.0),
@@ -136,7 +137,7 @@ def test_calibration_reaches_the_target_epsilon():
         min_available_nodes=nodes,
         target_epsilon=target,
         target_epsilon_mode="calibrate",
-        ftrl=MatrixFactorizationFTRL("banded", min_sep=3, strategy=BANDED),
+        ftrl=MatrixFactorizationFTRL("banded", min_sep=3, strategy=BANDED, amplified=amplified),
     )
     strategy.start(InProcessGrid(unchanged_weights_client(), nodes, {}), ArrayRecord({"w": Array(np.zeros(3))}), rounds)
     assert strategy.completed_rounds == rounds
