@@ -208,7 +208,13 @@ ALGORITHMS: dict[str, Algorithm] = {
             DPFedAvg,
             ftrl_settings,
             sgd_client,
-            owned_keys=("ftrl-epoch-rounds", "ftrl-momentum"),
+            owned_keys=(
+                "ftrl-strategy",
+                "ftrl-epoch-rounds",
+                "ftrl-max-participations",
+                "ftrl-amplified",
+                "ftrl-momentum",
+            ),
             unused_keys={
                 "client-sampling": None,
                 "adaptive-clipping": None,

@@ -18,9 +18,11 @@ from flwr.client import NumPyClient
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from dpcore.privacy.matrix_factorization import require_jax_privacy
 from fl_app.settings import Settings
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.dp_ftrl import DPFTRL
+from strategies.dp_ftrl_mf import MatrixFactorizationFTRL
 
 
 @dataclass(frozen=True)
@@ -122,11 +124,20 @@ def client_level(s: Settings) -> dict:
 
 def ftrl_settings(s: Settings) -> dict:
     """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise (the noise-placement default, distributed,
-    does not apply: the tree is noised at the server) and the DPFTRL part."""
+    does not apply: the noise is added at the server) and the DPFTRL part (tree) or MatrixFactorizationFTRL (blt,
+    banded)."""
     return {
         **client_level(s),
         "noise_placement": "central",
-        "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum),
+        "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum)
+        if s.ftrl.strategy == "tree"
+        else MatrixFactorizationFTRL(
+            s.ftrl.strategy,
+            s.ftrl.epoch_rounds,
+            s.ftrl.max_participations,
+            momentum=s.ftrl.momentum,
+            amplified=s.ftrl.amplified,
+        ),
     }
 
 
@@ -295,8 +306,17 @@ def check_ftrl_config(s: Settings) -> None:
             "run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
             "('central', which it uses whatever the key says otherwise)"
         )
-    if s.output.resume:
+    if s.ftrl.strategy != "tree":
+        require_jax_privacy("ftrl-strategy", s.ftrl.strategy)
+    elif s.output.resume:
         raise ValueError(
-            "run-config key 'resume' = True is not supported with DP-FTRL (its tree's noise is not "
-            "checkpointed, and redrawing it would release the same nodes twice)"
+            "run-config key 'resume' = True is not supported with DP-FTRL's tree (its tree's noise is not "
+            "checkpointed, and redrawing it would release the same nodes twice; ftrl-strategy 'blt' or 'banded' "
+            "resumes)"
+        )
+    elif s.ftrl.max_participations or s.ftrl.amplified:
+        raise ValueError(
+            f"run-config keys 'ftrl-max-participations' = {s.ftrl.max_participations!r} and 'ftrl-amplified' = "
+            f"{s.ftrl.amplified!r} apply only with ftrl-strategy 'blt' or 'banded' (the tree allows one round per "
+            "epoch, without sampling)"
         )

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from dpcore.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
+from dpcore.privacy.matrix_factorization import STRATEGIES as FTRL_STRATEGIES
 from dpcore.privacy.mechanisms import TOPK_MODES
 from dpcore.privacy.settings import (
     ACCOUNTANT_NAMES,
@@ -322,15 +323,35 @@ class DPSGDSettings:
 
 @dataclass(frozen=True)
 class FTRLSettings:
-    """dp-ftrl: tree-aggregated noise, each node at most once per epoch (docs/dp-toolbox.md §4)."""
+    """dp-ftrl: tree-aggregated or matrix-factorization noise, participation enforced (docs/dp-toolbox.md §4)."""
 
+    strategy: str = setting(
+        "tree",
+        "dp-ftrl: the noise of the prefix sums: 'tree' (binary tree, one per epoch), 'blt' (buffered linear "
+        "Toeplitz) or 'banded' (banded Toeplitz, b bands), the last two computed with jax-privacy "
+        '(pip install -e ".[mf]")',
+        FTRL_STRATEGIES,
+        key="ftrl-strategy",
+    )
     epoch_rounds: int = setting(
         0,
-        "dp-ftrl: b, rounds per epoch; each node takes part at most once per epoch, one "
-        "tree per epoch (0: number of nodes // clients per round, where clients per round "
-        "= round(sample-rate * nodes))",
+        "dp-ftrl: b; tree: rounds per epoch, each node at most once per epoch, one tree per epoch; blt, banded: "
+        "the min separation, each node in rounds at least b apart (0: number of nodes // clients per round, "
+        "where clients per round = round(sample-rate * nodes))",
         low=0,
         key="ftrl-epoch-rounds",
+    )
+    max_participations: int = setting(
+        0,
+        "dp-ftrl blt, banded: k, the most rounds a node takes part in (0: ceil(num-rounds / b))",
+        low=0,
+        key="ftrl-max-participations",
+    )
+    amplified: bool = setting(
+        False,
+        "dp-ftrl banded: the amplified form, cyclic Poisson sampling (nodes in b groups by node id, round t's group "
+        "sampled with probability sample-rate * b), accounted as amplified banded MF",
+        key="ftrl-amplified",
     )
     momentum: float = setting(
         0.0,

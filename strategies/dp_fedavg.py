@@ -216,13 +216,21 @@ class DifferentialPrivacy(DPRoundLoop):
         return default_client_delta(num_clients)
 
     def make_ledger(self, delta: float) -> ClientLevelLedger:
-        """The mechanism's ledger; for `calibrate`, sigma for the configured number of rounds first."""
+        """The mechanism's ledger; for `calibrate`, sigma for the configured number of rounds too (the mechanism's
+        own `calibrated_noise_multiplier` where it has one: DP-FTRL's matrix-factorization noise)."""
+        ledger = self.mechanism.make_ledger(self, delta)
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
             rounds = max(1, self.num_rounds)
             reserve = 0.0 if fixed else rounds * TRUNCATION_PROBABILITY  # what sampling reserves out of delta
-            self.noise_multiplier = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
-                self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant
+            own = getattr(self.mechanism, "calibrated_noise_multiplier", None)
+            self.noise_multiplier = (
+                own(self, ledger)
+                if own
+                else (2.0 if fixed else 1.0)
+                * calibrate_noise_multiplier(
+                    self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant
+                )
             )
             log(
                 INFO,
@@ -231,7 +239,7 @@ class DifferentialPrivacy(DPRoundLoop):
                 self.target_epsilon,
                 self.num_rounds,
             )
-        return self.mechanism.make_ledger(self, delta)
+        return ledger
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return self.mechanism.ledger_from_state(state)

@@ -80,42 +80,7 @@ class DPFTRL(Part):
     # ------------------------------------------------------------------ rules
     def check(self, privacy, others: frozenset[str]) -> None:
         """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
-        require(
-            not make_noise_placement(privacy.noise_placement).clients_add_noise,
-            "noise_placement",
-            privacy.noise_placement,
-            "DP-FTRL (run-config algorithm 'dp-ftrl') adds the tree's noise at the server: use 'central'",
-        )
-        require(
-            "secure_aggregation" not in others,
-            "secure_aggregation",
-            "secure_aggregation" in others,
-            "DP-FTRL keeps a running sum at the server; SecAgg+ is not supported with it",
-        )
-        require(
-            "adaptive_clipping" not in others,
-            "adaptive_clipping",
-            "adaptive_clipping" in others,
-            "DP-FTRL's tree charges a fixed clipping norm; adaptive clipping is not supported with it",
-        )
-        require(
-            "audit_canaries" not in others,
-            "audit_canaries",
-            "audit_canaries" in others,
-            "the canary audit assumes sampling",
-        )
-        require(
-            privacy.target_epsilon_mode == "stop",
-            "target_epsilon_mode",
-            privacy.target_epsilon_mode,
-            "DP-FTRL supports 'stop' only (its noise is not calibrated to the sampled Gaussian)",
-        )
-        require(
-            privacy.noise_multiplier > 0 and privacy.clipping_norm > 0,
-            "noise_multiplier",
-            privacy.noise_multiplier,
-            "DP-FTRL needs noise_multiplier > 0 and clipping_norm > 0 (the non-private reference is dp-fedavg)",
-        )
+        check_ftrl(privacy, others, modes=("stop",))
 
     # ------------------------------------------------------------------ population, ledger
     def make_ledger(self, strategy, delta: float) -> TreeAggregationLedger:
@@ -142,9 +107,7 @@ class DPFTRL(Part):
         nothing truncated, no sampling-without-replacement bound)."""
         epoch = self.epoch(server_round)
         eligible = [n for n in sorted(set(node_ids)) if self.last_epoch.get(n) != epoch]
-        rng = make_rng(strategy.seed, SELECTION_STREAM, server_round, secure=strategy.secure_rng)
-        picks = rng.choice(len(eligible), size=min(len(eligible), self.clients_per_round), replace=False)
-        chosen = sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
+        chosen = choose(strategy, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
         for node in chosen:
             self.last_epoch[node] = epoch
         return Selection(chosen)
@@ -199,3 +162,51 @@ class DPFTRL(Part):
             "enforced by the server (ineligible nodes are not sent a train message "
             "and their replies are refused)",
         }
+
+
+def choose(strategy, stream: int, server_round: int, eligible: list[int], m: int) -> list[int]:
+    """Up to m of the eligible node ids, uniformly (seeded per round, or OS entropy), sorted."""
+    rng = make_rng(strategy.seed, stream, server_round, secure=strategy.secure_rng)
+    picks = rng.choice(len(eligible), size=min(len(eligible), m), replace=False)
+    return sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
+
+
+def check_ftrl(privacy, others: frozenset[str], modes: tuple[str, ...]) -> None:
+    """The rules of DP-FTRL (any noise) with the wrapper's settings; `modes`: the target_epsilon_mode it supports."""
+    require(
+        not make_noise_placement(privacy.noise_placement).clients_add_noise,
+        "noise_placement",
+        privacy.noise_placement,
+        "DP-FTRL (run-config algorithm 'dp-ftrl') adds its noise at the server: use 'central'",
+    )
+    require(
+        "secure_aggregation" not in others,
+        "secure_aggregation",
+        "secure_aggregation" in others,
+        "DP-FTRL keeps a running sum at the server; SecAgg+ is not supported with it",
+    )
+    require(
+        "adaptive_clipping" not in others,
+        "adaptive_clipping",
+        "adaptive_clipping" in others,
+        "DP-FTRL's noise charges a fixed clipping norm; adaptive clipping is not supported with it",
+    )
+    require(
+        "audit_canaries" not in others,
+        "audit_canaries",
+        "audit_canaries" in others,
+        "the canary audit assumes sampling",
+    )
+    require(
+        privacy.target_epsilon_mode in modes,
+        "target_epsilon_mode",
+        privacy.target_epsilon_mode,
+        f"this DP-FTRL noise supports {' or '.join(map(repr, modes))} (the tree's noise is not calibrated; "
+        "ftrl-strategy 'blt' or 'banded' is)",
+    )
+    require(
+        privacy.noise_multiplier > 0 and privacy.clipping_norm > 0,
+        "noise_multiplier",
+        privacy.noise_multiplier,
+        "DP-FTRL needs noise_multiplier > 0 and clipping_norm > 0 (the non-private reference is dp-fedavg)",
+    )

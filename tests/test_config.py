@@ -41,7 +41,7 @@ def test_each_key_is_one_typed_field_of_one_concern():
 
     from fl_app.settings import KEYS, Settings
 
-    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 76
+    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 79
     assert len({k.attribute for k in KEYS}) == len(KEYS)
     defaults = Settings()
     for spec in KEYS:
@@ -188,6 +188,10 @@ BAD = [
     ({"ftrl-epoch-rounds": -1}, "ftrl-epoch-rounds", "[0, "),
     ({"ftrl-momentum": 1.0}, "ftrl-momentum", "[0, 1)"),
     ({"algorithm": "dp-ftrl", "server-strategy": "fedadam"}, "server-strategy", "'fedavg'"),
+    ({"algorithm": "dp-ftrl", "ftrl-strategy": "dense"}, "ftrl-strategy", "tree, blt, banded"),
+    ({"algorithm": "dp-ftrl", "ftrl-max-participations": 2}, "ftrl-max-participations", "'blt' or 'banded'"),
+    ({"algorithm": "dp-ftrl", "ftrl-strategy": "blt", "ftrl-amplified": True}, "ftrl-amplified", "'banded' only"),
+    ({"algorithm": "dp-ftrl", "resume": True, "run-name": "x"}, "resume", "'blt' or 'banded' resumes"),
     # ali-dpfl
     ({"sample-noise-multiplier": 0.0}, "sample-noise-multiplier", "[0.001, 1000]"),
     ({"sample-clipping-norm": -1.0}, "sample-clipping-norm", "(0, 1e+06]"),

@@ -7,7 +7,8 @@ restore it.
 The ledgers implement the one interface `Ledger` that strategies and reports use:
 `ClientLevelLedger` (one protected unit: a client; against the released model and against
 the server), `SampleLevelLedgers` (one ledger per client of its samples, DP-SGD) and
-`TreeAggregationLedger` (DP-FTRL's trees).
+`TreeAggregationLedger` (DP-FTRL's trees); `dpcore.privacy.matrix_factorization.MatrixFactorizationLedger`
+(DP-FTRL's BLT and banded noise) beside its math.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from dpcore.privacy.accountants import (
     tree_gaussian_multiplier,
 )
 from dpcore.privacy.calibration import per_update_noise_multiplier, secure_sum_noise_multiplier
+
+
+def check_ledger_settings(delta: float, accountant: str) -> None:
+    """ValueError unless the accountant is known and 0 < delta < 1."""
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant={accountant!r} is not one of: {', '.join(ACCOUNTANTS)}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta={delta!r} must be in (0, 1)")
 
 
 def _compress(events: list[Event]) -> list[Event]:
@@ -52,10 +61,7 @@ class PrivacyLedger:
     history: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant={self.accountant!r} is not one of: {', '.join(ACCOUNTANTS)}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta={self.delta!r} must be in (0, 1)")
+        check_ledger_settings(self.delta, self.accountant)
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         """Charge `steps` releases of the Gaussian mechanism with (sigma, q)."""
@@ -386,10 +392,7 @@ class TreeAggregationLedger:
     )
 
     def __post_init__(self) -> None:
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant={self.accountant!r} is not one of: {', '.join(ACCOUNTANTS)}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta={self.delta!r} must be in (0, 1)")
+        check_ledger_settings(self.delta, self.accountant)
 
     def _with_round(self, trees: list[list], noise_multiplier: float) -> list[list]:
         """The trees after one more round: a new tree every `epoch_rounds` rounds (the smaller sigma if it changed)."""

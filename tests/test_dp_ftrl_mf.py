@@ -1,0 +1,319 @@
+"""DP-FTRL with matrix-factorization noise (issue 42): the streamed noise equals the dense C^-1 z, min-separation
+participation is enforced by node id, epsilon equals an independent recomputation (jax-privacy's sensitivity,
+dp-accounting's PLD), calibration reaches the target, a resumed run equals an uninterrupted one, jax is imported
+only when asked for, and its absence is refused with the install command."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+import strategies.dp_ftrl_mf as dp_ftrl_mf
+from dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy
+from dpfl_tools.inprocess import InProcessGrid
+from fl_app.client_app import app as client_app
+from fl_app.config import validate
+from fl_app.results import RunDirectory, read_metrics
+from fl_app.server_app import run_federated
+from strategies import DifferentialPrivacy
+from strategies.dp_ftrl_mf import MatrixFactorizationFTRL, prefix_noise_norms
+from strategies.wrapped import reply_message
+from tests.independent_accountant import dp_accounting_epsilons
+from tests.test_dp_ftrl import rel_tolerance, unchanged_weights_client
+from tests.test_resume import CrashingGrid, KilledServerApp, records
+
+BLT = Strategy("blt", buf_decay=(0.9, 0.4), output_scale=(0.3, 0.15))  # c_k = 0.3 0.9^(k-1) + 0.15 0.4^(k-1)
+BANDED = Strategy("banded", bands=(0.8, 0.5, 0.3))
+
+
+def independent_sensitivity(strategy: Strategy, n: int, min_sep: int, k: int) -> float:
+    """jax-privacy's own materialization of C (BufferedToeplitz.toeplitz_coefs) and its min-sep sensitivity."""
+    import jax
+    from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
+
+    with jax.enable_x64(True):
+        if strategy.kind == "blt":
+            coef = buffered_toeplitz.BufferedToeplitz.build(strategy.buf_decay, strategy.output_scale).toeplitz_coefs(n)
+        else:
+            coef = jax.numpy.asarray(strategy.bands)
+        return math.sqrt(float(toeplitz.minsep_sensitivity_squared(coef, min_sep, k, n)))
+
+
+@pytest.mark.parametrize("strategy", [BLT, BANDED], ids=["blt", "banded"])
+def test_the_streamed_noise_equals_the_dense_inverse_of_c_times_z(strategy):
+    n, dim = 12, 5
+    z = np.random.default_rng(0).standard_normal((n, dim))
+    stream = NoiseStream(strategy, dim)
+    streamed = np.stack([stream.next(z[t]) for t in range(n)])
+    dense = np.linalg.solve(strategy.dense(n), z)
+    np.testing.assert_allclose(streamed, dense, rtol=1e-10, atol=1e-12)
+    assert stream.state.shape == (strategy.memory(), dim) and strategy.memory() == 2  # buffers or b - 1, never n
+    # the prefix sums' noise std per unit of sigma C: the row norms of A C^-1
+    rows = np.linalg.norm(np.tril(np.ones((n, n))) @ np.linalg.inv(strategy.dense(n)), axis=1)
+    np.testing.assert_allclose(prefix_noise_norms(strategy, n), rows, rtol=1e-10)
+
+
+def mf_strategy(nodes: int, sigma: float, **part) -> DifferentialPrivacy:
+    return DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=0.1,
+        noise_multiplier=sigma,
+        sample_rate=0.3,
+        noise_placement="central",
+        min_available_nodes=nodes,
+        ftrl=MatrixFactorizationFTRL(**{"kind": "blt", "strategy": BLT, **part}),
+    )
+
+
+@pytest.mark.slow
+def test_min_separation_and_the_participation_cap_are_enforced_and_other_replies_refused():
+    nodes, min_sep, cap, rounds = 10, 4, 2, 9
+    strategy = mf_strategy(nodes, 1.0, min_sep=min_sep, max_participations=cap)
+    grid = InProcessGrid(unchanged_weights_client(), nodes, {})
+    strategy.start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=rounds)
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
+    per_node: dict[int, list[int]] = {}
+    for rnd, node in sent:
+        per_node.setdefault(node, []).append(rnd)
+    assert all(len(r) <= cap and all(b - a >= min_sep for a, b in zip(r, r[1:])) for r in per_node.values())
+    # m = 3 a round: rounds 1-3 take 9 nodes, round 4 the 1 left, round 5 the 3 of round 1 again, ...
+    assert [sum(1 for r, _ in sent if r == rnd) for rnd in range(1, rounds + 1)] == [3, 3, 3, 1, 3, 3, 3, 1, 0]
+    assert sum(len(r) for r in per_node.values()) == nodes * cap  # every node exactly k = 2 times, then none
+
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    fresh = mf_strategy(nodes, 1.0, min_sep=min_sep)
+    fresh.start(InProcessGrid(unchanged_weights_client(), nodes, {}), arrays, num_rounds=1)
+    chosen = [m.metadata.dst_node_id for m in fresh.configure_train(2, arrays, ConfigRecord(), grid)]
+    outsider = next(n for n in grid.get_node_ids() if n not in chosen)
+    update = RecordDict(
+        {"arrays": ArrayRecord({"w": Array(np.ones(4, np.float32))}), "metrics": MetricRecord({"num-examples": 1})}
+    )
+    replies = [reply_message(chosen[0], update), reply_message(chosen[0], update), reply_message(outsider, update)]
+    _, metrics = fresh.aggregate_train(2, replies)
+    assert metrics["clients"] == 1 and metrics["rejected"] == 2
+
+
+@pytest.mark.parametrize("sigma, min_sep, cap", [(2.0, 3, 0), (5.0, 2, 3)])
+def test_epsilon_equals_jax_privacy_sensitivity_and_dp_accounting_pld(sigma, min_sep, cap):
+    nodes, rounds = 9, 8
+    strategy = mf_strategy(nodes, sigma, min_sep=min_sep, max_participations=cap)
+    strategy.start(InProcessGrid(unchanged_weights_client(), nodes, {}), ArrayRecord({"w": Array(np.zeros(3))}), 8)
+    k = cap or math.ceil(rounds / min_sep)
+    sensitivity = independent_sensitivity(BLT, rounds, min_sep, k)
+    assert sensitivity > 1.0  # several participations: more than one column's norm
+    expected, _ = dp_accounting_epsilons(sigma / sensitivity, 1.0, 1, strategy.ledger.delta)
+    assert strategy.ledger.epsilon() == pytest.approx(expected, rel=2e-3)
+    assert strategy.describe()["ftrl"]["sensitivity"] == pytest.approx(sensitivity, rel=1e-12)
+    assert strategy.describe()["ftrl"]["equivalent_noise_multiplier"] == pytest.approx(sigma / sensitivity)
+
+
+def test_the_released_model_moves_by_the_streamed_noise_with_the_prefix_std():
+    """w_t - w_0 = eta sigma C (A C^-1 z)_t / m: its std is eta sigma C ||row t of A C^-1|| / m."""
+    nodes, dim, sigma = 10, 100_000, 2.0
+    strategy = mf_strategy(nodes, sigma, kind="banded", strategy=BANDED, min_sep=3)
+    models = []
+    strategy.on_checkpoint = lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
+    strategy.start(InProcessGrid(unchanged_weights_client(), nodes, {}), ArrayRecord({"w": Array(np.zeros(dim))}), 5)
+    norms = prefix_noise_norms(BANDED, 5)
+    for model, norm in zip(models, norms):
+        assert model.std() == pytest.approx(sigma * 0.1 * norm / 3, rel=rel_tolerance(dim))
+
+
+@pytest.mark.parametrize("amplified", [False, True], ids=["banded", "amplified-banded"])
+def test_calibration_reaches_the_target_epsilon(amplified):
+    nodes, rounds, target = 9, 8, 3.0
+    strategy = DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=0.1,
+        noise_multiplier=1.0,
+        sample_rate=0.3,
+        noise_placement="central",
+        min_available_nodes=nodes,
+        target_epsilon=target,
+        target_epsilon_mode="calibrate",
+        ftrl=MatrixFactorizationFTRL("banded", min_sep=3, strategy=BANDED, amplified=amplified),
+    )
+    strategy.start(InProcessGrid(unchanged_weights_client(), nodes, {}), ArrayRecord({"w": Array(np.zeros(3))}), rounds)
+    assert strategy.completed_rounds == rounds
+    assert target * 0.99 < strategy.ledger.epsilon() <= target
+    assert strategy.noise_multiplier > 1.0  # sigma = sens x the Gaussian multiplier of the target
+
+
+SMALL = {
+    "dataset": "digits",
+    "model": "mlp",
+    "partitioner": "iid",
+    "local-steps": 2,
+    "batch-size": 16,
+    "num-rounds": 5,
+    "sample-rate": 0.5,
+    "secure-rng": False,
+    "algorithm": "dp-ftrl",
+    "ftrl-strategy": "blt",
+    "noise-placement": "central",
+}
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_noise_stream_and_epsilon(tmp_path, monkeypatch):
+    """Killed in round 3 and resumed: the same models, records and epsilon as the uninterrupted run (the strategy
+    is fixed here: its optimization is tested in the slow tier)."""
+    optimized = []
+    monkeypatch.setattr(dp_ftrl_mf, "optimize_strategy", lambda *args: optimized.append(args) or BLT)
+    whole_cfg = validate({**SMALL, "results-dir": str(tmp_path / "whole")})
+    whole = run_federated(InProcessGrid(client_app, 4, whole_cfg), whole_cfg)
+    cfg = validate({**SMALL, "results-dir": str(tmp_path / "killed")})
+    grid = CrashingGrid(client_app, 4, cfg)
+    grid.crash_round = 3
+    with pytest.raises(KilledServerApp):
+        run_federated(grid, cfg)
+    grid.crash_round = 0
+    resumed = run_federated(grid, validate({**SMALL, "results-dir": str(tmp_path / "killed"), "resume": True}))
+    assert resumed["resumed_after_round"] == 2 and resumed["epsilon"] == whole["epsilon"]
+    assert optimized == [("blt", 5, 2, 3, 6)] * 2  # b = 4 // 2; computed once per fresh run, not on resume
+    assert records(tmp_path / "killed") == records(tmp_path / "whole")
+    for a, b in zip(
+        RunDirectory(tmp_path / "killed", resume=True).checkpoint[1],
+        RunDirectory(tmp_path / "whole", resume=True).checkpoint[1],
+    ):
+        np.testing.assert_array_equal(a, b)
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["ftrl"]["coefficients"] == BLT.as_dict() and summary["ledger"]["rounds"] == 5
+    assert len(read_metrics(tmp_path / "whole")) == 5
+
+
+@pytest.mark.slow
+def test_jax_is_not_imported_by_default_and_its_absence_is_refused_with_the_install_command():
+    code = (
+        "import sys\n"
+        "import dpfl, strategies, fl_app.server_app, fl_app.client_app\n"
+        "from fl_app.config import validate\n"
+        "validate({'algorithm': 'dp-ftrl'})\n"
+        "assert 'jax' not in sys.modules, 'jax imported'\n"
+        "sys.modules['jax_privacy'] = None\n"  # as if not installed
+        "try:\n"
+        "    validate({'algorithm': 'dp-ftrl', 'ftrl-strategy': 'blt'})\n"
+        "except Exception as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "'ftrl-strategy' = 'blt'" in out.stdout and 'pip install -e ".[mf]"' in out.stdout
+
+
+@pytest.mark.slow
+def test_blt_and_banded_add_less_noise_than_the_tree_at_equal_epsilon():
+    """n = 100 rounds, min separation 10, epsilon 8 (delta 1e-5): jax-privacy's optimized strategies against the
+    tree, each calibrated by the ledger to the same epsilon (benchmarks/mf_noise.py)."""
+    from benchmarks.mf_noise import measure
+
+    rows = measure(100, 10, 8.0, 1e-5)
+    for kind in ("blt", "banded"):
+        assert rows[kind]["epsilon"] == pytest.approx(8.0, rel=1e-3)
+        assert rows[kind]["max_std"] < rows["tree"]["max_std"] and rows[kind]["mean_std"] < rows["tree"]["mean_std"]
+    assert rows["tree"]["epsilon"] <= 8.0 * 1.001
+
+
+@pytest.mark.slow
+def test_plain_flwr_run_with_banded_noise_prints_the_independently_recomputed_epsilon(superlink, tmp_path):
+    from dpfl_tools.plan import format_run_config
+    from dpfl_tools.processes import BIN
+
+    root = Path(__file__).resolve().parents[1]
+    config = {
+        **{k: v for k, v in SMALL.items() if k != "secure-rng"},
+        "ftrl-strategy": "banded",
+        "num-rounds": 3,
+        "results-dir": str(tmp_path / "run"),
+    }
+    out = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(root),
+            "--stream",
+            "--run-config",
+            format_run_config(config),
+            "--federation-config",
+            "num-supernodes=4 client-resources-num-cpus=1",
+        ],
+        env=superlink,
+        timeout=500,
+        capture_output=True,
+        text=True,
+    )
+    summary_file = tmp_path / "run" / "summary.json"
+    assert summary_file.exists(), (out.stdout + out.stderr)[-3000:]
+    summary = json.loads(summary_file.read_text())
+    ftrl, ledger = summary["ftrl"], summary["ledger"]
+    assert ftrl["strategy"] == "banded" and ledger["rounds"] == 3 and ftrl["min_separation"] == 2
+    strategy = Strategy.from_dict(ftrl["coefficients"])
+    assert len(strategy.bands) == 2  # b = 4 nodes // 2 per round bands
+    sensitivity = independent_sensitivity(strategy, 3, 2, ftrl["max_participations"])
+    expected, _ = dp_accounting_epsilons(summary["noise_multiplier"] / sensitivity, 1.0, 1, summary["delta"])
+    assert summary["epsilon"] == pytest.approx(expected, rel=2e-3)
+
+
+def test_the_model_steps_by_the_noisy_round_sum_and_its_momentum_form():
+    """No noise (sigma = 0): w_t = w_{t-1} + eta v_t / m with v_t = gamma v_{t-1} + x_t."""
+    from types import SimpleNamespace
+
+    part = MatrixFactorizationFTRL("blt", momentum=0.5, strategy=BLT)
+    part.clients_per_round = 2
+    dp = SimpleNamespace(ledger=SimpleNamespace(rounds=0), noise_multiplier=0.0, clipping_norm=1.0)
+    dp.server_learning_rate = 0.1
+    w, velocity = np.zeros(3, np.float32), np.zeros(3)
+    for t, x in enumerate([np.array([1.0, 0, 0]), np.array([0, 2.0, 0]), np.array([0, 0, 4.0])], start=1):
+        w_next, std = part.release(dp, t, [x.astype(np.float32)], w, 1)
+        velocity = 0.5 * velocity + x
+        np.testing.assert_allclose(w_next, w + 0.1 * velocity / 2, rtol=1e-6)
+        assert std == 0.0
+        w, dp.ledger.rounds = w_next, t
+
+
+def test_amplified_banded_samples_the_rounds_group_and_matches_jax_privacys_cyclic_poisson_accountant():
+    """Nodes in b = 2 groups by node id, round t's group sampled with p = q b = 0.5; epsilon: ceil(t / b)
+    Poisson-sampled Gaussian releases at sigma / ||c|| (jax-privacy's DpsgdTrainingAccountant with cycle_length)."""
+    from jax_privacy import accounting
+
+    nodes, rounds, sigma, q, b = 12, 6, 1.5, 0.25, 2
+    bands = Strategy("banded", bands=(0.8, 0.6))  # ||c|| = 1
+    strategy = DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=0.1,
+        noise_multiplier=sigma,
+        sample_rate=q,
+        noise_placement="central",
+        min_available_nodes=nodes,
+        ftrl=MatrixFactorizationFTRL("banded", min_sep=b, strategy=bands, amplified=True),
+    )
+    grid = InProcessGrid(unchanged_weights_client(), nodes, {})
+    strategy.start(grid, ArrayRecord({"w": Array(np.zeros(3))}), rounds)
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
+    assert sent and all(node % b == (rnd - 1) % b for rnd, node in sent)
+    assert 0 < len(sent) < nodes * rounds / b  # sampled: not every node of each group, every round
+    params = accounting.DpParams(
+        noise_multipliers=sigma, num_samples=b * 1000, batch_size=500, delta=strategy.ledger.delta, cycle_length=b
+    )
+    expected = accounting.DpsgdTrainingAccountant(accounting.PldAccountantConfig()).compute_epsilon(rounds, params)
+    assert strategy.ledger.epsilon() == pytest.approx(expected, rel=1e-2)
+    assert strategy.ledger.epsilon() == pytest.approx(
+        dp_accounting_epsilons(sigma, 0.5, 3, strategy.ledger.delta)[0], rel=2e-3
+    )
+    assert (
+        strategy.ledger.epsilon()
+        < MatrixFactorizationLedger(
+            strategy.ledger.delta,
+            strategy=bands.as_dict(),
+            min_sep=b,
+            max_participations=3,
+            rounds=rounds,
+            noise_multiplier=sigma,
+        ).epsilon()
+    )  # below the same noise without sampling
