@@ -196,7 +196,8 @@ class DifferentialPrivacy(DPRoundLoop):
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
             rounds = max(1, self.num_rounds)
-            reserve = 0.0 if fixed else rounds * TRUNCATION_PROBABILITY  # what sampling reserves out of delta
+            # what sampling and the parts (SecAgg+'s quantizer) reserve out of delta
+            reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + self.failure_probability())
             self.noise_multiplier = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
                 self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant
             )
@@ -327,7 +328,8 @@ class DifferentialPrivacy(DPRoundLoop):
         self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int | None = None
     ) -> np.ndarray:
         """The mechanism's release, w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the
-        ledger (with the probability that this round's sample was truncated to n_s, reserved out of delta).
+        ledger (with the probability that this round's sample was truncated to n_s, and the parts' failure
+        probability, reserved out of delta).
 
         `received`: how many client noise shares the updates carry (default len(updates); under
         SecAgg+ one summed vector carries the shares of every client that made it into the sum).
@@ -342,10 +344,15 @@ class DifferentialPrivacy(DPRoundLoop):
             self.sample_rate,
             self.noise_shares,
             received,
-            truncation_probability=self.round.truncation_probability,
+            truncation_probability=self.round.truncation_probability + self.failure_probability(),
             sampled_from=self.round.sampled_from,
         )
         return new_global
+
+    def failure_probability(self) -> float:
+        """What the parts reserve out of delta each round beside the truncation probability (SecAgg+'s quantizer
+        clipping: `SecureAggregation.failure_probability`)."""
+        return sum(part.failure_probability() for part in self.parts)
 
     def privacy_spent(self) -> PrivacySpent | None:
         """What Flower's DP wrappers' `privacy_spent()` returns, from the ledger: epsilon and delta of the model
@@ -381,7 +388,7 @@ class DifferentialPrivacy(DPRoundLoop):
             self.accounted_noise_multiplier(),
             self.sample_rate,
             1,
-            self.selection.next_truncation_probability(self),
+            self.selection.next_truncation_probability(self) + self.failure_probability(),
             sampled_from=self.round.sampled_from,
         )
         return epsilon > self.target_epsilon

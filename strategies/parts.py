@@ -67,6 +67,11 @@ class Part:
         charges the mechanism's `accounted_noise_multiplier`)."""
         return noise_multiplier
 
+    def failure_probability(self) -> float:
+        """P(a round's release is not the mechanism the ledger charges) through this part, reserved out of delta
+        every round as the truncation probability is (SecAgg+'s quantizer clipping)."""
+        return 0.0
+
     def client_config(self, dp, server_round: int) -> dict:
         """What the train config gains for this part."""
         return {}

@@ -22,11 +22,12 @@ from fl_app.client_app import app as fl_client_app
 from fl_app.config import validate
 from fl_app.server_app import run_federated
 from strategies.dp_fedavg import DPFedAvg
-from strategies.secagg import SecAggPlusDPFedAvg, secagg_clipping_range
+from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg, secagg_clipping_range
 from tests.stub_clients import FixedUpdateClient
 
 C, SIGMA = 0.5, 1.3
 N_S, DELTA = 6, 1e-5  # 5 nodes sampled with q = 1: n_s = M + 1 noise shares (a neighbour has one client more)
+CLIP = 1e-9  # DPSecAggPlusWorkflow's quantizer-clip probability a round, reserved out of delta (no truncation: q = 1)
 
 
 class SpySecAggPlusDPFedAvg(SecAggPlusDPFedAvg):
@@ -61,15 +62,15 @@ def initial() -> ArrayRecord:
     return ArrayRecord(get_weights(nn.Linear(1000, 100)))
 
 
-def run_secagg_round(num_nodes, update_fn, fail=None):
+def run_secagg_round(num_nodes, update_fn, fail=None, workflow=None, num_rounds=1):
     uploads: dict = {}
     grid = InProcessGrid(secagg_stub_app(update_fn, uploads), num_nodes, {}, fail=fail)
     dp = DPFedAvg(
         sample_rate=1.0, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed", seed=3
     )  # q = 1: every node, every round
-    strategy = SpySecAggPlusDPFedAvg(dp)
+    strategy = SpySecAggPlusDPFedAvg(dp, workflow=workflow)
     start = initial()
-    result = strategy.start(grid, start, num_rounds=1)
+    result = strategy.start(grid, start, num_rounds=num_rounds)
     delta = flatten(result.arrays.to_numpy_ndarrays()) - flatten(start.to_numpy_ndarrays())
     return strategy, grid, uploads, delta
 
@@ -108,10 +109,10 @@ def test_strategy_receives_only_the_sum():
     # the server saw only the noisy sum of 5 shares (multiplier sigma sqrt(5/6), no amplification): a
     # diagnostic, since it depends on how many shares arrived
     described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
-    assert described["epsilon"] == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
+    assert described["epsilon"] == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA - CLIP))
     assert "epsilon_against_server" not in described and described["ledger"]["server"].startswith("in diagnostics")
     assert diagnostics["epsilon_against_server"] == pytest.approx(
-        epsilon_of([(SIGMA * math.sqrt(5 / 6) / 2, 1.0, 1)], DELTA)
+        epsilon_of([(SIGMA * math.sqrt(5 / 6) / 2, 1.0, 1)], DELTA - CLIP)
     )
     assert described["secure_aggregation"] is True
 
@@ -137,9 +138,9 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
     assert abs(delta.std() / expected - 1) < 5 / math.sqrt(2 * delta.size)
     # the server saw the sum before its own top-up: multiplier sigma * sqrt(4/6) against it
     ledger = strategy.ledger
-    assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
+    assert ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA - CLIP))
     assert ledger.epsilon_against_server() == pytest.approx(
-        epsilon_of([(SIGMA * math.sqrt(4 / N_S) / 2, 1.0, 1)], DELTA)
+        epsilon_of([(SIGMA * math.sqrt(4 / N_S) / 2, 1.0, 1)], DELTA - CLIP)
     )
     assert ledger.epsilon_against_server() > ledger.epsilon()
 
@@ -153,8 +154,39 @@ def test_secagg_halts_when_too_few_finish():
     assert record["clients"] == 0 and "no aggregate" in record["problems"][0]
     assert strategy.dp.round.server_noise_std == pytest.approx(SIGMA * C)
     assert abs(delta.std() / (SIGMA * C / 5) - 1) < 5 / math.sqrt(2 * delta.size)
-    assert strategy.ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA))
+    assert strategy.ledger.epsilon() == pytest.approx(epsilon_of([(SIGMA, 1.0, 1)], DELTA - CLIP))
     assert strategy.ledger.epsilon_against_server() == 0
+
+
+def test_quantizer_clip_probability_is_reserved_out_of_delta_every_round():
+    """Issue 39 item 3: SecAgg+'s quantizer clips a coordinate with probability <= failure_probability a round, and
+    the sum is then not the Gaussian mechanism: like the truncation probability, it is summed over the rounds and
+    reserved out of delta, for the model's figure and the server's. 1e-6 a round of delta 1e-5, 2 rounds: eps at
+    0.8e-5, about 2% above eps at 1e-5; the budget check predicts with the same reserve."""
+    workflow = DPSecAggPlusWorkflow(failure_probability=1e-6)
+    strategy, _, _, _ = run_secagg_round(5, signal, workflow=workflow, num_rounds=2)
+    ledger = strategy.ledger
+    assert [r["clients"] for r in strategy.history] == [5, 5]
+    assert ledger.truncation_delta == pytest.approx(2e-6, rel=1e-9)  # q = 1, n_s = 6 > 5 nodes: no truncation
+    expected = epsilon_of([(SIGMA, 1.0, 2)], DELTA - 2e-6)
+    assert ledger.epsilon() == pytest.approx(expected, rel=1e-9)
+    assert ledger.epsilon() > epsilon_of([(SIGMA, 1.0, 2)], DELTA) * 1.01  # the reserve is not negligible here
+    assert ledger.epsilon_against_server() == pytest.approx(
+        epsilon_of([(SIGMA * math.sqrt(5 / N_S) / 2, 1.0, 2)], DELTA - 2e-6), rel=1e-9
+    )
+    # the budget check before a third round reserves it too: a target between eps(3 rounds) at delta less
+    # 2 rounds' and less 3 rounds' reserve (and the 1e-12 truncation floor) stops the run only with the reserve
+    dp = strategy.dp
+    with_reserve = epsilon_of([(SIGMA, 1.0, 3)], DELTA - 3e-6 - 1e-12)
+    without = epsilon_of([(SIGMA, 1.0, 3)], DELTA - 2e-6 - 1e-12)
+    dp.target_epsilon = (with_reserve + without) / 2
+    assert dp.failure_probability() == 1e-6 and dp.budget_exhausted()
+    workflow_part = next(p for p in dp.parts if p.server_sees_only_the_sum)
+    workflow_part.quantizer_clip_probability = 0.0
+    assert not dp.budget_exhausted()
+    assert "quantizer-clip probability" in ledger.relation
+    with pytest.raises(ValueError, match="failure_probability=0"):
+        DPSecAggPlusWorkflow(failure_probability=0)
 
 
 def test_secagg_rejects_unequal_weights():
