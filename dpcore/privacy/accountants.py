@@ -3,9 +3,10 @@
 `epsilon_of` composes Poisson-sampled Gaussian events (sigma, q, steps) with the accountant named in the
 registry: Google dp-accounting's privacy-loss-distribution (PLD) accountant by default (pessimistic
 discretisation, so its epsilon is an upper bound, on a grid coarsened for small multipliers: `pld_intervals`),
-Opacus' RDP or PRV selectable; RDP stands in where PRV (below sigma 0.2) or PLD (an overflow) gives no number. Beside them: the RDP bounds of sampling without replacement
-(`fixed_size_epsilon`) and of DP-FTRL's trees (`tree_aggregation_rdp_epsilon`). The ledgers
-(`dpcore.privacy.ledger`) keep the events; this module only composes them.
+Opacus' RDP or PRV selectable; RDP stands in where PRV (below sigma 0.2) or PLD (a failure, an overflow) gives
+no number. Beside them: the RDP bounds of sampling without replacement (`fixed_size_epsilon`) and of DP-FTRL's
+trees (`tree_aggregation_rdp_epsilon`). The ledgers (`dpcore.privacy.ledger`) keep the events; this module only
+composes them.
 """
 
 from __future__ import annotations
