@@ -178,11 +178,14 @@ def _pld_epsilon(events: list[Event], delta: float) -> float:
     """dp-accounting's PLD (pessimistic estimate) of the composed Poisson-subsampled Gaussian events, on the grids
     of `pld_intervals` from the coarsest, each halving the last, until the estimate moves by less than
     PLD_TOLERANCE (or the grid is PLD_DISCRETIZATION): within about that share of the finest grid's bound, in
-    seconds where the finest grid would take minutes and gigabytes."""
+    seconds where the finest grid would take minutes and gigabytes. A grid is kept at once where it provably is
+    within that share: pessimistic rounding raises each of the n PLDs composed (one per sampled step, one per
+    Gaussian) by less than the interval, so epsilon by less than n times it."""
+    composed = sum(1 if q >= 1 else steps for _, q, steps in events)
     last = math.inf
     for interval in pld_intervals(tuple(events)):
         eps = _pld_epsilon_on(tuple(events), delta, interval)
-        if abs(last - eps) <= PLD_TOLERANCE * eps:
+        if composed * interval <= PLD_TOLERANCE * eps or abs(last - eps) <= PLD_TOLERANCE * eps:
             break
         last = eps
     return eps
