@@ -43,7 +43,7 @@ from .audit import AuditCanaries
 from .mechanism import GaussianMechanism
 from .noise_placement import noise_placement as make_noise_placement
 from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
-from .parts import ROLES, Part, filling, keywords_of
+from .parts import ROLES, Part, failure_probability, filling, keywords_of
 from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
@@ -197,7 +197,7 @@ class DifferentialPrivacy(DPRoundLoop):
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
             rounds = max(1, self.num_rounds)
             # what sampling and the parts (SecAgg+'s quantizer) reserve out of delta
-            reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + self.failure_probability())
+            reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
             self.noise_multiplier = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
                 self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant
             )
@@ -344,15 +344,10 @@ class DifferentialPrivacy(DPRoundLoop):
             self.sample_rate,
             self.noise_shares,
             received,
-            truncation_probability=self.round.truncation_probability + self.failure_probability(),
+            truncation_probability=self.round.truncation_probability + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
         )
         return new_global
-
-    def failure_probability(self) -> float:
-        """What the parts reserve out of delta each round beside the truncation probability (SecAgg+'s quantizer
-        clipping: `SecureAggregation.failure_probability`)."""
-        return sum(part.failure_probability() for part in self.parts)
 
     def privacy_spent(self) -> PrivacySpent | None:
         """What Flower's DP wrappers' `privacy_spent()` returns, from the ledger: epsilon and delta of the model
@@ -388,7 +383,7 @@ class DifferentialPrivacy(DPRoundLoop):
             self.accounted_noise_multiplier(),
             self.sample_rate,
             1,
-            self.selection.next_truncation_probability(self) + self.failure_probability(),
+            self.selection.next_truncation_probability(self) + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
         )
         return epsilon > self.target_epsilon

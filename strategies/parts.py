@@ -147,3 +147,9 @@ def filling(parts: Sequence[Part], role: str, default: Part) -> Part:
 
 def keywords_of(parts: Iterable[Part]) -> frozenset[str]:
     return frozenset(p.keyword for p in parts if p.keyword)
+
+
+def failure_probability(parts: Iterable[Part]) -> float:
+    """What the parts reserve out of delta each round beside the truncation probability (SecAgg+'s quantizer
+    clipping: `SecureAggregation.failure_probability`)."""
+    return sum(part.failure_probability() for part in parts)

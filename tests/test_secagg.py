@@ -22,6 +22,7 @@ from fl_app.client_app import app as fl_client_app
 from fl_app.config import validate
 from fl_app.server_app import run_federated
 from strategies.dp_fedavg import DPFedAvg
+from strategies.parts import failure_probability
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg, secagg_clipping_range
 from tests.stub_clients import FixedUpdateClient
 
@@ -180,7 +181,7 @@ def test_quantizer_clip_probability_is_reserved_out_of_delta_every_round():
     with_reserve = epsilon_of([(SIGMA, 1.0, 3)], DELTA - 3e-6 - 1e-12)
     without = epsilon_of([(SIGMA, 1.0, 3)], DELTA - 2e-6 - 1e-12)
     dp.target_epsilon = (with_reserve + without) / 2
-    assert dp.failure_probability() == 1e-6 and dp.budget_exhausted()
+    assert failure_probability(dp.parts) == 1e-6 and dp.budget_exhausted()
     workflow_part = next(p for p in dp.parts if p.server_sees_only_the_sum)
     workflow_part.quantizer_clip_probability = 0.0
     assert not dp.budget_exhausted()
