@@ -44,7 +44,7 @@ from .audit import AuditCanaries
 from .mechanism import GaussianMechanism
 from .noise_placement import noise_placement as make_noise_placement
 from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
-from .parts import ROLES, Part, filling, keywords_of
+from .parts import ROLES, Part, failure_probability, filling, keywords_of
 from .reply_gate import MetricRule
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
@@ -222,7 +222,8 @@ class DifferentialPrivacy(DPRoundLoop):
         if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
             fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
             rounds = max(1, self.num_rounds)
-            reserve = 0.0 if fixed else rounds * TRUNCATION_PROBABILITY  # what sampling reserves out of delta
+            # what sampling and the parts (SecAgg+'s quantizer) reserve out of delta
+            reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
             own = getattr(self.mechanism, "calibrated_noise_multiplier", None)
             self.noise_multiplier = (
                 own(self, ledger)
@@ -359,7 +360,8 @@ class DifferentialPrivacy(DPRoundLoop):
         self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int | None = None
     ) -> np.ndarray:
         """The mechanism's release, w + eta_s * (sum_i Delta_i + server noise) / m, and the round charged to the
-        ledger (with the probability that this round's sample was truncated to n_s, reserved out of delta).
+        ledger (with the probability that this round's sample was truncated to n_s, and the parts' failure
+        probability, reserved out of delta).
 
         `received`: how many client noise shares the updates carry (default len(updates); under
         SecAgg+ one summed vector carries the shares of every client that made it into the sum).
@@ -374,7 +376,7 @@ class DifferentialPrivacy(DPRoundLoop):
             self.sample_rate,
             self.noise_shares,
             received,
-            truncation_probability=self.round.truncation_probability,
+            truncation_probability=self.round.truncation_probability + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
         )
         return new_global
@@ -414,7 +416,7 @@ class DifferentialPrivacy(DPRoundLoop):
             self.accounted_noise_multiplier(),
             self.sample_rate,
             1,
-            self.selection.next_truncation_probability(self),
+            self.selection.next_truncation_probability(self) + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
         )
         return epsilon > self.target_epsilon

@@ -67,6 +67,11 @@ class Part:
         charges the mechanism's `accounted_noise_multiplier`)."""
         return noise_multiplier
 
+    def failure_probability(self) -> float:
+        """P(a round's release is not the mechanism the ledger charges) through this part, reserved out of delta
+        every round as the truncation probability is (SecAgg+'s quantizer clipping)."""
+        return 0.0
+
     def client_config(self, dp, server_round: int) -> dict:
         """What the train config gains for this part."""
         return {}
@@ -142,3 +147,9 @@ def filling(parts: Sequence[Part], role: str, default: Part) -> Part:
 
 def keywords_of(parts: Iterable[Part]) -> frozenset[str]:
     return frozenset(p.keyword for p in parts if p.keyword)
+
+
+def failure_probability(parts: Iterable[Part]) -> float:
+    """What the parts reserve out of delta each round beside the truncation probability (SecAgg+'s quantizer
+    clipping: `SecureAggregation.failure_probability`)."""
+    return sum(part.failure_probability() for part in parts)

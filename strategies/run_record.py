@@ -9,8 +9,8 @@ from flwr.app import MetricRecord
 
 def bound_note(asked: str, ledger) -> str | None:
     """A line for the log when the printed epsilon is another bound than the accountant asked for (the tighter of
-    two valid bounds under fixed-size sampling, DP-FTRL's tree bound, or RDP where PLD would need minutes and
-    gigabytes); None when it is the one asked for."""
+    two valid bounds under fixed-size sampling, DP-FTRL's tree bound, or RDP where PLD fails or PRV would need
+    minutes and gigabytes); None when it is the one asked for."""
     used = ledger.model_bound_by() if hasattr(ledger, "model_bound_by") else asked
     if used.split(" ")[0] == asked:  # e.g. "pld (equivalent Gaussian)": the accountant asked for
         return None

@@ -14,7 +14,9 @@ SecAgg+ quantizes each upload x to integers after clipping every coordinate to [
 `secagg_clipping_range` picks R = C + z s (s = noise-share std, z from a union bound over
 all coordinates of all clients) so that the quantizer clips nothing except with
 probability `failure_probability` per round: a clipped coordinate would change the sum
-nonlinearly and void the accounting of the sum as one Gaussian release.
+nonlinearly and void the accounting of the sum as one Gaussian release, so the ledger reserves that
+probability out of delta every round (`SecureAggregation.failure_probability`), as it does the truncation
+probability: epsilon is the accountant's at delta - sum over rounds of (truncation + quantizer clip).
 """
 
 from __future__ import annotations
@@ -280,7 +282,9 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
     (max_weight = 1: the DP mods send weight 1) and a quantizer range R that the noisy updates do not reach
     (`secagg_clipping_range`) with as many levels as the modulus allows (`secagg_quantization_range`), both
     recomputed every round; a max_weight, clipping_range or quantization_range given is replaced (said once in
-    the log). It is the one owner of the SecAgg+ settings; the number of rounds comes from the ServerConfig."""
+    the log). R is exceeded with probability at most `failure_probability` a round, which the strategy's ledger
+    reserves out of delta every round. It is the one owner of the SecAgg+ settings; the number of rounds comes
+    from the ServerConfig."""
 
     def __init__(
         self,
@@ -297,6 +301,11 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
         super().__init__(
             num_shares, reconstruction_threshold, max_weight=1.0, modulus_range=modulus_range, timeout=timeout
         )
+        if not 0 < failure_probability < 1:
+            raise ValueError(
+                f"failure_probability={failure_probability!r} must be in (0, 1): the probability per round that "
+                "SecAgg+'s quantizer clips a coordinate, reserved out of delta"
+            )
         self.failure_probability = failure_probability
         given = {"max_weight": max_weight, "clipping_range": clipping_range, "quantization_range": quantization_range}
         replaced = {k: v for k, v in given.items() if v is not None}
@@ -321,6 +330,9 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
                 "LegacyDPFedAvg (all from dpfl)"
             )
         dp = strategy.dp
+        for part in dp.parts:  # the ledger reserves the quantizer's clip probability out of delta, every round
+            if isinstance(part, SecureAggregation):
+                part.quantizer_clip_probability = self.failure_probability
         if dp.num_rounds <= 0:  # the ServerConfig's, unless the strategy was given num_rounds
             dp.set_num_rounds(context.config.num_rounds)
         strategy.ensure_population(context.client_manager)

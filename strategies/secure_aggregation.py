@@ -1,7 +1,8 @@
 """Secure aggregation as a part of the wrapper: the server only ever sees the sum (SecAgg+, `strategies.secagg`).
 
-It changes the "against the server" figure only: under SecAgg+ that figure depends on how many noise shares
-reached the sum, so it is a diagnostic (diagnostics-summary.json), not a published figure.
+It changes the "against the server" figure: under SecAgg+ that figure depends on how many noise shares reached the
+sum, so it is a diagnostic (diagnostics-summary.json), not a published figure. And every round reserves the
+quantizer's clip probability out of delta (`failure_probability`), for both figures.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ class SecureAggregation(Part):
     keyword = "secure_aggregation"
     server_sees_only_the_sum = True
 
+    def __init__(self) -> None:
+        self.quantizer_clip_probability = 0.0  # set each round by DPSecAggPlusWorkflow (`strategies.secagg`)
+
     @classmethod
     def from_keywords(cls, keywords: dict) -> SecureAggregation | None:
         return cls() if keywords.pop("secure_aggregation", False) else None
 
     def check(self, privacy, others: frozenset[str]) -> None:
         check_secure_aggregation(privacy.noise_placement, privacy.clipping_norm)
+
+    def failure_probability(self) -> float:
+        """SecAgg+'s quantizer may clip a coordinate (bounded per round by DPSecAggPlusWorkflow's
+        failure_probability): the sum is then not the Gaussian mechanism, so the ledger reserves it out of delta."""
+        return self.quantizer_clip_probability
 
     def publish(self, published: frozenset[str]) -> frozenset[str]:
         return published - {"epsilon_against_server"}

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from dpcore.privacy import accountants
 from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
 from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta, per_update_noise_multiplier
 from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
@@ -149,6 +150,64 @@ def test_prv_with_tiny_sigma_falls_back_to_a_finite_rdp_bound():
     assert math.isfinite(eps) and eps == pytest.approx(epsilon_of([(0.1, 1.0, 30)], 1e-3, "rdp"))
 
 
+# Issue 39 item 2: (sigma, q, steps) below sigma 0.2, where the ledger printed RDP's bound (3.7% to 687% above PLD's)
+SMALL_SIGMA = [(0.05, 1.0, 1), (0.15, 1 / 8, 24), (0.15, 0.1, 100), (0.1, 0.01, 1000)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigma,q,steps", SMALL_SIGMA)
+def test_small_sigma_is_accounted_by_pld_within_2_percent_of_its_fine_grid(sigma, q, steps):
+    """Below sigma 0.2 the ledger prints PLD's bound on a coarser grid (`pld_intervals`), not RDP's: within 2% of
+    dp-accounting's PLDAccountant on its 1e-4 grid, never below it; RDP's bound is 3.7% to 687% above (the
+    fine references take 20-110 s each on 2 shared cores, the ledger a few seconds)."""
+    events = [(sigma, q, steps)]
+    eps = epsilon_of(events, 1e-5)
+    fine_pld, rdp_bound = dp_accounting_epsilons(sigma, q, steps, 1e-5)
+    assert fine_pld <= eps <= fine_pld * 1.02, (eps, fine_pld)
+    assert accountants.accountant_used(events, 1e-5, "pld") == "pld"
+    assert rdp_bound > eps * 1.03  # what the RDP fallback printed was looser: 294.86, 282.12, 702.9, 9405
+
+
+@pytest.mark.parametrize("sigma,steps", [(0.05, 1), (0.15, 24)])
+def test_small_sigma_unsampled_is_pld_above_and_within_2_percent_of_the_exact_gaussian(sigma, steps):
+    """q = 1: k releases are one Gaussian mechanism at sigma / sqrt(k), whose delta(eps) dp-accounting computes in
+    closed form (Balle and Wang, arXiv 1805.06530): the ledger's epsilon is an upper bound of the exact one
+    (delta at it <= 1e-5) and within 2% of it (delta at eps / 1.02 > 1e-5); RDP printed 294.86 for sigma 0.05."""
+    from dp_accounting.pld.privacy_loss_mechanism import GaussianPrivacyLoss
+
+    eps = epsilon_of([(sigma, 1.0, steps)], 1e-5)
+    exact = GaussianPrivacyLoss(sigma / math.sqrt(steps))
+    assert exact.get_delta_for_epsilon(eps) <= 1e-5 < exact.get_delta_for_epsilon(eps / 1.02)
+    assert accountants.accountant_used([(sigma, 1.0, steps)], 1e-5, "pld") == "pld"
+    assert epsilon_of([(sigma, 1.0, steps)], 1e-5, "rdp") > eps * 1.03
+
+
+def test_pld_grid_is_the_fine_one_from_sigma_0_2_and_coarser_below():
+    """The interval is 1e-3 where every multiplier is >= 0.2 (the figures there do not move) and below it grows as
+    the loss's span 1/s^2 + 20/s over 125,000 points (sqrt(1 + k q) wider for k sampled steps); the refinement
+    halves it down to 1e-3."""
+    assert accountants.pld_intervals(((0.2, 0.5, 30),)) == [1e-3]
+    assert accountants.pld_intervals(((1.0, 1.0, 50), (0.3, 0.1, 1000))) == [1e-3]
+    coarse = accountants.pld_intervals(((0.05, 1.0, 1), (1.0, 0.5, 10)))
+    assert coarse[0] == pytest.approx((0.05**-2 + 20 / 0.05) / 125_000) and coarse[-1] == 1e-3
+    assert all(b == pytest.approx(max(1e-3, a / 2)) for a, b in zip(coarse, coarse[1:]))
+    sampled = accountants.pld_intervals(((0.1, 0.01, 1000),))[0]
+    assert sampled == pytest.approx((0.1**-2 + 20 / 0.1) * math.sqrt(11) / 125_000)
+
+
+def test_where_pld_truly_fails_rdp_stands_in_and_says_why():
+    """sigma 1e-6: dp-accounting's Gaussian PLD overflows (a math range error) even on a coarse grid: RDP's finite
+    bound, named with the reason; PRV still stands down below 0.2."""
+    events = [(1e-6, 1.0, 1)]
+    assert epsilon_of(events, 1e-5) == epsilon_of(events, 1e-5, "rdp") and math.isfinite(epsilon_of(events, 1e-5))
+    assert accountants.accountant_used(events, 1e-5, "pld").startswith(
+        "rdp (pld failed at a noise multiplier of 1e-06 charged: OverflowError"
+    )
+    assert accountants.accountant_used([(0.1, 1.0, 30)], 1e-3, "prv").startswith(
+        "rdp (a noise multiplier of 0.1 charged, below 0.2: prv would need"
+    )
+
+
 def worst_pair_lower_bound(num_clients: int, m: int, sigma: float, rounds: int, delta: float) -> float:
     """Issue 10's lower bound for fixed-size sampling under replace-one: the neighbouring pair that changes
     one client's clipped update by 2C is the Poisson-subsampled Gaussian at sigma / 2 (dp-accounting PLD)."""
@@ -231,7 +290,7 @@ def test_an_accountant_is_one_registered_class():
 
         @accountants.register_accountant
         class DoubleRDP:
-            name, discretised = "double-rdp", True
+            name, min_sigma = "double-rdp", accountants.NUMERIC_MIN_SIGMA
 
             def epsilon(self, events, delta):
                 return 2 * accountants.epsilon_of(list(events), delta, "rdp")

@@ -116,13 +116,16 @@ def test_the_clients_own_train_metrics_reach_the_result_as_sent_and_no_figure_is
 
 
 def test_the_log_says_when_the_printed_epsilon_is_not_the_accountant_asked_fors(caplog):
-    """sigma 0.05, q = 1 (the issue's case): PLD would take minutes, so the ledger's bound is RDP's; the log and
+    """sigma 1e-6, q = 1: dp-accounting's PLD overflows, so the ledger's bound is RDP's; the log and
     privacy_spent() say so, instead of printing an RDP figure under the PLD name."""
     strategy = DifferentialPrivacyServerSideFixedClipping(
-        FedAvg(fraction_evaluate=0.0), noise_multiplier=0.05, clipping_norm=C, sample_rate=1.0, seed=1
+        FedAvg(fraction_evaluate=0.0), noise_multiplier=1e-6, clipping_norm=C, sample_rate=1.0, seed=1
     )
     with caplog.at_level(logging.INFO, logger="flwr"):
         run(strategy, rounds=1)
-    assert "The epsilon printed is the bound of rdp (a noise multiplier of 0.05 charged, below 0.2" in caplog.text
+    assert (
+        "The epsilon printed is the bound of rdp (pld failed at a noise multiplier of 1e-06 charged: OverflowError"
+        in caplog.text
+    )
     assert "not of the accountant asked for (pld)" in caplog.text
     assert strategy.privacy_spent().accounting_method.startswith("rdp")

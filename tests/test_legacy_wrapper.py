@@ -279,17 +279,17 @@ def test_the_note_names_at_most_twenty_withheld_keys(caplog):
 
 @pytest.mark.parametrize("publish_diagnostics", [False, True])
 def test_the_summary_ends_by_naming_the_bound_the_printed_epsilon_is(publish_diagnostics, caplog):
-    """sigma 0.05: PLD would take minutes, so the ledger's bound is RDP's; the end of Flower's [SUMMARY] says so once
-    (as the Message-API wrapper's log does at its end), whether or not the diagnostics are published."""
+    """sigma 2e-6: dp-accounting's PLD overflows, so the ledger's bound is RDP's; the end of Flower's [SUMMARY] says
+    so once (as the Message-API wrapper's log does at its end), whether or not the diagnostics are published."""
     strategy = LegacyDifferentialPrivacy(
-        evaluated_fedavg(), 0.05, C, M, delta=1e-3, seed=1, publish_diagnostics=publish_diagnostics
+        evaluated_fedavg(), 2e-6, C, M, delta=1e-3, seed=1, publish_diagnostics=publish_diagnostics
     )
     serve(strategy, 2, caplog)
     lines = shown(caplog)
     said = [i for i, line in enumerate(lines) if line.startswith("The epsilon printed is the bound of rdp")]
     assert len(said) == 1 and said[0] > lines.index("[SUMMARY]"), lines[-8:]
     # fixed-size sampling of m is charged under the replace-one relation: the Gaussian at sigma / 2, named
-    assert "(a noise multiplier of 0.025 charged, below 0.2" in lines[said[0]]
+    assert "(pld failed at a noise multiplier of 1e-06 charged" in lines[said[0]]
     assert lines[said[0]].endswith("not of the accountant asked for (pld)")
     assert strategy.dp.privacy_spent().accounting_method.startswith("rdp")
 

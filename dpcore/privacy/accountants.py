@@ -2,10 +2,11 @@
 
 `epsilon_of` composes Poisson-sampled Gaussian events (sigma, q, steps) with the accountant named in the
 registry: Google dp-accounting's privacy-loss-distribution (PLD) accountant by default (pessimistic
-discretisation, so its epsilon is an upper bound), Opacus' RDP or PRV selectable; RDP stands in where a
-discretised accountant cannot give a number. Beside them: the RDP bounds of sampling without replacement
-(`fixed_size_epsilon`) and of DP-FTRL's trees (`tree_aggregation_rdp_epsilon`). The ledgers
-(`dpcore.privacy.ledger`) keep the events; this module only composes them.
+discretisation, so its epsilon is an upper bound, on a grid coarsened for small multipliers: `pld_intervals`),
+Opacus' RDP or PRV selectable; RDP stands in where PRV (below sigma 0.2) or PLD (a failure, an overflow) gives
+no number. Beside them: the RDP bounds of sampling without replacement (`fixed_size_epsilon`) and of DP-FTRL's
+trees (`tree_aggregation_rdp_epsilon`). The ledgers (`dpcore.privacy.ledger`) keep the events; this module only
+composes them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from dpcore.task.opacus_import import import_opacus
 
 DEFAULT_ACCOUNTANT = "pld"
 MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)
-NUMERIC_MIN_SIGMA = 0.2  # below it PLD and PRV take minutes and gigabytes (measured: PLD 110 s, 7.8 GB at 0.02)
+NUMERIC_MIN_SIGMA = 0.2  # below it Opacus' PRV takes minutes and gigabytes (PLD took 110 s, 7.8 GB at 0.02 on 1e-3)
 PLD_DISCRETIZATION = 1e-3  # dp-accounting's value_discretization_interval: within 1e-3 of 1e-4's epsilon, 10x faster
+PLD_POINTS = 125_000  # grid points of one step's PLD at sigma 0.2 on PLD_DISCRETIZATION (about 1 MB): the most kept
+PLD_TOLERANCE = 0.002  # a coarse grid's epsilon is kept once halving the interval moves it by less than this share
 
 Event = tuple[float, float, int]
 
@@ -51,10 +54,11 @@ def canonical(events: list[Event]) -> tuple[Event, ...]:
 
 class Accountant(Protocol):
     """An accountant of the registry: eps(delta) of a composition of Poisson-sampled Gaussian events
-    (sigma, q, steps). `discretised`: it needs sigma >= NUMERIC_MIN_SIGMA (below, RDP stands in)."""
+    (sigma, q, steps). `min_sigma`: the smallest multiplier it computes in bounded time and memory (below, RDP
+    stands in)."""
 
     name: str
-    discretised: bool
+    min_sigma: float
 
     def epsilon(self, events: tuple[Event, ...], delta: float) -> float: ...
 
@@ -70,9 +74,10 @@ def register_accountant(cls: type) -> type:
 
 @register_accountant
 class PLDAccountant:
-    """dp-accounting's privacy-loss distributions (the tightest of the three; the default)."""
+    """dp-accounting's privacy-loss distributions (the tightest of the three; the default), on any sigma: the
+    grid is coarsened where it would grow (`pld_intervals`)."""
 
-    name, discretised = "pld", True
+    name, min_sigma = "pld", MIN_SIGMA
 
     def epsilon(self, events: tuple[Event, ...], delta: float) -> float:
         return _pld_epsilon(list(events), delta)
@@ -82,7 +87,7 @@ class PLDAccountant:
 class RDPAccountant:
     """Opacus' RDP accountant: what its RDPAccountant.get_privacy_spent computes, per-step RDP cached."""
 
-    name, discretised = "rdp", False
+    name, min_sigma = "rdp", MIN_SIGMA
 
     def epsilon(self, events: tuple[Event, ...], delta: float) -> float:
         import_opacus()
@@ -95,9 +100,9 @@ class RDPAccountant:
 
 @register_accountant
 class PRVAccountant:
-    """Opacus' privacy random variables accountant."""
+    """Opacus' privacy random variables accountant (its grid is not ours to coarsen: RDP below sigma 0.2)."""
 
-    name, discretised = "prv", True
+    name, min_sigma = "prv", NUMERIC_MIN_SIGMA
 
     def epsilon(self, events: tuple[Event, ...], delta: float) -> float:
         import_opacus()
@@ -109,13 +114,13 @@ class PRVAccountant:
 
 
 ACCOUNTANTS = tuple(ACCOUNTANT_REGISTRY)  # the names a setting may take
-FALLBACK_ACCOUNTANT = "rdp"  # valid and finite where a discretised accountant cannot give a number
+FALLBACK_ACCOUNTANT = "rdp"  # valid and finite where PRV or PLD cannot give a number
 
 
 @functools.lru_cache(maxsize=4096)
 def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[float, str]:
     """(eps(delta), the accountant that gave it). Memoised (PRV evaluations are slow and many ledgers share
-    histories). RDP stands in for PLD or PRV where they cannot give a finite number; its bound is valid too."""
+    histories). RDP stands in where PLD or PRV give no finite number; its bound is valid too."""
     if not events:
         return 0.0, accountant
     if any(sigma < MIN_SIGMA and q > 0 for sigma, q, _ in events):
@@ -125,15 +130,19 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
         return 0.0, accountant
     chosen = ACCOUNTANT_REGISTRY[accountant]
     lowest = min(sigma for sigma, _, _ in events)
-    if chosen.discretised and lowest < NUMERIC_MIN_SIGMA:
-        # PLD's and PRV's discretisations grow without bound as sigma -> 0: such compositions get RDP's
-        # bound (within a few percent of theirs at epsilons this large). The multiplier named is the one charged
-        # (under fixed-size sampling's replace-one relation, sigma / 2).
+    if lowest < chosen.min_sigma:
+        # PRV's discretisation grows without bound as sigma -> 0: such compositions get RDP's bound. The
+        # multiplier named is the one charged (under fixed-size sampling's replace-one relation, sigma / 2).
         return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
-            f"rdp (a noise multiplier of {lowest:.3g} charged, below {NUMERIC_MIN_SIGMA}: {accountant} would need "
+            f"rdp (a noise multiplier of {lowest:.3g} charged, below {chosen.min_sigma}: {accountant} would need "
             "minutes and gigabytes)"
         )
-    eps = chosen.epsilon(events, delta)
+    try:
+        eps = chosen.epsilon(events, delta)
+    except (ArithmeticError, ValueError) as exc:  # e.g. dp-accounting's math range error at sigma 1e-6
+        return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
+            f"rdp ({accountant} failed at a noise multiplier of {lowest:.3g} charged: {type(exc).__name__}: {exc})"
+        )
     if not math.isfinite(eps) and accountant != FALLBACK_ACCOUNTANT:
         # dp-accounting's PLD conversion can overflow near eps ~ 700 (seen in a log line as inf between 706 and
         # 727): RDP's bound, valid, finite
@@ -144,33 +153,71 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
     return max(0.0, float(eps)), accountant
 
 
+def pld_intervals(events: tuple[Event, ...]) -> list[float]:
+    """The value_discretization_intervals `_pld_epsilon` may use, coarsest first, halved down to PLD_DISCRETIZATION.
+
+    Where every multiplier is >= 0.2 (NUMERIC_MIN_SIGMA) it is PLD_DISCRETIZATION alone. Below, the coarsest keeps
+    the grid near PLD_POINTS points: a Gaussian's privacy loss at multiplier s spans about W(s) = 1/s^2 + 20/s
+    (dp-accounting truncates at about 10 standard deviations), k Poisson-sampled steps widen it by about
+    sqrt(1 + k q), k unsampled ones compose to one Gaussian at s / sqrt(k); the interval is max(1e-3, max W /
+    PLD_POINTS). A coarser grid gives a larger pessimistic estimate, still an upper bound."""
+    if min(sigma for sigma, _, _ in events) >= NUMERIC_MIN_SIGMA:
+        return [PLD_DISCRETIZATION]
+
+    def width(sigma: float, q: float, steps: int) -> float:
+        s = sigma / math.sqrt(steps) if q >= 1 else sigma
+        return (s**-2 + 20 / s) * (1.0 if q >= 1 else math.sqrt(1 + steps * q))
+
+    intervals = [max(PLD_DISCRETIZATION, max(width(*e) for e in events) / PLD_POINTS)]
+    while intervals[-1] > PLD_DISCRETIZATION:
+        intervals.append(max(PLD_DISCRETIZATION, intervals[-1] / 2))
+    return intervals
+
+
 def _pld_epsilon(events: list[Event], delta: float) -> float:
-    """dp-accounting's PLD (pessimistic estimate) of the composed Poisson-subsampled Gaussian events: what its
-    `PLDAccountant` computes for them, with each (sigma, q)'s one-step PLD built once per process
-    (`_sampled_gaussian_pld`: building it is most of the cost, and a run asks after every round)."""
+    """dp-accounting's PLD (pessimistic estimate) of the composed Poisson-subsampled Gaussian events, on the grids
+    of `pld_intervals` from the coarsest, each halving the last, until the estimate moves by less than
+    PLD_TOLERANCE (or the grid is PLD_DISCRETIZATION): within about that share of the finest grid's bound, in
+    seconds where the finest grid would take minutes and gigabytes. A grid is kept at once where it provably is
+    within that share: pessimistic rounding raises each of the n PLDs composed (one per sampled step, one per
+    Gaussian) by less than the interval, so epsilon by less than n times it."""
+    composed = sum(1 if q >= 1 else steps for _, q, steps in events)
+    last = math.inf
+    for interval in pld_intervals(tuple(events)):
+        eps = _pld_epsilon_on(tuple(events), delta, interval)
+        if composed * interval <= PLD_TOLERANCE * eps or abs(last - eps) <= PLD_TOLERANCE * eps:
+            break
+        last = eps
+    return eps
+
+
+def _pld_epsilon_on(events: tuple[Event, ...], delta: float, interval: float) -> float:
+    """What dp-accounting's `PLDAccountant(value_discretization_interval=interval)` computes for the events, with
+    each (sigma, q)'s one-step PLD built once per process (`_sampled_gaussian_pld`: building it is most of the
+    cost, and a run asks after every round)."""
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
     logging.getLogger("absl").setLevel(logging.ERROR)
-    total = pld_lib.identity(value_discretization_interval=PLD_DISCRETIZATION)
+    total = pld_lib.identity(value_discretization_interval=interval)
     for sigma, q, steps in events:
         if q >= 1:  # k Gaussian releases compose exactly to one at sigma / sqrt(k)
             part = pld_lib.from_gaussian_mechanism(
-                standard_deviation=sigma / math.sqrt(steps), value_discretization_interval=PLD_DISCRETIZATION
+                standard_deviation=sigma / math.sqrt(steps), value_discretization_interval=interval
             )
         else:
-            part = _sampled_gaussian_pld(sigma, q).self_compose(steps)
+            part = _sampled_gaussian_pld(sigma, q, interval).self_compose(steps)
         total = total.compose(part)
     return float(total.get_epsilon_for_delta(delta))
 
 
 @functools.lru_cache(maxsize=32)
-def _sampled_gaussian_pld(sigma: float, q: float):
+def _sampled_gaussian_pld(sigma: float, q: float, interval: float):
     """One step of the Poisson-subsampled Gaussian (add/remove-one) as a dp-accounting PLD. Up to about 1 MB
-    each (sigma 0.2), so few are kept: a run uses a handful of (sigma, q); a calibration's probes pass through."""
+    each (PLD_POINTS), so few are kept: a run uses a handful of (sigma, q); a calibration's probes pass through."""
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
     return pld_lib.from_gaussian_mechanism(
-        standard_deviation=sigma, sampling_prob=q, value_discretization_interval=PLD_DISCRETIZATION
+        standard_deviation=sigma, sampling_prob=q, value_discretization_interval=interval
     )
 
 

@@ -138,7 +138,8 @@ class ClientLevelLedger:
       round whose Poisson sample would exceed n_s noise shares keeps n_s of them. The run equals the
       sampled Gaussian mechanism except on the event that some round's other clients alone fill n_s,
       whose probability (summed over rounds: `truncation_delta`) is added to delta: epsilon is the
-      accountant's at delta - truncation_delta;
+      accountant's at delta - truncation_delta. Under SecAgg+ `truncation_delta` also sums the quantizer's clip
+      probability of every round (`record_round`'s truncation_probability carries both);
     - `local` noise (local DP, docs/dp-toolbox.md §2): every upload is the Gaussian mechanism at sigma / 2
       (replace-one, sensitivity 2C) on its own, with no sampling amplification (nothing is trusted on the
       server, its sampling included): one (sigma / 2, 1) event per round, against the released model and
@@ -184,15 +185,17 @@ class ClientLevelLedger:
                 "replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
                 "amplification"
             )
+        quantizer = "SecAgg+'s quantizer-clip probability" if self.secure_aggregation else ""
         if self.client_sampling == "fixed":
             return (
                 "replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
                 "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
-                "without replacement"
+                "without replacement" + (f", delta reduced by {quantizer}" if quantizer else "")
             )
         return (
             "add/remove-one, Poisson sampling: sampled Gaussian mechanism (exact), delta reduced by the "
             "probability of truncating a round's sample to n_s noise shares"
+            + (f" and by {quantizer}" if quantizer else "")
         )
 
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
@@ -258,7 +261,8 @@ class ClientLevelLedger:
         sampled_from: tuple[int, int] | None = None,
     ) -> None:
         """Charge one round. `noise_shares` = n_s; `received` = noise shares that reached the sum (None: all);
-        `truncation_probability` = P(the round's sample is truncated to n_s), reserved out of delta;
+        `truncation_probability` = P(the round's sample is truncated to n_s), plus any other failure probability
+        of the round (SecAgg+'s quantizer clip), reserved out of delta;
         `sampled_from` = (N, m): fixed-size sampling drew m of N nodes (None: unknown, no amplification)."""
         sigma, rate = self.release_event(noise_multiplier, sample_rate)
         self.model.record(sigma, rate)
@@ -287,8 +291,13 @@ class ClientLevelLedger:
         return self._model_epsilon(self.model.history, self.truncation_delta)
 
     def epsilon_against_server(self) -> float:
+        """eps against the server; under SecAgg+ at delta - truncation_delta, since a quantizer clip (reserved
+        there with the truncation probability, which only makes it larger) voids the sum it sees as well."""
         if self.noise_placement == "central":
             return math.inf
+        if self.secure_aggregation and self.truncation_delta > 0:
+            delta = self.delta - self.truncation_delta
+            return epsilon_of(self.server.history, delta, self.accountant) if delta > 0 else math.inf
         return self.server.epsilon()
 
     def state_dict(self) -> dict:
