@@ -213,9 +213,8 @@ def test_should_stop_after_round_2_ends_the_run_there_charged_2_rounds_and_close
     fc = result.arrays["fc.weight"].numpy()
     assert not np.array_equal(fc, model()["fc.weight"].numpy())  # round 2's released model, not the initial one
     epsilon, delta = strategy.privacy_metrics()["epsilon"], strategy.ledger.delta
-    pld_2, _ = dp_accounting_epsilons(SIGMA, Q, 2, delta)
-    pld_3, _ = dp_accounting_epsilons(SIGMA, Q, 3, delta)
-    assert pld_2 * 0.999 <= epsilon <= pld_2 * 1.02 < pld_3, (epsilon, pld_2, pld_3)
+    pld_2, _ = dp_accounting_epsilons(SIGMA, Q, 2, delta)  # 3 rounds' is 20% more (5.84 against 4.85 at 1e-5)
+    assert pld_2 * 0.999 <= epsilon <= pld_2 * 1.02, (epsilon, pld_2)
     assert strategy.describe()["epsilon"] == epsilon and strategy.describe()["stop_reason"] == strategy.stop_reason
     messages = [r.getMessage() for r in caplog.records]
     stopped = messages.index("Stopping early after round 2")
