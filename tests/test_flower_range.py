@@ -1,5 +1,6 @@
 """The supported Flower range: no patch of Flower internals unless asked for (`flower-speed-patches`), and
-then only on a release they were tested on; a federation smaller than min-nodes is refused, never waited on."""
+then only on a release they were tested on; a federation smaller than min-nodes is refused, never waited on;
+Flower 1.43's API (should_stop, Result's initial model, reply_to_message_ids, dropped replies) on every release."""
 
 import time
 
