@@ -314,14 +314,18 @@ class PromptGrid(Grid):
     def push_messages(self, messages):
         return self.grid.push_messages(messages)
 
-    def pull_messages(self, message_ids):
-        return self.grid.pull_messages(message_ids)
+    def pull_messages(self, reply_to_message_ids=None, *, message_ids=None):
+        """The replies to `reply_to_message_ids` (Flower 1.43's name; `message_ids`, 1.41/1.42's, is taken too),
+        asked of the grid positionally, where both releases take them."""
+        if message_ids is not None and reply_to_message_ids is not None:
+            raise TypeError("pull_messages: give reply_to_message_ids or message_ids, not both")
+        return self.grid.pull_messages(message_ids if message_ids is not None else reply_to_message_ids)
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
         """Flower's send_and_receive (push, then pull until every reply is in or `timeout`), polling faster.
         Pulls of a reply's objects end at the timeout too (`pulls_end_by`), and one last pull at the
         timeout takes the replies already complete: replies that came while a withheld one held a pull."""
-        pending = set(self.push_messages(messages))
+        pending = {m for m in self.push_messages(messages) if m}  # not pushed: None (1.41/1.42) or "" (1.43)
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
 

@@ -28,6 +28,7 @@ ROUND_HEADER = "[ROUND %s/%s]"
 AGGREGATED = "\t└──> Aggregated MetricRecord: %s"
 GLOBAL_EVALUATION = "Global evaluation"
 GLOBAL_RECORD = "\t└──> MetricRecord: %s"
+STOPPED_EARLY = "Stopping early after round %s"  # Flower 1.43's should_stop
 FINISHED = "Strategy execution finished in %.2fs"
 FINAL_RESULTS = "Final results:"
 
@@ -80,6 +81,9 @@ class FlowerLog:
         res = evaluate_fn(server_round, arrays)
         log(INFO, GLOBAL_RECORD, res)
         return res
+
+    def stopped_early(self, server_round: int) -> None:
+        log(INFO, STOPPED_EARLY, server_round)
 
     def finished(self, result: Result) -> None:
         """Flower's closing lines, the Final results as the log may show them, then the withheld note (once)."""

@@ -365,12 +365,15 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        should_stop: Callable[[int, Result], bool] | None = None,
         eval_every: int = 1,
     ) -> Result:
         """Flower's round loop, plus: stop on the privacy budget, one record per round. `evaluate_fn` and the
         clients' evaluation run every `eval_every` rounds and after the last round (the configured last, or the
-        last the budget allows). The log has Flower's own lines (`strategies.flower_log`: what epsilon does not
-        cover withheld unless publish_diagnostics) and the round's `Round r/R:` line."""
+        last the budget allows). `should_stop(round, result)` (Flower 1.43's keyword, honoured on every release)
+        is asked at the end of each round, once its record is written: True ends the run there, and the ledger
+        closes it as after the last round. The log has Flower's own lines (`strategies.flower_log`: what epsilon
+        does not cover withheld unless publish_diagnostics) and the round's `Round r/R:` line."""
         self.set_num_rounds(num_rounds)
         flower = FlowerLog(self)  # Flower's own lines, as Strategy.start prints them
         flower.start(num_rounds, initial_arrays, train_config, evaluate_config)
@@ -378,7 +381,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             part.see_model(self, initial_arrays)
         train_config = train_config or ConfigRecord()
         evaluate_config = evaluate_config or ConfigRecord()
-        result, arrays = Result(), initial_arrays
+        result, arrays = Result(arrays=initial_arrays), initial_arrays  # Flower 1.43: the initial model until a round
         if evaluate_fn and not self.completed_rounds:
             flower.initial_evaluation(evaluate_fn, arrays, result)
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
@@ -419,6 +422,10 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 result.evaluate_metrics_serverapp[rnd] = res
                 record.update(dict(res))
             self.finish_round(record, started, arrays)
+            if should_stop is not None and should_stop(rnd, result):
+                flower.stopped_early(rnd)
+                self.stop_reason = f"should_stop after round {rnd}"
+                break
         flower.finished(result)
         if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
             log(INFO, "%s", note)
