@@ -45,6 +45,7 @@ from .noise_placement import noise_placement as make_noise_placement
 from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
 from .parts import ROLES, Part, filling, keywords_of
 from .reply_gate import MetricRule
+from .roles import check_roles
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
 from .wrapped import clients_own_metrics, release
@@ -87,6 +88,7 @@ def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Seq
     )
     present = keywords_of(parts)
     for part in parts:
+        check_roles(part)
         part.check(privacy, present - {part.keyword})
     for role in ROLES:
         filling(parts, role, None)
@@ -184,6 +186,7 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def add_part(self, part: Part) -> None:
         """Compose with one more part before the first round (SecAgg+'s adapter adds `SecureAggregation`)."""
+        check_roles(part)
         part.check(self.privacy, keywords_of(self.parts))
         self.parts.append(part)
 
