@@ -135,16 +135,6 @@ def check_calibration_reachable(
     )
 
 
-def require_noise_placement(algorithm: str, noise_placement: str, allowed: str, reason: str) -> None:
-    """An algorithm that works with one noise placement only."""
-    require(
-        noise_placement == allowed,
-        "noise_placement",
-        noise_placement,
-        f"{algorithm} {reason}, so it needs noise_placement = '{allowed}'",
-    )
-
-
 def check_secure_aggregation(noise_placement: str, clipping_norm: float) -> None:
     """SecAgg+ sums what the clients privatized themselves, and quantizes bounded updates."""
     require(
