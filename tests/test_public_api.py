@@ -33,6 +33,26 @@ PUBLIC = {  # issue 33: what `import dpfl` must give
     "ClientLevelLedger",
     "SampleLevelLedgers",
     "PrivacyLedger",
+    # issue 41 item 6: what docs/architecture.md's "Adding a part" uses, the roles and the parts
+    "PrivacyOptions",
+    "SamplingOptions",
+    "RunOptions",
+    "Part",
+    "AfterRound",
+    "SelectionRole",
+    "MechanismRole",
+    "CodecRole",
+    "NoiseRole",
+    "ClientSampling",
+    "GaussianMechanism",
+    "WaveletMechanism",
+    "DenseCodec",
+    "TopKCodec",
+    "CentralNoise",
+    "DistributedNoise",
+    "LocalNoise",
+    "AuditCanaries",
+    "SecureAggregation",
 }
 
 
