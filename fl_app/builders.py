@@ -18,6 +18,7 @@ from flwr.client import NumPyClient
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from dpcore.privacy.modes import NoisePlacementMode, TargetEpsilonMode
 from fl_app.settings import Settings
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.dp_ftrl import DPFTRL
@@ -272,7 +273,7 @@ def check_head_prefix(s: Settings) -> None:
 
 
 def check_dpsgd_config(s: Settings) -> None:
-    if s.privacy.target_epsilon_mode != "stop":
+    if s.privacy.target_epsilon_mode != TargetEpsilonMode.STOP:
         raise ValueError(
             f"run-config key 'target-epsilon-mode' = {s.privacy.target_epsilon_mode!r}: only 'stop' is "
             "allowed (clients stop at R_c steps)"
@@ -290,7 +291,7 @@ def check_ftrl_config(s: Settings) -> None:
             f"run-config key 'server-strategy' = {s.server.strategy!r}: DP-FTRL is its own server "
             "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'"
         )
-    if s.privacy.noise_placement == "local":
+    if s.privacy.noise_placement == NoisePlacementMode.LOCAL:
         raise ValueError(
             "run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
             "('central', which it uses whatever the key says otherwise)"
