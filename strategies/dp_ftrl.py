@@ -35,7 +35,7 @@ from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import require
 from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 
-from .noise_placement import noise_placement as make_noise_placement
+from .noise_placement import PLACEMENTS
 from .parts import Part
 from .sampling import Selection
 
@@ -81,7 +81,7 @@ class DPFTRL(Part):
     def check(self, privacy, others: frozenset[str]) -> None:
         """The rules with the wrapper's settings (a strategy built from Python and a run config alike)."""
         require(
-            not make_noise_placement(privacy.noise_placement).clients_add_noise,
+            not PLACEMENTS[privacy.noise_placement].clients_add_noise,
             "noise_placement",
             privacy.noise_placement,
             "DP-FTRL (run-config algorithm 'dp-ftrl') adds the tree's noise at the server: use 'central'",

@@ -189,6 +189,7 @@ class LocalNoise(NoisePlacement):
         return None
 
 
+# name -> class: a part's `check` reads what a placement does (server_adds_noise, ...) off the class, building none
 PLACEMENTS = {placement.name: placement for placement in (CentralNoise, DistributedNoise, LocalNoise)}
 
 

@@ -4,15 +4,17 @@ method."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pkgutil
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 from flwr.serverapp.strategy import FedAvg
 
 import strategies
-from strategies import DifferentialPrivacy
+from strategies import DifferentialPrivacy, noise_placement
 from strategies.mechanism import GaussianMechanism
 from strategies.options import PrivacyOptions, SamplingOptions
 from strategies.parts import ROLES, Part
@@ -119,3 +121,18 @@ def test_a_part_with_its_roles_methods_is_taken():
             return [], True
 
     assert wrapper(Codec()).codec.__class__ is Codec
+
+
+def test_the_noise_placement_is_built_once_by_the_wrapper_and_parts_read_its_class():
+    """Parts asked what a placement does by building one from its name; only the wrapper builds one now."""
+    callers = []
+    for path in sorted(Path(strategies.__path__[0]).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "noise_placement":
+                callers += [path.name for alias in node.names if alias.name == "noise_placement"]
+    assert callers == ["dp_fedavg.py"]
+    for name, cls in noise_placement.PLACEMENTS.items():
+        built = noise_placement.noise_placement(name)
+        assert type(built) is cls and built.name == name
+        for attribute in ("server_adds_noise", "clients_add_noise", "noise_in_shares"):
+            assert getattr(cls, attribute) == getattr(built, attribute)
