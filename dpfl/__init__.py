@@ -7,9 +7,9 @@
     # the ClientApp, under distributed noise: @app.train(mods=[dp_privatize_mod])
 
 Server side: the DP wrapper around any Flower Message-API strategy (`DifferentialPrivacy`, `DPFedAvg` around
-FedAvg), its option objects (`PrivacyOptions`, `SamplingOptions`, `RunOptions`), its parts (`Part`, the roles a
-part fills: `SelectionRole`, `MechanismRole`, `CodecRole`, `NoiseRole`, and the shipped parts: `AdaptiveClipping`,
-`DPFTRL`, `TopKCodec`, `WaveletMechanism`, ...), the algorithms built on it, and the legacy-API adapters
+FedAvg), its option objects (`PrivacyOptions`, `SamplingOptions`, `RunOptions`; the modes `NoisePlacementMode`,
+...), its parts (`Part`, the roles a part fills: `SelectionRole`, `MechanismRole`, `CodecRole`, `NoiseRole`, and
+the shipped parts: `AdaptiveClipping`, `DPFTRL`, `TopKCodec`, `WaveletMechanism`, ...), the algorithms built on it, and the legacy-API adapters
 (`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, and their SecAgg+ forms
 `SecAggPlusDifferentialPrivacy`, `SecAggPlusDPFedAvg` with `DPSecAggPlusWorkflow`). Client side: the Flower
 mods and the NumPyClients to subclass. The ledgers, for a client that accounts for itself. Each name is the object of its home module (strategies, clients, dpcore):
@@ -25,6 +25,7 @@ from clients.local_dp import make_local_dp_mod
 from clients.mods import dp_privatize_mod, make_dp_privatize_mod, uniform_weight_mod
 from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger, SampleLevelLedgers
+from dpcore.privacy.modes import ClientSamplingMode, NoisePlacementMode, PrivacyUnit, TargetEpsilonMode
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
 from strategies.audit import AuditCanaries
@@ -75,6 +76,10 @@ __all__ = [
     "PrivacyOptions",
     "SamplingOptions",
     "RunOptions",
+    "NoisePlacementMode",
+    "ClientSamplingMode",
+    "TargetEpsilonMode",
+    "PrivacyUnit",
     "Part",
     "AfterRound",
     "SelectionRole",
