@@ -7,7 +7,9 @@
     # the ClientApp, under distributed noise: @app.train(mods=[dp_privatize_mod])
 
 Server side: the DP wrapper around any Flower Message-API strategy (`DifferentialPrivacy`, `DPFedAvg` around
-FedAvg), its options (`AdaptiveClipping`, `DPFTRL`), the algorithms built on it, and the legacy-API adapters
+FedAvg), its option objects (`PrivacyOptions`, `SamplingOptions`, `RunOptions`; the modes `NoisePlacementMode`,
+...), its parts (`Part`, the roles a part fills: `SelectionRole`, `MechanismRole`, `CodecRole`, `NoiseRole`, and
+the shipped parts: `AdaptiveClipping`, `DPFTRL`, `TopKCodec`, `WaveletMechanism`, ...), the algorithms built on it, and the legacy-API adapters
 (`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, and their SecAgg+ forms
 `SecAggPlusDifferentialPrivacy`, `SecAggPlusDPFedAvg` with `DPSecAggPlusWorkflow`). Client side: the Flower
 mods and the NumPyClients to subclass. The ledgers, for a client that accounts for itself. Each name is the object of its home module (strategies, clients, dpcore):
@@ -23,18 +25,27 @@ from clients.local_dp import make_local_dp_mod
 from clients.mods import dp_privatize_mod, make_dp_privatize_mod, uniform_weight_mod
 from dpcore.privacy.accountants import epsilon_of
 from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger, SampleLevelLedgers
+from dpcore.privacy.modes import ClientSamplingMode, NoisePlacementMode, PrivacyUnit, TargetEpsilonMode
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.ali_dpfl import ALIDPFL
+from strategies.audit import AuditCanaries
 from strategies.dp_fedavg import DifferentialPrivacy, DPFedAvg
 from strategies.dp_ftrl import DPFTRL
 from strategies.legacy import LegacyDPFedAvg
 from strategies.legacy_log import quiet_workflow_logs
 from strategies.legacy_wrapper import LegacyDifferentialPrivacy
+from strategies.mechanism import GaussianMechanism
+from strategies.noise_placement import CentralNoise, DistributedNoise, LocalNoise
+from strategies.options import PrivacyOptions, RunOptions, SamplingOptions
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from strategies.parts import AfterRound, DenseCodec, Part
+from strategies.roles import CodecRole, MechanismRole, NoiseRole, SelectionRole
 from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
+from strategies.sampling import ClientSampling, Selection
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDifferentialPrivacy, SecAggPlusDPFedAvg
-from strategies.topk import DPFedSAMTopK
-from strategies.wavelet import DPFedAvgWavelet
+from strategies.secure_aggregation import SecureAggregation
+from strategies.topk import DPFedSAMTopK, TopKCodec
+from strategies.wavelet import DPFedAvgWavelet, WaveletMechanism
 
 _TORCH_NAMES = {  # name -> home module, imported on first access (they import torch; the Opacus ones Opacus)
     "TrainingClient": "clients.base",
@@ -61,6 +72,31 @@ __all__ = [
     "PersonalizedDPFedAvg",
     "PartialSharingDPFedAvg",
     "ALIDPFL",
+    # server: the wrapper's option objects, its parts and the roles a part fills (docs/architecture.md)
+    "PrivacyOptions",
+    "SamplingOptions",
+    "RunOptions",
+    "NoisePlacementMode",
+    "ClientSamplingMode",
+    "TargetEpsilonMode",
+    "PrivacyUnit",
+    "Part",
+    "AfterRound",
+    "SelectionRole",
+    "MechanismRole",
+    "CodecRole",
+    "NoiseRole",
+    "Selection",
+    "ClientSampling",
+    "GaussianMechanism",
+    "WaveletMechanism",
+    "DenseCodec",
+    "TopKCodec",
+    "CentralNoise",
+    "DistributedNoise",
+    "LocalNoise",
+    "AuditCanaries",
+    "SecureAggregation",
     # server: Flower's legacy API and SecAgg+
     "LegacyDPFedAvg",
     "LegacyDifferentialPrivacy",

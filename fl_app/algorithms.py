@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from flwr.client import NumPyClient
 
+from dpcore.privacy.modes import PrivacyUnit, TargetEpsilonMode
 from dpcore.privacy.settings import check_calibration_reachable
 from fl_app.builders import (
     ClientSetup,
@@ -108,7 +109,7 @@ class Algorithm:
 
     def run_label(self, summary: dict) -> str:
         """How a run of this algorithm is labelled in plots and reports."""
-        if self.privacy_unit == "sample":
+        if self.privacy_unit == PrivacyUnit.SAMPLE:
             return f"{self.name} (sample-level, target epsilon {summary.get('target_epsilon')})"
         sigma = summary.get("noise_multiplier")
         return f"{self.name} sigma={sigma}" if sigma else f"{self.name} non-private reference"
@@ -294,9 +295,9 @@ def check_config(s: Settings, algo: Algorithm) -> None:
     try:
         algo.strategy_class.check_settings(**algo.strategy_kwargs(s))
         if (
-            algo.privacy_unit == "client"
+            algo.privacy_unit == PrivacyUnit.CLIENT
             and s.privacy.target_epsilon > 0
-            and s.privacy.target_epsilon_mode == "calibrate"
+            and s.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE
         ):
             check_calibration_reachable(
                 target_epsilon=s.privacy.target_epsilon,

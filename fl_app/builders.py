@@ -19,6 +19,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYog
 
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 from dpcore.privacy.matrix_factorization import require_jax_privacy
+from dpcore.privacy.modes import NoisePlacementMode, TargetEpsilonMode
 from fl_app.settings import Settings
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.dp_ftrl import DPFTRL
@@ -283,7 +284,7 @@ def check_head_prefix(s: Settings) -> None:
 
 
 def check_dpsgd_config(s: Settings) -> None:
-    if s.privacy.target_epsilon_mode != "stop":
+    if s.privacy.target_epsilon_mode != TargetEpsilonMode.STOP:
         raise ValueError(
             f"run-config key 'target-epsilon-mode' = {s.privacy.target_epsilon_mode!r}: only 'stop' is "
             "allowed (clients stop at R_c steps)"
@@ -301,7 +302,7 @@ def check_ftrl_config(s: Settings) -> None:
             f"run-config key 'server-strategy' = {s.server.strategy!r}: DP-FTRL is its own server "
             "optimizer (FTRL on the noisy prefix sums, momentum: 'ftrl-momentum'); use 'fedavg'"
         )
-    if s.privacy.noise_placement == "local":
+    if s.privacy.noise_placement == NoisePlacementMode.LOCAL:
         raise ValueError(
             "run-config key 'noise-placement' = 'local': DP-FTRL adds the tree's noise at the server "
             "('central', which it uses whatever the key says otherwise)"

@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 from clients.adapter import evaluate_reply, train_reply
 from clients.mods import uniform_weight_mod
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.modes import NoisePlacementMode
 from dpcore.task.models import build_model
 from dpcore.task.threads import one_thread_per_client
 from fl_app import SPEED_PATCHES_ENV, speed_patches
@@ -89,12 +90,12 @@ def train_mods(context: Context) -> list:
     s = validate(context.run_config)
     privacy, seed = s.privacy, None if s.privacy.secure_rng else s.run.seed
     mods = []
-    if privacy.noise_placement == "local":  # delta 0: min(1e-5, 0.01 / num-partitions)
+    if privacy.noise_placement == NoisePlacementMode.LOCAL:  # delta 0: min(1e-5, 0.01 / num-partitions)
         delta = privacy.delta or default_client_delta(int(context.node_config.get("num-partitions", 1)))
         mods.append(
             make_local_dp_mod(privacy.clipping_norm, privacy.noise_multiplier, delta, privacy.accountant, seed=seed)
         )
-    if s.adaptive_clipping.enabled and privacy.noise_placement == "distributed":
+    if s.adaptive_clipping.enabled and privacy.noise_placement == NoisePlacementMode.DISTRIBUTED:
         mods.append(make_clip_bit_mod(seed))
     return mods
 

@@ -14,6 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
 from dpcore.privacy import figures
+from dpcore.privacy.modes import PrivacyUnit
 from dpcore.task.catalogue import dataset_info
 from dpcore.task.data import load_dataset
 from dpcore.task.device import resolve_device
@@ -59,7 +60,7 @@ def build_strategy(
     """The server strategy of the run's algorithm (`algo`, its registry record); under secure-aggregation the
     same strategy run through Flower's SecAgg+ workflow."""
     hooks = {"on_round_end": on_round_end, "on_checkpoint": on_checkpoint}
-    if algo.privacy_unit == "sample":
+    if algo.privacy_unit == PrivacyUnit.SAMPLE:
         hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(s))
     strategy = algo.build_strategy(s, **hooks)
     if s.secagg.enabled:
@@ -184,7 +185,7 @@ def server_functions(model: torch.nn.Module, s: Settings, algo: Algorithm):
     _, testset = load_dataset(s.data.dataset, s.data.data_dir)
     validation = load_validation(s.data.dataset, s.data.data_dir, s.data.validation_fraction)
     mu_set = None
-    if algo.privacy_unit == "sample" and s.dpsgd.mu_source == "server":
+    if algo.privacy_unit == PrivacyUnit.SAMPLE and s.dpsgd.mu_source == "server":
         testset, mu_set = mu_split(testset, validation)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:

@@ -31,7 +31,7 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import require
 
-from .noise_placement import noise_placement as make_noise_placement
+from .noise_placement import PLACEMENTS
 from .parts import AfterRound, Part
 from .reply_gate import MetricRule
 
@@ -77,7 +77,7 @@ class AdaptiveClipping(Part):
             "(sigma^-2 - (2 sigma_b)^-2)^(-1/2) of Theorem 1 would be imaginary",
         )
         require(
-            make_noise_placement(noise_placement).server_adds_noise,
+            PLACEMENTS[noise_placement].server_adds_noise,
             "noise_placement",
             noise_placement,
             "adaptive clipping (run-config key 'adaptive-clipping') needs 'central' or 'distributed' noise",

@@ -46,6 +46,7 @@ from .noise_placement import noise_placement as make_noise_placement
 from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
 from .parts import ROLES, Part, failure_probability, filling, keywords_of
 from .reply_gate import MetricRule
+from .roles import check_roles
 from .round_loop import DPRoundLoop
 from .secure_aggregation import SecureAggregation
 from .wrapped import metric_replies, own_metrics, release
@@ -110,6 +111,7 @@ def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Seq
     )
     present = keywords_of(parts)
     for part in parts:
+        check_roles(part)
         part.check(privacy, present - {part.keyword})
     for role in ROLES:
         filling(parts, role, None)
@@ -208,6 +210,7 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def add_part(self, part: Part) -> None:
         """Compose with one more part before the first round (SecAgg+'s adapter adds `SecureAggregation`)."""
+        check_roles(part)
         part.check(self.privacy, keywords_of(self.parts))
         self.parts.append(part)
 

@@ -35,7 +35,7 @@ from dpcore.privacy.mechanisms import make_rng
 from dpcore.privacy.settings import require
 from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 
-from .noise_placement import noise_placement as make_noise_placement
+from .noise_placement import PLACEMENTS
 from .parts import Part
 from .sampling import Selection
 
@@ -174,7 +174,7 @@ def choose(strategy, stream: int, server_round: int, eligible: list[int], m: int
 def check_ftrl(privacy, others: frozenset[str], modes: tuple[str, ...]) -> None:
     """The rules of DP-FTRL (any noise) with the wrapper's settings; `modes`: the target_epsilon_mode it supports."""
     require(
-        not make_noise_placement(privacy.noise_placement).clients_add_noise,
+        not PLACEMENTS[privacy.noise_placement].clients_add_noise,
         "noise_placement",
         privacy.noise_placement,
         "DP-FTRL (run-config algorithm 'dp-ftrl') adds its noise at the server: use 'central'",

@@ -17,6 +17,7 @@ these objects (`server_adds_noise`, `clients_add_noise`, `noise_in_shares`), nev
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -27,17 +28,34 @@ from .parts import Part
 from .reply_gate import upload_norm_bound
 
 
-class NoisePlacement(Part):
-    """Who adds the noise; the wrapper's `noise` (one of the three below)."""
+class NoisePlacement(Part, ABC):
+    """Who adds the noise; the wrapper's `noise` (one of the three below), the noise role
+    (`strategies.roles.NoiseRole`)."""
 
+    roles = ("noise",)
     keyword = "noise_placement"
     name = ""
     server_adds_noise = True  # the server adds all of it or tops it up
     clients_add_noise = False  # a reply counts only if its client (or mod) noised it: marked updates only
     noise_in_shares = False  # the noise is split into n_s client shares, topped up for the missing ones
 
+    @abstractmethod
     def privatize_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
-        raise NotImplementedError
+        """The clients' train config: C, whether they privatize, their noise std."""
+
+    @abstractmethod
+    def server_clip(self, vector: np.ndarray, metrics: dict, clipping_norm: float) -> tuple[np.ndarray, float]:
+        """(update to sum, its norm before clipping)."""
+
+    @abstractmethod
+    def server_noise_std(
+        self, noise_multiplier: float, clipping_norm: float, noise_shares: float, received: int
+    ) -> float:
+        """The std of the noise the server adds to the sum of `received` updates."""
+
+    @abstractmethod
+    def upload_norm_bound(self, noise_multiplier: float, clipping_norm: float, noise_shares: float, dim: int) -> float:
+        """The norm an honest upload stays below (inf: no bound)."""
 
     def client_config(self, dp, server_round: int) -> dict:
         return self.privatize_config(dp.update_noise_multiplier(), dp.clipping_norm, dp.noise_shares)
@@ -171,6 +189,7 @@ class LocalNoise(NoisePlacement):
         return None
 
 
+# name -> class: a part's `check` reads what a placement does (server_adds_noise, ...) off the class, building none
 PLACEMENTS = {placement.name: placement for placement in (CentralNoise, DistributedNoise, LocalNoise)}
 
 

@@ -5,17 +5,20 @@ it holds. A part overrides the hooks it needs; every hook here is a no-op. A par
 only) and the round in flight; what it changes comes back as a return value (`after_round`'s settings, e.g. the
 next clipping norm), never as a write into the wrapper.
 
-Roles: three jobs of a round are filled by exactly one part each; the wrapper supplies the default when none of
-its parts fills the role.
+Roles: four jobs of a round are filled by exactly one part each; the wrapper supplies the default when none of
+its parts fills the role. Each role is a `typing.Protocol` in `strategies.roles`, and a part that names a role in
+its `roles` without the role's methods is refused when the wrapper is built (`strategies.roles.check_roles`).
 
 - selection: who is sent the train message (Poisson or fixed-size sampling: the round loop's own;
   DP-FTRL's participation rule, `strategies.dp_ftrl`);
 - mechanism: how the sum becomes a release and what the ledger charges (the Gaussian mechanism through the noise
-  placement, `strategies.mechanisms.GaussianMechanism`; DP-FTRL's tree; the Haar-wavelet noise);
-- codec: how a reply's arrays are read (dense, `DenseCodec`; top-k sparse, `strategies.topk.TopKCodec`).
+  placement, `strategies.mechanism.GaussianMechanism`; DP-FTRL's tree; the Haar-wavelet noise,
+  `strategies.wavelet.WaveletMechanism`);
+- codec: how a reply's arrays are read (dense, `DenseCodec`; top-k sparse, `strategies.topk.TopKCodec`);
+- noise: who adds the Gaussian noise (`strategies.noise_placement`: central, distributed or local; the wrapper
+  builds it from `noise_placement`, always its first part).
 
-The other parts (adaptive clipping, the canary audit, secure aggregation, the noise placement's reply check) add
-to a round without replacing a job.
+The other parts (adaptive clipping, the canary audit, secure aggregation) add to a round without replacing a job.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dpcore.privacy import protocol as keys
 
 from .reply_gate import MetricRule
 
-ROLES = ("selection", "mechanism", "codec")
+ROLES = ("selection", "mechanism", "codec", "noise")  # strategies.roles declares each
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 from flwr.common import log
 
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, noise_share_count, truncation_probability
+from dpcore.privacy.modes import ClientSamplingMode
 
 from .parts import Part
 
@@ -77,7 +78,7 @@ def covering_noise_shares(dp, population: int) -> int:
     may draw whether the population grew or shrank; each client's share std sigma C / sqrt(n_s), the server's
     top-up and the ledger's truncation reserve follow it (logged when it changes). Fixed-size sampling keeps
     n_s = m (a smaller population's sample is topped up)."""
-    if dp.client_sampling != "poisson":
+    if dp.client_sampling != ClientSamplingMode.POISSON:
         return dp.noise_shares
     shares = noise_share_count(population, dp.sample_rate, "poisson")
     if shares != dp.noise_shares:

@@ -21,7 +21,7 @@ from dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, 
 from dpcore.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg, keyword_parts
-from .noise_placement import noise_placement as make_noise_placement
+from .noise_placement import PLACEMENTS
 from .parts import Part
 from .reply_gate import MetricRule
 
@@ -50,7 +50,7 @@ class TopKCodec(Part):
 
     def check(self, privacy, others: frozenset[str]) -> None:
         require(
-            make_noise_placement(privacy.noise_placement).server_adds_noise,
+            PLACEMENTS[privacy.noise_placement].server_adds_noise,
             "noise_placement",
             privacy.noise_placement,
             "'local' is not supported with top-k uploads (the local-DP mod noises dense updates): use 'central' "

@@ -32,7 +32,7 @@ from dpcore.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg, keyword_parts
 from .mechanism import NOISE_STREAM, GaussianMechanism
-from .noise_placement import noise_placement as make_noise_placement
+from .noise_placement import PLACEMENTS
 from .parts import AfterRound
 
 
@@ -53,7 +53,7 @@ class WaveletMechanism(GaussianMechanism):
 
     def check(self, privacy, others: frozenset[str]) -> None:
         require(
-            not make_noise_placement(privacy.noise_placement).clients_add_noise,
+            not PLACEMENTS[privacy.noise_placement].clients_add_noise,
             "noise_placement",
             privacy.noise_placement,
             "DP-FedAvg-WAV adds its wavelet noise at the server (Algorithm 2), so it needs noise_placement = 'central'",

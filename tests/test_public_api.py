@@ -2,6 +2,7 @@
 numpy): a user never meets the project's generic package names (strategies, clients, dpcore)."""
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -33,6 +34,16 @@ PUBLIC = {  # issue 33: what `import dpfl` must give
     "ClientLevelLedger",
     "SampleLevelLedgers",
     "PrivacyLedger",
+    # issue 41 item 6: what docs/architecture.md's "Adding a part" uses (the roles and parts: below)
+    "PrivacyOptions",
+    "SamplingOptions",
+    "RunOptions",
+    "Part",
+    "AfterRound",
+    "NoisePlacementMode",
+    "ClientSamplingMode",
+    "TargetEpsilonMode",
+    "PrivacyUnit",
 }
 
 
@@ -48,6 +59,15 @@ def reexports() -> dict[str, str]:
 def test_dpfl_gives_the_public_api():
     assert PUBLIC <= set(dpfl.__all__)
     assert len(dpfl.__all__) == len(set(dpfl.__all__))
+
+
+def test_dpfl_gives_the_role_protocols_and_every_shipped_part():
+    from strategies.roles import ROLE_PROTOCOLS
+    from tests.test_roles import shipped_parts
+
+    concrete = {cls.__name__ for cls in shipped_parts() if not inspect.isabstract(cls)}
+    assert {"TopKCodec", "CentralNoise", "GaussianMechanism"} <= concrete
+    assert {p.__name__ for p in ROLE_PROTOCOLS.values()} | concrete <= set(dpfl.__all__)
 
 
 @pytest.mark.parametrize("name", dpfl.__all__)

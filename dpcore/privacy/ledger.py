@@ -30,6 +30,8 @@ from dpcore.privacy.accountants import (
 )
 from dpcore.privacy.calibration import per_update_noise_multiplier, secure_sum_noise_multiplier
 
+from .modes import ClientSamplingMode, NoisePlacementMode
+
 
 def check_ledger_settings(delta: float, accountant: str) -> None:
     """ValueError unless the accountant is known and 0 < delta < 1."""
@@ -170,9 +172,9 @@ class ClientLevelLedger:
 
     @property
     def server_threat_model(self) -> str:
-        if self.noise_placement == "central":
+        if self.noise_placement == NoisePlacementMode.CENTRAL:
             return "trusted server: it sees raw clipped updates, no DP against it"
-        if self.noise_placement == "local":
+        if self.noise_placement == NoisePlacementMode.LOCAL:
             return "local DP: each upload is its own Gaussian release (sigma/2, q=1); nothing trusted on the server"
         if self.secure_aggregation:
             return "secure aggregation: the server sees only the noisy sum (no sampling amplification against it)"
@@ -180,13 +182,13 @@ class ClientLevelLedger:
 
     @property
     def relation(self) -> str:
-        if self.noise_placement == "local":
+        if self.noise_placement == NoisePlacementMode.LOCAL:
             return (
                 "replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
                 "amplification"
             )
         quantizer = "SecAgg+'s quantizer-clip probability" if self.secure_aggregation else ""
-        if self.client_sampling == "fixed":
+        if self.client_sampling == ClientSamplingMode.FIXED:
             return (
                 "replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
                 "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
@@ -201,7 +203,7 @@ class ClientLevelLedger:
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
         """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size
         sampling and for local noise."""
-        if self.client_sampling == "fixed" or self.noise_placement == "local":
+        if self.client_sampling == ClientSamplingMode.FIXED or self.noise_placement == NoisePlacementMode.LOCAL:
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
@@ -217,8 +219,8 @@ class ClientLevelLedger:
         eps, by = epsilon_of(events, delta, self.accountant), accountant_used(events, delta, self.accountant)
         fixed_rounds = self.fixed_rounds if fixed_rounds is None else fixed_rounds
         if (
-            self.client_sampling == "fixed"
-            and self.noise_placement != "local"
+            self.client_sampling == ClientSamplingMode.FIXED
+            and self.noise_placement != NoisePlacementMode.LOCAL
             and fixed_rounds
             and sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events)
         ):
@@ -245,7 +247,7 @@ class ClientLevelLedger:
         event = (*self.release_event(noise_multiplier, sample_rate), rounds)
         fixed = None
         where = sampled_from or (self.fixed_rounds[-1][1:3] if self.fixed_rounds else None)
-        if self.client_sampling == "fixed" and where is not None:
+        if self.client_sampling == ClientSamplingMode.FIXED and where is not None:
             fixed = self.fixed_rounds + [(event[0], int(where[0]), int(where[1]), rounds)]
         return self._model_epsilon(
             self.model.history + [event], self.truncation_delta + rounds * truncation_probability, fixed
@@ -266,10 +268,12 @@ class ClientLevelLedger:
         `sampled_from` = (N, m): fixed-size sampling drew m of N nodes (None: unknown, no amplification)."""
         sigma, rate = self.release_event(noise_multiplier, sample_rate)
         self.model.record(sigma, rate)
-        if self.noise_placement == "local":  # no amplification, no truncation reserve: the server is not trusted
+        if (
+            self.noise_placement == NoisePlacementMode.LOCAL
+        ):  # no amplification, no truncation reserve: the server is not trusted
             self.server.record(sigma, rate)
             return
-        if self.client_sampling == "fixed" and sampled_from is not None:
+        if self.client_sampling == ClientSamplingMode.FIXED and sampled_from is not None:
             population, sample = int(sampled_from[0]), int(sampled_from[1])
             last = self.fixed_rounds[-1] if self.fixed_rounds else None
             if last is not None and last[:3] == (sigma, population, sample):
@@ -277,7 +281,7 @@ class ClientLevelLedger:
             else:
                 self.fixed_rounds.append((float(sigma), population, sample, 1))
         self.truncation_delta += float(truncation_probability)
-        if self.noise_placement != "distributed":
+        if self.noise_placement != NoisePlacementMode.DISTRIBUTED:
             return
         if not self.secure_aggregation:
             self.server.record(per_update_noise_multiplier(noise_multiplier, noise_shares), 1.0)
@@ -293,7 +297,7 @@ class ClientLevelLedger:
     def epsilon_against_server(self) -> float:
         """eps against the server; under SecAgg+ at delta - truncation_delta, since a quantizer clip (reserved
         there with the truncation probability, which only makes it larger) voids the sum it sees as well."""
-        if self.noise_placement == "central":
+        if self.noise_placement == NoisePlacementMode.CENTRAL:
             return math.inf
         if self.secure_aggregation and self.truncation_delta > 0:
             delta = self.delta - self.truncation_delta

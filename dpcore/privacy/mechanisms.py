@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import pywt
 
+from .modes import ClientSamplingMode
+
 Shapes = list[tuple[int, ...]]
 
 
@@ -100,7 +102,7 @@ def noise_share_count(
     federation has one client more); a round whose sample is larger keeps n_s of it, and the ledger
     reserves that probability out of delta (`truncation_probability`).
     """
-    if client_sampling == "fixed":
+    if client_sampling == ClientSamplingMode.FIXED:
         return max(1, round(sample_rate * population))
     from scipy.stats import binom
 

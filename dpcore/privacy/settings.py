@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dpcore.privacy.accountants import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
 
-NOISE_PLACEMENTS = ("central", "distributed", "local")
-CLIENT_SAMPLINGS = ("poisson", "fixed")
-TARGET_EPSILON_MODES = ("stop", "calibrate")
+from .modes import ClientSamplingMode, NoisePlacementMode, TargetEpsilonMode, values
+
+NOISE_PLACEMENTS = values(NoisePlacementMode)  # ("central", "distributed", "local")
+CLIENT_SAMPLINGS = values(ClientSamplingMode)  # ("poisson", "fixed")
+TARGET_EPSILON_MODES = values(TargetEpsilonMode)  # ("stop", "calibrate")
 MU_SOURCES = ("server", "clients")
 
 
@@ -84,26 +86,30 @@ def check_client_level_dp(
     require(target_epsilon >= 0, "target_epsilon", target_epsilon, "must be >= 0 (0: no target)")
     require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: min(1e-5, 0.01 / number of clients))")
     require(
-        not (target_epsilon > 0 and noise_multiplier == 0 and target_epsilon_mode == "stop"),
+        not (target_epsilon > 0 and noise_multiplier == 0 and target_epsilon_mode == TargetEpsilonMode.STOP),
         "target_epsilon",
         target_epsilon,
         f"cannot be met with {name('noise_multiplier')} = 0 (epsilon is infinite); use "
         "target-epsilon-mode = 'calibrate' or a positive noise-multiplier",
     )
     require(
-        not (target_epsilon > 0 and target_epsilon_mode == "calibrate" and clipping_norm == 0),
+        not (target_epsilon > 0 and target_epsilon_mode == TargetEpsilonMode.CALIBRATE and clipping_norm == 0),
         "target_epsilon_mode",
         target_epsilon_mode,
         f"'calibrate' needs {name('clipping_norm')} > 0",
     )
     require(
-        not (noise_placement == "local" and noise_multiplier == 0),
+        not (noise_placement == NoisePlacementMode.LOCAL and noise_multiplier == 0),
         "noise_placement",
         noise_placement,
         f"'local' needs {name('noise_multiplier')} > 0: each client noises its own update",
     )
     require(
-        not (noise_placement == "local" and target_epsilon > 0 and target_epsilon_mode == "calibrate"),
+        not (
+            noise_placement == NoisePlacementMode.LOCAL
+            and target_epsilon > 0
+            and target_epsilon_mode == TargetEpsilonMode.CALIBRATE
+        ),
         "target_epsilon_mode",
         target_epsilon_mode,
         "'calibrate' cannot be used with noise_placement = 'local' "
@@ -122,7 +128,7 @@ def check_calibration_reachable(
     from .calibration import CALIBRATION_RANGE
     from .mechanisms import TRUNCATION_PROBABILITY
 
-    fixed, high = client_sampling == "fixed", CALIBRATION_RANGE[1]
+    fixed, high = client_sampling == ClientSamplingMode.FIXED, CALIBRATION_RANGE[1]
     largest_delta = (delta or 1e-5) - (0.0 if fixed else rounds * TRUNCATION_PROBABILITY)
     least = epsilon_of([(high, 1.0 if fixed else sample_rate, rounds)], largest_delta, accountant)
     require(
@@ -135,20 +141,10 @@ def check_calibration_reachable(
     )
 
 
-def require_noise_placement(algorithm: str, noise_placement: str, allowed: str, reason: str) -> None:
-    """An algorithm that works with one noise placement only."""
-    require(
-        noise_placement == allowed,
-        "noise_placement",
-        noise_placement,
-        f"{algorithm} {reason}, so it needs noise_placement = '{allowed}'",
-    )
-
-
 def check_secure_aggregation(noise_placement: str, clipping_norm: float) -> None:
     """SecAgg+ sums what the clients privatized themselves, and quantizes bounded updates."""
     require(
-        noise_placement == "distributed",
+        noise_placement == NoisePlacementMode.DISTRIBUTED,
         "secure_aggregation",
         True,
         f"needs noise_placement='distributed', not {noise_placement!r}: under SecAgg+ the server cannot "
