@@ -31,6 +31,7 @@ from strategies.ali_dpfl import ALIDPFL
 from strategies.audit import AuditCanaries
 from strategies.dp_fedavg import DifferentialPrivacy, DPFedAvg
 from strategies.dp_ftrl import DPFTRL
+from strategies.dp_ftrl_mf import MatrixFactorizationFTRL
 from strategies.legacy import LegacyDPFedAvg
 from strategies.legacy_log import quiet_workflow_logs
 from strategies.legacy_wrapper import LegacyDifferentialPrivacy
@@ -67,6 +68,7 @@ __all__ = [
     "DPFedAvg",
     "AdaptiveClipping",
     "DPFTRL",
+    "MatrixFactorizationFTRL",
     "DPFedSAMTopK",
     "DPFedAvgWavelet",
     "PersonalizedDPFedAvg",

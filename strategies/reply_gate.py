@@ -174,24 +174,28 @@ class ReplyGate:
         log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
 
     def warn_reply_problems(self, record: dict) -> None:
-        """One warning line per round that had failed or rejected replies: how many and why, grouped by reason
-        (`round_problems`); and, the first time no reply of a round was usable, a hint at the usual causes. The
-        count is a non-private diagnostic; each reply's own line (with its node) is logged with publish_diagnostics."""
+        """One line per round that had failed or rejected replies: how many and why, grouped by reason
+        (`round_problems`). The count is a non-private diagnostic, so the line is a warning only with
+        publish_diagnostics, or where every reply of the round failed or was rejected (a misconfigured run, not one
+        client's data: then also, the first time, a hint at the usual causes); otherwise it is logged at DEBUG."""
         problems = round_problems(self.round.problems, record.get("failed_nodes", []))
         if not problems:
             return
+        none_usable = record.get("clients", len(self.round.accepted_nodes)) == 0 and (
+            record.get("failures", 0) + record.get("rejected", 0) > 0  # not an empty sample or a halted SecAgg+
+        )
         reasons = Counter(NODE_ID.sub("a node", p) for p in problems)
         listed = "; ".join(f"{n} x {reason[:REASON_CHARS]}" for reason, n in reasons.most_common(REASONS))
         more = f"; and {len(reasons) - REASONS} other reasons" if len(reasons) > REASONS else ""
         log(
-            WARNING,
+            WARNING if self.publish_diagnostics or none_usable else DEBUG,
             "Round %s: client replies failed, were rejected or unusable (%d): %s%s",
             record["round"],
             len(problems),
             listed,
             more,
         )
-        if record.get("clients", len(self.round.accepted_nodes)) == 0 and not self.all_failed_hinted:
+        if none_usable and not self.all_failed_hinted:
             self.all_failed_hinted = True
             log(WARNING, "%s", ALL_FAILED_HINT)
 

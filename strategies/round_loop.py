@@ -379,20 +379,15 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         flower.start(num_rounds, initial_arrays, train_config, evaluate_config)
         for part in self.parts:
             part.see_model(self, initial_arrays)
-        train_config = train_config or ConfigRecord()
-        evaluate_config = evaluate_config or ConfigRecord()
+        train_config, evaluate_config = train_config or ConfigRecord(), evaluate_config or ConfigRecord()
         result, arrays = Result(arrays=initial_arrays), initial_arrays  # Flower 1.43: the initial model until a round
         if evaluate_fn and not self.completed_rounds:
             flower.initial_evaluation(evaluate_fn, arrays, result)
         self.ensure_population(lambda: len(list(grid.get_node_ids())))
         self.stop_reason = "num-rounds reached"
         if self.completed_rounds:
-            log(
-                INFO,
-                "Resuming after round %d (ledger: epsilon %s so far)",
-                self.completed_rounds,
-                self.privacy_metrics().get("epsilon"),
-            )
+            epsilon = self.privacy_metrics().get("epsilon")
+            log(INFO, "Resuming after round %d (ledger: epsilon %s so far)", self.completed_rounds, epsilon)
         for rnd in range(self.completed_rounds + 1, num_rounds + 1):
             started = time.perf_counter()
             flower.round_begins(rnd, num_rounds)

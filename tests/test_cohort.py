@@ -1,8 +1,10 @@
 """The cohort engine (dpfl_tools.cohort.CohortGrid) against the sequential in-process grid.
 
-Tolerance: every array of every train reply within 1e-5 x its largest |value| of the sequential reply's, every
-metric within 1e-5 relative (float32 rounding: vmap'd kernels sum in another order); the printed epsilon and
-everything the ledger writes identical (the engine changes no privacy number).
+Tolerance: every array of every train reply within RTOL x its largest |value| of the sequential reply's, every
+metric within RTOL relative (float32 rounding: vmap'd kernels sum in another order); the printed epsilon and
+everything the ledger writes identical (the engine changes no privacy number). RTOL is 1e-5 on the CPU and 1e-4
+on CUDA, where the batched and the plain layer run different cuDNN/cuBLAS kernels (an H200 gave 1.9e-5 on the
+wavelet route, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fl_app.client_app import build_client
 from fl_app.config import validate
 from fl_app.server_app import run_federated
 
-RTOL = 1e-5
+RTOL = 1e-4 if torch.cuda.is_available() else 1e-5
 NODES = 6
 BASE = {
     "dataset": "digits",

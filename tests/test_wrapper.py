@@ -315,8 +315,9 @@ def test_one_reply_without_num_examples_costs_only_its_own_metrics():
 
 def test_failed_and_rejected_replies_get_a_warning_line_a_round_and_one_hint_when_none_is_usable(caplog):
     """Issue 39 item 11: clients without the mod under distributed noise (fl-dp-sa with only the server
-    converted) used to leave normal-looking rounds and no line about the replies; now each round says how many
-    replies failed or were rejected and why, and the first round without a usable reply adds a hint."""
+    converted) used to leave normal-looking rounds and no line about the replies; now a round without a usable
+    reply says how many replies failed or were rejected and why, and the first one adds a hint. A round where only
+    some failed says so at DEBUG (a non-private count), at WARNING with publish_diagnostics."""
     strategy = DifferentialPrivacy(
         clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
     )
@@ -331,14 +332,22 @@ def test_failed_and_rejected_replies_get_a_warning_line_a_round_and_one_hint_whe
     assert "not privatized" in lines[0] and "dp_privatize_mod" in lines[0]
     assert sum(r.getMessage().startswith("No client reply of the round was usable") for r in caplog.records) == 1
     caplog.clear()
-    crashing = no_noise()  # one node of four raises: its line, no hint
-    with caplog.at_level("WARNING", logger="flwr"):
-        crashing.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
-    assert (
-        "Round 1: client replies failed, were rejected or unusable (1): 1 x a node failed: RuntimeError: a node crashed"
-        in (caplog.text)
-    )
-    assert "No client reply of the round was usable" not in caplog.text
+    for publish in (False, True):  # one node of four raises: its line (a warning only with publish_diagnostics)
+        crashing = no_noise(publish_diagnostics=publish)
+        with caplog.at_level("DEBUG", logger="flwr"):
+            crashing.start(InProcessGrid(weights_client(), M, {}, fail=lambda node, msg: node == 101), model(), 1)
+        line = [r for r in caplog.records if "client replies failed" in r.getMessage()]
+        assert len(line) == 1 and line[0].levelname == ("WARNING" if publish else "DEBUG")
+        assert (
+            line[0]
+            .getMessage()
+            .startswith(
+                "Round 1: client replies failed, were rejected or unusable (1): 1 x a node failed: RuntimeError: a node "
+                "crashed"
+            )
+        )
+        assert "No client reply of the round was usable" not in caplog.text
+        caplog.clear()
 
 
 def test_a_budget_stop_before_round_1_returns_the_initial_model_and_no_privacy_spent():
