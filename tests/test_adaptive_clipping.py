@@ -130,6 +130,7 @@ def privatizing_norms_client() -> ClientApp:
     return app
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["central", "distributed"])
 def test_the_clipping_norm_follows_the_geometric_rule_to_the_target_quantile(placement):
     clients, eta, gamma = 20, 0.5, 0.5

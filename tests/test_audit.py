@@ -77,6 +77,7 @@ def test_a_run_without_noise_audits_far_above_any_claim():
     assert math.isinf(accounted) and audit["epsilon_lower_bound"] > 20
 
 
+@pytest.mark.slow
 def test_paper_calibrated_wavelet_audits_far_above_its_claim():
     """Smooth canaries sit where the wavelet noise is weak: the audit finds far more than the paper claims,
     and nothing beyond the accounted epsilon under the exact calibration or Gaussian noise."""
@@ -108,6 +109,7 @@ def test_paper_calibrated_wavelet_audits_far_above_its_claim():
         assert audit["epsilon_lower_bound"] <= accounted
 
 
+@pytest.mark.slow
 def test_standard_error_matches_the_spread_of_the_shift():
     """The stated standard error of the GDP shift is what its estimate really scatters by, s_0's own error
     included: 300 audits of one-round Gaussian releases (50 + 50 canaries, d = 4096, shift about 2.5). Without the

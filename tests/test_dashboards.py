@@ -199,6 +199,7 @@ def test_wandb_without_the_package_fails_before_training(tmp_path, monkeypatch):
     assert read_metrics(tmp_path / "run") == [] and not (tmp_path / "run" / "status.json").exists()
 
 
+@pytest.mark.slow
 def test_a_client_app_never_imports_wandb():
     import subprocess
     import sys

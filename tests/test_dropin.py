@@ -166,6 +166,7 @@ def test_legacy_strategy_stops_on_the_privacy_budget():
     assert strategy.describe()["epsilon"] <= target
 
 
+@pytest.mark.slow
 def test_legacy_numpyclient_with_mod_under_secaggplus():
     """@app.main with LegacyContext + DefaultWorkflow(DPSecAggPlusWorkflow), mods=[secaggplus_mod, dp mod]."""
     strategy = SecAggPlusDPFedAvg(

@@ -276,6 +276,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_run_folder_has_one_writer(tmp_path):
     import os
     import subprocess

@@ -208,6 +208,7 @@ def test_message_api_strategies_survive_hostile_replies(path):
     print(f"{path}: {ROUNDS} rounds, {hostile} hostile replies, 0 exceptions, model finite")
 
 
+@pytest.mark.slow
 def test_ali_dpfl_survives_hostile_replies():
     rng, nprng = random.Random(f"{SEED}-ali"), np.random.default_rng(SEED)
     strategy = ALIDPFL(

@@ -121,6 +121,7 @@ def root_handlers_after_importing_opacus(how: str) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_opacus_is_imported_without_a_root_log_handler():
     if root_handlers_after_importing_opacus("plain") == 0:
         pytest.skip("this Opacus no longer calls logging.basicConfig() on import: nothing to guard against")

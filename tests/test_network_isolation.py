@@ -230,6 +230,7 @@ def test_runs_that_need_the_network_skip_isolation_or_are_refused(tmp_path, mode
         assert out.returncode == 1 and out.stderr.startswith("--network-isolation require: not isolated"), out
 
 
+@pytest.mark.slow
 def test_datasets_that_download_are_loaded_once_before_isolating_and_off_leaves_the_network_alone(tmp_path):
     """A hub dataset is loaded once for both runs (--reference), before the namespace; an embedded one is not;
     --network-isolation off does neither."""

@@ -106,6 +106,7 @@ def noise_shares(population: int, q: float) -> int:
     return next((n for n in range(1, population + 1) if binom.sf(n - 1, population, q) <= 1e-12), population + 1)
 
 
+@pytest.mark.slow
 def test_a_growing_population_keeps_a_finite_epsilon_with_distributed_noise():
     sigma, clip, q, delta = 1.0, 0.5, 0.5, 1e-5
     sizes = {1: 20, 3: 60}
