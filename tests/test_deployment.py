@@ -365,7 +365,8 @@ def test_warm_clientapps_under_process_isolation(deployment, tmp_path):
         )
         summary, rounds = read_run(folder)
         assert [r["clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
-        assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], summary["delta"]))
+        reserve = 2 * 1e-9 if secure else 0.0  # DPSecAggPlusWorkflow's quantizer-clip probability a round
+        assert summary["epsilon"] == pytest.approx(epsilon_of([(1.0, 1.0, 2)], summary["delta"] - reserve))
         assert summary["delta"] == 1e-5
     for i in range(3):
         log = d.log(f"n{i}-executor")
