@@ -314,8 +314,8 @@ class DifferentialPrivacy(DPRoundLoop):
 
         extra = extra_updates(self, server_round, sum(a.size for a in global_arrays))
         new_global = self.noisy_average_step(server_round, updates + extra, flatten(global_arrays), len(updates))
-        arrays, wrapped_metrics = release(self, server_round, new_global, metric_replies(self, server_round, replies))
-        own = own_metrics(self, wrapped_metrics, replies)
+        arrays, wrapped_metrics = release(self, server_round, new_global, metric_replies(self, server_round))
+        own = own_metrics(self, wrapped_metrics)
         metrics = {
             **own,
             **round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm),

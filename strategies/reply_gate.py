@@ -52,17 +52,22 @@ class MetricRule:
         return None
 
 
-def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dict, str | None]:
-    """(the rule-checked metrics as floats/ints, None) or ({}, why the reply's metrics are unusable)."""
+def metric_record(content: RecordDict):
+    """A reply's metric record: the one named `metrics`, else the only one ({} if none); None if it has several
+    and none of that name."""
     records = content.metric_records
     if METRICS_RECORD in records:
-        record = records[METRICS_RECORD]
-    elif len(records) == 1:
-        record = next(iter(records.values()))
-    elif not records:
-        record = {}
-    else:
-        return {}, f"{len(records)} metric records and none named '{METRICS_RECORD}'"
+        return records[METRICS_RECORD]
+    if len(records) <= 1:
+        return next(iter(records.values()), {})
+    return None
+
+
+def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dict, str | None]:
+    """(the rule-checked metrics as floats/ints, None) or ({}, why the reply's metrics are unusable)."""
+    record = metric_record(content)
+    if record is None:
+        return {}, f"{len(content.metric_records)} metric records and none named '{METRICS_RECORD}'"
     clean = {}
     for key, rule in rules.items():
         if key not in record:

@@ -21,36 +21,22 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.figures import published_and_former_names
 from dpcore.privacy.mechanisms import flatten, unflatten
 
-from .reply_gate import METRICS_RECORD
+from .reply_gate import METRICS_RECORD, metric_record
 from .sample_epsilon import sample_epsilon_summary
 
 PROTOCOL_NAMES = frozenset(v for k, v in vars(keys).items() if k.isupper() and isinstance(v, str))
 OWN_NAMES = PROTOCOL_NAMES | published_and_former_names()  # no client writes these
 
 
-def own_metrics(dp, metrics: MetricRecord | None, replies: list[Message]) -> dict:
+def own_metrics(dp, metrics: MetricRecord | None) -> dict:
     """The clients' own train metrics as the wrapped strategy aggregated them (`metrics`, e.g. FedAvg's weighted
     `train_loss`), plus the largest sample-level epsilon of every accepted reply (`sample-epsilon-max` at
     `sample-delta`, `strategies.sample_epsilon`): non-private diagnostics that reach Flower's Result (the round's
     own statistics of the same name take precedence). Keys of the protocol or of a published figure (e.g.
     `epsilon`, `accuracy`) are left out, so no client can write a published figure."""
     own = {k: v for k, v in dict(metrics or {}).items() if k not in OWN_NAMES}
-    accepted = [only_metrics(r.content) for r in accepted_replies(dp, replies)]
+    accepted = [dict(metric_record(r.content) or {}) for r in dp.round.accepted_replies]
     return {**own, **sample_epsilon_summary(accepted, announce=False)}
-
-
-def only_metrics(content: RecordDict) -> dict:
-    """A reply's metric record as the reply gate reads it: the one named `metrics`, or the only one ({} if neither)."""
-    records = content.metric_records
-    if METRICS_RECORD in records:
-        return dict(records[METRICS_RECORD])
-    return dict(next(iter(records.values()))) if len(records) == 1 else {}
-
-
-def accepted_replies(dp, replies: list[Message]) -> list[Message]:
-    """The replies the reply gate accepted this round, in order: not a node's second reply, which the gate
-    rejected (`round.accepted_replies`; `replies` is what came back, kept for the callers' symmetry)."""
-    return list(dp.round.accepted_replies)
 
 
 def metric_problem(content: RecordDict, weight_key: str) -> str | None:
@@ -69,13 +55,13 @@ def metric_problem(content: RecordDict, weight_key: str) -> str | None:
     return None
 
 
-def metric_replies(dp, server_round: int, replies: list[Message]) -> list[RecordDict]:
-    """The accepted replies' metric records the wrapped strategy can aggregate: each reply readable on its own
-    (`metric_problem`), and of the key set most replies have (Flower's aggregation skips the whole round when one
-    reply's keys differ). One bad reply costs only its own metrics: it is a noted problem, never raised."""
+def metric_replies(dp, server_round: int) -> list[RecordDict]:
+    """The accepted replies' metric records (`round.accepted_replies`: not a node's second reply) that the wrapped
+    strategy can aggregate: each reply readable on its own (`metric_problem`), and of the key set most replies have
+    (Flower's aggregation skips the whole round when one reply's keys differ). One bad reply costs only its own metrics: it is a noted problem, never raised."""
     weight_key = getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
     usable = []
-    for reply in accepted_replies(dp, replies):
+    for reply in dp.round.accepted_replies:
         if problem := metric_problem(reply.content, weight_key):
             dp.note_problem(server_round, f"metrics of node {reply.metadata.src_node_id} not aggregated: {problem}")
         else:
