@@ -29,6 +29,7 @@ Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from logging import INFO
@@ -47,11 +48,17 @@ CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
 
 
 def local_rule(client) -> str | None:
-    """'sgd' or 'sam' for the clients whose local rule is batched (exact types: a subclass changes the rule)."""
+    """'sgd', 'sam' or 'dpsgd' for the clients whose local rule is batched (exact types: a subclass changes the
+    rule)."""
     from clients.base import TrainingClient
     from clients.sam import SAMClient
     from clients.topk import TopKSAMClient
 
+    dpsgd = sys.modules.get("clients.dpsgd")  # imported where a client is one (not otherwise: it imports Opacus)
+    if dpsgd is not None and type(client) is dpsgd.DPSGDClient:
+        from dpfl_tools.cohort_dpsgd import batchable
+
+        return "dpsgd" if batchable(client) else None
     return {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}.get(type(client))
 
 
@@ -94,11 +101,12 @@ class CohortGrid(InProcessGrid):
         return [self.answer(m, self.replier(trained[id(m)]) if id(m) in trained else None) for m in delivered]
 
     @staticmethod
-    def replier(reply: Message) -> Callable[[Message, Context], Message]:
-        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply."""
+    def replier(reply) -> Callable[[Message, Context], Message]:
+        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply (a
+        Message, or DP-SGD's handler that charges the node's ledger when the node answers)."""
         from fl_app.client_app import train_with
 
-        return lambda msg, context: train_with(lambda *_: reply, msg, context)
+        return lambda msg, context: train_with(reply if callable(reply) else lambda *_: reply, msg, context)
 
     def batchable(self, msg: Message):
         """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
@@ -151,8 +159,14 @@ def torch_threads(n: int | None):
 
 
 def train_cohort(messages: list[Message], clients: list, budget: int | None, threads: int | None) -> dict[int, Message]:
-    """Train each message's client in chunks; {id(message): its train reply}."""
+    """Train each message's client in chunks; {id(message): its train reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
     from clients.adapter import config_of, fit_reply
+
+    if local_rule(clients[0]) == "dpsgd":
+        from dpfl_tools.cohort_dpsgd import train_dpsgd_cohort
+
+        with torch_threads(threads):
+            return train_dpsgd_cohort(messages, clients, budget)
 
     configs = [config_of(m) for m in messages]
     plans = [(c.round_batches(cfg), cfg) for c, cfg in zip(clients, configs)]
