@@ -21,8 +21,11 @@ statistics) are not batched. The reply is the client's own `upload` (Delta, clip
 
 The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
 (`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
-client. Everything else (evaluate messages, a user's own ClientApp, personal heads, DP-SGD, SecAgg+, models with
-buffers, malformed messages) runs message by message through the ClientApp, with one log line per reason.
+client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in dpfl_tools/cohort_dpsgd.py: per-sample gradients,
+clipping and noise inside the batch, the Poisson masks and the noise from each client's own generators in Opacus'
+order, each client's ledger charged by its own `finish_round` when the grid answers its node. Everything else
+(evaluate messages, a user's own ClientApp, personal heads, Opacus' ghost clipping, SecAgg+, models with buffers,
+malformed messages) runs message by message through the ClientApp, with one log line per reason.
 Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
 """
 
