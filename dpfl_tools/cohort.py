@@ -166,10 +166,11 @@ def train_cohort(messages: list[Message], clients: list, budget: int | None, thr
     from clients.adapter import config_of, fit_reply
 
     if local_rule(clients[0]) == "dpsgd":
-        from dpfl_tools.cohort_dpsgd import train_dpsgd_cohort
+        from dpfl_tools.cohort_dpsgd import poisson_rows, train_dpsgd_cohort
 
+        size = chunk_size(clients[0].model, clients[0], budget, poisson_rows(clients), per_sample=True)
         with torch_threads(threads):
-            return train_dpsgd_cohort(messages, clients, budget)
+            return train_dpsgd_cohort(messages, clients, size)
 
     configs = [config_of(m) for m in messages]
     plans = [(c.round_batches(cfg), cfg) for c, cfg in zip(clients, configs)]
@@ -197,9 +198,10 @@ def train_cohort(messages: list[Message], clients: list, budget: int | None, thr
     return replies
 
 
-def chunk_size(model: torch.nn.Module, client, budget: int | None) -> int:
+def chunk_size(model: torch.nn.Module, client, budget: int | None, rows: int = 0, per_sample: bool = False) -> int:
     """Clients per chunk: the budget over one client's bytes, 4 (6 P + 4 B A): P parameters (w, b, g, the
-    SAM point, the masked copies), B samples of A activation values (saved, their gradients; SAM twice)."""
+    SAM point, the masked copies), B samples (`rows`, default the batch size) of A activation values (saved,
+    their gradients; SAM twice); `per_sample` (DP-SGD): plus 3 B P for the per-sample gradients."""
     device = client.device
     if budget is None:
         budget = CPU_BUDGET if device.type != "cuda" else int(CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
@@ -213,7 +215,8 @@ def chunk_size(model: torch.nn.Module, client, budget: int | None) -> int:
     finally:
         for h in hooks:
             h.remove()
-    per_client = 4 * (6 * p + 4 * client.batch_size * sum(sizes))
+    rows = rows or client.batch_size
+    per_client = 4 * (6 * p + 4 * rows * sum(sizes) + (3 * rows * p if per_sample else 0))
     return max(1, int(budget // per_client))
 
 

@@ -39,15 +39,14 @@ def batchable(client) -> bool:
     return client.grad_sample_mode != "ghost"
 
 
-def train_dpsgd_cohort(messages: list[Message], clients: list, budget: int | None) -> dict:
-    """{id(message): handler(msg, context) -> its train reply}: the chunks' DP-SGD steps run now, each client's
-    `finish_round` (ledger, metrics) when the handler runs."""
+def train_dpsgd_cohort(messages: list[Message], clients: list, size: int) -> dict:
+    """{id(message): handler(msg, context) -> its train reply}: the DP-SGD steps in chunks of `size` clients run
+    now, each client's `finish_round` (ledger, metrics) when the handler runs."""
     from clients.adapter import config_of, fit_reply
 
     plans = [c.plan_round(config_of(m)) for c, m in zip(clients, messages)]
     params = [m.content["arrays"].to_numpy_ndarrays() for m in messages]
     order = sorted(range(len(messages)), key=lambda i: -plans[i].steps)  # similar step counts share a chunk
-    size = chunk_size(clients[0].model, clients, budget)
     new: dict[int, list[np.ndarray]] = {}
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
@@ -68,27 +67,11 @@ def train_dpsgd_cohort(messages: list[Message], clients: list, budget: int | Non
     return {id(m): handler(i) for i, m in enumerate(messages)}
 
 
-def chunk_size(model: torch.nn.Module, clients: list, budget: int | None) -> int:
-    """Clients per chunk: the budget over one client's bytes, 4 (6 P + 3 B (P + A)): P parameters (w, b, the
-    summed and noisy gradients), B per-sample gradients and activations of A values, B the expected batch plus
-    four standard deviations."""
-    from dpfl_tools.cohort import CPU_BUDGET, CUDA_BUDGET_SHARE
-
-    device = clients[0].device
-    if budget is None:
-        budget = CPU_BUDGET if device.type != "cuda" else int(CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
-    p = sum(v.numel() for v in model.parameters())
-    sizes = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel())) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model(torch.as_tensor(clients[0].trainset.x[:1], dtype=torch.float32).to(device))
-    finally:
-        for h in hooks:
-            h.remove()
+def poisson_rows(clients: list) -> int:
+    """Rows of a step's padded batch to plan memory for: the largest expected Poisson batch q |D_i| plus four
+    standard deviations (the chunk size: `dpfl_tools.cohort.chunk_size`)."""
     mean = max(c.sample_rate * len(c.trainset) for c in clients)
-    batch = math.ceil(mean + 4 * math.sqrt(mean) + 1)
-    return max(1, int(budget // (4 * (6 * p + 3 * batch * (p + sum(sizes))))))
+    return math.ceil(mean + 4 * math.sqrt(mean) + 1)
 
 
 def dpsgd_chunk(model: torch.nn.Module, clients: list, plans: list, params: list) -> list[list[np.ndarray]]:

@@ -164,37 +164,43 @@ def test_dpsgd_no_client_leaks_into_another(monkeypatch):
                 assert diff <= RTOL * scale, (i, changed)
 
 
-def test_dpsgd_noise_std_and_clipping_bound():
+@pytest.mark.parametrize(
+    "sigma, clip, secure",
+    [(50.0, 1.0, False), (50.0, 1.0, True), (0.3, 0.01, False)],
+    ids=["noise-std", "noise-std-secure", "clipping"],
+)
+def test_dpsgd_noise_std_and_clipping_bound(sigma, clip, secure):
     """One step, lr 1, no momentum or weight decay: Delta = -(sum_B clip_C(g_s) + N(0, sigma^2 C^2)) / (q |D|).
-    sigma = 50: the coordinates' std is sigma C / (q |D|) within 4% (d = 9,610 coordinates: 5.5 standard errors);
-    sigma = 0.3, C = 0.01: ||Delta|| q |D| <= |B| C + the noise's 5-sigma norm, |B| counted from the client's
-    own sampling generator here (unclipped, the gradients' sum is far larger)."""
-    for sigma, clip in ((50.0, 1.0), (0.3, 0.01)):
-        cfg = validate(
-            {
-                **BASE,
-                **ALI,
-                "sample-noise-multiplier": sigma,
-                "sample-clipping-norm": clip,
-                "momentum": 0.0,
-                "weight-decay": 0.0,
-                "target-epsilon": 50.0,
-            }
-        )
-        grid = CohortGrid(client_app, NODES, cfg)
-        replies = grid.send_and_receive(dpsgd_messages(grid, dict.fromkeys(range(100, 100 + NODES), 1), lr=1.0))
-        assert grid.batched == NODES
-        for node, reply in zip(grid.get_node_ids(), replies):
-            n = len(build_client(grid.contexts[node]).trainset)
-            delta = np.concatenate([x.ravel() for x in reply.content["arrays"].to_numpy_ndarrays()]) * 0.1 * n
-            if sigma == 50.0:
-                assert np.std(delta) == pytest.approx(sigma * clip, rel=0.04)
-                assert abs(np.mean(delta)) < 5 * sigma * clip / math.sqrt(delta.size)
-            else:
-                batch = int((torch.rand(n, generator=torch_generator(0, 6, 1, node - 100)) < 0.1).sum())
-                noise = sigma * clip * (math.sqrt(delta.size) + 5)
-                assert np.linalg.norm(delta) <= batch * clip + noise
-                assert batch > 0
+    sigma = 50: the coordinates' std is sigma C / (q |D|) within 4% (d = 9,610 coordinates: 5.5 standard errors),
+    also with secure-rng's noise (Opacus' secure mode: the sum of four draws over 2); sigma = 0.3, C = 0.01:
+    ||Delta|| q |D| <= |B| C + the noise's 5-sigma norm, |B| counted from the client's own sampling generator here
+    (unclipped, the gradients' sum is far larger). Ledgers as the Opacus path's, also under secure-rng."""
+    settings = {
+        **BASE,
+        **ALI,
+        "sample-noise-multiplier": sigma,
+        "sample-clipping-norm": clip,
+        "momentum": 0.0,
+        "weight-decay": 0.0,
+        "target-epsilon": 50.0,
+        "secure-rng": secure,
+    }
+    grid, seq = CohortGrid(client_app, NODES, validate(settings)), InProcessGrid(client_app, NODES, validate(settings))
+    one_step = dict.fromkeys(range(100, 100 + NODES), 1)
+    replies = grid.send_and_receive(dpsgd_messages(grid, one_step, lr=1.0))
+    seq.send_and_receive(dpsgd_messages(seq, one_step, lr=1.0))
+    assert grid.batched == NODES and ledgers(grid) == ledgers(seq)
+    for node, reply in zip(grid.get_node_ids(), replies):
+        n = len(build_client(grid.contexts[node]).trainset)
+        delta = np.concatenate([x.ravel() for x in reply.content["arrays"].to_numpy_ndarrays()]) * 0.1 * n
+        if sigma == 50.0:
+            assert np.std(delta) == pytest.approx(sigma * clip, rel=0.04)
+            assert abs(np.mean(delta)) < 5 * sigma * clip / math.sqrt(delta.size)
+        else:
+            batch = int((torch.rand(n, generator=torch_generator(0, 6, 1, node - 100)) < 0.1).sum())
+            noise = sigma * clip * (math.sqrt(delta.size) + 5)
+            assert np.linalg.norm(delta) <= batch * clip + noise
+            assert batch > 0
 
 
 def test_dpsgd_ghost_clipping_runs_one_by_one(caplog):
