@@ -24,7 +24,7 @@ from dpfl_tools.inprocess import InProcessGrid
 from fl_app.client_app import app as client_app
 from fl_app.client_app import build_client
 from fl_app.config import validate
-from tests.test_cohort import BASE, NODES, RTOL, assert_replies_close, run
+from tests.test_cohort import BASE, NODES, RTOL, assert_replies_close, launch, run
 
 ALI = {
     "algorithm": "ali-dpfl",
@@ -213,3 +213,20 @@ def test_dpsgd_ghost_clipping_runs_one_by_one(caplog):
     assert [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()] == [
         "Cohort engine: DPSGDClient's local rule is not batched yet: its messages run one by one"
     ]
+
+
+@pytest.mark.slow
+def test_launch_engine_cohort_ali_dpfl_same_accuracy_and_epsilon(tmp_path, capsys):
+    """`python -m dpfl_tools.launch --engine cohort` on ali-dpfl: the epsilon and accuracy of `--engine inprocess`."""
+    run_config = (
+        'algorithm="ali-dpfl" dataset="digits" model="mlp" num-rounds=3 target-epsilon=20.0 batch-sample-rate=0.3 '
+        "adaptive=false local-steps=8 sample-noise-multiplier=0.8 lr=0.5 secure-rng=false tensorboard=false"
+    )
+    torch.set_num_threads(1)
+    sequential = launch("inprocess", tmp_path, run_config, NODES)
+    cohort = launch("cohort", tmp_path, run_config, NODES)
+    assert cohort["rounds_completed"] == sequential["rounds_completed"] == 3
+    assert cohort["epsilon"] == sequential["epsilon"] > 0
+    assert cohort["final_accuracy"] == pytest.approx(sequential["final_accuracy"], abs=0.01)
+    assert cohort["final_accuracy"] > 0.15  # above chance (10 classes)
+    assert f"epsilon={cohort['epsilon']}" in capsys.readouterr().out
