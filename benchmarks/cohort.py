@@ -3,6 +3,7 @@
 
     python -m benchmarks.cohort [--quick] [--device cpu|cuda|auto] [--out FILE.json]
     python -m benchmarks.cohort --models cnn-mnist --cohorts 100 --local-steps 8
+    python -m benchmarks.cohort --algorithm ali-dpfl --models cnn-mnist --cohorts 10,100
 
 One round's train exchange (`grid.send_and_receive` of one train message per node, dp-fedsam, distributed noise:
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
@@ -12,6 +13,8 @@ allocated. Every client holds --samples synthetic images of the model's input sh
 CIFAR-10's for the others) and takes --local-steps steps of batch 32. torch runs on one thread in both engines
 (the ClientApp's setting). The sequential engine runs cohorts up to --sequential-max clients (its time grows
 linearly: 1,000 clients of resnet18-gn take minutes); the ratio line compares the cohort engine to it.
+`--algorithm ali-dpfl`: the round is ALI-DPFL's DP-SGD instead (--local-steps steps at Poisson rate
+--sample-rate, Opacus one client after the other against dpfl_tools/cohort_dpsgd.py).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ def synthetic_partitions(samples: int):
     return load
 
 
-def one(model: str, clients: int, engine: str, device: str, steps: int, samples: int) -> dict:
+def one(
+    model: str, clients: int, engine: str, device: str, steps: int, samples: int, algorithm: str = "dp-fedsam", q=0.25
+) -> dict:
     """One measurement, in this process: a warm-up round on 2 clients, then the timed round on `clients`."""
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -67,7 +72,8 @@ def one(model: str, clients: int, engine: str, device: str, steps: int, samples:
             "local-steps": steps,
             "batch-size": 32,
             "secure-rng": False,
-            "algorithm": "dp-fedsam",
+            "algorithm": algorithm,
+            **({"batch-sample-rate": q, "target-epsilon": 100.0} if algorithm == "ali-dpfl" else {}),
         }
     )
 
@@ -77,6 +83,8 @@ def one(model: str, clients: int, engine: str, device: str, steps: int, samples:
             v.detach().cpu().numpy() for v in project.build_client(grid.contexts[100]).model.state_dict().values()
         ]
         config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5, "noise-std": 0.1}
+        if algorithm == "ali-dpfl":  # DP-SGD: the server sends the round's local steps
+            config = {"server-round": 1, "local-steps": steps}
         messages = [
             grid.create_message(
                 RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord(config)}), "train", node, "1"
@@ -137,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement (then: not measured)")
     parser.add_argument("--quick", action="store_true", help="cnn-mnist only, cohorts 10 and 100 (a CPU run)")
     parser.add_argument("--out", default="", help="also write the rows as JSON to this file")
+    parser.add_argument("--algorithm", default="dp-fedsam", choices=("dp-fedsam", "ali-dpfl"))
+    parser.add_argument("--sample-rate", type=float, default=0.25, help="ali-dpfl: DP-SGD's Poisson rate q")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.cohorts = "cnn-mnist", "10,100"
@@ -148,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             for engine in ("inprocess", "cohort"):
                 if engine == "inprocess" and clients > args.sequential_max:
                     continue
-                row = fresh([model, clients, engine, args.device, args.local_steps, args.samples], args.timeout)
+                one_args = [model, clients, engine, args.device, args.local_steps, args.samples]
+                row = fresh([*one_args, args.algorithm, args.sample_rate], args.timeout)
                 if row is None:
                     row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
                 rows.append(row)

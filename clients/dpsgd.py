@@ -26,6 +26,7 @@ import json
 import math
 import secrets
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -231,6 +232,22 @@ def save_ledger(state: RecordDict, ledger: PrivacyLedger, counts: dict) -> None:
     )
 
 
+@dataclass
+class DPSGDRound:
+    """One round of a DP-SGD client before its steps: what `DPSGDClient.fit` and the cohort engine
+    (dpfl_tools/cohort_dpsgd.py) both train from, and charge with `finish_round`."""
+
+    rnd: int
+    ledger: PrivacyLedger
+    counts: dict
+    release_mu: bool
+    steps: int  # allowed by the budget
+    lr: float
+    sampling_generator: torch.Generator  # Poisson masks: torch.rand(|D|) < q per step (Opacus' sampler)
+    noise_generator: torch.Generator  # Gaussian noise, on the client's device (Opacus' DPOptimizer)
+    wavelet_rng: np.random.Generator  # DP-SGD-WAV's noise (HaarDPOptimizer)
+
+
 class DPSGDClient(TrainingClient):
     """ALI-DPFL client: `local-steps` (from the server) DP-SGD steps, within its own epsilon budget.
 
@@ -325,34 +342,52 @@ class DPSGDClient(TrainingClient):
         raise NotImplementedError("DPSGDClient trains in fit() (its step count depends on the budget)")
 
     def fit(self, parameters: list[np.ndarray], config: dict):
-        rnd = int(config.get(keys.SERVER_ROUND, 0))
+        plan = self.plan_round(config)
         set_weights(self.model, parameters)
-        ledger, counts = load_ledger(self.state, self.delta, self.accountant)
-        self.adopt_server_counts(ledger, counts, config)
-        release_mu = bool(config.get(keys.RELEASE_MU, False))
-        steps = self.allowed_steps(counts, int(config.get(keys.LOCAL_STEPS, 1)), release_mu)
         x, y = as_tensors(self.trainset)
         taken = dpsgd_steps(
             self.model,
             x,
             y,
-            steps=steps,
+            steps=plan.steps,
             sample_rate=self.sample_rate,
             noise_multiplier=self.mechanism_multiplier,
             clipping_norm=self.clipping_norm,
-            lr=float(config.get(keys.LEARNING_RATE, self.lr)),
+            lr=plan.lr,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
             grad_sample_mode=self.grad_sample_mode,
-            sampling_generator=torch_generator(self.seed, 6, rnd, self.partition_id, secure=self.secure_rng),
-            noise_generator=torch_generator(
-                self.seed, 5, rnd, self.partition_id, secure=self.secure_rng, device=self.device
-            ),
+            sampling_generator=plan.sampling_generator,
+            noise_generator=plan.noise_generator,
             secure_mode=self.secure_rng,
             noise=self.noise,
-            wavelet_rng=make_rng(self.seed, 5, rnd, self.partition_id, secure=self.secure_rng),
+            wavelet_rng=plan.wavelet_rng,
         )
-        new = get_weights(self.model)
+        return self.finish_round(parameters, get_weights(self.model), taken, plan)
+
+    def plan_round(self, config: dict) -> DPSGDRound:
+        """The round's ledger, its allowed steps, learning rate and generators (before any step; writes nothing)."""
+        rnd = int(config.get(keys.SERVER_ROUND, 0))
+        ledger, counts = load_ledger(self.state, self.delta, self.accountant)
+        self.adopt_server_counts(ledger, counts, config)
+        release_mu = bool(config.get(keys.RELEASE_MU, False))
+        stream, secure = (rnd, self.partition_id), self.secure_rng
+        return DPSGDRound(
+            rnd,
+            ledger,
+            counts,
+            release_mu,
+            self.allowed_steps(counts, int(config.get(keys.LOCAL_STEPS, 1)), release_mu),
+            float(config.get(keys.LEARNING_RATE, self.lr)),
+            torch_generator(self.seed, 6, *stream, secure=secure),
+            torch_generator(self.seed, 5, *stream, secure=secure, device=self.device),
+            make_rng(self.seed, 5, *stream, secure=secure),
+        )
+
+    def finish_round(self, parameters: list[np.ndarray], new: list[np.ndarray], taken: int, plan: DPSGDRound):
+        """fit's reply from the trained weights `new` after `taken` noisy steps: the ledger charged and saved to
+        Context.state, the mu release where asked, the metrics."""
+        ledger, counts, release_mu = plan.ledger, plan.counts, plan.release_mu
         metrics = {
             keys.PARTITION_ID: self.partition_id,
             keys.NUM_PARTITIONS: self.num_partitions,
@@ -362,7 +397,7 @@ class DPSGDClient(TrainingClient):
             ledger.record(self.accounted_multiplier, self.sample_rate, taken)
             counts["steps"] += taken
             if release_mu:
-                metrics[keys.MU] = self.release_mu(parameters, new, rnd)
+                metrics[keys.MU] = self.release_mu(parameters, new, plan.rnd)
                 ledger.record(self.mu_noise_multiplier, 1.0, 1)
                 counts["mu-releases"] += 1
         save_ledger(self.state, ledger, counts)

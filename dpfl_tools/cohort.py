@@ -21,14 +21,18 @@ statistics) are not batched. The reply is the client's own `upload` (Delta, clip
 
 The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
 (`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
-client. Everything else (evaluate messages, a user's own ClientApp, personal heads, DP-SGD, SecAgg+, models with
-buffers, malformed messages) runs message by message through the ClientApp, with one log line per reason.
+client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in dpfl_tools/cohort_dpsgd.py: per-sample gradients,
+clipping and noise inside the batch, the Poisson masks and the noise from each client's own generators in Opacus'
+order, each client's ledger charged by its own `finish_round` when the grid answers its node. Everything else
+(evaluate messages, a user's own ClientApp, personal heads, Opacus' ghost clipping, SecAgg+, models with buffers,
+malformed messages) runs message by message through the ClientApp, with one log line per reason.
 Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from logging import INFO
@@ -47,11 +51,17 @@ CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
 
 
 def local_rule(client) -> str | None:
-    """'sgd' or 'sam' for the clients whose local rule is batched (exact types: a subclass changes the rule)."""
+    """'sgd', 'sam' or 'dpsgd' for the clients whose local rule is batched (exact types: a subclass changes the
+    rule)."""
     from clients.base import TrainingClient
     from clients.sam import SAMClient
     from clients.topk import TopKSAMClient
 
+    dpsgd = sys.modules.get("clients.dpsgd")  # imported where a client is one (not otherwise: it imports Opacus)
+    if dpsgd is not None and type(client) is dpsgd.DPSGDClient:
+        from dpfl_tools.cohort_dpsgd import batchable
+
+        return "dpsgd" if batchable(client) else None
     return {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}.get(type(client))
 
 
@@ -94,11 +104,12 @@ class CohortGrid(InProcessGrid):
         return [self.answer(m, self.replier(trained[id(m)]) if id(m) in trained else None) for m in delivered]
 
     @staticmethod
-    def replier(reply: Message) -> Callable[[Message, Context], Message]:
-        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply."""
+    def replier(reply) -> Callable[[Message, Context], Message]:
+        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply (a
+        Message, or DP-SGD's handler that charges the node's ledger when the node answers)."""
         from fl_app.client_app import train_with
 
-        return lambda msg, context: train_with(lambda *_: reply, msg, context)
+        return lambda msg, context: train_with(reply if callable(reply) else lambda *_: reply, msg, context)
 
     def batchable(self, msg: Message):
         """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
@@ -151,8 +162,15 @@ def torch_threads(n: int | None):
 
 
 def train_cohort(messages: list[Message], clients: list, budget: int | None, threads: int | None) -> dict[int, Message]:
-    """Train each message's client in chunks; {id(message): its train reply}."""
+    """Train each message's client in chunks; {id(message): its train reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
     from clients.adapter import config_of, fit_reply
+
+    if local_rule(clients[0]) == "dpsgd":
+        from dpfl_tools.cohort_dpsgd import poisson_rows, train_dpsgd_cohort
+
+        size = chunk_size(clients[0].model, clients[0], budget, poisson_rows(clients), per_sample=True)
+        with torch_threads(threads):
+            return train_dpsgd_cohort(messages, clients, size)
 
     configs = [config_of(m) for m in messages]
     plans = [(c.round_batches(cfg), cfg) for c, cfg in zip(clients, configs)]
@@ -180,9 +198,10 @@ def train_cohort(messages: list[Message], clients: list, budget: int | None, thr
     return replies
 
 
-def chunk_size(model: torch.nn.Module, client, budget: int | None) -> int:
+def chunk_size(model: torch.nn.Module, client, budget: int | None, rows: int = 0, per_sample: bool = False) -> int:
     """Clients per chunk: the budget over one client's bytes, 4 (6 P + 4 B A): P parameters (w, b, g, the
-    SAM point, the masked copies), B samples of A activation values (saved, their gradients; SAM twice)."""
+    SAM point, the masked copies), B samples (`rows`, default the batch size) of A activation values (saved,
+    their gradients; SAM twice); `per_sample` (DP-SGD): plus 3 B P for the per-sample gradients."""
     device = client.device
     if budget is None:
         budget = CPU_BUDGET if device.type != "cuda" else int(CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
@@ -196,7 +215,8 @@ def chunk_size(model: torch.nn.Module, client, budget: int | None) -> int:
     finally:
         for h in hooks:
             h.remove()
-    per_client = 4 * (6 * p + 4 * client.batch_size * sum(sizes))
+    rows = rows or client.batch_size
+    per_client = 4 * (6 * p + 4 * rows * sum(sizes) + (3 * rows * p if per_sample else 0))
     return max(1, int(budget // per_client))
 
 
