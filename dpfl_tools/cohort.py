@@ -19,10 +19,19 @@ Nothing mixes clients: every operation is per client under vmap, and models with
 statistics) are not batched. The reply is the client's own `upload` (Delta, clip, noise share, metrics) and
 `clients.adapter.fit_reply`, so the ServerApp, the strategy and the ledger see what the ClientApp would send.
 
+DP2-FedSAM's and CENTAUR's clients (clients/personalized.py, `train_personal`) keep a personal head h_i per node:
+each client's stored head (its HeadStore: the node's Context.state, or its state-dir file; before the first save
+the model's initial head) is stacked beside the received body phi, and PartialSharingClient.fit's rule runs per
+client: tau_h SGD steps on h_i with phi frozen (lr round_lr(eta_h), batches from generator (seed, 5, round,
+partition-id)), then tau_phi SGD or SAM steps on phi with h_i frozen (the SAM norm over phi only). Only phi's
+update is replied (`upload_body`); h_i is saved to the node's HeadStore when the node answers, as the ClientApp
+saves it, so a later round, an evaluation and a node that fails (it keeps its previous head) read what the
+sequential path leaves. A stored head that does not fit the model runs through the ClientApp (its error).
+
 The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
 (`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
-client. Everything else (evaluate messages, a user's own ClientApp, personal heads, DP-SGD, SecAgg+, models with
-buffers, malformed messages) runs message by message through the ClientApp, with one log line per reason.
+client. Everything else (evaluate messages, a user's own ClientApp, DP-SGD, SecAgg+, models with buffers,
+malformed messages) runs message by message through the ClientApp, with one log line per reason.
 Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
 """
 
