@@ -107,12 +107,11 @@ class CohortGrid(InProcessGrid):
 
     @staticmethod
     def replier(reply) -> Callable[[Message, Context], Message]:
-        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply, or
-        around the handler that writes the node's state and returns it (personal heads: `train_personal`)."""
+        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply (a
+        Message, or a handler that writes the node's state when the node answers: `train_personal`'s heads)."""
         from fl_app.client_app import train_with
 
-        handler = reply if callable(reply) else (lambda *_: reply)
-        return lambda msg, context: train_with(handler, msg, context)
+        return lambda msg, context: train_with(reply if callable(reply) else lambda *_: reply, msg, context)
 
     def batchable(self, msg: Message):
         """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
@@ -256,19 +255,25 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
         active = steps > t
         x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
         g, loss = step_fn(w, x, y, m)
-        new_w, new_b = {}, {}
-        for k in names:
-            keep = active.view(-1, *[1] * (w[k].dim() - 1))
-            gk = g[k] + wd * w[k] if wd else g[k]
-            bk = gk if t == 0 or not mu else b[k] * mu + gk
-            new_b[k] = torch.where(keep, bk, b[k]) if t else bk
-            new_w[k] = torch.where(keep, w[k] - lr.view_as(keep) * bk, w[k])
-        w, b = new_w, new_b
+        w, b = sgd_update(w, b, g, t, active, lr, mu, wd)
         history.append(torch.where(active, loss.detach(), torch.nan))
     out = {k: v.detach().cpu().numpy() for k, v in w.items()}
     table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in range(n)]
     losses = [[v for v in row if not math.isnan(v)] for row in table]
     return [[out[k][i].copy() for k in names] for i in range(n)], losses
+
+
+def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):
+    """LocalSGD's step t on stacked tensors: g <- g + lambda w; b <- mu b + g (b = g at t = 0); w <- w - eta_i b;
+    a client not `active` keeps its w and b. Returns (w, b)."""
+    new_w, new_b = {}, {}
+    for k in w:
+        keep = active.view(-1, *[1] * (w[k].dim() - 1))
+        gk = g[k] + wd * w[k] if wd else g[k]
+        bk = gk if t == 0 or not mu else b[k] * mu + gk
+        new_b[k] = torch.where(keep, bk, b[k]) if t else bk
+        new_w[k] = torch.where(keep, w[k] - eta.view_as(keep) * bk, w[k])
+    return new_w, new_b
 
 
 def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -404,14 +409,7 @@ def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list,
         active = steps > t
         x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
         g, loss = step_fn(w, frozen, x, y, m)
-        new_w, new_b = {}, {}
-        for k in w:
-            keep = active.view(-1, *[1] * (w[k].dim() - 1))
-            gk = g[k] + wd * w[k] if wd else g[k]
-            bk = gk if t == 0 or not mu else b[k] * mu + gk
-            new_b[k] = torch.where(keep, bk, b[k]) if t else bk
-            new_w[k] = torch.where(keep, w[k] - eta.view_as(keep) * bk, w[k])
-        w, b = new_w, new_b
+        w, b = sgd_update(w, b, g, t, active, eta, mu, wd)
         history.append(torch.where(active, loss.detach(), torch.nan))
     table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in counts]
     return w, [[v for v in row if not math.isnan(v)] for row in table]
