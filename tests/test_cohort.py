@@ -327,9 +327,9 @@ def test_personal_heads_replies_and_state_equal_sequential(overrides, tmp_path):
     assert s2["epsilon"] == s1["epsilon"] and s2["delta"] == s1["delta"]
 
 
-def body_messages(grid) -> list[Message]:
+def body_messages(grid, server_round: int = 1) -> list[Message]:
     body = build_client(grid.contexts[100]).body_arrays()
-    config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5, "noise-std": 0.05}
+    config = {"server-round": server_round, "privatize": True, "clipping-norm": 0.5, "noise-std": 0.05}
     return [
         grid.create_message(RecordDict({"arrays": ArrayRecord(body), "config": ConfigRecord(config)}), "train", n, "1")
         for n in grid.get_node_ids()
@@ -388,3 +388,36 @@ def test_personal_heads_do_not_leak_and_fail_as_the_clientapp(monkeypatch):
     for i in (0, 2, 4, 5):
         assert all(np.array_equal(a, b) for a, b in zip(base[i], arrays([replies[i]])[0]))
         assert all(np.array_equal(base_heads[100 + i][k], heads[100 + i][k]) for k in base_heads[100 + i])
+
+
+def test_personal_heads_in_a_state_dir_resume_as_the_clientapps(tmp_path):
+    """A deployment's heads (node config state-dir: one .npz file per node): the batch writes the files the ClientApp
+    writes, and a resumed run (a fresh grid, empty Context.state) trains round 2 from them to the same replies."""
+    from clients.personalized import FileHeadStore
+
+    cfg = validate({**BASE, "algorithm": "dp2-fedsam", "head-steps": 3, "local-steps": 3})
+
+    def grid_in(grid_class, folder):
+        grid = grid_class(client_app, NODES, cfg)
+        for context in grid.contexts.values():
+            context.node_config["state-dir"] = str(tmp_path / folder)
+        return grid
+
+    def files(folder):
+        return {p.name: FileHeadStore(p).load() for p in sorted((tmp_path / folder).glob("*.npz"))}
+
+    replies = {}
+    for grid_class in (InProcessGrid, CohortGrid):
+        name = grid_class.__name__
+        grid = grid_in(grid_class, name)
+        first = grid.send_and_receive(body_messages(grid))
+        assert stored_heads(grid) == dict.fromkeys(grid.contexts)  # not in Context.state: in the files
+        resumed = grid_in(grid_class, name)
+        replies[name] = (first, resumed.send_and_receive(body_messages(resumed, server_round=2)))
+        if grid_class is CohortGrid:
+            assert grid.batched == resumed.batched == NODES
+    for seq, coh in zip(*replies.values()):
+        assert_replies_close(seq, coh)
+    seq_files, coh_files = files("InProcessGrid"), files("CohortGrid")
+    assert len(seq_files) == NODES and seq_files.keys() == coh_files.keys()
+    assert_heads_close(seq_files, coh_files)
