@@ -28,7 +28,7 @@ from flwr.client import NumPyClient
 from torch import nn
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, make_rng, unflatten
+from dpcore.privacy.mechanisms import make_rng
 from dpcore.task.atomic import atomic_write
 from dpcore.task.torch_helpers import evaluate_model, set_weights
 
@@ -152,20 +152,30 @@ class PartialSharingClient(TrainingClient):
             raise ValueError(f"the shared body has {len(self.body_keys)} tensors, received {len(arrays)} arrays")
         self._load({k: a for k, a in zip(self.body_keys, arrays)})
 
-    def restore_head(self) -> None:
-        """Load the stored head into the model (before the first save: keep the model's initial head)."""
+    def stored_head(self) -> Head | None:
+        """The stored head, checked against the model's head (names, shapes); None before the first save."""
         head = self.head_store.load()
         if head is None:
-            return
+            return None
         if sorted(head) != sorted(self.head_keys):
             raise ValueError(f"the stored head has tensors {sorted(head)}, the model's head is {self.head_keys}")
-        self._load(head)
+        self._check_shapes(head)
+        return head
 
-    def _load(self, arrays: dict[str, np.ndarray]) -> None:
+    def restore_head(self) -> None:
+        """Load the stored head into the model (before the first save: keep the model's initial head)."""
+        head = self.stored_head()
+        if head is not None:
+            self._load(head)
+
+    def _check_shapes(self, arrays: dict[str, np.ndarray]) -> None:
         state = self.model.state_dict()
         for k, a in arrays.items():
             if tuple(a.shape) != tuple(state[k].shape):
                 raise ValueError(f"tensor {k!r} has shape {tuple(a.shape)}, the model needs {tuple(state[k].shape)}")
+
+    def _load(self, arrays: dict[str, np.ndarray]) -> None:
+        self._check_shapes(arrays)
         self.model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in arrays.items()}, strict=False)
 
     # -- local training ----------------------------------------------------------
@@ -174,18 +184,22 @@ class PartialSharingClient(TrainingClient):
             return self.head_steps
         return self.head_epochs * max(1, math.ceil(len(self.trainset) / self.batch_size))
 
-    def train_head(self, config: dict) -> tuple[float, int]:
-        """tau_h plain SGD steps on the head, body frozen (Algorithm 2, lines 5-8)."""
-        rnd = int(config.get(keys.SERVER_ROUND, 0))
+    def head_batches(self, config: dict):
+        """(tau_h, the head's minibatches): from the client's own generator (seed, 5, round, partition-id)."""
         steps = self.num_head_steps()
+        rng = make_rng(self.seed, 5, int(config.get(keys.SERVER_ROUND, 0)), self.partition_id)
+        return steps, self.batches(steps, rng)
+
+    def train_head(self, config: dict) -> tuple[float, int]:
+        """tau_h plain SGD steps on the head, body frozen (Algorithm 2, lines 5-8), lr round_lr(eta_h)."""
+        steps, batches = self.head_batches(config)
         with trainable_only(self.model, self.head_keys):
             params = [p for p in self.model.parameters() if p.requires_grad]
             optimizer = LocalSGD(
                 params, lr=self.round_lr(self.head_lr, config), momentum=self.momentum, weight_decay=self.weight_decay
             )
             self.model.train()
-            rng = make_rng(self.seed, 5, rnd, self.partition_id)
-            losses = [sgd_step(self.model, self.loss_fn, x, y, optimizer) for x, y in self.batches(steps, rng)]
+            losses = [sgd_step(self.model, self.loss_fn, x, y, optimizer) for x, y in batches]
         return (float(np.mean(losses)) if losses else math.nan), steps
 
     def train_body(self, config: dict) -> tuple[float, int]:
@@ -201,23 +215,14 @@ class PartialSharingClient(TrainingClient):
         head_loss, head_steps = self.train_head(config)
         loss, steps = self.train_body(config)
         self.head_store.save(self.head_arrays())
-        new = self.body_arrays()
-        update = flatten(new) - flatten(parameters)
-        upload, norm = self.privatize(update, config)
-        n = len(self.trainset)
-        return (
-            unflatten(upload, [a.shape for a in new]),
-            n,
-            {
-                keys.UPDATE_NORM: norm,
-                keys.TRAIN_LOSS: loss,
-                keys.HEAD_LOSS: head_loss,
-                keys.LOCAL_STEPS: steps,
-                keys.HEAD_STEPS: head_steps,
-                keys.NUM_EXAMPLES: n,
-                keys.UPLOAD_KIND: keys.UPLOAD_UPDATE,
-            },
-        )
+        return self.upload_body(parameters, self.body_arrays(), (loss, steps), (head_loss, head_steps), config)
+
+    def upload_body(self, parameters: list[np.ndarray], new: list[np.ndarray], trained, head_trained, config: dict):
+        """fit's reply from the trained body `new` (also the cohort engine's, dpfl_tools.cohort): `upload`'s Delta,
+        clipping, noise share and metrics, plus the head's (loss, steps) `head_trained`; the head stays here."""
+        arrays, n, metrics = self.upload(parameters, new, *trained, config)
+        head_loss, head_steps = head_trained
+        return arrays, n, {**metrics, keys.HEAD_LOSS: head_loss, keys.HEAD_STEPS: head_steps}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         """Accuracy of (global body, own head) on this client's held-out split; the head is not changed."""

@@ -19,12 +19,21 @@ Nothing mixes clients: every operation is per client under vmap, and models with
 statistics) are not batched. The reply is the client's own `upload` (Delta, clip, noise share, metrics) and
 `clients.adapter.fit_reply`, so the ServerApp, the strategy and the ledger see what the ClientApp would send.
 
+DP2-FedSAM's and CENTAUR's clients (clients/personalized.py, `train_personal`) keep a personal head h_i per node:
+each client's stored head (its HeadStore: the node's Context.state, or its state-dir file; before the first save
+the model's initial head) is stacked beside the received body phi, and PartialSharingClient.fit's rule runs per
+client: tau_h SGD steps on h_i with phi frozen (lr round_lr(eta_h), batches from generator (seed, 5, round,
+partition-id)), then tau_phi SGD or SAM steps on phi with h_i frozen (the SAM norm over phi only). Only phi's
+update is replied (`upload_body`); h_i is saved to the node's HeadStore when the node answers, as the ClientApp
+saves it, so a later round, an evaluation and a node that fails (it keeps its previous head) read what the
+sequential path leaves. A stored head that does not fit the model runs through the ClientApp (its error).
+
 The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
 (`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
 client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in dpfl_tools/cohort_dpsgd.py: per-sample gradients,
 clipping and noise inside the batch, the Poisson masks and the noise from each client's own generators in Opacus'
 order, each client's ledger charged by its own `finish_round` when the grid answers its node. Everything else
-(evaluate messages, a user's own ClientApp, personal heads, Opacus' ghost clipping, SecAgg+, models with buffers,
+(evaluate messages, a user's own ClientApp, Opacus' ghost clipping, SecAgg+, models with buffers,
 malformed messages) runs message by message through the ClientApp, with one log line per reason.
 Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
 """
@@ -54,6 +63,7 @@ def local_rule(client) -> str | None:
     """'sgd', 'sam' or 'dpsgd' for the clients whose local rule is batched (exact types: a subclass changes the
     rule)."""
     from clients.base import TrainingClient
+    from clients.personalized import DP2FedSAMClient, PartialSharingClient
     from clients.sam import SAMClient
     from clients.topk import TopKSAMClient
 
@@ -62,7 +72,9 @@ def local_rule(client) -> str | None:
         from dpfl_tools.cohort_dpsgd import batchable
 
         return "dpsgd" if batchable(client) else None
-    return {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}.get(type(client))
+    rules = {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}
+    rules.update({PartialSharingClient: "sgd", DP2FedSAMClient: "sam"})  # the body's rule; heads: train_personal
+    return rules.get(type(client))
 
 
 def trainer(client):
@@ -106,7 +118,8 @@ class CohortGrid(InProcessGrid):
     @staticmethod
     def replier(reply) -> Callable[[Message, Context], Message]:
         """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply (a
-        Message, or DP-SGD's handler that charges the node's ledger when the node answers)."""
+        Message, or a handler run when the node answers: DP-SGD's charges the node's ledger, `train_personal`'s
+        writes its head)."""
         from fl_app.client_app import train_with
 
         return lambda msg, context: train_with(reply if callable(reply) else lambda *_: reply, msg, context)
@@ -136,7 +149,10 @@ class CohortGrid(InProcessGrid):
         if any(True for _ in client.model.buffers()):
             self.say("the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one")
             return None
-        shapes = [tuple(v.shape) for v in client.model.state_dict().values()]
+        if personal(client) and not head_fits(client):
+            return None  # the ClientApp raises restore_head's error, as its reply
+        state = client.model.state_dict()
+        shapes = [tuple(state[k].shape) for k in (client.body_keys if personal(client) else state)]
         arrays = msg.content.array_records.get("arrays")
         if arrays is None or [tuple(a.shape) for a in arrays.values()] != shapes:
             return None  # a malformed message: the ClientApp's own error is its reply
@@ -165,6 +181,8 @@ def train_cohort(messages: list[Message], clients: list, budget: int | None, thr
     """Train each message's client in chunks; {id(message): its train reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
     from clients.adapter import config_of, fit_reply
 
+    if personal(clients[0]):
+        return train_personal(messages, clients, budget, threads)
     if local_rule(clients[0]) == "dpsgd":
         from dpfl_tools.cohort_dpsgd import poisson_rows, train_dpsgd_cohort
 
@@ -257,19 +275,25 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
         active = steps > t
         x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
         g, loss = step_fn(w, x, y, m)
-        new_w, new_b = {}, {}
-        for k in names:
-            keep = active.view(-1, *[1] * (w[k].dim() - 1))
-            gk = g[k] + wd * w[k] if wd else g[k]
-            bk = gk if t == 0 or not mu else b[k] * mu + gk
-            new_b[k] = torch.where(keep, bk, b[k]) if t else bk
-            new_w[k] = torch.where(keep, w[k] - lr.view_as(keep) * bk, w[k])
-        w, b = new_w, new_b
+        w, b = sgd_update(w, b, g, t, active, lr, mu, wd)
         history.append(torch.where(active, loss.detach(), torch.nan))
     out = {k: v.detach().cpu().numpy() for k, v in w.items()}
     table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in range(n)]
     losses = [[v for v in row if not math.isnan(v)] for row in table]
     return [[out[k][i].copy() for k in names] for i in range(n)], losses
+
+
+def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):
+    """LocalSGD's step t on stacked tensors: g <- g + lambda w; b <- mu b + g (b = g at t = 0); w <- w - eta_i b;
+    a client not `active` keeps its w and b. Returns (w, b)."""
+    new_w, new_b = {}, {}
+    for k in w:
+        keep = active.view(-1, *[1] * (w[k].dim() - 1))
+        gk = g[k] + wd * w[k] if wd else g[k]
+        bk = gk if t == 0 or not mu else b[k] * mu + gk
+        new_b[k] = torch.where(keep, bk, b[k]) if t else bk
+        new_w[k] = torch.where(keep, w[k] - eta.view_as(keep) * bk, w[k])
+    return new_w, new_b
 
 
 def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,3 +310,126 @@ def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch
         if b is not None:
             x[i, : len(b[1])], y[i, : len(b[1])], m[i, : len(b[1])] = b[0], b[1], 1.0
     return x, y, m
+
+
+# ---------------------------------------------------------------- personal heads (DP2-FedSAM, CENTAUR)
+
+
+def personal(client) -> bool:
+    """A client with a personal head kept in its node's HeadStore (clients.personalized.PartialSharingClient)."""
+    from clients.personalized import PartialSharingClient
+
+    return isinstance(client, PartialSharingClient)
+
+
+def head_fits(client) -> bool:
+    """Whether the node's stored head (if any) is one the ClientApp's restore_head accepts."""
+    try:
+        client.stored_head()
+    except ValueError:
+        return False
+    return True
+
+
+def train_personal(
+    messages: list[Message], clients: list, budget: int | None, threads: int | None
+) -> dict[int, Callable[[Message, Context], Message]]:
+    """DP2-FedSAM / CENTAUR clients in chunks, each with its own rule of PartialSharingClient.fit: from its stored
+    head h_i (or the model's initial head), tau_h SGD steps on h_i with the received body phi frozen (lr
+    round_lr(eta_h), batches from generator (seed, 5, round, partition-id)), then tau_phi steps of its body rule
+    (SGD, or SAM with the perturbation over phi only) on phi with h_i frozen (generator (seed, 4, ...)). The reply
+    is the client's `upload_body` (phi's Delta only); h_i is saved to the node's HeadStore when the node answers,
+    as the ClientApp saves it, so a node that fails keeps its previous head. {id(message): that handler}."""
+    from clients.adapter import config_of, fit_reply
+
+    configs = [config_of(m) for m in messages]
+    model, device, first = clients[0].model, clients[0].device, clients[0]
+    size = chunk_size(model, first, budget)
+    order = sorted(
+        range(len(messages)), key=lambda i: (-clients[i].num_head_steps(), -clients[i].num_steps(configs[i]))
+    )
+    handlers = {}
+    with torch_threads(threads):
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            group, cfgs = [clients[i] for i in chunk], [configs[i] for i in chunk]
+            bodies = [messages[i].content["arrays"].to_numpy_ndarrays() for i in chunk]
+            heads = [c.stored_head() or c.head_arrays() for c in group]
+            body = stacked(first.body_keys, [dict(zip(first.body_keys, b)) for b in bodies], device)
+            head = stacked(first.head_keys, heads, device)
+            head_plans = [c.head_batches(cfg) for c, cfg in zip(group, cfgs)]
+            head_lr = [c.round_lr(c.head_lr, cfg) for c, cfg in zip(group, cfgs)]
+            head, head_losses = masked_steps(model, "sgd", head, body, head_plans, head_lr, group, device)
+            body_plans = [c.round_batches(cfg) for c, cfg in zip(group, cfgs)]
+            body_lr = [c.round_lr(float(cfg.get(keys.LEARNING_RATE, c.lr)), cfg) for c, cfg in zip(group, cfgs)]
+            body, losses = masked_steps(model, local_rule(first), body, head, body_plans, body_lr, group, device)
+            new_body, new_head = unstacked(body), unstacked(head)
+            for j, i in enumerate(chunk):
+                c = clients[i]
+                trained = (mean_or_nan(losses[j]), body_plans[j][0])
+                head_trained = (mean_or_nan(head_losses[j]), head_plans[j][0])
+                reply = fit_reply(messages[i], c.upload_body(bodies[j], new_body[j], trained, head_trained, cfgs[j]))
+                handlers[id(messages[i])] = keeping(c.head_store, dict(zip(first.head_keys, new_head[j])), reply)
+    return handlers
+
+
+def keeping(store, head: dict, reply: Message) -> Callable[[Message, Context], Message]:
+    """The node's train handler: save its trained head (as PartialSharingClient.fit does), then reply."""
+
+    def handler(_msg: Message, _context: Context) -> Message:
+        store.save(head)
+        return reply
+
+    return handler
+
+
+def mean_or_nan(losses: list[float]) -> float:
+    return float(np.mean(losses)) if losses else math.nan
+
+
+def stacked(names: list[str], arrays: list[dict], device) -> dict[str, torch.Tensor]:
+    """{name: the clients' arrays of that name stacked on a leading dimension, float32 on `device`}."""
+    return {
+        k: torch.stack([torch.from_numpy(np.asarray(a[k], dtype=np.float32)) for a in arrays]).to(device) for k in names
+    }
+
+
+def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
+    """Each client's arrays (in `w`'s order) as numpy copies."""
+    out = {k: v.detach().cpu().numpy() for k, v in w.items()}
+    n = len(next(iter(out.values())))
+    return [[out[k][i].copy() for k in out] for i in range(n)]
+
+
+def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list, clients: list, device) -> tuple:
+    """Each client's (steps, minibatches) `plans` on its stacked trainable tensors `w`, its `frozen` ones held:
+    the rule of `sgd_step` / `sam_step` on the parameters that require grad (the SAM radius and norm over `w`
+    only), LocalSGD's update g <- g + lambda w, b <- mu b + g, w <- w - eta_i b; a client past its last step
+    masked. Returns (the new `w`, each client's step losses)."""
+    mu, wd, rho = clients[0].momentum, clients[0].weight_decay, getattr(clients[0], "rho", 0.0)
+    batch, sample = clients[0].batch_size, tuple(clients[0].trainset.x.shape[1:])
+    model.train()
+
+    def loss_of(p, q, x, y, m):
+        out = functional_call(model, {**q, **p}, (x,))
+        ce = torch.nn.functional.cross_entropy(out, y, reduction="none")
+        return (ce * m).sum() / m.sum().clamp(min=1)
+
+    def sam_grad(p, q, x, y, m):
+        g0, loss = grad_and_value(loss_of)(p, q, x, y, m)
+        scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
+        return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, q, x, y, m), loss
+
+    step_fn = vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
+    counts, iters = [plan[0] for plan in plans], [plan[1] for plan in plans]
+    steps, eta = torch.tensor(counts, device=device), torch.tensor(lr, device=device)
+    b: dict[str, torch.Tensor] = {}
+    history = []
+    for t in range(max(counts, default=0)):
+        active = steps > t
+        x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
+        g, loss = step_fn(w, frozen, x, y, m)
+        w, b = sgd_update(w, b, g, t, active, eta, mu, wd)
+        history.append(torch.where(active, loss.detach(), torch.nan))
+    table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in counts]
+    return w, [[v for v in row if not math.isnan(v)] for row in table]

@@ -164,12 +164,24 @@ def test_no_client_leaks_into_another(monkeypatch):
             assert same == (i != index), (i, index)
 
 
-def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path):
-    """dp2-fedsam (its personal heads are not batched yet) and a user's own ClientApp: message by message, one log
-    line each, the sequential replies exactly."""
-    seq, _ = run(InProcessGrid, {"algorithm": "dp2-fedsam", "num-rounds": 1}, tmp_path)
+def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path, monkeypatch):
+    """A client whose local rule the engine does not know (a subclass of SAMClient: local_rule takes exact types, as
+    a subclass may change the rule) and a user's own ClientApp: message by message, one log line each, the
+    sequential replies exactly."""
+    from clients.sam import SAMClient
+    from fl_app.algorithms import ALGORITHMS
+
+    class OwnSAM(SAMClient):
+        pass
+
+    def own_client(setup):
+        kwargs = setup.training_kwargs()
+        return OwnSAM(setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho, **kwargs)
+
+    monkeypatch.setitem(ALGORITHMS, "dp-fedsam", dataclasses.replace(ALGORITHMS["dp-fedsam"], build_client=own_client))
+    seq, _ = run(InProcessGrid, {"algorithm": "dp-fedsam", "num-rounds": 1}, tmp_path)
     with caplog.at_level(logging.INFO, logger="flwr"):
-        grid, _ = run(CohortGrid, {"algorithm": "dp2-fedsam", "num-rounds": 1}, tmp_path)
+        grid, _ = run(CohortGrid, {"algorithm": "dp-fedsam", "num-rounds": 1}, tmp_path)
     assert grid.batched == 0 and len(grid.received) == len(seq.received) > 0
     for a, b in zip(seq.received, grid.received):
         assert not a.has_error() and a.content.keys() == b.content.keys()
@@ -177,7 +189,7 @@ def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path):
             x, y = a.content["arrays"].to_numpy_ndarrays(), b.content["arrays"].to_numpy_ndarrays()
             assert all(np.array_equal(u, v) for u, v in zip(x, y))
     lines = [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()]
-    assert "Cohort engine: DP2FedSAMClient's local rule is not batched yet: its messages run one by one" in lines
+    assert "Cohort engine: OwnSAM's local rule is not batched yet: its messages run one by one" in lines
     assert len(lines) == len(set(lines))  # once per reason
 
     def own_app(msg, context):
@@ -260,3 +272,152 @@ def test_model_with_buffers_is_not_batched(caplog):
     assert [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()] == [
         "Cohort engine: the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one"
     ]
+
+
+# ---------------------------------------------------------------- personal heads (DP2-FedSAM, CENTAUR)
+
+
+def stored_heads(grid) -> dict[int, dict[str, np.ndarray] | None]:
+    """Each node's personal head as the ClientApp left it in Context.state (None: never trained)."""
+    from clients.personalized import ContextHeadStore
+
+    return {node: ContextHeadStore(context.state).load() for node, context in grid.contexts.items()}
+
+
+def assert_heads_close(seq: dict, coh: dict) -> None:
+    assert seq.keys() == coh.keys()
+    for node in seq:
+        assert (seq[node] is None) == (coh[node] is None), node
+        if seq[node] is not None:
+            assert seq[node].keys() == coh[node].keys()
+            for k, a in seq[node].items():
+                b = coh[node][k]
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert np.abs(a - b).max() <= RTOL * np.abs(a).max(), (node, k)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"algorithm": "dp2-fedsam"}, id="dp2-fedsam", marks=pytest.mark.slow),
+        # half the nodes a round: some start from the model's initial head in round 2, others from their own
+        pytest.param(
+            {"algorithm": "centaur", "sample-rate": 0.5, "num-rounds": 3, "head-lr": 0.05, "lr-decay": 0.9},
+            id="centaur",
+        ),
+    ],
+)
+def test_personal_heads_replies_and_state_equal_sequential(overrides, tmp_path):
+    """Personal heads in the batch: every train and evaluate reply (the evaluation reads the head the batch wrote)
+    and every node's head in Context.state equal the sequential ClientApp's, and the epsilon is identical."""
+    seq, s1 = run(InProcessGrid, overrides, tmp_path)
+    coh, s2 = run(CohortGrid, overrides, tmp_path)
+    trains = [m for m in seq.received if m.metadata.message_type == "train"]
+    assert coh.batched == len(trains) > 0
+    assert len({m.content["metrics"]["head-steps"] for m in trains}) > 1  # ragged heads
+    if overrides.get("sample-rate") == 0.5:  # nodes first trained after round 1 (initial head), some several times
+        rounds: dict[int, list[int]] = {}
+        for m in seq.sent:
+            if m.metadata.message_type == "train":
+                rounds.setdefault(m.metadata.dst_node_id, []).append(m.content["config"]["server-round"])
+        assert any(r[0] > 1 for r in rounds.values()) and any(len(r) > 1 for r in rounds.values())
+    assert any(m.metadata.message_type == "evaluate" for m in seq.received)
+    assert_replies_close(seq.received, coh.received)
+    assert_heads_close(stored_heads(seq), stored_heads(coh))
+    assert s2["epsilon"] == s1["epsilon"] and s2["delta"] == s1["delta"]
+
+
+def body_messages(grid, server_round: int = 1) -> list[Message]:
+    body = build_client(grid.contexts[100]).body_arrays()
+    config = {"server-round": server_round, "privatize": True, "clipping-norm": 0.5, "noise-std": 0.05}
+    return [
+        grid.create_message(RecordDict({"arrays": ArrayRecord(body), "config": ConfigRecord(config)}), "train", n, "1")
+        for n in grid.get_node_ids()
+    ]
+
+
+def test_personal_heads_do_not_leak_and_fail_as_the_clientapp(monkeypatch):
+    """DP2-FedSAM in the batch: replies and heads equal the sequential ones; one node's stored head or data changed moves only its reply and its saved head; a
+    node that fails keeps its previous head (none), and a stored head that does not fit the model gets the
+    ClientApp's error as its reply, while the other nodes train in the batch unchanged."""
+    from clients.personalized import ContextHeadStore
+
+    cfg = validate({**BASE, "algorithm": "dp2-fedsam", "head-steps": 3, "local-steps": 3})
+    grid = CohortGrid(client_app, NODES, cfg)
+    replies = grid.send_and_receive(body_messages(grid))
+    base, base_heads = arrays(replies), stored_heads(grid)
+    assert grid.batched == NODES and all(h is not None for h in base_heads.values())
+    seq = InProcessGrid(client_app, NODES, cfg)  # DP2-FedSAM's SAM body in the fast tier: the sequential numbers
+    assert_replies_close(seq.send_and_receive(body_messages(seq)), replies)
+    assert_heads_close(stored_heads(seq), base_heads)
+
+    grid = CohortGrid(client_app, NODES, cfg)
+    other_head = {k: np.full_like(v, 0.01) for k, v in build_client(grid.contexts[102]).head_arrays().items()}
+    ContextHeadStore(grid.contexts[102].state).save(other_head)
+    own_head, own_heads = arrays(grid.send_and_receive(body_messages(grid))), stored_heads(grid)
+
+    import fl_app.client_app as project
+
+    load = project.load_client_partition
+
+    def other_data(s, pid, n):
+        train, test = load(s, pid, n)
+        if pid == 4:
+            train = dataclasses.replace(train, x=np.ascontiguousarray(np.flip(train.x, axis=-1)))
+        return train, test
+
+    with monkeypatch.context() as patch:
+        patch.setattr(project, "load_client_partition", other_data)
+        grid = CohortGrid(client_app, NODES, cfg)
+        own_data, data_heads = arrays(grid.send_and_receive(body_messages(grid))), stored_heads(grid)
+    assert grid.batched == NODES
+    for i, node in enumerate(grid.get_node_ids()):
+        for replies, heads, index in ((own_head, own_heads, 2), (own_data, data_heads, 4)):
+            same = all(np.array_equal(a, b) for a, b in zip(base[i], replies[i]))
+            same_head = all(np.array_equal(base_heads[node][k], heads[node][k]) for k in base_heads[node])
+            assert same == same_head == (i != index), (i, index)
+
+    grid = CohortGrid(client_app, NODES, cfg, fail=lambda node, _msg: node == 103)
+    ContextHeadStore(grid.contexts[101].state).save({"fc.weight": np.zeros((2, 2), np.float32)})
+    replies = grid.send_and_receive(body_messages(grid))
+    assert [r.has_error() for r in replies] == [False, True, False, True, False, False]
+    assert "stored head" in replies[1].error.reason and "crashed" in replies[3].error.reason
+    assert grid.batched == NODES - 1  # all but the unfitting head; the crashed node's reply was never used
+    heads = stored_heads(grid)
+    assert heads[103] is None and list(heads[101]) == ["fc.weight"]
+    for i in (0, 2, 4, 5):
+        assert all(np.array_equal(a, b) for a, b in zip(base[i], arrays([replies[i]])[0]))
+        assert all(np.array_equal(base_heads[100 + i][k], heads[100 + i][k]) for k in base_heads[100 + i])
+
+
+def test_personal_heads_in_a_state_dir_resume_as_the_clientapps(tmp_path):
+    """A deployment's heads (node config state-dir: one .npz file per node): the batch writes the files the ClientApp
+    writes, and a resumed run (a fresh grid, empty Context.state) trains round 2 from them to the same replies."""
+    from clients.personalized import FileHeadStore
+
+    cfg = validate({**BASE, "algorithm": "dp2-fedsam", "head-steps": 3, "local-steps": 3})
+
+    def grid_in(grid_class, folder):
+        grid = grid_class(client_app, NODES, cfg)
+        for context in grid.contexts.values():
+            context.node_config["state-dir"] = str(tmp_path / folder)
+        return grid
+
+    def files(folder):
+        return {p.name: FileHeadStore(p).load() for p in sorted((tmp_path / folder).glob("*.npz"))}
+
+    replies = {}
+    for grid_class in (InProcessGrid, CohortGrid):
+        name = grid_class.__name__
+        grid = grid_in(grid_class, name)
+        first = grid.send_and_receive(body_messages(grid))
+        assert stored_heads(grid) == dict.fromkeys(grid.contexts)  # not in Context.state: in the files
+        resumed = grid_in(grid_class, name)
+        replies[name] = (first, resumed.send_and_receive(body_messages(resumed, server_round=2)))
+        if grid_class is CohortGrid:
+            assert grid.batched == resumed.batched == NODES
+    for seq, coh in zip(*replies.values()):
+        assert_replies_close(seq, coh)
+    seq_files, coh_files = files("InProcessGrid"), files("CohortGrid")
+    assert len(seq_files) == NODES and seq_files.keys() == coh_files.keys()
+    assert_heads_close(seq_files, coh_files)

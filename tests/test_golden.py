@@ -75,6 +75,13 @@ BASE = {
     "seed": 0,  # Poisson sampling then takes 3 and 4 of the 6 nodes (dp-fedavg)
     "secure-rng": False,  # noise and sampling drawn from 'seed': reproducible
 }
+DP2_FEDSAM = {
+    "algorithm": "dp2-fedsam",
+    "partitioner": "pathological",
+    "classes-per-client": 2,
+    "head-steps": 2,
+    "noise-multiplier": 1.3,
+}
 ALI_DPFL = {
     "algorithm": "ali-dpfl",
     "partitioner": "iid",
@@ -92,13 +99,7 @@ ROUTES: dict[str, dict] = {
     "dp-fedsam": {"algorithm": "dp-fedsam"},
     "dp-fedsam-topk": {"algorithm": "dp-fedsam-topk", "sparsity": 0.4},
     "dp-fedavg-wav": {"algorithm": "dp-fedavg-wav", "noise-placement": "central", "wavelet-calibration": "paper"},
-    "dp2-fedsam": {
-        "algorithm": "dp2-fedsam",
-        "partitioner": "pathological",
-        "classes-per-client": 2,
-        "head-steps": 2,
-        "noise-multiplier": 1.3,
-    },
+    "dp2-fedsam": DP2_FEDSAM,
     "ali-dpfl": ALI_DPFL,
     "dp-ftrl": {"algorithm": "dp-ftrl", "partitioner": "iid"},
     "adaptive-clipping": {
@@ -126,6 +127,7 @@ ROUTES: dict[str, dict] = {
     "fedadam-prv": {"algorithm": "dp-fedavg", "server-strategy": "fedadam", "accountant": "prv"},
     # issue 40: the cohort engine (dpfl_tools.cohort.CohortGrid), the round's clients trained as one batched model
     "dp-fedsam-cohort": {"algorithm": "dp-fedsam", "engine": "cohort"},
+    "dp2-fedsam-cohort": {**DP2_FEDSAM, "engine": "cohort"},  # personal heads in the batch: dp2-fedsam's numbers
 }
 
 
