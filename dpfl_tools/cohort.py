@@ -140,8 +140,9 @@ class CohortGrid(InProcessGrid):
                 self.say("secure aggregation (SecAgg+) runs one by one")
                 return None
             client = trainer(project.build_client(context, model=self.shared_model(context)))
-        except Exception:
-            return None  # the ClientApp raises it again, as its reply
+        except Exception as err:  # the ClientApp raises it again, as its reply
+            self.say(f"building a client raised {type(err).__name__}: {err}; its messages run one by one")
+            return None
         rule = local_rule(client)
         if rule is None:
             self.say(f"{type(client).__name__}'s local rule is not batched yet: its messages run one by one")

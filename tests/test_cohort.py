@@ -217,6 +217,25 @@ def test_malformed_message_gets_the_clientapps_error():
     assert grid.batched == NODES - 1
 
 
+def test_a_client_that_cannot_be_built_is_logged_and_gets_the_clientapps_error(caplog, monkeypatch):
+    """build_client raising (e.g. a model Opacus refuses) is not swallowed: one log line names the error, and every
+    message runs through the ClientApp, whose reply carries that error."""
+    import fl_app.client_app as project
+
+    def broken(context, model=None):
+        raise ValueError("no client for this node")
+
+    grid = CohortGrid(client_app, NODES, validate({**BASE, "algorithm": "dp-fedavg"}))
+    monkeypatch.setattr(project, "build_client", broken)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        replies = grid.send_and_receive(train_messages(grid))
+    assert grid.batched == 0 and all(r.has_error() for r in replies)
+    lines = [r.getMessage() for r in caplog.records if "Cohort engine" in r.getMessage()]
+    assert lines == [
+        "Cohort engine: building a client raised ValueError: no client for this node; its messages run one by one"
+    ]
+
+
 def launch(engine: str, tmp_path, run_config: str, clients: int) -> dict:
     from dpfl_tools.launch import main
 
