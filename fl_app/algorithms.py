@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 from flwr.client import NumPyClient
 
@@ -42,7 +43,7 @@ from fl_app.builders import (
     wavelet_settings,
     wrapped_strategy,
 )
-from fl_app.settings import Settings
+from fl_app.settings import CONCERNS, WHERE, Settings
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
@@ -260,6 +261,59 @@ def owners(key: str) -> list[str]:
     return [a.name for a in ALGORITHMS.values() if key in a.owned_keys]
 
 
+KEY_OF = {field: key for key, field in WHERE.items()}  # (concern, attribute) -> run-config key
+
+
+class ReadingSettings:
+    """`Settings` (or one concern of them) that notes the run-config key of every field read through it."""
+
+    def __init__(self, value, seen: set[str], concern: str = "") -> None:
+        self._value, self._seen, self._concern = value, seen, concern
+
+    def __getattr__(self, name: str):
+        value = getattr(self._value, name)
+        if not self._concern:
+            return ReadingSettings(value, self._seen, name) if name in CONCERNS else value
+        self._seen.add(KEY_OF[(self._concern, name)])
+        return value
+
+
+def keys_read(algo: Algorithm, s: Settings) -> frozenset[str]:
+    """The run-config keys the algorithm's strategy builder (`strategy_kwargs`) and the training settings every
+    client takes (`ClientSetup.training_kwargs`) read from `s`, and its `owned_keys` (read by its client)."""
+    seen: set[str] = set()
+    algo.strategy_kwargs(ReadingSettings(s, seen))
+    ClientSetup(ReadingSettings(s, seen), None, 0, None, None, None).training_kwargs()
+    return frozenset(seen | set(algo.owned_keys))
+
+
+@cache
+def default_keys_read(name: str) -> frozenset[str]:
+    """`keys_read` at the default settings (what the builder reads whatever the switches say)."""
+    return keys_read(ALGORITHMS[name], Settings())
+
+
+def algorithm_specific_keys() -> frozenset[str]:
+    """Keys some algorithm's builders read and another's do not (the keys every builder reads, such as
+    sample-rate, and those none reads, the data, model and output keys the apps read, are the whole family's)."""
+    reads = [default_keys_read(name) for name in ALGORITHMS]
+    return frozenset.union(*reads) - frozenset.intersection(*reads)
+
+
+def refuse_keys_not_read(s: Settings, algo: Algorithm) -> None:
+    """An algorithm-specific key changed from its default that this algorithm's builders do not read is refused,
+    naming the key, its value, the algorithm and the algorithm-specific keys it does read."""
+    values, specific = s.run_config(), algorithm_specific_keys()
+    read = keys_read(algo, s) | default_keys_read(algo.name)
+    for key in sorted(specific - read):
+        if values[key] != s.DEFAULTS[key]:
+            raise ValueError(
+                f"run-config key '{key}' = {values[key]!r} is not read by algorithm {algo.name!r}, whose own keys "
+                f"are {', '.join(sorted(specific & read)) or 'none'}: leave it at {s.DEFAULTS[key]!r} or change "
+                "the algorithm"
+            )
+
+
 def check_config(s: Settings, algo: Algorithm) -> None:
     """The rules of the run's algorithm: owned and unused keys, the strategy's settings (the very
     `check_settings` a strategy built from Python runs), SecAgg+ support and the algorithm's own
@@ -311,16 +365,19 @@ def check_config(s: Settings, algo: Algorithm) -> None:
         raise ValueError(f"algorithm {algo.name!r}: {exc}") from None
     if algo.check_config:
         algo.check_config(s)
+    refuse_keys_not_read(s, algo)
 
 
 def reference_overrides(overrides: dict, defaults: dict) -> dict:
     """Run-config overrides of the non-private reference of a run configured by `overrides`.
 
     The reference keeps the data, model and training settings, drops the keys its own algorithm
-    does not accept, and applies the algorithm's `reference` overrides.
+    does not accept (another's owned or algorithm-specific keys it does not read), and applies the algorithm's
+    `reference` overrides.
     """
     algo = ALGORITHMS[overrides.get("algorithm", defaults["algorithm"])]
     ref_algorithm = ALGORITHMS[algo.reference.get("algorithm", algo.name)]
-    dropped = {k for a in ALGORITHMS.values() for k in a.owned_keys} - set(ref_algorithm.owned_keys)
+    owned = {k for a in ALGORITHMS.values() for k in a.owned_keys}
+    dropped = (owned | algorithm_specific_keys()) - default_keys_read(ref_algorithm.name)
     kept = {k: v for k, v in overrides.items() if k not in dropped}
     return {**kept, **algo.reference}
