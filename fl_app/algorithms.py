@@ -36,7 +36,9 @@ from fl_app.builders import (
     fine_tuned,
     ftrl_settings,
     partial_sharing_client,
+    run_options,
     sam_client,
+    sampling_options,
     sgd_client,
     topk_sam_client,
     topk_settings,
@@ -57,8 +59,8 @@ class Algorithm:
     """One algorithm of the product.
 
     strategy_class, strategy_settings : the server strategy and its keyword arguments from the run's
-        Settings (the round-loop ones are added by `strategy_kwargs`); `strategy_class.check_settings`
-        checks them.
+        Settings, option objects or a part's flat keywords (`strategy_kwargs` adds the SamplingOptions and
+        RunOptions); `strategy_class.check_settings` checks them.
     build_client : ClientSetup -> the NumPyClient that trains on a node.
     owned_keys : run-config keys that only this algorithm (and others listing them) may change.
     unused_keys : keys of other privacy models that this algorithm ignores, with the key to use instead.
@@ -86,27 +88,21 @@ class Algorithm:
     secure_aggregation: bool = False
     check_config: Callable[[Settings], None] | None = None
 
-    def strategy_kwargs(self, s: Settings) -> dict:
-        """Every DP keyword argument of the strategy, from the run's settings (the wrapped Flower strategy
-        comes from `wrapped_strategy`)."""
-        fedavg_step = s.server.lr if s.server.strategy == "fedavg" else 1.0  # else the optimizer's eta
+    def strategy_kwargs(self, s: Settings, on_round_end=None, on_checkpoint=None) -> dict:
+        """Every DP keyword argument of the strategy, from the run's settings: the sampling and run option objects
+        (with the run's hooks) and what its builder (`strategy_settings`) gives (the wrapped Flower strategy comes
+        from `wrapped_strategy`)."""
         return dict(
-            sample_rate=s.federation.sample_rate,
-            client_sampling=s.federation.client_sampling,
-            server_learning_rate=fedavg_step,
-            delta=s.privacy.delta,
-            accountant=s.privacy.accountant,
-            target_epsilon=s.privacy.target_epsilon,
-            seed=s.run.seed,
-            secure_rng=s.privacy.secure_rng,
-            min_available_nodes=s.federation.min_nodes,
-            publish_diagnostics=s.output.publish_diagnostics,
+            sampling=sampling_options(s),
+            run=run_options(s, on_round_end=on_round_end, on_checkpoint=on_checkpoint),
             **self.strategy_settings(s),
         )
 
-    def build_strategy(self, s: Settings, **hooks) -> DPRoundLoop:
-        """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`)."""
-        return self.strategy_class(wrapped_strategy(s), **self.strategy_kwargs(s), **hooks)
+    def build_strategy(self, s: Settings, on_round_end=None, on_checkpoint=None, **server) -> DPRoundLoop:
+        """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`); `server`: what
+        the server computes from its own data (ALI-DPFL's `server_data`)."""
+        kwargs = self.strategy_kwargs(s, on_round_end, on_checkpoint)
+        return self.strategy_class(wrapped_strategy(s), **kwargs, **server)
 
     def run_label(self, summary: dict) -> str:
         """How a run of this algorithm is labelled in plots and reports."""

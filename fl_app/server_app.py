@@ -35,6 +35,7 @@ from fl_app.results import (
     unreadable_checkpoint_error,
 )
 from fl_app.settings import Settings
+from strategies.options import ServerData
 from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
 from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 
@@ -61,7 +62,7 @@ def build_strategy(
     same strategy run through Flower's SecAgg+ workflow."""
     hooks = {"on_round_end": on_round_end, "on_checkpoint": on_checkpoint}
     if algo.privacy_unit == PrivacyUnit.SAMPLE:
-        hooks.update(gradient_fn=gradient_fn, partition_size=partition_size_fn(s))
+        hooks.update(server_data=ServerData(gradient_fn, partition_size_fn(s)))
     strategy = algo.build_strategy(s, **hooks)
     if s.secagg.enabled:
         return SecAggPlusDPFedAvg(

@@ -196,9 +196,9 @@ class DifferentialPrivacy(DPRoundLoop):
             self.reply_metric_rules = {**self.reply_metric_rules, **part.reply_rules}
 
     @classmethod
-    def check_settings(cls, *, parts: Sequence[Part] = (), **keywords) -> None:
-        """The rules of these settings, as flat keywords (the same call checks a run config before training)."""
-        privacy, sampling, _, parts = sort_keywords(cls, None, None, None, parts, keywords)
+    def check_settings(cls, *, privacy=None, sampling=None, run=None, parts: Sequence[Part] = (), **keywords) -> None:
+        """The rules of these settings, as the constructor takes them (the same call checks a run config)."""
+        privacy, sampling, _, parts = sort_keywords(cls, privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
 
     @property
