@@ -7,7 +7,8 @@
     # the ClientApp, under distributed noise: @app.train(mods=[dp_privatize_mod])
 
 Server side: the DP wrapper around any Flower Message-API strategy (`DifferentialPrivacy`, `DPFedAvg` around
-FedAvg), its option objects (`PrivacyOptions`, `SamplingOptions`, `RunOptions`; the modes `NoisePlacementMode`,
+FedAvg), its option objects (`PrivacyOptions`, `SamplingOptions`, `RunOptions`; ALIDPFL's `DPSGDOptions` and
+`ServerData`; the modes `NoisePlacementMode`,
 ...), its parts (`Part`, the roles a part fills: `SelectionRole`, `MechanismRole`, `CodecRole`, `NoiseRole`, and
 the shipped parts: `AdaptiveClipping`, `DPFTRL`, `TopKCodec`, `WaveletMechanism`, ...), the algorithms built on it, and the legacy-API adapters
 (`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, and their SecAgg+ forms
@@ -37,7 +38,7 @@ from strategies.legacy_log import quiet_workflow_logs
 from strategies.legacy_wrapper import LegacyDifferentialPrivacy
 from strategies.mechanism import GaussianMechanism
 from strategies.noise_placement import CentralNoise, DistributedNoise, LocalNoise
-from strategies.options import PrivacyOptions, RunOptions, SamplingOptions
+from strategies.options import DPSGDOptions, PrivacyOptions, RunOptions, SamplingOptions, ServerData
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
 from strategies.parts import AfterRound, DenseCodec, Part
 from strategies.roles import CodecRole, MechanismRole, NoiseRole, SelectionRole
@@ -78,6 +79,8 @@ __all__ = [
     "PrivacyOptions",
     "SamplingOptions",
     "RunOptions",
+    "DPSGDOptions",
+    "ServerData",
     "NoisePlacementMode",
     "ClientSamplingMode",
     "TargetEpsilonMode",

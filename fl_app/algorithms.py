@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 from flwr.client import NumPyClient
 
@@ -35,14 +36,16 @@ from fl_app.builders import (
     fine_tuned,
     ftrl_settings,
     partial_sharing_client,
+    run_options,
     sam_client,
+    sampling_options,
     sgd_client,
     topk_sam_client,
     topk_settings,
     wavelet_settings,
     wrapped_strategy,
 )
-from fl_app.settings import Settings
+from fl_app.settings import CONCERNS, WHERE, Settings
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
@@ -56,8 +59,8 @@ class Algorithm:
     """One algorithm of the product.
 
     strategy_class, strategy_settings : the server strategy and its keyword arguments from the run's
-        Settings (the round-loop ones are added by `strategy_kwargs`); `strategy_class.check_settings`
-        checks them.
+        Settings, option objects or a part's flat keywords (`strategy_kwargs` adds the SamplingOptions and
+        RunOptions); `strategy_class.check_settings` checks them.
     build_client : ClientSetup -> the NumPyClient that trains on a node.
     owned_keys : run-config keys that only this algorithm (and others listing them) may change.
     unused_keys : keys of other privacy models that this algorithm ignores, with the key to use instead.
@@ -85,27 +88,21 @@ class Algorithm:
     secure_aggregation: bool = False
     check_config: Callable[[Settings], None] | None = None
 
-    def strategy_kwargs(self, s: Settings) -> dict:
-        """Every DP keyword argument of the strategy, from the run's settings (the wrapped Flower strategy
-        comes from `wrapped_strategy`)."""
-        fedavg_step = s.server.lr if s.server.strategy == "fedavg" else 1.0  # else the optimizer's eta
+    def strategy_kwargs(self, s: Settings, on_round_end=None, on_checkpoint=None) -> dict:
+        """Every DP keyword argument of the strategy, from the run's settings: the sampling and run option objects
+        (with the run's hooks) and what its builder (`strategy_settings`) gives (the wrapped Flower strategy comes
+        from `wrapped_strategy`)."""
         return dict(
-            sample_rate=s.federation.sample_rate,
-            client_sampling=s.federation.client_sampling,
-            server_learning_rate=fedavg_step,
-            delta=s.privacy.delta,
-            accountant=s.privacy.accountant,
-            target_epsilon=s.privacy.target_epsilon,
-            seed=s.run.seed,
-            secure_rng=s.privacy.secure_rng,
-            min_available_nodes=s.federation.min_nodes,
-            publish_diagnostics=s.output.publish_diagnostics,
+            sampling=sampling_options(s),
+            run=run_options(s, on_round_end=on_round_end, on_checkpoint=on_checkpoint),
             **self.strategy_settings(s),
         )
 
-    def build_strategy(self, s: Settings, **hooks) -> DPRoundLoop:
-        """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`)."""
-        return self.strategy_class(wrapped_strategy(s), **self.strategy_kwargs(s), **hooks)
+    def build_strategy(self, s: Settings, on_round_end=None, on_checkpoint=None, **server) -> DPRoundLoop:
+        """The DP wrapper of this algorithm around the run's Flower strategy (`server-strategy`); `server`: what
+        the server computes from its own data (ALI-DPFL's `server_data`)."""
+        kwargs = self.strategy_kwargs(s, on_round_end, on_checkpoint)
+        return self.strategy_class(wrapped_strategy(s), **kwargs, **server)
 
     def run_label(self, summary: dict) -> str:
         """How a run of this algorithm is labelled in plots and reports."""
@@ -260,6 +257,59 @@ def owners(key: str) -> list[str]:
     return [a.name for a in ALGORITHMS.values() if key in a.owned_keys]
 
 
+KEY_OF = {field: key for key, field in WHERE.items()}  # (concern, attribute) -> run-config key
+
+
+class ReadingSettings:
+    """`Settings` (or one concern of them) that notes the run-config key of every field read through it."""
+
+    def __init__(self, value, seen: set[str], concern: str = "") -> None:
+        self._value, self._seen, self._concern = value, seen, concern
+
+    def __getattr__(self, name: str):
+        value = getattr(self._value, name)
+        if not self._concern:
+            return ReadingSettings(value, self._seen, name) if name in CONCERNS else value
+        self._seen.add(KEY_OF[(self._concern, name)])
+        return value
+
+
+def keys_read(algo: Algorithm, s: Settings) -> frozenset[str]:
+    """The run-config keys the algorithm's strategy builder (`strategy_kwargs`) and the training settings every
+    client takes (`ClientSetup.training_kwargs`) read from `s`, and its `owned_keys` (read by its client)."""
+    seen: set[str] = set()
+    algo.strategy_kwargs(ReadingSettings(s, seen))
+    ClientSetup(ReadingSettings(s, seen), None, 0, None, None, None).training_kwargs()
+    return frozenset(seen | set(algo.owned_keys))
+
+
+@cache
+def default_keys_read(name: str) -> frozenset[str]:
+    """`keys_read` at the default settings (what the builder reads whatever the switches say)."""
+    return keys_read(ALGORITHMS[name], Settings())
+
+
+def algorithm_specific_keys() -> frozenset[str]:
+    """Keys some algorithm's builders read and another's do not (the keys every builder reads, such as
+    sample-rate, and those none reads, the data, model and output keys the apps read, are the whole family's)."""
+    reads = [default_keys_read(name) for name in ALGORITHMS]
+    return frozenset.union(*reads) - frozenset.intersection(*reads)
+
+
+def refuse_keys_not_read(s: Settings, algo: Algorithm) -> None:
+    """An algorithm-specific key changed from its default that this algorithm's builders do not read is refused,
+    naming the key, its value, the algorithm and the algorithm-specific keys it does read."""
+    values, specific = s.run_config(), algorithm_specific_keys()
+    read = keys_read(algo, s) | default_keys_read(algo.name)
+    for key in sorted(specific - read):
+        if values[key] != s.DEFAULTS[key]:
+            raise ValueError(
+                f"run-config key '{key}' = {values[key]!r} is not read by algorithm {algo.name!r}, whose own keys "
+                f"are {', '.join(sorted(specific & read)) or 'none'}: leave it at {s.DEFAULTS[key]!r} or change "
+                "the algorithm"
+            )
+
+
 def check_config(s: Settings, algo: Algorithm) -> None:
     """The rules of the run's algorithm: owned and unused keys, the strategy's settings (the very
     `check_settings` a strategy built from Python runs), SecAgg+ support and the algorithm's own
@@ -311,16 +361,19 @@ def check_config(s: Settings, algo: Algorithm) -> None:
         raise ValueError(f"algorithm {algo.name!r}: {exc}") from None
     if algo.check_config:
         algo.check_config(s)
+    refuse_keys_not_read(s, algo)
 
 
 def reference_overrides(overrides: dict, defaults: dict) -> dict:
     """Run-config overrides of the non-private reference of a run configured by `overrides`.
 
     The reference keeps the data, model and training settings, drops the keys its own algorithm
-    does not accept, and applies the algorithm's `reference` overrides.
+    does not accept (another's owned or algorithm-specific keys it does not read), and applies the algorithm's
+    `reference` overrides.
     """
     algo = ALGORITHMS[overrides.get("algorithm", defaults["algorithm"])]
     ref_algorithm = ALGORITHMS[algo.reference.get("algorithm", algo.name)]
-    dropped = {k for a in ALGORITHMS.values() for k in a.owned_keys} - set(ref_algorithm.owned_keys)
+    owned = {k for a in ALGORITHMS.values() for k in a.owned_keys}
+    dropped = (owned | algorithm_specific_keys()) - default_keys_read(ref_algorithm.name)
     kept = {k: v for k, v in overrides.items() if k not in dropped}
     return {**kept, **algo.reference}

@@ -24,6 +24,7 @@ from fl_app.settings import Settings
 from strategies.adaptive_clipping import AdaptiveClipping
 from strategies.dp_ftrl import DPFTRL
 from strategies.dp_ftrl_mf import MatrixFactorizationFTRL
+from strategies.options import DPSGDOptions, RunOptions, SamplingOptions
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,29 @@ def adaptive_clipping(s: Settings) -> AdaptiveClipping | None:
     )
 
 
+def sampling_options(s: Settings) -> SamplingOptions:
+    """Who takes part: q, Poisson or fixed-size sampling, the nodes to wait for."""
+    return SamplingOptions(s.federation.sample_rate, s.federation.client_sampling, s.federation.min_nodes)
+
+
+def run_options(s: Settings, **hooks) -> RunOptions:
+    """eta_s (server-lr under fedavg, else the wrapped optimizer's eta and 1 here), the randomness, the outputs;
+    `hooks`: on_round_end, on_checkpoint."""
+    fedavg_step = s.server.lr if s.server.strategy == "fedavg" else 1.0
+    return RunOptions(
+        server_learning_rate=fedavg_step,
+        seed=s.run.seed,
+        secure_rng=s.privacy.secure_rng,
+        publish_diagnostics=s.output.publish_diagnostics,
+        **hooks,
+    )
+
+
 def client_level(s: Settings) -> dict:
     return dict(
+        delta=s.privacy.delta,
+        accountant=s.privacy.accountant,
+        target_epsilon=s.privacy.target_epsilon,
         clipping_norm=s.privacy.clipping_norm,
         noise_multiplier=s.privacy.noise_multiplier,
         noise_placement=s.privacy.noise_placement,
@@ -151,11 +173,15 @@ def wavelet_settings(s: Settings) -> dict:
 
 
 def dpsgd_settings(s: Settings) -> dict:
+    """ALI-DPFL's DP-SGD option object."""
     d = s.dpsgd
-    return dict(
+    dpsgd = DPSGDOptions(
         batch_sample_rate=d.sample_rate,
         sample_noise_multiplier=d.noise_multiplier,
         sample_clipping_norm=d.clipping_norm,
+        target_epsilon=s.privacy.target_epsilon,
+        delta=s.privacy.delta,
+        accountant=s.privacy.accountant,
         adaptive=d.adaptive,
         local_steps=s.training.local_steps,
         gamma=d.gamma,
@@ -167,6 +193,7 @@ def dpsgd_settings(s: Settings) -> dict:
         grad_sample_mode=d.grad_sample_mode,
         num_partitions=d.num_partitions,
     )
+    return {"dpsgd": dpsgd}
 
 
 # ---------------------------------------------------------------------------- clients

@@ -29,7 +29,7 @@ noise that the clients' ledgers charge.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from logging import INFO, WARNING
 
 import numpy as np
@@ -39,7 +39,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
 from dpcore.privacy.ledger import SampleLevelLedgers
 from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
@@ -47,42 +46,23 @@ from dpcore.privacy.settings import check_dpsgd, require, require_a_step
 
 from .ali_dpfl_clients import claimed_epsilon, load_mirror_state, mirror_state, row_problem, update_ledgers
 from .local_steps import estimate_mu, next_local_steps
-from .options import RunOptions, SamplingOptions
+from .options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
 from .reply_gate import MetricRule
-from .round_loop import CheckpointCallback, DPRoundLoop, RoundCallback
+from .round_loop import DPRoundLoop
 from .wrapped import release
-
-GradientFn = Callable[[list[np.ndarray]], np.ndarray]
-PartitionSizeFn = Callable[[int, int], int]
 
 
 class ALIDPFL(DPRoundLoop):
     """ALI-DPFL: adaptive local DP-SGD iterations, weighted model averaging, per-client ledgers.
 
-    Parameters
-    ----------
-    sample_rate, client_sampling : which clients train each round (the paper: all, q = 1).
-        Client sampling does not enter the sample-level accounting.
-    batch_sample_rate : q_s, Poisson batch sampling rate of DP-SGD on each client.
-    sample_noise_multiplier, sample_clipping_norm : sigma and C of DP-SGD.
-    target_epsilon : per-client sample-level budget; R_c follows from it.
-    delta : 0 means 1e-5.
-    adaptive : eq. (9) each round; False: fixed tau = local_steps (the baseline).
-    local_steps : tau of the first round and of the fixed baseline (0 means 1).
-    gamma : heterogeneity Gamma of eq. (9).
-    mu_source, mu_noise_multiplier : see the module docstring.
-    mu_max : a client's mu is clipped to [0, mu_max] on the server too (mu_source = clients).
-    gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
-    num_partitions : the deployment's number of partitions (the clients' node config num-partitions) for
-        `partition_size`; 0: the number each reply reports from its node config (at least the number of nodes
-        connected at the start; replies without it: that number).
-    partition_size : (partition id, number of partitions) -> |D_i|, the public partition sizes. The
-        averaging weights p_i come from it, never from what a client reports (a reply whose
-        num-examples differs is rejected); without it the server averages uniformly.
-    dpsgd_noise, wavelet_calibration : "wavelet" for DP-SGD-WAV clients; the ledgers charge
-        its true multiplier (`dpsgd_multipliers`), and with `paper` calibration the
-        run also reports the epsilon the paper would claim.
-    grad_sample_mode : the clients' Opacus per-sample gradient mode (checked against dpsgd_noise).
+        ALIDPFL(FedAvg(), dpsgd=DPSGDOptions(0.1, 1.0, 1.0, target_epsilon=5.0), sampling=SamplingOptions(1.0))
+
+    strategy : the wrapped Flower strategy (FedAvg if None).
+    dpsgd : the clients' DP-SGD and its accounting (`strategies.options.DPSGDOptions`).
+    sampling : which clients train each round (the paper: all, q = 1); client sampling does not enter the
+        sample-level accounting.
+    run : eta_s, the randomness, the outputs and their hooks (`strategies.options.RunOptions`).
+    server_data : the server's gradient function (mu_source = server) and the public partition sizes.
     """
 
     reply_metric_rules = {
@@ -101,86 +81,37 @@ class ALIDPFL(DPRoundLoop):
         self,
         strategy: Strategy | None = None,
         *,
-        sample_rate: float,
-        batch_sample_rate: float,
-        sample_noise_multiplier: float,
-        sample_clipping_norm: float,
-        target_epsilon: float,
-        delta: float = 0.0,
-        accountant: str = DEFAULT_ACCOUNTANT,
-        adaptive: bool = True,
-        local_steps: int = 1,
-        gamma: float = 5.0,
-        mu_source: str = "server",
-        mu_noise_multiplier: float = 10.0,
-        mu_max: float = 1.0,
-        gradient_fn: GradientFn | None = None,
-        partition_size: PartitionSizeFn | None = None,
-        num_partitions: int = 0,
-        dpsgd_noise: str = "gaussian",
-        wavelet_calibration: str = "exact",
-        grad_sample_mode: str = "ew",
-        client_sampling: str = "poisson",
-        server_learning_rate: float = 1.0,
-        seed: int = 0,
-        secure_rng: bool = True,
-        min_available_nodes: int = 2,
-        fraction_evaluate: float | None = None,
-        publish_diagnostics: bool = False,
-        on_round_end: RoundCallback | None = None,
-        on_checkpoint: CheckpointCallback | None = None,
+        dpsgd: DPSGDOptions,
+        sampling: SamplingOptions,
+        run: RunOptions | None = None,
+        server_data: ServerData | None = None,
     ) -> None:
-        self.check_settings(
-            batch_sample_rate=batch_sample_rate,
-            sample_noise_multiplier=sample_noise_multiplier,
-            sample_clipping_norm=sample_clipping_norm,
-            target_epsilon=target_epsilon,
-            accountant=accountant,
-            local_steps=local_steps,
-            gamma=gamma,
-            mu_source=mu_source,
-            mu_noise_multiplier=mu_noise_multiplier,
-            mu_max=mu_max,
-            dpsgd_noise=dpsgd_noise,
-            wavelet_calibration=wavelet_calibration,
-            grad_sample_mode=grad_sample_mode,
-            delta=delta,
-        )
+        self.check_settings(dpsgd=dpsgd)
+        server_data = server_data or ServerData()
         require(
-            not (adaptive and mu_source == "server" and gradient_fn is None),
+            not (dpsgd.adaptive and dpsgd.mu_source == "server" and server_data.gradient_fn is None),
             "mu_source",
-            mu_source,
+            dpsgd.mu_source,
             "'server' with adaptive=True needs a gradient_fn (the server's data)",
         )
-        super().__init__(
-            strategy,
-            sampling=SamplingOptions(sample_rate, client_sampling, min_available_nodes),
-            run=RunOptions(
-                server_learning_rate,
-                seed,
-                secure_rng,
-                fraction_evaluate,
-                publish_diagnostics,
-                on_round_end,
-                on_checkpoint,
-            ),
-            delta=delta,
-            accountant=accountant,
+        require(
+            dpsgd.num_partitions >= 0, "num_partitions", dpsgd.num_partitions, "must be >= 0 (0: the connected nodes)"
         )
-        self.batch_sample_rate = batch_sample_rate
-        self.sample_noise_multiplier = sample_noise_multiplier
-        self.sample_clipping_norm = sample_clipping_norm
-        self.sample_target_epsilon = target_epsilon
-        self.adaptive, self.gamma = adaptive, gamma
-        self.initial_local_steps = max(1, local_steps)
-        self.mu_source, self.mu_noise_multiplier, self.mu_max = mu_source, mu_noise_multiplier, mu_max
-        self.gradient_fn = gradient_fn
-        self.partition_size = partition_size
-        require(num_partitions >= 0, "num_partitions", num_partitions, "must be >= 0 (0: the connected nodes)")
-        self.num_partitions = num_partitions
-        self.dpsgd_noise, self.wavelet_calibration = dpsgd_noise, wavelet_calibration
-        self.grad_sample_mode = grad_sample_mode
-        self.noise = dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration)  # d set in round 1
+        super().__init__(
+            strategy, sampling=sampling, run=run or RunOptions(), delta=dpsgd.delta, accountant=dpsgd.accountant
+        )
+        self.batch_sample_rate = dpsgd.batch_sample_rate
+        self.sample_noise_multiplier = dpsgd.sample_noise_multiplier
+        self.sample_clipping_norm = dpsgd.sample_clipping_norm
+        self.sample_target_epsilon = dpsgd.target_epsilon
+        self.adaptive, self.gamma = dpsgd.adaptive, dpsgd.gamma
+        self.initial_local_steps = max(1, dpsgd.local_steps)
+        self.mu_source, self.mu_noise_multiplier, self.mu_max = dpsgd.mu_source, dpsgd.mu_noise_multiplier, dpsgd.mu_max
+        self.gradient_fn, self.partition_size = server_data.gradient_fn, server_data.partition_size
+        self.num_partitions = dpsgd.num_partitions
+        self.dpsgd_noise, self.wavelet_calibration = dpsgd.dpsgd_noise, dpsgd.wavelet_calibration
+        self.grad_sample_mode = dpsgd.grad_sample_mode
+        self.noise = dpsgd_multipliers(dpsgd.sample_noise_multiplier, dpsgd.dpsgd_noise, dpsgd.wavelet_calibration)
         self.dimension = 0
         self.ledger: SampleLevelLedgers | None = None
         self.steps_budget = 0  # R_c
@@ -193,45 +124,28 @@ class ALIDPFL(DPRoundLoop):
         self.clients_out_of_budget = False
 
     @classmethod
-    def check_settings(
-        cls,
-        *,
-        batch_sample_rate: float,
-        sample_noise_multiplier: float,
-        sample_clipping_norm: float,
-        target_epsilon: float,
-        accountant: str = DEFAULT_ACCOUNTANT,
-        local_steps: int = 1,
-        gamma: float = 5.0,
-        mu_source: str = "server",
-        mu_noise_multiplier: float = 10.0,
-        mu_max: float = 1.0,
-        dpsgd_noise: str = "gaussian",
-        wavelet_calibration: str = "exact",
-        grad_sample_mode: str = "ew",
-        delta: float = 0.0,
-        **_,
-    ) -> None:
+    def check_settings(cls, *, dpsgd: DPSGDOptions, **_) -> None:
         """The rules of these settings (the same call checks a run config before training)."""
+        d = dpsgd
         check_dpsgd(
-            sample_noise_multiplier=sample_noise_multiplier,
-            sample_clipping_norm=sample_clipping_norm,
-            batch_sample_rate=batch_sample_rate,
-            target_epsilon=target_epsilon,
-            dpsgd_noise=dpsgd_noise,
-            wavelet_calibration=wavelet_calibration,
-            grad_sample_mode=grad_sample_mode,
-            accountant=accountant,
-            mu_source=mu_source,
-            mu_noise_multiplier=mu_noise_multiplier,
+            sample_noise_multiplier=d.sample_noise_multiplier,
+            sample_clipping_norm=d.sample_clipping_norm,
+            batch_sample_rate=d.batch_sample_rate,
+            target_epsilon=d.target_epsilon,
+            dpsgd_noise=d.dpsgd_noise,
+            wavelet_calibration=d.wavelet_calibration,
+            grad_sample_mode=d.grad_sample_mode,
+            accountant=d.accountant,
+            mu_source=d.mu_source,
+            mu_noise_multiplier=d.mu_noise_multiplier,
         )
-        require(gamma >= 0, "gamma", gamma, "must be >= 0")
-        require(mu_max > 0, "mu_max", mu_max, "must be > 0")
-        require(local_steps >= 0, "local_steps", local_steps, "must be >= 0 (0: 1)")
-        delta = delta or DEFAULT_SAMPLE_DELTA  # R_c > 0, checked with one step (the set-up computes R_c)
-        budget = dpsgd_multipliers(sample_noise_multiplier, dpsgd_noise, wavelet_calibration).budget
-        steps = max_local_steps(target_epsilon, delta, budget, batch_sample_rate, accountant, limit=1)
-        require_a_step(steps, target_epsilon, sample_noise_multiplier, batch_sample_rate, delta)
+        require(d.gamma >= 0, "gamma", d.gamma, "must be >= 0")
+        require(d.mu_max > 0, "mu_max", d.mu_max, "must be > 0")
+        require(d.local_steps >= 0, "local_steps", d.local_steps, "must be >= 0 (0: 1)")
+        delta = d.delta or DEFAULT_SAMPLE_DELTA  # R_c > 0, checked with one step (the set-up computes R_c)
+        budget = dpsgd_multipliers(d.sample_noise_multiplier, d.dpsgd_noise, d.wavelet_calibration).budget
+        steps = max_local_steps(d.target_epsilon, delta, budget, d.batch_sample_rate, d.accountant, limit=1)
+        require_a_step(steps, d.target_epsilon, d.sample_noise_multiplier, d.batch_sample_rate, delta)
 
     # ------------------------------------------------------------------ set-up
     def default_delta(self, num_clients: int) -> float:

@@ -38,6 +38,7 @@ from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
 from dpcore.privacy.ledger import ClientLevelLedger
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
+from dpcore.privacy.modes import ClientSamplingMode, TargetEpsilonMode
 from dpcore.privacy.settings import SettingError, check_client_level_dp
 
 from .audit import AuditCanaries
@@ -195,9 +196,9 @@ class DifferentialPrivacy(DPRoundLoop):
             self.reply_metric_rules = {**self.reply_metric_rules, **part.reply_rules}
 
     @classmethod
-    def check_settings(cls, *, parts: Sequence[Part] = (), **keywords) -> None:
-        """The rules of these settings, as flat keywords (the same call checks a run config before training)."""
-        privacy, sampling, _, parts = sort_keywords(cls, None, None, None, parts, keywords)
+    def check_settings(cls, *, privacy=None, sampling=None, run=None, parts: Sequence[Part] = (), **keywords) -> None:
+        """The rules of these settings, as the constructor takes them (the same call checks a run config)."""
+        privacy, sampling, _, parts = sort_keywords(cls, privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
 
     @property
@@ -222,10 +223,9 @@ class DifferentialPrivacy(DPRoundLoop):
         """The mechanism's ledger; for `calibrate`, sigma for the configured number of rounds too (the mechanism's
         own `calibrated_noise_multiplier` where it has one: DP-FTRL's matrix-factorization noise)."""
         ledger = self.mechanism.make_ledger(self, delta)
-        if self.target_epsilon > 0 and self.target_epsilon_mode == "calibrate":
-            fixed = self.client_sampling == "fixed"  # charged as sigma / 2 without amplification (the ledger)
-            rounds = max(1, self.num_rounds)
-            # what sampling and the parts (SecAgg+'s quantizer) reserve out of delta
+        if self.target_epsilon > 0 and self.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
+            fixed, rounds = self.client_sampling == ClientSamplingMode.FIXED, max(1, self.num_rounds)
+            # out of delta: sampling's truncation (none for fixed-size: sigma / 2 unamplified), the parts' (SecAgg+)
             reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
             own = getattr(self.mechanism, "calibrated_noise_multiplier", None)
             self.noise_multiplier = (
@@ -425,8 +425,9 @@ class DifferentialPrivacy(DPRoundLoop):
         return epsilon > self.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
-        calibrated = " (sigma was calibrated for fewer rounds)" if self.target_epsilon_mode == "calibrate" else ""
-        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{calibrated}"
+        calibrated = self.target_epsilon_mode == TargetEpsilonMode.CALIBRATE
+        note = " (sigma was calibrated for fewer rounds)" if calibrated else ""
+        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{note}"
 
     def guarantee_caveats(self) -> list[str]:
         """Seeded noise only matters when there is noise; and what the parts say."""

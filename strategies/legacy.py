@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from dpcore.privacy import protocol as keys
+from dpcore.privacy.modes import TargetEpsilonMode
 
 from .dp_fedavg import DPFedAvg
 from .legacy_log import FlowerLegacyLog
@@ -246,7 +247,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         """
         if (
             self.dp.ledger is None
-            and getattr(self.dp, "target_epsilon_mode", "stop") == "calibrate"
+            and getattr(self.dp, "target_epsilon_mode", TargetEpsilonMode.STOP) == TargetEpsilonMode.CALIBRATE
             and getattr(self.dp, "target_epsilon", 0) > 0
             and self.dp.num_rounds <= 0
         ):

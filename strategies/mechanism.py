@@ -14,6 +14,7 @@ import numpy as np
 from dpcore.privacy.ledger import ClientLevelLedger
 from dpcore.privacy.mechanisms import gaussian_noise, make_rng
 
+from .noise_placement import server_view
 from .parts import Part
 
 NOISE_STREAM = 2  # make_rng stream of the server's noise on the sum (seeded runs only)
@@ -25,10 +26,12 @@ class GaussianMechanism(Part):
     roles = ("mechanism",)
 
     def make_ledger(self, dp, delta: float) -> ClientLevelLedger:
-        return ClientLevelLedger(delta, dp.accountant, dp.noise.name, dp.server_sees_only_the_sum, dp.client_sampling)
+        return ClientLevelLedger(
+            delta, dp.accountant, dp.noise.server_view(), dp.server_sees_only_the_sum, dp.client_sampling
+        )
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
-        return ClientLevelLedger.from_state_dict(state)
+        return ClientLevelLedger.from_state_dict(state, server_view(state["noise_placement"]))
 
     def accounted_noise_multiplier(self, dp) -> float:
         """The sigma the ledger charges per round."""

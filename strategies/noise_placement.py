@@ -23,6 +23,7 @@ import numpy as np
 
 from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
+from dpcore.privacy.modes import ServerView
 
 from .parts import Part
 from .reply_gate import upload_norm_bound
@@ -38,6 +39,12 @@ class NoisePlacement(Part, ABC):
     server_adds_noise = True  # the server adds all of it or tops it up
     clients_add_noise = False  # a reply counts only if its client (or mod) noised it: marked updates only
     noise_in_shares = False  # the noise is split into n_s client shares, topped up for the missing ones
+
+    @classmethod
+    def server_view(cls) -> ServerView:
+        """What the server sees, which the ledger asks: the raw clipped updates unless clients add noise, and
+        uploads private on their own where the server adds none (read off the class: no placement is built)."""
+        return ServerView(cls.name, trusted=not cls.clients_add_noise, uploads_private=not cls.server_adds_noise)
 
     @abstractmethod
     def privatize_config(self, noise_multiplier: float, clipping_norm: float, noise_shares: float) -> dict:
@@ -191,6 +198,11 @@ class LocalNoise(NoisePlacement):
 
 # name -> class: a part's `check` reads what a placement does (server_adds_noise, ...) off the class, building none
 PLACEMENTS = {placement.name: placement for placement in (CentralNoise, DistributedNoise, LocalNoise)}
+
+
+def server_view(name: str) -> ServerView:
+    """What the server sees under the placement called `name` (a saved ledger records the name)."""
+    return PLACEMENTS[name].server_view()
 
 
 def noise_placement(name: str, clients_clip: bool = False) -> NoisePlacement:

@@ -73,6 +73,60 @@ class RunOptions:
     on_checkpoint: Callable | None = None
 
 
+@dataclass(frozen=True)
+class DPSGDOptions:
+    """ALI-DPFL's sample-level DP-SGD on the clients (`strategies.ali_dpfl.ALIDPFL`), and its accounting.
+
+    batch_sample_rate : q_s, Poisson batch sampling rate of DP-SGD on each client.
+    sample_noise_multiplier, sample_clipping_norm : sigma and C of DP-SGD.
+    target_epsilon : per-client sample-level budget; R_c follows from it.
+    delta, accountant : the per-client ledgers' delta (0: 1e-5) and accountant.
+    adaptive : eq. (9) each round; False: fixed tau = local_steps (the baseline).
+    local_steps : tau of the first round and of the fixed baseline (0 means 1).
+    gamma : heterogeneity Gamma of eq. (9).
+    mu_source, mu_noise_multiplier : "server" (the server's data) or "clients" (noised, charged; its multiplier).
+    mu_max : a client's mu is clipped to [0, mu_max] on the server too (mu_source = clients).
+    num_partitions : the deployment's number of partitions (the clients' node config num-partitions) for
+        `ServerData.partition_size`; 0: the number each reply reports from its node config (at least the number of
+        nodes connected at the start; replies without it: that number).
+    dpsgd_noise, wavelet_calibration : "wavelet" for DP-SGD-WAV clients; the ledgers charge
+        its true multiplier (`dpsgd_multipliers`), and with `paper` calibration the
+        run also reports the epsilon the paper would claim.
+    grad_sample_mode : the clients' Opacus per-sample gradient mode (checked against dpsgd_noise).
+    """
+
+    batch_sample_rate: float
+    sample_noise_multiplier: float
+    sample_clipping_norm: float
+    target_epsilon: float
+    delta: float = 0.0
+    accountant: str = DEFAULT_ACCOUNTANT
+    adaptive: bool = True
+    local_steps: int = 1
+    gamma: float = 5.0
+    mu_source: str = "server"
+    mu_noise_multiplier: float = 10.0
+    mu_max: float = 1.0
+    num_partitions: int = 0
+    dpsgd_noise: str = "gaussian"
+    wavelet_calibration: str = "exact"
+    grad_sample_mode: str = "ew"
+
+
+@dataclass(frozen=True)
+class ServerData:
+    """What ALI-DPFL's server computes from its own data, no client's.
+
+    gradient_fn : flat gradient of the server's loss at given weights (mu_source = server).
+    partition_size : (partition id, number of partitions) -> |D_i|, the public partition sizes. The
+        averaging weights p_i come from it, never from what a client reports (a reply whose
+        num-examples differs is rejected); without it the server averages uniformly.
+    """
+
+    gradient_fn: Callable[[list], object] | None = None  # weights -> flat gradient (np.ndarray)
+    partition_size: Callable[[int, int], int] | None = None
+
+
 def refuse_more_than_connected(num_sampled_clients: int, connected: int, min_available_nodes: int) -> None:
     """m > M: refused before round 1. A fixed-size sample of m nodes a round divides the noisy sum by m; with
     fewer nodes the run would either be noised for m over a sum of fewer clients (Flower's wrappers: a smaller

@@ -20,6 +20,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from dpcore.privacy.ledger import Ledger
+from dpcore.privacy.modes import ServerView
 
 from .sampling import Selection
 
@@ -59,7 +60,7 @@ class CodecRole(Protocol):
 class NoiseRole(Protocol):
     """Who adds the noise: the clients' privatizing config, the server's clip and noise std sigma C (all of it),
     sigma C sqrt((n_s - k)/n_s) (the top-up) or 0, the norm an honest upload stays below, and what the server
-    sees (the ledger asks these, never the placement's name)."""
+    sees (`server_view`: the ledger asks it, never the placement's name)."""
 
     name: str
     server_adds_noise: bool
@@ -77,6 +78,8 @@ class NoiseRole(Protocol):
     def upload_norm_bound(
         self, noise_multiplier: float, clipping_norm: float, noise_shares: float, dim: int
     ) -> float: ...
+
+    def server_view(self) -> ServerView: ...
 
 
 ROLE_PROTOCOLS: dict[str, type] = {

@@ -55,6 +55,7 @@ from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
 from dpcore.privacy import figures
 from dpcore.privacy.mechanisms import noise_share_count
+from dpcore.privacy.modes import ClientSamplingMode
 from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .dp_round import DPRound
@@ -138,7 +139,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         one_of("client_sampling", sampling.client_sampling, CLIENT_SAMPLINGS)
         require(0 <= delta < 1, "delta", delta, "must be in [0, 1) (0: the default delta)")
         require(
-            sampling.num_sampled_clients == 0 or sampling.client_sampling == "fixed",
+            sampling.num_sampled_clients == 0 or sampling.client_sampling == ClientSamplingMode.FIXED,
             "num_sampled_clients",
             sampling.num_sampled_clients,
             "is a fixed-size sample: only with client_sampling = 'fixed'",
@@ -147,7 +148,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         self.sample_rate = sampling.sample_rate
         self.client_sampling = sampling.client_sampling
         self.num_sampled_clients = sampling.num_sampled_clients  # m given (Flower's wrappers); 0: round(q M)
-        self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == "fixed")
+        self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == ClientSamplingMode.FIXED)
         self.codec = DenseCodec()
         self.parts = list(parts)  # the optional pieces of the round (strategies.parts), in the order they run
         self.server_learning_rate = run.server_learning_rate
@@ -197,7 +198,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         if self.num_sampled_clients:  # m given: q = m / M
             refuse_more_than_connected(self.num_sampled_clients, num_clients, self.min_available_nodes)
             self.sample_rate = self.num_sampled_clients / num_clients
-        if self.client_sampling == "fixed":
+        if self.client_sampling == ClientSamplingMode.FIXED:
             self.expected_clients = float(max(1, round(self.sample_rate * num_clients)))
         else:
             self.expected_clients = self.sample_rate * num_clients

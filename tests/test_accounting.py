@@ -9,6 +9,7 @@ from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
 from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta, per_update_noise_multiplier
 from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
+from strategies.noise_placement import server_view
 from tests.independent_accountant import dp_accounting_epsilons
 
 # (sigma, q, rounds, delta): epsilons from about 0.5 to 20
@@ -81,7 +82,7 @@ def test_truncation_probability_is_reserved_out_of_delta():
     assert ledger.epsilon() == pytest.approx(epsilon_of([(1.0, 0.5, 20)], 1e-5 - 2e-6))
     assert ledger.epsilon() > epsilon_of([(1.0, 0.5, 20)], 1e-5)
     assert ledger.epsilon_after_rounds(1.0, 0.5, 1, 1e-7) == pytest.approx(epsilon_of([(1.0, 0.5, 21)], 1e-5 - 2.1e-6))
-    assert ClientLevelLedger.from_state_dict(ledger.state_dict()).epsilon() == ledger.epsilon()
+    assert ClientLevelLedger.from_state_dict(ledger.state_dict(), ledger.server_view).epsilon() == ledger.epsilon()
     for _ in range(100):  # a reserve that eats delta leaves no guarantee
         ledger.record_round(1.0, 0.5, 49, truncation_probability=1e-7)
     assert math.isinf(ledger.epsilon())
@@ -126,22 +127,22 @@ def test_calibration_meets_target(target, rounds, accountant):
 
 def test_distributed_against_server_is_per_update_release():
     m = 25
-    ledger = ClientLevelLedger(1e-3, noise_placement="distributed")
+    ledger = ClientLevelLedger(1e-3, server_view=server_view("distributed"))
     for _ in range(10):
         ledger.record_round(1.0, 0.2, m)
     assert per_update_noise_multiplier(1.0, m) == pytest.approx(0.1)
     assert ledger.epsilon_against_server() == pytest.approx(epsilon_of([(0.1, 1.0, 10)], 1e-3))
     assert ledger.epsilon_against_server() > ledger.epsilon()
-    secagg = ClientLevelLedger(1e-3, noise_placement="distributed", secure_aggregation=True)
+    secagg = ClientLevelLedger(1e-3, server_view=server_view("distributed"), secure_aggregation=True)
     for _ in range(10):
         secagg.record_round(1.0, 0.2, m)
     # the server chose the sample, so against it the sum is charged without amplification (issue 10)
     assert secagg.epsilon() == pytest.approx(ledger.epsilon())
     assert secagg.epsilon_against_server() == pytest.approx(epsilon_of([(0.5, 1.0, 10)], 1e-3))  # 2C
-    central = ClientLevelLedger(1e-3, noise_placement="central")
+    central = ClientLevelLedger(1e-3, server_view=server_view("central"))
     central.record_round(1.0, 0.2, m)
     assert math.isinf(central.epsilon_against_server())
-    back = ClientLevelLedger.from_state_dict(ledger.state_dict())
+    back = ClientLevelLedger.from_state_dict(ledger.state_dict(), ledger.server_view)
     assert back.epsilon_against_server() == ledger.epsilon_against_server()
 
 
@@ -245,7 +246,7 @@ def test_secagg_server_figure_composes_without_amplification():
     about 284.4, not the amplified 7.9."""
     import dp_accounting
 
-    ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True)
+    ledger = ClientLevelLedger(1e-5, server_view=server_view("distributed"), secure_aggregation=True)
     for _ in range(100):
         ledger.record_round(1.0, 0.1, 10)
     independent = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
@@ -253,7 +254,7 @@ def test_secagg_server_figure_composes_without_amplification():
     assert ledger.epsilon_against_server() == pytest.approx(independent.get_epsilon(1e-5), rel=0.02)
     assert ledger.epsilon_against_server() > 60 and ledger.epsilon() < 10
     # k of n_s shares in the sum (dropouts): the server sees multiplier sigma sqrt(k / n_s) / 2 before its top-up
-    partial = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True)
+    partial = ClientLevelLedger(1e-5, server_view=server_view("distributed"), secure_aggregation=True)
     partial.record_round(1.0, 0.1, 16, received=4)
     assert partial.server.history == [(0.25, 1.0, 1)]
 
@@ -301,3 +302,32 @@ def test_an_accountant_is_one_registered_class():
         assert accountants.accountant_used([(0.1, 0.3, 4)], 1e-5, "double-rdp").startswith("rdp (a noise")
     finally:
         accountants.ACCOUNTANT_REGISTRY.pop("double-rdp", None)
+
+
+def test_the_ledger_asks_the_noise_placement_what_the_server_sees():
+    """ClientLevelLedger branches on the placement's `server_view` (issue 41 item 4), never on its name: a view
+    named anything that says each upload carries all the noise is charged as local DP, (sigma / 2, q = 1) against
+    the model and the server; a trusted view has no figure against the server; and a saved ledger comes back
+    only with its own placement's view."""
+    from dpcore.privacy.modes import ServerView
+    from strategies.mechanism import GaussianMechanism
+
+    views = {name: server_view(name) for name in ("central", "distributed", "local")}
+    assert [(v.trusted, v.uploads_private) for v in views.values()] == [(True, False), (False, False), (False, True)]
+    toy = ClientLevelLedger(1e-5, server_view=ServerView("toy", trusted=False, uploads_private=True))
+    local = ClientLevelLedger(1e-5, server_view=views["local"])
+    for ledger in (toy, local):
+        for _ in range(3):
+            ledger.record_round(2.0, 0.1, 10)
+        assert ledger.model.history == ledger.server.history == [(1.0, 1.0, 3)]
+    assert toy.epsilon() == local.epsilon() == pytest.approx(epsilon_of([(1.0, 1.0, 3)], 1e-5))
+    assert toy.epsilon_against_server() == toy.epsilon() and toy.state_dict()["noise_placement"] == "toy"
+    trusted = ClientLevelLedger(1e-5, server_view=ServerView("toy", trusted=True))
+    trusted.record_round(2.0, 0.1, 10)
+    assert trusted.model.history == [(2.0, 0.1, 1)] and trusted.server.history == []
+    assert math.isinf(trusted.epsilon_against_server())
+    saved = local.state_dict()
+    back = GaussianMechanism().ledger_from_state(saved)
+    assert back.server_view == views["local"] and back.state_dict() == saved
+    with pytest.raises(ValueError, match="noise_placement='local' in the saved ledger"):
+        ClientLevelLedger.from_state_dict(saved, views["central"])

@@ -1,7 +1,8 @@
 """docs/architecture.md's "Adding a part" through the run config is true: in a copy of the repository, a toy part
 is offered as run-config key `toy-shift` by editing only the files that page lists, and redrawing the two it
 says `python -m fl_app.config --write` redraws. The copy then validates the key (named in the error with its
-value and what is allowed), builds dp-fedavg's wrapper with the part, and refuses the key for ali-dpfl."""
+value and what is allowed), builds dp-fedavg's wrapper with the part, and refuses the key for ali-dpfl, whose
+builder does not read it (the record lists no owned_keys)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ check_config(s, algorithm("dp-fedavg"))
 strategy = algorithm("dp-fedavg").build_strategy(s)
 out["parts"] = [type(p).__name__ for p in strategy.parts]
 out["config"] = strategy.parts[-1].client_config(strategy, 1)
-for config, name in (({"algorithm": "ali-dpfl", "toy-shift": 0.5}, "ali-dpfl"), ({"toy-shift": 2.0}, "dp-fedavg")):
+ali_dpfl = {"algorithm": "ali-dpfl", "target-epsilon": 8.0, "toy-shift": 0.5}
+for config, name in ((ali_dpfl, "ali-dpfl"), ({"toy-shift": 2.0}, "dp-fedavg")):
     try:
         check_config(validate(config), algorithm(name))
     except ValueError as error:
@@ -127,7 +129,7 @@ def test_a_part_offered_through_the_run_config_touches_only_the_files_the_page_l
     edit(
         tmp_path / "fl_app/algorithms.py",
         r'("dp-fedavg",\n\s+"[^"]*",\n\s+DPFedAvg,\n\s+)client_level,(\n\s+sgd_client,)',
-        r'\1toy_level,\2\n            owned_keys=("toy-shift",),',
+        r"\1toy_level,\2",
     )
     edit(tmp_path / "fl_app/algorithms.py", r"(from fl_app\.builders import \()", r"\1\n    toy_level,")
     run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -140,5 +142,6 @@ def test_a_part_offered_through_the_run_config_touches_only_the_files_the_page_l
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["parts"] == ["DistributedNoise", "ToyShift"] and out["config"] == {"toy-shift": 0.5}
-    assert "'toy-shift' = 0.5 applies only to algorithm = dp-fedavg" in out["ali-dpfl"]
+    # no owned_keys: the registry reads the builders, and ali-dpfl's does not read toy-shift
+    assert "'toy-shift' = 0.5 is not read by algorithm 'ali-dpfl'" in out["ali-dpfl"]
     assert "toy-shift" in out["dp-fedavg"] and "2.0" in out["dp-fedavg"]

@@ -25,6 +25,7 @@ from fl_app.results import read_metrics
 from fl_app.server_app import run_federated
 from strategies.ali_dpfl import ALIDPFL
 from strategies.local_steps import estimate_mu, next_local_steps, optimal_local_steps
+from strategies.options import DPSGDOptions, SamplingOptions, ServerData
 from tests.independent_accountant import dp_accounting_epsilons
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -305,14 +306,9 @@ def test_models_are_averaged_with_weights_proportional_to_dataset_size():
     sizes = [10, 30, 60, 99]
     grid = InProcessGrid(stub_app(sizes), 4, {})
     strategy = ALIDPFL(
-        sample_rate=1.0,
-        batch_sample_rate=0.1,
-        sample_noise_multiplier=1.0,
-        sample_clipping_norm=1.0,
-        target_epsilon=5.0,
-        adaptive=False,
-        local_steps=2,
-        partition_size=lambda pid, n: sizes[pid],
+        dpsgd=DPSGDOptions(0.1, 1.0, 1.0, target_epsilon=5.0, adaptive=False, local_steps=2),
+        sampling=SamplingOptions(1.0),
+        server_data=ServerData(partition_size=lambda pid, n: sizes[pid]),
     )
     initial = ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
     result = strategy.start(grid, initial, num_rounds=1)
@@ -453,17 +449,11 @@ def hostile_stub_app(sizes, lie: dict):
     return app
 
 
-def run_one_round(app, partition_size=None, **kwargs):
+def run_one_round(app, partition_size=None):
     strategy = ALIDPFL(
-        sample_rate=1.0,
-        batch_sample_rate=0.1,
-        sample_noise_multiplier=1.0,
-        sample_clipping_norm=1.0,
-        target_epsilon=5.0,
-        adaptive=False,
-        local_steps=2,
-        partition_size=partition_size,
-        **kwargs,
+        dpsgd=DPSGDOptions(0.1, 1.0, 1.0, target_epsilon=5.0, adaptive=False, local_steps=2),
+        sampling=SamplingOptions(1.0),
+        server_data=ServerData(partition_size=partition_size),
     )
     initial = ArrayRecord([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)])
     result = strategy.start(InProcessGrid(app, 4, {}), initial, num_rounds=1)
@@ -510,13 +500,31 @@ def test_a_duplicate_partition_id_binds_nothing():
 
 def test_client_mu_is_clipped_on_the_server():
     strategy = ALIDPFL(
-        sample_rate=1.0,
-        batch_sample_rate=0.1,
-        sample_noise_multiplier=1.0,
-        sample_clipping_norm=1.0,
-        target_epsilon=5.0,
-        mu_source="clients",
-        mu_max=0.5,
+        dpsgd=DPSGDOptions(0.1, 1.0, 1.0, target_epsilon=5.0, mu_source="clients", mu_max=0.5),
+        sampling=SamplingOptions(1.0),
     )
     rows = [(np.ones(3, np.float32), {"mu": 1e6}), (np.ones(3, np.float32), {"mu": -3.0})]
     assert estimate_mu(strategy, [np.zeros(3, np.float32)], [(3,)], rows, np.array([1.0, 1.0])) == pytest.approx(0.25)
+
+
+def test_alidpfl_takes_its_option_objects_built_straight_from_the_settings():
+    """Issue 41 item 4: ALIDPFL(strategy, *, dpsgd=, sampling=, run=, server_data=), at most 6 parameters (it took
+    29 flat ones, 14 relayed to check_settings); the registry's builder makes the option objects from the typed
+    Settings, and the strategy it builds holds their values."""
+    import inspect
+
+    from fl_app.algorithms import ALGORITHMS
+
+    assert list(inspect.signature(ALIDPFL).parameters) == ["strategy", "dpsgd", "sampling", "run", "server_data"]
+    s = validate({"algorithm": "ali-dpfl", "target-epsilon": 3.0, "batch-sample-rate": 0.02, "gamma": 1.0})
+    kwargs = ALGORITHMS["ali-dpfl"].strategy_kwargs(s)
+    assert set(kwargs) == {"dpsgd", "sampling", "run"}
+    assert kwargs["dpsgd"] == DPSGDOptions(
+        0.02, s.dpsgd.noise_multiplier, s.dpsgd.clipping_norm, target_epsilon=3.0, gamma=1.0, local_steps=0
+    )
+    assert kwargs["sampling"] == SamplingOptions(s.federation.sample_rate, s.federation.client_sampling, 2)
+    strategy = ALGORITHMS["ali-dpfl"].build_strategy(s, server_data=ServerData(gradient_fn=lambda w: w[0]))
+    assert (strategy.batch_sample_rate, strategy.sample_target_epsilon, strategy.gamma) == (0.02, 3.0, 1.0)
+    assert strategy.seed == s.run.seed and strategy.secure_rng is s.privacy.secure_rng
+    with pytest.raises(TypeError):
+        ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1)  # the flat form is gone

@@ -373,3 +373,64 @@ def test_dp_ftrl_built_from_python_names_its_real_key():
 
     with pytest.raises(SettingError, match=r"epoch_rounds=-1 \(run-config key 'ftrl-epoch-rounds'\)"):
         DPFTRL(epoch_rounds=-1)
+
+
+ALI_DPFL = {"algorithm": "ali-dpfl", "target-epsilon": 8.0}
+
+
+def test_a_key_the_algorithms_builder_does_not_read_is_refused_for_it():
+    """Issue 41 item 4: an algorithm-specific key (one some algorithm's builders read and another's do not) is
+    refused, when changed, for an algorithm whose builders do not read it, naming the key, the value, the
+    algorithm and the keys it reads; the whole family's keys (data, model, rounds, local training) stay allowed.
+    num-partitions is read by ali-dpfl's builder only and listed in no record's owned_keys: dp-fedavg took it
+    silently before."""
+    with pytest.raises(ConfigError) as err:
+        validate({"algorithm": "dp-fedavg", "num-partitions": 4})
+    msg = str(err.value)
+    assert "'num-partitions' = 4 is not read by algorithm 'dp-fedavg'" in msg, msg
+    assert "whose own keys are adaptive-clipping, audit-canaries, audit-canary-kind, clipping-norm," in msg, msg
+    assert "sample-noise-multiplier" not in msg
+    assert validate({**ALI_DPFL, "num-partitions": 4}).dpsgd.num_partitions == 4
+    family = {"num-rounds": 3, "dataset": "digits", "model": "mlp", "local-steps": 2, "sam-rho": 0.1, "lr": 0.05}
+    for config in ({"algorithm": "dp-fedavg"}, ALI_DPFL, {"algorithm": "dp-ftrl"}):
+        assert validate({**config, **family}).training.local_steps == 2
+
+
+def test_a_new_key_read_by_one_builder_is_refused_for_the_others(monkeypatch):
+    """A key read by one algorithm's strategy builder only, with no owned_keys entry (as a new part's key is), is
+    refused for ali-dpfl, whose builder does not read it: found by reading the builders, not by a list."""
+    from dataclasses import replace
+
+    from fl_app import algorithms
+    from fl_app.builders import client_level
+
+    def with_head_steps(s):
+        return {**client_level(s), "head_steps": s.personalization.head_steps}
+
+    assert validate({**ALI_DPFL, "head-steps": 3}).personalization.head_steps == 3  # no one reads it
+    record = replace(algorithms.ALGORITHMS["dp-fedavg"], strategy_settings=with_head_steps)
+    monkeypatch.setitem(algorithms.ALGORITHMS, "dp-fedavg", record)
+    algorithms.default_keys_read.cache_clear()
+    try:
+        assert "head-steps" in algorithms.algorithm_specific_keys()
+        with pytest.raises(
+            ConfigError,
+            match="'head-steps' = 3 is not read by algorithm 'ali-dpfl', whose own keys "
+            "are adaptive, batch-sample-rate, dpsgd-noise",
+        ):
+            validate({**ALI_DPFL, "head-steps": 3})
+        assert validate(ALI_DPFL).run.algorithm == "ali-dpfl"  # at its default: allowed
+    finally:
+        monkeypatch.undo()
+        algorithms.default_keys_read.cache_clear()
+
+
+def test_the_reference_run_drops_the_keys_its_algorithm_does_not_read():
+    from fl_app.algorithms import reference_overrides
+
+    defaults = {k: spec.default for k, spec in SPEC.items()}
+    overrides = {"algorithm": "ali-dpfl", "num-partitions": 4, "gamma": 1.0, "local-steps": 3}
+    reference = reference_overrides(overrides, defaults)
+    assert reference["algorithm"] == "dp-fedavg" and reference["local-steps"] == 3
+    assert "num-partitions" not in reference and "gamma" not in reference
+    validate(reference)

@@ -15,6 +15,7 @@ from dpcore.privacy.mechanisms import flatten
 from dpfl_tools.inprocess import InProcessGrid
 from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
+from strategies.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
 
 SIZES = [10, 30, 60, 99]
 
@@ -60,19 +61,13 @@ def app_with_liar(lie: dict, from_round: int = 1, liar_pid: int = 0) -> ClientAp
     return app
 
 
-def ali(**kwargs) -> ALIDPFL:
-    settings = dict(
-        sample_rate=1.0,
-        batch_sample_rate=0.1,
-        sample_noise_multiplier=1.0,
-        sample_clipping_norm=1.0,
-        target_epsilon=5.0,
-        adaptive=False,
-        local_steps=1,
-        partition_size=public_size,
-        secure_rng=False,
+def ali(min_available_nodes: int = 2, **dpsgd) -> ALIDPFL:
+    return ALIDPFL(
+        dpsgd=DPSGDOptions(0.1, 1.0, 1.0, **{"target_epsilon": 5.0, "adaptive": False, "local_steps": 1, **dpsgd}),
+        sampling=SamplingOptions(1.0, min_available_nodes=min_available_nodes),
+        run=RunOptions(secure_rng=False),
+        server_data=ServerData(partition_size=public_size),
     )
-    return ALIDPFL(**{**settings, **kwargs})
 
 
 def initial() -> ArrayRecord:

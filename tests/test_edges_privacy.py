@@ -350,8 +350,11 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     from dp_accounting import pld
 
     from dpcore.privacy.ledger import ClientLevelLedger
+    from strategies.noise_placement import server_view
 
-    ledger = ClientLevelLedger(1e-5, noise_placement="distributed", secure_aggregation=True, client_sampling=sampling)
+    ledger = ClientLevelLedger(
+        1e-5, server_view=server_view("distributed"), secure_aggregation=True, client_sampling=sampling
+    )
     for _ in range(100):
         ledger.record_round(1.0, 0.1, 10, received=10)
     independent = pld.PLDAccountant(value_discretization_interval=1e-4)

@@ -83,7 +83,7 @@ def test_a_round_without_its_sampling_record_falls_back_to_no_amplification():
 
 def test_state_round_trip_and_budget_projection():
     ledger = fixed_ledger(100, 10, 40, 1e-5)
-    back = ClientLevelLedger.from_state_dict(ledger.state_dict())
+    back = ClientLevelLedger.from_state_dict(ledger.state_dict(), ledger.server_view)
     assert back.epsilon() == ledger.epsilon()
     projected = ledger.epsilon_after_rounds(1.0, 0.1, 60)
     assert projected == pytest.approx(without_replacement(100, 10, 1.0, 100, 1e-5), rel=0.01)

@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from dpfl_tools import pull_backoff
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.server_app import PromptGrid, TooFewNodes, wait_for_nodes
+from fl_app.transport import PromptGrid, TooFewNodes, wait_for_nodes
 from strategies import DifferentialPrivacy
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.test_wrapper import M, model, weights_client

@@ -25,6 +25,7 @@ from strategies.ali_dpfl import ALIDPFL
 from strategies.dp_fedavg import DPFedAvg
 from strategies.legacy import LegacyDPFedAvg, reply_message
 from strategies.legacy_wrapper import LegacyDifferentialPrivacy
+from strategies.options import DPSGDOptions, SamplingOptions, ServerData
 from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
 from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
 from strategies.secagg import SecAggPlusDPFedAvg
@@ -212,14 +213,9 @@ def test_message_api_strategies_survive_hostile_replies(path):
 def test_ali_dpfl_survives_hostile_replies():
     rng, nprng = random.Random(f"{SEED}-ali"), np.random.default_rng(SEED)
     strategy = ALIDPFL(
-        sample_rate=1.0,
-        batch_sample_rate=0.1,
-        sample_noise_multiplier=1.0,
-        sample_clipping_norm=1.0,
-        target_epsilon=50.0,
-        adaptive=False,
-        local_steps=1,
-        partition_size=lambda pid, n: 10,
+        dpsgd=DPSGDOptions(0.1, 1.0, 1.0, target_epsilon=50.0, adaptive=False, local_steps=1),
+        sampling=SamplingOptions(1.0),
+        server_data=ServerData(partition_size=lambda pid, n: 10),
     )
     strategy.set_num_rounds(ROUNDS)
     strategy.setup_population(M + 2)

@@ -38,6 +38,8 @@ PUBLIC = {  # issue 33: what `import dpfl` must give
     "PrivacyOptions",
     "SamplingOptions",
     "RunOptions",
+    "DPSGDOptions",
+    "ServerData",
     "Part",
     "AfterRound",
     "NoisePlacementMode",

@@ -11,7 +11,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from dpfl_tools import clientapp_executor
-from fl_app.server_app import PromptGrid
+from fl_app.transport import PromptGrid
 
 FORK_TWO_TASKS = r"""
 import json, random, sys

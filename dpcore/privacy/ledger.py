@@ -30,7 +30,7 @@ from dpcore.privacy.accountants import (
 )
 from dpcore.privacy.calibration import per_update_noise_multiplier, secure_sum_noise_multiplier
 
-from .modes import ClientSamplingMode, NoisePlacementMode
+from .modes import TRUSTED_SERVER, ClientSamplingMode, ServerView
 
 
 def check_ledger_settings(delta: float, accountant: str) -> None:
@@ -158,7 +158,7 @@ class ClientLevelLedger:
 
     delta: float
     accountant: str = DEFAULT_ACCOUNTANT
-    noise_placement: str = "central"
+    server_view: ServerView = TRUSTED_SERVER
     secure_aggregation: bool = False
     client_sampling: str = "poisson"
     truncation_delta: float = 0.0
@@ -171,10 +171,15 @@ class ClientLevelLedger:
         self.server = PrivacyLedger(self.delta, self.accountant)
 
     @property
+    def noise_placement(self) -> str:
+        """The name of the noise placement (the ledger's state records it)."""
+        return self.server_view.name
+
+    @property
     def server_threat_model(self) -> str:
-        if self.noise_placement == NoisePlacementMode.CENTRAL:
+        if self.server_view.trusted:
             return "trusted server: it sees raw clipped updates, no DP against it"
-        if self.noise_placement == NoisePlacementMode.LOCAL:
+        if self.server_view.uploads_private:
             return "local DP: each upload is its own Gaussian release (sigma/2, q=1); nothing trusted on the server"
         if self.secure_aggregation:
             return "secure aggregation: the server sees only the noisy sum (no sampling amplification against it)"
@@ -182,7 +187,7 @@ class ClientLevelLedger:
 
     @property
     def relation(self) -> str:
-        if self.noise_placement == NoisePlacementMode.LOCAL:
+        if self.server_view.uploads_private:
             return (
                 "replace-one, local DP: each upload is the Gaussian mechanism with sensitivity 2C, no sampling "
                 "amplification"
@@ -203,7 +208,7 @@ class ClientLevelLedger:
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
         """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size
         sampling and for local noise."""
-        if self.client_sampling == ClientSamplingMode.FIXED or self.noise_placement == NoisePlacementMode.LOCAL:
+        if self.client_sampling == ClientSamplingMode.FIXED or self.server_view.uploads_private:
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
@@ -220,7 +225,7 @@ class ClientLevelLedger:
         fixed_rounds = self.fixed_rounds if fixed_rounds is None else fixed_rounds
         if (
             self.client_sampling == ClientSamplingMode.FIXED
-            and self.noise_placement != NoisePlacementMode.LOCAL
+            and not self.server_view.uploads_private
             and fixed_rounds
             and sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events)
         ):
@@ -268,9 +273,7 @@ class ClientLevelLedger:
         `sampled_from` = (N, m): fixed-size sampling drew m of N nodes (None: unknown, no amplification)."""
         sigma, rate = self.release_event(noise_multiplier, sample_rate)
         self.model.record(sigma, rate)
-        if (
-            self.noise_placement == NoisePlacementMode.LOCAL
-        ):  # no amplification, no truncation reserve: the server is not trusted
+        if self.server_view.uploads_private:  # no amplification, no truncation reserve: the server is not trusted
             self.server.record(sigma, rate)
             return
         if self.client_sampling == ClientSamplingMode.FIXED and sampled_from is not None:
@@ -281,7 +284,7 @@ class ClientLevelLedger:
             else:
                 self.fixed_rounds.append((float(sigma), population, sample, 1))
         self.truncation_delta += float(truncation_probability)
-        if self.noise_placement != NoisePlacementMode.DISTRIBUTED:
+        if self.server_view.trusted:
             return
         if not self.secure_aggregation:
             self.server.record(per_update_noise_multiplier(noise_multiplier, noise_shares), 1.0)
@@ -297,7 +300,7 @@ class ClientLevelLedger:
     def epsilon_against_server(self) -> float:
         """eps against the server; under SecAgg+ at delta - truncation_delta, since a quantizer clip (reserved
         there with the truncation probability, which only makes it larger) voids the sum it sees as well."""
-        if self.noise_placement == NoisePlacementMode.CENTRAL:
+        if self.server_view.trusted:
             return math.inf
         if self.secure_aggregation and self.truncation_delta > 0:
             delta = self.delta - self.truncation_delta
@@ -324,11 +327,18 @@ class ClientLevelLedger:
         return self._model_bounds(self.model.history, self.truncation_delta)[1]
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "ClientLevelLedger":
+    def from_state_dict(cls, state: dict, server_view: ServerView) -> "ClientLevelLedger":
+        """The ledger `state_dict` saved, with what its noise placement (`state["noise_placement"]`) says the
+        server sees."""
+        if server_view.name != state["noise_placement"]:
+            raise ValueError(
+                f"noise_placement={state['noise_placement']!r} in the saved ledger, but the server view given is "
+                f"{server_view.name!r}'s"
+            )
         ledger = cls(
             float(state["delta"]),
             state["accountant"],
-            state["noise_placement"],
+            server_view,
             bool(state["secure_aggregation"]),
             state.get("client_sampling", "poisson"),
             float(state.get("truncation_delta", 0.0)),

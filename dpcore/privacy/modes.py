@@ -2,9 +2,11 @@
 member per allowed value. A member equals its string (`NoisePlacementMode.LOCAL == "local"`) and prints as it
 (`StrEnum`), so a setting read from a run config or a saved ledger compares with the members, and nothing
 printed or recorded changes. Code compares a mode with these members, never with a string literal
-(tests/test_modes.py).
+(tests/test_modes.py). `ServerView` is what a noise placement means for the server, which the ledger asks
+instead of the placement's name.
 """
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -40,3 +42,25 @@ class PrivacyUnit(StrEnum):
 def values(mode: type[StrEnum]) -> tuple[str, ...]:
     """The allowed strings of a mode, in declaration order."""
     return tuple(member.value for member in mode)
+
+
+@dataclass(frozen=True)
+class ServerView:
+    """What the server sees of a round, as the noise placement answers it (the noise role's `server_view`,
+    strategies/noise_placement.py); the ledger asks this, never the placement's name.
+
+    - `trusted`: the server sees the raw clipped updates, so there is no DP against it (central noise);
+    - `uploads_private`: every upload carries all the noise N(0, sigma^2 C^2 I) on its own, local DP: each round
+      is the Gaussian mechanism at sigma / 2 (replace-one) with q = 1, against the model and the server alike;
+    - neither: every upload carries a share N(0, sigma^2 C^2 / n_s I) (distributed noise): the server figure
+      charges one upload at sigma / (2 sqrt(n_s)), or under SecAgg+ the sum of the shares that arrived.
+
+    `name`: the placement's name, which the ledger's state records.
+    """
+
+    name: str = "central"
+    trusted: bool = True
+    uploads_private: bool = False
+
+
+TRUSTED_SERVER = ServerView()  # central noise: the ledger's default
