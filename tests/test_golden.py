@@ -128,6 +128,7 @@ ROUTES: dict[str, dict] = {
     # issue 40: the cohort engine (dpfl_tools.cohort.CohortGrid), the round's clients trained as one batched model
     "dp-fedsam-cohort": {"algorithm": "dp-fedsam", "engine": "cohort"},
     "dp2-fedsam-cohort": {**DP2_FEDSAM, "engine": "cohort"},  # personal heads in the batch: dp2-fedsam's numbers
+    "ali-dpfl-cohort": {**ALI_DPFL, "engine": "cohort"},  # DP-SGD in the batch: ali-dpfl's numbers and ledger
 }
 
 
