@@ -40,6 +40,7 @@ from flwr.common.logger import log
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from dpcore.privacy import protocol as keys
+from dpfl_tools.cohort_grouped import grouped_step
 from dpfl_tools.inprocess import InProcessGrid
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
@@ -228,10 +229,12 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
         scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
         return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, x, y, m), loss
 
-    step_fn = vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
+    sample = tuple(clients[0].trainset.x.shape[1:])
+    step_fn = (device.type == "cpu" and grouped_step(model, rule, rho, sample)) or vmap(
+        sam_grad if rule == "sam" else grad_and_value(loss_of)
+    )
     b: dict[str, torch.Tensor] = {}
     history = []  # per step: each client's loss, NaN where it took no step
-    sample = tuple(clients[0].trainset.x.shape[1:])
     counts = [plan[0][0] for plan in plans]
     for t in range(max(counts, default=0)):
         active = steps > t
