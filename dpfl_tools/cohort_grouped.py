@@ -35,7 +35,7 @@ from dpcore.task.models import ConvNet
 
 ELEMENTWISE = (nn.ReLU, nn.MaxPool2d, nn.Upsample, nn.Identity)  # per sample and channel: same in grouped layout
 CONTAINERS = (nn.Sequential, ConvNet)  # whose forward only chains their children
-GROUP = 10  # clients per grouped forward and backward: larger groups' activations spill out of the CPU's caches
+GROUP = 5  # clients per grouped forward and backward (benchmarks/cohort_step.py: 5 beat 2, 10, 25 and 100 here)
 
 
 class GroupedConv2d(nn.Module):

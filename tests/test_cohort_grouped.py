@@ -15,7 +15,7 @@ from dpfl_tools.inprocess import InProcessGrid
 from tests.test_cohort import assert_replies_close, run
 
 RTOL = 1e-5
-N, B = 13, 8  # 13 clients: two slices of GROUP = 10, the second a short one
+N, B = 13, 8  # 13 clients: slices of GROUP = 5 clients, the last a short one
 
 
 def stacked(model_name: str, shape: tuple, seed: int = 0):
