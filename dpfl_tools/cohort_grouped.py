@@ -17,15 +17,17 @@ and the gradients are plain autograd of sum_i F_i(w_i) over the stacked paramete
 depend on w_i for j != i, so the gradient's row i is grad F_i(w_i), each client's own. SAM's two evaluations
 take the per-client norm of the first gradient over all of that client's parameters.
 
-Only models built from the layers above (in `nn.Sequential` or the zoo's `ConvNet`) qualify, and a model qualifies
-only after its grouped forward matched the plain one on random weights of two clients; any other model (e.g.
-GroupNorm's ResNet) keeps the vmap step.
+The forward is the model's layers in order (`grouped_layers`: plain functions of the stacked parameters, no module
+calls or `functional_call`, whose per-call overhead was a fifth of a 5-client slice's time). Only models built
+from the layers above (in `nn.Sequential` or the zoo's `ConvNet`, which run their children in order) qualify,
+and only after the grouped forward matched the model's own on random weights of two clients; any other model
+(e.g. GroupNorm's ResNet) keeps the vmap step.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -34,65 +36,72 @@ from torch.func import functional_call
 from dpcore.task.models import ConvNet
 
 ELEMENTWISE = (nn.ReLU, nn.MaxPool2d, nn.Upsample, nn.Identity)  # per sample and channel: same in grouped layout
-CONTAINERS = (nn.Sequential, ConvNet)  # whose forward only chains their children
+CONTAINERS = (nn.Sequential, ConvNet)  # whose forward runs their children in registration order
 GROUP = 5  # clients per grouped forward and backward (benchmarks/cohort_step.py: 5 beat 2, 10, 25 and 100 here)
 
+Layer = Callable[[torch.Tensor, dict], torch.Tensor]  # (activations, stacked parameters) -> activations
 
-class GroupedConv2d(nn.Module):
+
+def conv2d(conv: nn.Conv2d, name: str, x: torch.Tensor, w: dict) -> torch.Tensor:
     """A Conv2d over N clients' stacked weights [N, O, C, k, k] as one grouped convolution (formula: module doc)."""
+    weight, bias = w[name + ".weight"], w.get(name + ".bias")
+    return nn.functional.conv2d(
+        x,
+        weight.flatten(0, 1),
+        None if bias is None else bias.flatten(),
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        groups=weight.shape[0],
+    )
 
-    def __init__(self, conv: nn.Conv2d) -> None:
-        super().__init__()
-        self.conv = conv
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, w, b = self.conv, self.conv.weight, self.conv.bias
-        return nn.functional.conv2d(
-            x, w.flatten(0, 1), None if b is None else b.flatten(), c.stride, c.padding, c.dilation, groups=w.shape[0]
-        )
-
-
-class GroupedLinear(nn.Module):
+def linear(name: str, h: torch.Tensor, w: dict) -> torch.Tensor:
     """A Linear over N clients' stacked weights [N, O, F]: h[N, B, F] -> b[N, 1, O] + h @ W^T, one baddbmm.
 
     A grouped image h[B, N*C, H, W] (the Flatten before it left it as it is) is read in its channels_last order
     (H, W, C) per client, and W's columns are permuted from nn.Flatten's (C, H, W) order to match: the same
     products as W @ flatten(h_i), without a layout copy of h in the backward pass."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        w, b = self.linear.weight, self.linear.bias
-        n, o = w.shape[:2]
-        if h.dim() == 4:
-            bs, nc, hh, ww = h.shape
-            c = nc // n
-            h = h.permute(0, 2, 3, 1).reshape(bs, hh * ww, n, c).permute(2, 0, 1, 3).reshape(n, bs, -1)
-            w = w.view(n, o, c, hh, ww).permute(0, 1, 3, 4, 2).reshape(n, o, -1)
-        return torch.baddbmm(b[:, None, :], h, w.transpose(1, 2)) if b is not None else torch.bmm(h, w.transpose(1, 2))
+    weight, bias = w[name + ".weight"], w.get(name + ".bias")
+    n, o = weight.shape[:2]
+    if h.dim() == 4:
+        bs, nc, hh, ww = h.shape
+        c = nc // n
+        h = h.permute(0, 2, 3, 1).reshape(bs, hh * ww, n, c).permute(2, 0, 1, 3).reshape(n, bs, -1)
+        weight = weight.view(n, o, c, hh, ww).permute(0, 1, 3, 4, 2).reshape(n, o, -1)
+    return (
+        torch.baddbmm(bias[:, None, :], h, weight.transpose(1, 2)) if bias is not None else h @ weight.transpose(1, 2)
+    )
 
 
-def grouped_model(model: nn.Module) -> nn.Module | None:
-    """A copy of `model` whose layers run the grouped layout (its parameters in the same order, one level
-    deeper in the wrapped layers); None where a layer does not qualify."""
+def same(module: nn.Module, x: torch.Tensor, w: dict) -> torch.Tensor:
+    return module.forward(x)
+
+
+def grouped_layers(model: nn.Module) -> list[Layer] | None:
+    """`model`'s layers in the order its forward runs them, each as a function of the grouped layout; None where
+    a layer does not qualify (`matches` then checks the order against the model's own forward)."""
     if type(model) not in CONTAINERS:
         return None
-    grouped = copy.deepcopy(model)
-    for parent in list(grouped.modules()):
-        for name, child in parent.named_children():
-            if type(child) in CONTAINERS:
-                continue
-            if type(child) is nn.Conv2d and child.padding_mode == "zeros" and child.groups == 1:
-                setattr(parent, name, GroupedConv2d(child))
-            elif type(child) is nn.Linear:
-                setattr(parent, name, GroupedLinear(child))
-            elif type(child) is nn.Flatten and (child.start_dim, child.end_dim) == (1, -1):
-                setattr(parent, name, nn.Identity())  # the next Linear reads the grouped image
-            elif type(child) not in ELEMENTWISE:
-                return None
-    return grouped
+    layers: list[Layer] = []
+    owners = []  # the layers that own parameters: every parameter must be one of theirs
+    for name, module in model.named_modules(remove_duplicate=False):
+        if type(module) in CONTAINERS:
+            continue
+        if type(module) is nn.Conv2d and module.padding_mode == "zeros" and module.groups == 1:
+            layers.append(partial(conv2d, module, name))
+            owners.append(name)
+        elif type(module) is nn.Linear:
+            layers.append(partial(linear, name))
+            owners.append(name)
+        elif type(module) is nn.Flatten and (module.start_dim, module.end_dim) == (1, -1):
+            continue  # the next Linear reads the grouped image
+        elif type(module) in ELEMENTWISE:
+            layers.append(partial(same, module))
+        else:
+            return None
+    owned = {f"{o}.{k}" for o in owners for k, _ in model.get_submodule(o).named_parameters()}
+    return layers if owned == {k for k, _ in model.named_parameters()} else None
 
 
 def grouped_step(model: nn.Module, rule: str, rho: float, sample: tuple) -> Callable | None:
@@ -100,17 +109,18 @@ def grouped_step(model: nn.Module, rule: str, rho: float, sample: tuple) -> Call
     parameters w {name: [N, ...]}, minibatches x [N, B, *sample], labels y and mask m [N, B]; rule 'sgd'
     (grad F_i) or 'sam' (grad F_i(w + rho g0 / (||g0||_2 + 1e-12)), g0 = grad F_i(w)). None: the model does not
     qualify (a layer not listed, or its grouped forward differs from the plain one)."""
-    grouped = grouped_model(model)
-    if grouped is None:
+    layers = grouped_layers(model)
+    if layers is None:
         return None
-    names = dict(zip((k for k, _ in model.named_parameters()), (k for k, _ in grouped.named_parameters())))
 
     def forward(w: dict, x: torch.Tensor) -> torch.Tensor:
         """Logits [N, B, K] of each client's minibatch under its own weights."""
         n, b = x.shape[:2]
         if x.dim() == 5:  # [N, B, C, H, W] -> [B, N*C, H, W], channels_last
             x = x.transpose(0, 1).reshape(b, n * x.shape[2], *x.shape[3:]).contiguous(memory_format=torch.channels_last)
-        return functional_call(grouped, {names[k]: v for k, v in w.items()}, (x,))
+        for layer in layers:
+            x = layer(x, w)
+        return x
 
     if not matches(model, forward, sample):
         return None
@@ -155,6 +165,6 @@ def matches(model: nn.Module, forward: Callable, sample: tuple, n: int = 2, b: i
         with torch.no_grad():
             got = forward(w, x)
             want = torch.stack([functional_call(model, {k: v[i] for k, v in w.items()}, (x[i],)) for i in range(n)])
-    except RuntimeError:
+    except Exception:  # e.g. a shape the grouped layers do not take: not this model
         return False
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
