@@ -40,6 +40,7 @@ from flwr.common.logger import log
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from dpcore.privacy import protocol as keys
+from dpcore.task.threads import limit_blas_threads
 from dpfl_tools.cohort_grouped import grouped_step
 from dpfl_tools.inprocess import InProcessGrid
 
@@ -155,6 +156,7 @@ def train_cohort(messages: list[Message], clients: list, budget: int | None, thr
     """Train each message's client in chunks; {id(message): its train reply}."""
     from clients.adapter import config_of, fit_reply
 
+    limit_blas_threads()  # the ClientApp's setting (its train calls it): numpy's BLAS on one thread for the uploads
     configs = [config_of(m) for m in messages]
     plans = [(c.round_batches(cfg), cfg) for c, cfg in zip(clients, configs)]
     order = sorted(range(len(messages)), key=lambda i: -plans[i][0][0])  # similar step counts share a chunk
