@@ -17,11 +17,10 @@ and the gradients are plain autograd of sum_i F_i(w_i) over the stacked paramete
 depend on w_i for j != i, so the gradient's row i is grad F_i(w_i), each client's own. SAM's two evaluations
 take the per-client norm of the first gradient over all of that client's parameters.
 
-The forward is the model's layers in order (`grouped_layers`: plain functions of the stacked parameters, no module
-calls or `functional_call`, whose per-call overhead was a fifth of a 5-client slice's time). Only models built
-from the layers above (in `nn.Sequential` or the zoo's `ConvNet`, which run their children in order) qualify,
-and only after the grouped forward matched the model's own on random weights of two clients; any other model
-(e.g. GroupNorm's ResNet) keeps the vmap step.
+The forward is the model's layers in order (`grouped_layers`: plain functions of the stacked parameters).
+Only models built from the layers above (in `nn.Sequential` or the zoo's `ConvNet`, which run their children in
+order) qualify, and only after the grouped forward matched the model's own on random weights of two clients;
+any other model (e.g. GroupNorm's ResNet) keeps the vmap step. Gradients in slices of GROUP clients.
 """
 
 from __future__ import annotations
