@@ -154,7 +154,8 @@ def grouped_step(model: nn.Module, rule: str, rho: float, sample: tuple) -> Call
 
 
 def matches(model: nn.Module, forward: Callable, sample: tuple, n: int = 2, b: int = 3) -> bool:
-    """Whether the grouped forward of n clients' random weights equals each client's plain forward (1e-4)."""
+    """Whether the grouped forward of n clients' random weights equals each client's plain forward (to 1e-4 of
+    its largest logit: float32 rounding; a wrong layer order or layout is off by far more)."""
     gen = torch.Generator().manual_seed(0)
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
@@ -166,4 +167,4 @@ def matches(model: nn.Module, forward: Callable, sample: tuple, n: int = 2, b: i
             want = torch.stack([functional_call(model, {k: v[i] for k, v in w.items()}, (x[i],)) for i in range(n)])
     except Exception:  # e.g. a shape the grouped layers do not take: not this model
         return False
-    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+    return got.shape == want.shape and float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-6
