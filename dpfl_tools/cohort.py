@@ -53,6 +53,8 @@ from flwr.common.logger import log
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from dpcore.privacy import protocol as keys
+from dpcore.task.threads import limit_blas_threads
+from dpfl_tools.cohort_grouped import grouped_step
 from dpfl_tools.inprocess import InProcessGrid
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
@@ -182,6 +184,7 @@ def train_cohort(messages: list[Message], clients: list, budget: int | None, thr
     """Train each message's client in chunks; {id(message): its train reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
     from clients.adapter import config_of, fit_reply
 
+    limit_blas_threads()  # the ClientApp's setting (its train calls it): numpy's BLAS on one thread for the uploads
     if personal(clients[0]):
         return train_personal(messages, clients, budget, threads)
     if local_rule(clients[0]) == "dpsgd":
@@ -267,10 +270,12 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
         scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
         return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, x, y, m), loss
 
-    step_fn = vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
+    sample = tuple(clients[0].trainset.x.shape[1:])
+    step_fn = (device.type == "cpu" and grouped_step(model, rule, rho, sample)) or vmap(
+        sam_grad if rule == "sam" else grad_and_value(loss_of)
+    )
     b: dict[str, torch.Tensor] = {}
     history = []  # per step: each client's loss, NaN where it took no step
-    sample = tuple(clients[0].trainset.x.shape[1:])
     counts = [plan[0][0] for plan in plans]
     for t in range(max(counts, default=0)):
         active = steps > t
