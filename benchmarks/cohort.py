@@ -4,6 +4,7 @@
     python -m benchmarks.cohort [--quick] [--device cpu|cuda|auto] [--out FILE.json]
     python -m benchmarks.cohort --models cnn-mnist --cohorts 100 --local-steps 8
     python -m benchmarks.cohort --algorithm ali-dpfl --models cnn-mnist --cohorts 10,100
+    python -m benchmarks.cohort --engines cohort,ray --models cnn-mnist,resnet18-gn --cohorts 100
 
 One round's train exchange (`grid.send_and_receive` of one train message per node, dp-fedsam, distributed noise:
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
@@ -15,16 +16,29 @@ CIFAR-10's for the others) and takes --local-steps steps of batch 32. torch runs
 linearly: 1,000 clients of resnet18-gn take minutes); the ratio line compares the cohort engine to it.
 `--algorithm ali-dpfl`: the round is ALI-DPFL's DP-SGD instead (--local-steps steps at Poisson rate
 --sample-rate, Opacus one client after the other against dpfl_tools/cohort_dpsgd.py).
+
+`--engines ...,ray`: the same round through Flower's Ray simulation as a user runs it, `python -m
+dpfl_tools.launch --clients N` (its own SuperLink and Ray head; one CPU per client and, on a GPU, the launcher's
+fractional `client-resources-num-gpus`, or --gpus-per-client), --ray-rounds rounds of dp-fedsam with every node
+sampled (sample-rate 1), iid partitions of synthetic PNG images written as a Hugging Face parquet export
+(`data-dir`; dataset mnist for cnn-mnist, cifar10 for the others), --samples training images per client. Its
+seconds are the run folder's `seconds` of the last round before the final one (round 1 pays Ray's actor
+start-up, the final round the server's evaluation); its memory is not measured (many processes). The ratio line
+compares the cohort engine to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,6 +134,74 @@ def one(
     }
 
 
+def write_parquet_export(folder: Path, dataset: str, train: int, test: int = 64) -> None:
+    """Synthetic uint8 images of `dataset`'s shape as a Hugging Face parquet export (PNG bytes, 10 labels)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    channels, height, width = SHAPES["mnist-embedded" if dataset == "mnist" else "cifar10"]
+    image_col = "img" if dataset == "cifar10" else "image"  # dpcore.task.data_files._HUB's columns
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", train), ("test", test)):
+        pixels = rng.integers(0, 256, (n, height, width, channels), dtype=np.uint8)
+        images = []
+        for x in pixels:
+            png = io.BytesIO()
+            Image.fromarray(x[..., 0] if channels == 1 else x).save(png, format="PNG")
+            images.append({"bytes": png.getvalue(), "path": None})
+        table = pa.table({image_col: images, "label": rng.integers(0, 10, n)})
+        pq.write_table(table, folder / f"{split}-00000.parquet")
+
+
+def ray_round(
+    model: str, clients: int, device: str, steps: int, samples: int, rounds: int, gpus: float | None, timeout: float
+) -> dict:
+    """The dp-fedsam round through `python -m dpfl_tools.launch` (Flower's Ray simulation): `rounds` rounds, the
+    seconds of round rounds - 1 from the run folder (None where the launch ran out of time or failed)."""
+    from dpfl_tools import ROOT
+    from fl_app.results import read_rounds
+
+    dataset = "mnist" if model == "cnn-mnist" else "cifar10"
+    row = {"model": model, "clients": clients, "engine": "ray", "seconds": None}
+    with tempfile.TemporaryDirectory(prefix="cohort-ray-") as tmp:
+        data = Path(tmp, "data")
+        write_parquet_export(data, dataset, -(-samples * clients * 10 // 9) + clients)  # 90/10 split per client
+        overrides = (
+            f"model='{model}' dataset='{dataset}' data-dir='{data}' device='{device}' local-steps={steps} "
+            f"batch-size=32 secure-rng=false algorithm='dp-fedsam' num-rounds={rounds} eval-every={rounds} "
+            "sample-rate=1.0 partitioner='iid'"
+        )
+        cmd = [sys.executable, "-m", "dpfl_tools.launch", "--clients", str(clients), "--results", str(Path(tmp, "r"))]
+        cmd += ["-c", overrides] + (["--gpus-per-client", str(gpus)] if gpus is not None else [])
+        env = {**os.environ, "DPFL_CACHE_DIR": str(Path(tmp, "cache"))}
+        log = Path(tmp, "launch.log")
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)  # the launcher ends its SuperLink and Ray head
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                print(f"ray engine: {model} {clients} clients ran out of {timeout:.0f} s", file=sys.stderr)
+                return row
+        runs = [p.parent for p in Path(tmp, "r").glob("*/summary.json")]
+        if proc.returncode != 0 or len(runs) != 1:
+            tail = log.read_text()[-3000:]
+            print(f"ray engine: launch exit code {proc.returncode}, run folders {runs}:\n{tail}", file=sys.stderr)
+            return row
+        rounds = read_rounds(runs[0])
+    seconds = [r["seconds"] for r in rounds]
+    trained = [r.get("clients") for r in rounds]  # each round's aggregated replies: all `clients` nodes
+    return {**row, "seconds": seconds[-2] if len(seconds) > 1 else None, "round_seconds": seconds, "trained": trained}
+
+
 def fresh(args: list[str], timeout: float) -> dict | None:
     """`one(...)` in a fresh process; None where it ran out of time."""
     code = "import json, sys; from benchmarks.cohort import one; print(json.dumps(one(*json.loads(sys.argv[1]))))"
@@ -147,29 +229,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="", help="also write the rows as JSON to this file")
     parser.add_argument("--algorithm", default="dp-fedsam", choices=("dp-fedsam", "ali-dpfl"))
     parser.add_argument("--sample-rate", type=float, default=0.25, help="ali-dpfl: DP-SGD's Poisson rate q")
+    parser.add_argument("--engines", default="inprocess,cohort", help="comma-separated: inprocess, cohort, ray")
+    parser.add_argument("--ray-rounds", type=int, default=3, help="ray: rounds per launch (at least 3)")
+    parser.add_argument("--gpus-per-client", type=float, default=None, help="ray: the launcher's flag (default: its)")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.cohorts = "cnn-mnist", "10,100"
+    engines = args.engines.split(",")
+    if unknown := set(engines) - {"inprocess", "cohort", "ray"}:
+        parser.error(f"--engines {args.engines!r}: unknown {sorted(unknown)}; allowed: inprocess, cohort, ray")
+    if "ray" in engines and (args.algorithm != "dp-fedsam" or args.ray_rounds < 3):
+        parser.error("--engines with ray: only --algorithm dp-fedsam and --ray-rounds of at least 3")
     import torch
 
     rows = []
     for model in args.models.split(","):
         for clients in map(int, args.cohorts.split(",")):
-            for engine in ("inprocess", "cohort"):
+            for engine in engines:
                 if engine == "inprocess" and clients > args.sequential_max:
                     continue
                 one_args = [model, clients, engine, args.device, args.local_steps, args.samples]
-                row = fresh([*one_args, args.algorithm, args.sample_rate], args.timeout)
+                if engine == "ray":
+                    row = ray_round(*one_args[:2], *one_args[3:], args.ray_rounds, args.gpus_per_client, args.timeout)
+                else:
+                    row = fresh([*one_args, args.algorithm, args.sample_rate], args.timeout)
                 if row is None:
                     row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            pair = {r["engine"]: r["seconds"] for r in rows[-2:] if r["model"] == model and r["clients"] == clients}
-            if pair.get("inprocess") and pair.get("cohort"):
-                print(
-                    f"{model} {clients} clients: cohort / sequential round = {pair['cohort'] / pair['inprocess']:.2f}x",
-                    flush=True,
-                )
+            pair = {r["engine"]: r["seconds"] for r in rows if r["model"] == model and r["clients"] == clients}
+            for other, name in (("inprocess", "sequential"), ("ray", "ray")):
+                if pair.get(other) and pair.get("cohort"):
+                    ratio = pair["cohort"] / pair[other]
+                    print(f"{model} {clients} clients: cohort / {name} round = {ratio:.3f}x", flush=True)
     result = {
         "machine": {
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

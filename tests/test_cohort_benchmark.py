@@ -1,0 +1,22 @@
+"""benchmarks.cohort's ray engine data: the synthetic parquet export is read by the product's own reader."""
+
+import numpy as np
+import pytest
+
+from benchmarks.cohort import main, write_parquet_export
+from dpcore.task.data_files import read_local
+
+
+@pytest.mark.parametrize(("dataset", "shape"), [("mnist", (28, 28)), ("cifar10", (32, 32, 3))])
+def test_parquet_export_reads_back_with_the_dataset_shape(tmp_path, dataset, shape):
+    write_parquet_export(tmp_path, dataset, train=50, test=7)
+    raw = read_local(dataset, tmp_path)
+    assert raw.x_train.shape == (50, *shape) and raw.x_test.shape == (7, *shape)
+    assert raw.x_train.dtype == np.uint8 and 0 <= raw.y_train.min() and raw.y_train.max() <= 9
+    assert raw.x_train.std() > 50  # uniform noise over 0..255 (std 73.9), not a constant image
+
+
+def test_unknown_engine_is_refused_with_the_allowed_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["--engines", "cohort,rays"])
+    assert "unknown ['rays']; allowed: inprocess, cohort, ray" in capsys.readouterr().err
