@@ -2,14 +2,17 @@
 epsilon, on full MNIST (docs/dp-toolbox.md, "Matrix-factorization noise", table (b) of issue 42).
 
     nice -n 10 python -m benchmarks.mf_accuracy --data-dir /path/to/mnist [--clients 200] [--rounds 50]
-        [--per-round 20] [--amplified-bands 5] [--epsilon 8] [--deltas 1e-5 1e-10] [--seeds 1 2 3] [--jobs 2]
+        [--per-round 20] [--local-steps 3] [--lr 0.1] [--amplified-bands 5] [--epsilon 8] [--deltas 1e-5 1e-10]
+        [--seeds 1 2 3]
     python -m benchmarks.mf_accuracy --table RESULTS_DIR     # the table of runs already made
 
-Every run goes through the launcher, `python -m dpfl_tools.launch --engine inprocess --clients M --sweep
-seed=1,2,3 -c "..."`, one launcher per (arm, delta), so its runs share one strategy optimization
-(`optimize_strategy` is kept per process). All arms: the same M clients (IID partition), n rounds, m expected
-clients a round, one local epoch of SGD, clipping norm, central noise, and `target-epsilon-mode = calibrate`
-(each arm's ledger sets its own sigma for the target epsilon at each delta; the tree: below):
+Every run goes through the launcher (`dpfl_tools.launch.main` with `--engine inprocess --clients M -c "..."`, as
+`python -m dpfl_tools.launch` takes them). The four arms run side by side, one process each, and an arm's
+process makes its runs seed by seed (each seed at every delta): its strategy is optimized once
+(`optimize_strategy` is kept per process; a BLT takes minutes), and a sweep cut short holds whole seeds. All
+arms: the same M clients (IID partition), n rounds, m expected clients a round, local SGD steps, learning rate,
+clipping norm, central noise, evaluation only after the last round, and `target-epsilon-mode = calibrate` (each
+arm's ledger sets its own sigma for the target epsilon at each delta; the tree: below):
 
 - dp-ftrl tree: epochs of b = M / m rounds, each node once per epoch (one tree per epoch); the product calibrates
   no tree, so sigma is `benchmarks.mf_noise.tree_row`'s: the multiplier whose equivalent Gaussian (sum_j
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -45,16 +49,21 @@ ARMS = {
 }
 
 
+def slug(arm: str) -> str:
+    return arm.split(" (")[0].replace(" ", "-")
+
+
 def folder_name(arm: str, delta: float) -> str:
-    return f"{arm.split(' (')[0].replace(' ', '-')}-delta{delta:g}"
+    return f"{slug(arm)}-delta{delta:g}"
 
 
-def launch_command(args: argparse.Namespace, arm: str, delta: float) -> list[str]:
-    """The launcher call of one (arm, delta): its seeds as a sweep."""
+def launch_args(args: argparse.Namespace, arm: str, delta: float, seed: int) -> list[str]:
+    """The launcher's arguments for one run of `arm` at (delta, seed)."""
     common = (
         f"dataset='mnist' data-dir='{args.data_dir}' partitioner='iid' model='cnn-mnist' num-rounds={args.rounds} "
-        f"sample-rate={args.per_round / args.clients:g} local-epochs=1 batch-size=32 lr=0.05 momentum=0.5 "
-        f"clipping-norm=0.5 noise-placement='central' delta={delta:g} eval-every={args.eval_every} tensorboard=false"
+        f"sample-rate={args.per_round / args.clients:g} local-steps={args.local_steps} batch-size=32 lr={args.lr:g} "
+        f"momentum=0.5 clipping-norm=0.5 noise-placement='central' delta={delta:g} eval-every={args.rounds} "
+        f"tensorboard=false seed={seed}"
     )
     own = ARMS[arm]
     if "'tree'" in own:  # the tree's noise is not calibrated by the product: sigma of its equivalent Gaussian
@@ -65,30 +74,33 @@ def launch_command(args: argparse.Namespace, arm: str, delta: float) -> list[str
         own += f" target-epsilon={args.epsilon:g} target-epsilon-mode='calibrate'"
     if "amplified=true" in own:
         own += f" ftrl-epoch-rounds={args.amplified_bands}"
-    return [
-        sys.executable,
-        "-m",
-        "dpfl_tools.launch",
-        "--engine",
-        "inprocess",
-        "--clients",
-        str(args.clients),
-        "--results",
-        str(Path(args.results) / folder_name(arm, delta)),
-        "--sweep",
-        "seed=" + ",".join(map(str, args.seeds)),
-        "-c",
-        f"{common} {own}",
-    ]
+    folder = Path(args.results) / folder_name(arm, delta)
+    return ["--engine", "inprocess", "--clients", str(args.clients), "--results", str(folder), "-c", f"{common} {own}"]
 
 
-def run_one(args: argparse.Namespace, arm: str, delta: float) -> int:
-    command = launch_command(args, arm, delta)
-    log = Path(args.results) / f"{folder_name(arm, delta)}.log"
+def run_arm(args: argparse.Namespace, arm: str) -> int:
+    """All runs of one arm in this process, seed by seed (each seed at every delta), so that its strategy is
+    optimized once (`optimize_strategy` is kept per process) and a sweep cut short has whole seeds."""
+    from dpfl_tools.launch import main as launch
+
+    failed = 0
+    for seed in args.seeds:
+        for delta in args.deltas:
+            argv = launch_args(args, arm, delta, seed)
+            print("$ python -m dpfl_tools.launch", shlex.join(argv), flush=True)
+            failed += launch(argv) != 0
+    return failed
+
+
+def run_arm_process(args: argparse.Namespace, arm: str) -> int:
+    """`run_arm` in a process of its own (the arms run side by side), its output in <results>/<arm>.log."""
+    log = Path(args.results) / f"{slug(arm)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    print("$", " ".join(command), f"> {log}", flush=True)
+    own = [a for a in sys.argv[1:] if a != "--arm"]
+    print(f"{arm}: log {log}", flush=True)
     with log.open("w") as out:
-        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ}).returncode
+        command = [sys.executable, "-m", "benchmarks.mf_accuracy", *own, "--arm", arm]
+        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
 
 
 def read_runs(results: Path, arm: str, delta: float) -> list[dict]:
@@ -141,8 +153,9 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--deltas", type=float, nargs="+", default=[1e-5, 1e-10])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--jobs", type=int, default=2, help="launchers at once")
+    parser.add_argument("--local-steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--arm", choices=list(ARMS), help="run this arm's runs in this process (one worker)")
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--table", metavar="RESULTS_DIR", help="only print the table of the runs in this folder")
     args = parser.parse_args()
@@ -151,12 +164,13 @@ def main() -> None:
         return
     if not args.data_dir:
         raise SystemExit("--data-dir (or DPFL_MNIST_DIR): the folder with the four MNIST IDX .gz files")
-    jobs = [(arm, delta) for arm in ARMS for delta in args.deltas]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        codes = list(pool.map(lambda job: run_one(args, *job), jobs))
-    for (arm, delta), code in zip(jobs, codes):
+    if args.arm:
+        raise SystemExit(run_arm(args, args.arm))
+    with ThreadPoolExecutor(len(ARMS)) as pool:
+        codes = dict(zip(ARMS, pool.map(lambda arm: run_arm_process(args, arm), ARMS)))
+    for arm, code in codes.items():
         if code:
-            print(f"{arm} at delta {delta:g}: the launcher exited {code} (its log is beside the run folders)")
+            print(f"{arm}: {code} runs failed (see its log beside the run folders)")
     print(table(Path(args.results), args.deltas))
 
 

@@ -7,14 +7,14 @@ import statistics
 
 import pytest
 
-from benchmarks.mf_accuracy import ARMS, launch_command, table
+from benchmarks.mf_accuracy import ARMS, launch_args, table
 from dpfl_tools.plan import parse_overrides
 from fl_app.config import validate
 from tests.independent_accountant import dp_accounting_epsilons
 
 ARGS = argparse.Namespace(
-    data_dir="/data/mnist", clients=200, rounds=50, per_round=20, amplified_bands=5, epsilon=8.0, seeds=[1, 2, 3],
-    eval_every=10, results="/tmp/r",
+    data_dir="/data/mnist", clients=200, rounds=50, per_round=20, amplified_bands=5, epsilon=8.0, local_steps=3,
+    lr=0.1, results="/tmp/r",
 )  # fmt: skip
 OWN = {"algorithm", "ftrl-strategy", "ftrl-amplified", "ftrl-epoch-rounds", "client-sampling", "noise-multiplier"}
 OWN |= {"target-epsilon", "target-epsilon-mode"}
@@ -25,14 +25,15 @@ OWN |= {"target-epsilon", "target-epsilon-mode"}
 def test_the_arms_share_every_setting_but_the_noise_and_the_tree_sigma_gives_the_target(delta, tmp_path):
     configs = {}
     for arm in ARMS:
-        command = launch_command(ARGS, arm, delta)
-        assert command[command.index("--sweep") + 1] == "seed=1,2,3" and "--engine" in command
-        configs[arm] = parse_overrides(command[-1])
+        argv = launch_args(ARGS, arm, delta, seed=2)
+        assert argv[:4] == ["--engine", "inprocess", "--clients", "200"] and argv[-2] == "-c"
+        configs[arm] = parse_overrides(argv[-1])
         validate(
             {**configs[arm], "data-dir": str(tmp_path), "min-nodes": 200}
         )  # each arm's config is one the app accepts
     shared = [{k: v for k, v in c.items() if k not in OWN} for c in configs.values()]
     assert all(s == shared[0] for s in shared) and shared[0]["num-rounds"] == 50 and shared[0]["delta"] == delta
+    assert shared[0]["seed"] == 2 and shared[0]["local-steps"] == 3 and shared[0]["clipping-norm"] == 0.5
     assert shared[0]["sample-rate"] == pytest.approx(0.1)  # m = 20 expected of 200, for every arm
     tree = configs["dp-ftrl tree"]
     assert "target-epsilon" not in tree and tree["ftrl-strategy"] == "tree"
