@@ -38,7 +38,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.mf_noise import tree_row
+import numpy as np
+
+from benchmarks.mf_noise import tree_prefix_norms, tree_row
+from dpcore.privacy.matrix_factorization import Strategy
+from strategies.dp_ftrl_mf import prefix_noise_norms
 
 RESULTS = Path("results") / "mf_accuracy"  # git ignores results/
 ARMS = {
@@ -110,35 +114,50 @@ def read_runs(results: Path, arm: str, delta: float) -> list[dict]:
         summary = json.loads(summary_file.read_text())
         config = json.loads((summary_file.parent / "config.json").read_text())
         ledger = summary.get("ledger") or {}
+        sigma = ledger.get("noise_multiplier", summary.get("noise_multiplier"))
         rows.append(
             {
                 "seed": config["seed"],
                 "accuracy": summary["final_accuracy"],
                 "epsilon": summary["epsilon"],
-                "sigma": ledger.get("noise_multiplier", summary.get("noise_multiplier")),
+                "sigma": sigma,
+                "noise": None if sigma is None else sigma * float(prefix_norms(summary, config).mean()),
             }
         )
     return rows
 
 
+def prefix_norms(summary: dict, config: dict) -> np.ndarray:
+    """The std of the noise in the t-th released prefix sum of clipped updates per unit of sigma, t = 1..n
+    (per coordinate, clipping norm 1): sqrt(t) for DP-FedAvg (t independent draws), the tree's sqrt(nodes summed),
+    ||row t of A C^-1|| for BLT and banded (their coefficients from summary.json)."""
+    n = summary["rounds_completed"]
+    if config["algorithm"] == "dp-fedavg":
+        return np.sqrt(np.arange(1, n + 1))
+    if summary["ftrl"].get("strategy", "tree") == "tree":
+        return tree_prefix_norms(n, summary["ftrl"]["epoch_rounds"])
+    return prefix_noise_norms(Strategy.from_dict(summary["ftrl"]["coefficients"]), n)
+
+
 def table(results: Path, deltas: list[float]) -> str:
     lines = [
-        "| delta | arm | accuracy, mean ± sd | per seed | epsilon printed | sigma |",
-        "|---|---|---|---|---|---|",
+        "| delta | arm | accuracy, mean ± sd | per seed | epsilon printed | sigma | prefix-sum noise |",
+        "|---|---|---|---|---|---|---|",
     ]
     for delta in deltas:
         for arm in ARMS:
             rows = sorted(read_runs(results, arm, delta), key=lambda r: r["seed"])
             if not rows:
-                lines.append(f"| {delta:g} | {arm} | not run | | | |")
+                lines.append(f"| {delta:g} | {arm} | not run | | | | |")
                 continue
             accs = [r["accuracy"] for r in rows]
             sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
             eps = sorted({f"{r['epsilon']:.3f}" for r in rows})
             sig = sorted({f"{r['sigma']:.3f}" for r in rows if r["sigma"] is not None})
+            noise = sorted({f"{r['noise']:.2f}" for r in rows if r["noise"] is not None})
             lines.append(
                 f"| {delta:g} | {arm} | {statistics.mean(accs):.4f} ± {sd:.4f} | "
-                f"{', '.join(f'{a:.4f}' for a in accs)} | {', '.join(eps)} | {', '.join(sig)} |"
+                f"{', '.join(f'{a:.4f}' for a in accs)} | {', '.join(eps)} | {', '.join(sig)} | {', '.join(noise)} |"
             )
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import statistics
 
+import numpy as np
 import pytest
 
 from benchmarks.mf_accuracy import ARMS, launch_args, table
@@ -47,16 +48,24 @@ def test_the_arms_share_every_setting_but_the_noise_and_the_tree_sigma_gives_the
     assert configs["dp-fedavg (amplified)"]["client-sampling"] == "poisson"
 
 
-def test_the_table_is_the_mean_and_sd_of_the_run_folders(tmp_path):
+def test_the_table_is_the_mean_and_sd_of_the_run_folders_and_the_prefix_noise_of_their_strategy(tmp_path):
     accuracies = [0.91, 0.93, 0.86]
+    blt = {"kind": "blt", "buf_decay": [0.5], "output_scale": [0.25]}  # c_0 = 1, c_k = 0.25 0.5^(k-1)
     for seed, acc in zip((3, 1, 2), accuracies):
         run = tmp_path / "dp-ftrl-blt-delta1e-05" / f"run-seed-{seed}"
         run.mkdir(parents=True)
-        (run / "config.json").write_text(json.dumps({"seed": seed}))
-        ledger = {"noise_multiplier": 3.25}
-        (run / "summary.json").write_text(json.dumps({"final_accuracy": acc, "epsilon": 7.9996, "ledger": ledger}))
+        (run / "config.json").write_text(json.dumps({"seed": seed, "algorithm": "dp-ftrl"}))
+        summary = {"final_accuracy": acc, "epsilon": 7.9996, "rounds_completed": 6}
+        summary |= {"ledger": {"noise_multiplier": 3.25}, "ftrl": {"strategy": "blt", "coefficients": blt}}
+        (run / "summary.json").write_text(json.dumps(summary))
     lines = table(tmp_path, [1e-5]).splitlines()
-    (blt,) = [line for line in lines if "| dp-ftrl blt |" in line]
+    (row,) = [line for line in lines if "| dp-ftrl blt |" in line]
     mean, sd = statistics.mean(accuracies), statistics.stdev(accuracies)
-    assert blt == f"| 1e-05 | dp-ftrl blt | {mean:.4f} ± {sd:.4f} | 0.9300, 0.8600, 0.9100 | 8.000 | 3.250 |"
+    # the prefix sums' noise: sigma x the mean row norm of A C^-1, C the dense 6 x 6 Toeplitz matrix
+    c = np.array([1.0] + [0.25 * 0.5**k for k in range(5)])
+    dense = sum(np.diag(np.full(6 - k, c[k]), -k) for k in range(6))
+    noise = 3.25 * np.linalg.norm(np.tril(np.ones((6, 6))) @ np.linalg.inv(dense), axis=1).mean()
+    assert row == (
+        f"| 1e-05 | dp-ftrl blt | {mean:.4f} ± {sd:.4f} | 0.9300, 0.8600, 0.9100 | 8.000 | 3.250 | {noise:.2f} |"
+    )
     assert sum("not run" in line for line in lines) == 3
