@@ -121,7 +121,7 @@ def read_runs(results: Path, arm: str, delta: float) -> list[dict]:
                 "accuracy": summary["final_accuracy"],
                 "epsilon": summary["epsilon"],
                 "sigma": sigma,
-                "noise": None if sigma is None else sigma * float(prefix_norms(summary, config).mean()),
+                "noise": None if sigma is None else sigma * prefix_norms(summary, config),
             }
         )
     return rows
@@ -141,7 +141,7 @@ def prefix_norms(summary: dict, config: dict) -> np.ndarray:
 
 def table(results: Path, deltas: list[float]) -> str:
     lines = [
-        "| delta | arm | accuracy, mean ± sd | per seed | epsilon printed | sigma | prefix-sum noise |",
+        "| delta | arm | accuracy, mean ± sd | per seed | epsilon printed | sigma | prefix-sum noise, mean / last |",
         "|---|---|---|---|---|---|---|",
     ]
     for delta in deltas:
@@ -154,7 +154,7 @@ def table(results: Path, deltas: list[float]) -> str:
             sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
             eps = sorted({f"{r['epsilon']:.3f}" for r in rows})
             sig = sorted({f"{r['sigma']:.3f}" for r in rows if r["sigma"] is not None})
-            noise = sorted({f"{r['noise']:.2f}" for r in rows if r["noise"] is not None})
+            noise = sorted({f"{r['noise'].mean():.2f} / {r['noise'][-1]:.2f}" for r in rows if r["noise"] is not None})
             lines.append(
                 f"| {delta:g} | {arm} | {statistics.mean(accs):.4f} ± {sd:.4f} | "
                 f"{', '.join(f'{a:.4f}' for a in accs)} | {', '.join(eps)} | {', '.join(sig)} | {', '.join(noise)} |"
