@@ -37,6 +37,14 @@ from strategies.dp_ftrl_mf import prefix_noise_norms
 OUTPUT = Path(__file__).parent / "output" / "mf_noise.json"
 
 
+def tree_prefix_norms(n: int, min_sep: int) -> np.ndarray:
+    """The t-th prefix sum's noise std per unit of sigma, t = 1..n: sqrt(tree nodes summed), popcount(b) per
+    completed epoch of b rounds and popcount of the epoch's step."""
+    steps = np.arange(n)
+    nodes = (steps // min_sep) * nodes_in_prefix(min_sep) + np.array([nodes_in_prefix(s % min_sep + 1) for s in steps])
+    return np.sqrt(nodes)
+
+
 def tree_row(n: int, min_sep: int, epsilon: float, delta: float) -> dict:
     """The tree's sigma for the target and its prefix-sum noise std per round."""
     trees = math.ceil(n / min_sep)
@@ -44,9 +52,7 @@ def tree_row(n: int, min_sep: int, epsilon: float, delta: float) -> dict:
     ledger = TreeAggregationLedger(delta, epoch_rounds=min_sep)
     for _ in range(n):
         ledger.record_round(sigma)
-    steps = np.arange(n)
-    nodes = (steps // min_sep) * nodes_in_prefix(min_sep) + np.array([nodes_in_prefix(s % min_sep + 1) for s in steps])
-    stds = sigma * np.sqrt(nodes)
+    stds = sigma * tree_prefix_norms(n, min_sep)
     return {"sigma": sigma, "sensitivity": None, "epsilon": ledger.epsilon(), "stds": stds, "seconds": 0.0}
 
 

@@ -59,6 +59,57 @@ def test_the_streamed_noise_equals_the_dense_inverse_of_c_times_z(strategy):
     np.testing.assert_allclose(prefix_noise_norms(strategy, n), rows, rtol=1e-10)
 
 
+def test_a_strategy_is_optimized_once_per_process_for_each_set_of_inputs(monkeypatch):
+    """optimize_strategy is kept per process (the runs of one launcher share a BLT that takes minutes), keyed by
+    kind, n, b, k and the buffer cap: jax-privacy (faked here, counting its calls) runs again for any change."""
+    import contextlib
+    import types
+
+    import dpcore.privacy.matrix_factorization as mf_module
+
+    calls = []
+
+    def optimize(n, min_sep, max_participations, error, max_buffers):
+        calls.append(("blt", n, min_sep, max_participations, max_buffers))
+        return types.SimpleNamespace(buf_decay=np.array([1 - 1 / n]), output_scale=np.array([min_sep / 100]))
+
+    def optimize_banded_toeplitz(n, bands):
+        calls.append(("banded", n, bands))
+        return np.linspace(1.0, 1.0 / bands, bands)
+
+    fake_jax = types.SimpleNamespace(enable_x64=lambda on: contextlib.nullcontext())
+    fake_mf = types.SimpleNamespace(
+        buffered_toeplitz=types.SimpleNamespace(optimize=optimize),
+        toeplitz=types.SimpleNamespace(optimize_banded_toeplitz=optimize_banded_toeplitz),
+    )
+    monkeypatch.setattr(mf_module, "jax_privacy_modules", lambda: (fake_jax, fake_mf))
+    mf_module.optimize_strategy.cache_clear()
+    try:
+        first = mf_module.optimize_strategy("blt", 50, 10, 5)
+        assert mf_module.optimize_strategy("blt", 50, 10, 5) is first and calls == [("blt", 50, 10, 5, 6)]
+        assert first == Strategy("blt", buf_decay=(0.98,), output_scale=(0.1,))
+        others = [
+            ("blt", 60, 10, 5),
+            ("blt", 50, 5, 5),
+            ("blt", 50, 10, 4),
+            ("blt", 50, 10, 5, 3),
+            ("banded", 50, 10, 5),
+        ]
+        for args in others:
+            mf_module.optimize_strategy(*args)
+        assert calls[1:] == [
+            ("blt", 60, 10, 5, 6),
+            ("blt", 50, 5, 5, 6),
+            ("blt", 50, 10, 4, 6),
+            ("blt", 50, 10, 5, 3),
+            ("banded", 50, 10),
+        ]
+        assert mf_module.optimize_strategy("banded", 50, 10, 5).bands == tuple(np.linspace(1.0, 0.1, 10))
+        assert len(calls) == 6
+    finally:
+        mf_module.optimize_strategy.cache_clear()
+
+
 def mf_strategy(nodes: int, sigma: float, **part) -> DifferentialPrivacy:
     return DifferentialPrivacy(
         FedAvg(fraction_evaluate=0.0),

@@ -27,6 +27,7 @@ optimize or measure a strategy, never by the noise stream nor by `import dpcore`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,10 +107,13 @@ class Strategy:
         )
 
 
+@functools.lru_cache(maxsize=16)
 def optimize_strategy(kind: str, n: int, min_sep: int, max_participations: int, max_buffers: int = 6) -> Strategy:
     """The strategy for n rounds under (b = min_sep, k = max_participations) participation, optimized by
     jax-privacy in float64 for the mean squared error of the prefix sums: `buffered_toeplitz.optimize` (blt),
-    `toeplitz.optimize_banded_toeplitz` with min(b, n) bands (banded). Takes seconds to minutes."""
+    `toeplitz.optimize_banded_toeplitz` with min(b, n) bands (banded). Takes seconds to minutes, so it is kept per
+    process, keyed by all five arguments (the runs of one launcher with --engine inprocess or cohort share it; a
+    `Strategy` is immutable)."""
     jax, mf = jax_privacy_modules()
     with jax.enable_x64(True):
         if kind == "blt":
