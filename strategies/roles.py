@@ -36,7 +36,10 @@ class SelectionRole(Protocol):
 
 @runtime_checkable
 class MechanismRole(Protocol):
-    """The release of a round (w + eta_s * (sum + noise) / m for the Gaussian mechanism) and its ledger."""
+    """The release of a round (w + eta_s * (sum + noise) / m for the Gaussian mechanism) and its ledger; whether
+    its clients clip too when the server adds all the noise (the wrapper builds the noise placement with it)."""
+
+    clients_clip_under_central_noise: bool
 
     def make_ledger(self, dp, delta: float) -> Ledger: ...
 

@@ -134,6 +134,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 "use strategies.legacy.LegacyDPFedAvg"
             )
         self.strategy = strategy
+        self.name = type(self).__name__  # in the log (a preset names itself: strategies.topk, strategies.wavelet)
         self.min_available_nodes = sampling.min_available_nodes
         require(0 < sampling.sample_rate <= 1, "sample_rate", sampling.sample_rate, "must be in (0, 1]")
         one_of("client_sampling", sampling.client_sampling, CLIENT_SAMPLINGS)
