@@ -149,7 +149,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         self.sample_rate = sampling.sample_rate
         self.client_sampling = sampling.client_sampling
         self.num_sampled_clients = sampling.num_sampled_clients  # m given (Flower's wrappers); 0: round(q M)
-        self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == ClientSamplingMode.FIXED)
+        self.selection = selection or ClientSampling(sampling.client_sampling)
         self.codec = DenseCodec()
         self.parts = list(parts)  # the optional pieces of the round (strategies.parts), in the order they run
         self.server_learning_rate = run.server_learning_rate
