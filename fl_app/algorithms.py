@@ -74,7 +74,7 @@ class Algorithm:
 
     name: str
     description: str
-    strategy_class: type[DPRoundLoop]
+    strategy_class: Callable[..., DPRoundLoop]  # a class or a preset (strategies.topk.DPFedSAMTopK)
     strategy_settings: Callable[[Settings], dict]
     build_client: Callable[[ClientSetup], NumPyClient]
     owned_keys: tuple[str, ...] = ()

@@ -64,14 +64,14 @@ def keyword_parts(keywords: dict, run: RunOptions) -> list[Part]:
     return [p for p in (secure, *given, audit) if p is not None]
 
 
-def sort_keywords(cls, privacy, sampling, run, parts, keywords: dict) -> tuple:
+def sort_keywords(name: str, privacy, sampling, run, parts, keywords: dict) -> tuple:
     """(PrivacyOptions, SamplingOptions, RunOptions, parts) from the option objects and the flat keywords (the
-    parts `cls.keyword_parts` builds from them after the given ones)."""
+    parts `keyword_parts` builds from them after the given ones); `name` is the strategy's, for errors."""
     keywords = dict(keywords)
     privacy, sampling = take(PrivacyOptions, keywords, privacy), take(SamplingOptions, keywords, sampling)
     run = take(RunOptions, keywords, run)
-    parts = [*parts, *cls.keyword_parts(keywords, run)]
-    refuse_unknown(cls.__name__, keywords)
+    parts = [*parts, *keyword_parts(keywords, run)]
+    refuse_unknown(name, keywords)
     return privacy, sampling, run, parts
 
 
@@ -139,13 +139,12 @@ class DifferentialPrivacy(DPRoundLoop):
         Kairouz et al.), `audit_canaries` / `audit_canary_kind` (`strategies.audit`) and `secure_aggregation`
         (`strategies.secure_aggregation`) add theirs. The noise placement is the first part; the selection,
         mechanism and codec roles default to the round loop's sampling, `GaussianMechanism` and dense replies.
+    name : the strategy's name in the log and errors (the class's; a preset's: `strategies.topk.DPFedSAMTopK`).
 
     Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
     of the bounds without amplification and with sampling without replacement (`dpcore.privacy.ledger.ClientLevelLedger`).
     """
 
-    clients_clip_under_central_noise = False
-    keyword_parts = staticmethod(keyword_parts)  # a variant adds its own (strategies.topk, strategies.wavelet)
     reply_metric_rules = {
         keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
         keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
@@ -163,6 +162,7 @@ class DifferentialPrivacy(DPRoundLoop):
         sampling: SamplingOptions | None = None,
         run: RunOptions | None = None,
         parts: Sequence[Part] = (),
+        name: str = "",
         **keywords,
     ) -> None:
         given = {"noise_multiplier": noise_multiplier, "clipping_norm": clipping_norm}
@@ -171,10 +171,11 @@ class DifferentialPrivacy(DPRoundLoop):
             keywords.update(num_sampled_clients=num_sampled_clients)
             keywords.setdefault("client_sampling", "fixed")
             keywords.setdefault("sample_rate", 1.0)  # q = m / M once M is known
-        keywords = flower_accountant_keywords(**keywords)
-        privacy, sampling, run, parts = sort_keywords(type(self), privacy, sampling, run, parts, keywords)
+        keywords, name = flower_accountant_keywords(**keywords), name or type(self).__name__
+        privacy, sampling, run, parts = sort_keywords(name, privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
-        self.noise = make_noise_placement(privacy.noise_placement, self.clients_clip_under_central_noise)
+        mechanism = filling(parts, "mechanism", GaussianMechanism())
+        self.noise = make_noise_placement(privacy.noise_placement, mechanism.clients_clip_under_central_noise)
         super().__init__(
             strategy,
             sampling=sampling,
@@ -184,13 +185,12 @@ class DifferentialPrivacy(DPRoundLoop):
             selection=filling(parts, "selection", None),
             parts=[self.noise, *parts],
         )
-        self.privacy = privacy
+        self.name, self.privacy = name, privacy
         self.clipping_norm = privacy.clipping_norm
         self.noise_multiplier = privacy.noise_multiplier
         self.target_epsilon = privacy.target_epsilon
         self.target_epsilon_mode = privacy.target_epsilon_mode
-        self.mechanism = filling(parts, "mechanism", GaussianMechanism())
-        self.codec = filling(parts, "codec", self.codec)
+        self.mechanism, self.codec = mechanism, filling(parts, "codec", self.codec)
         self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
         for part in self.parts:
             self.reply_metric_rules = {**self.reply_metric_rules, **part.reply_rules}
@@ -198,7 +198,7 @@ class DifferentialPrivacy(DPRoundLoop):
     @classmethod
     def check_settings(cls, *, privacy=None, sampling=None, run=None, parts: Sequence[Part] = (), **keywords) -> None:
         """The rules of these settings, as the constructor takes them (the same call checks a run config)."""
-        privacy, sampling, _, parts = sort_keywords(cls, privacy, sampling, run, parts, keywords)
+        privacy, sampling, _, parts = sort_keywords(cls.__name__, privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
 
     @property
@@ -257,7 +257,7 @@ class DifferentialPrivacy(DPRoundLoop):
 
     def summary(self) -> None:
         super().summary()
-        log(INFO, "\t├──> Client-level DP (%s)", type(self).__name__)
+        log(INFO, "\t├──> Client-level DP (%s)", self.name)
         log(
             INFO,
             "\t│\t├── q=%.4g  C=%.4g  sigma=%.4g  noise=%s  sampling=%s",

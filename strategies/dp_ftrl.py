@@ -53,6 +53,7 @@ class DPFTRL(Part):
     """
 
     roles = ("selection", "mechanism")
+    sampling_form = None  # no sampling: its own ledger charges the participation rule
     keyword = "ftrl"
 
     def __init__(self, epoch_rounds: int = 0, momentum: float = 0.0) -> None:

@@ -51,6 +51,7 @@ class MatrixFactorizationFTRL(Part):
     """
 
     roles = ("selection", "mechanism")
+    sampling_form = None  # no sampling: its own ledger charges the participation rule
     keyword = "ftrl"
 
     def __init__(

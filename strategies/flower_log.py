@@ -52,7 +52,7 @@ class FlowerLog:
         evaluate_config: ConfigRecord | None,
     ) -> None:
         """The banner: the strategy's name, Flower's start info, the strategy's summary."""
-        log(INFO, STARTING, type(self.dp).__name__)
+        log(INFO, STARTING, self.dp.name)
         log_strategy_start_info(num_rounds, arrays, train_config, evaluate_config)
         self.dp.summary()
         log(INFO, "")

@@ -230,7 +230,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         return self.dp.stop_reason
 
     def __repr__(self) -> str:
-        return f"LegacyDPFedAvg({type(self.dp).__name__}, secure_aggregation={self.secure_aggregation})"
+        return f"LegacyDPFedAvg({self.dp.name}, secure_aggregation={self.secure_aggregation})"
 
     def describe(self) -> dict:
         return {**self.dp.describe(), "secure_aggregation": self.secure_aggregation, **self.aggregation.describe()}
@@ -445,7 +445,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         log(
             INFO,
             "Starting %s (legacy API, secure aggregation %s):",
-            type(self.dp).__name__,
+            self.dp.name,
             "on" if self.secure_aggregation else "off",
         )
         self.dp.summary()

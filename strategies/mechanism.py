@@ -26,9 +26,10 @@ class GaussianMechanism(Part):
     roles = ("mechanism",)
 
     def make_ledger(self, dp, delta: float) -> ClientLevelLedger:
-        return ClientLevelLedger(
-            delta, dp.accountant, dp.noise.server_view(), dp.server_sees_only_the_sum, dp.client_sampling
-        )
+        """The client-level ledger of what the noise part says the server sees and the selection part says of its
+        sampling."""
+        view, secure = dp.noise.server_view(), dp.server_sees_only_the_sum
+        return ClientLevelLedger(delta, dp.accountant, view, secure, sampling=dp.selection.sampling_form)
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return ClientLevelLedger.from_state_dict(state, server_view(state["noise_placement"]))

@@ -54,6 +54,7 @@ class Part:
     reply_rules: dict[str, MetricRule] = {}  # metrics it reads from a train reply
     server_sees_only_the_sum = False  # the server never sees a single update (secure aggregation)
     publishes_claimed_epsilon = False  # its rounds publish a paper's claimed epsilon beside the true one
+    clients_clip_under_central_noise = False  # a mechanism's: under central noise, clients clip too (wavelet)
 
     def check(self, privacy, others: frozenset[str]) -> None:
         """Refuse settings the part cannot run with (`privacy`: the wrapper's `PrivacyOptions`; `others`: the

@@ -20,14 +20,18 @@ import numpy as np
 from flwr.app import RecordDict
 
 from dpcore.privacy.ledger import Ledger
-from dpcore.privacy.modes import ServerView
+from dpcore.privacy.modes import SamplingForm, ServerView
 
 from .sampling import Selection
 
 
 @runtime_checkable
 class SelectionRole(Protocol):
-    """Who is sent a round's train message, and what the budget check assumes the next round reserves."""
+    """Who is sent a round's train message, what the budget check assumes the next round reserves, and the form of
+    its sampling that the client-level ledger charges (`sampling_form`: Poisson or fixed-size; None where the
+    mechanism's own ledger charges the participation rule, as DP-FTRL's does)."""
+
+    sampling_form: SamplingForm | None
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection: ...
 
@@ -36,7 +40,10 @@ class SelectionRole(Protocol):
 
 @runtime_checkable
 class MechanismRole(Protocol):
-    """The release of a round (w + eta_s * (sum + noise) / m for the Gaussian mechanism) and its ledger."""
+    """The release of a round (w + eta_s * (sum + noise) / m for the Gaussian mechanism) and its ledger; whether
+    its clients clip too when the server adds all the noise (the wrapper builds the noise placement with it)."""
+
+    clients_clip_under_central_noise: bool
 
     def make_ledger(self, dp, delta: float) -> Ledger: ...
 

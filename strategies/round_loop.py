@@ -134,6 +134,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 "use strategies.legacy.LegacyDPFedAvg"
             )
         self.strategy = strategy
+        self.name = type(self).__name__  # in the log (a preset names itself: strategies.topk, strategies.wavelet)
         self.min_available_nodes = sampling.min_available_nodes
         require(0 < sampling.sample_rate <= 1, "sample_rate", sampling.sample_rate, "must be in (0, 1]")
         one_of("client_sampling", sampling.client_sampling, CLIENT_SAMPLINGS)
@@ -148,7 +149,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         self.sample_rate = sampling.sample_rate
         self.client_sampling = sampling.client_sampling
         self.num_sampled_clients = sampling.num_sampled_clients  # m given (Flower's wrappers); 0: round(q M)
-        self.selection = selection or ClientSampling(fixed_size=sampling.client_sampling == ClientSamplingMode.FIXED)
+        self.selection = selection or ClientSampling(sampling.client_sampling)
         self.codec = DenseCodec()
         self.parts = list(parts)  # the optional pieces of the round (strategies.parts), in the order they run
         self.server_learning_rate = run.server_learning_rate

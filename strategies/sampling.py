@@ -14,7 +14,7 @@ import numpy as np
 from flwr.common import log
 
 from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, noise_share_count, truncation_probability
-from dpcore.privacy.modes import ClientSamplingMode
+from dpcore.privacy.modes import SAMPLING_FORMS, ClientSamplingMode
 
 from .parts import Part
 
@@ -36,9 +36,10 @@ class ClientSampling(Part):
     """Poisson or fixed-size sampling of the connected nodes (`client_sampling`)."""
 
     roles = ("selection",)
+    sampling_form = SAMPLING_FORMS[ClientSamplingMode.POISSON]  # what the ledger charges (dpcore.privacy.modes)
 
-    def __init__(self, fixed_size: bool = False) -> None:
-        self.fixed_size = fixed_size
+    def __init__(self, client_sampling: str = ClientSamplingMode.POISSON) -> None:
+        self.sampling_form = SAMPLING_FORMS[client_sampling]
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
         """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson sample larger
@@ -46,7 +47,7 @@ class ClientSampling(Part):
         `covering_noise_shares`; the ledger reserves the round's probability out of delta)."""
         rng = make_rng(dp.seed, 1, server_round, secure=dp.secure_rng)
         nodes = sorted(node_ids)
-        if self.fixed_size:
+        if self.sampling_form.fixed_size:
             k = min(len(nodes), int(dp.expected_clients))
             if k < dp.expected_clients:
                 log(
@@ -69,7 +70,7 @@ class ClientSampling(Part):
 
     def next_truncation_probability(self, dp) -> float:
         """What the budget check assumes the next round reserves out of delta."""
-        return 0.0 if self.fixed_size else max(TRUNCATION_PROBABILITY, dp.round.truncation_probability)
+        return 0.0 if self.sampling_form.fixed_size else max(TRUNCATION_PROBABILITY, dp.round.truncation_probability)
 
 
 def covering_noise_shares(dp, population: int) -> int:

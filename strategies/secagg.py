@@ -230,7 +230,7 @@ class SecAggPlusDPFedAvg(LegacyDPFedAvg):
         self.workflow = workflow
 
     def __repr__(self) -> str:
-        return f"SecAggPlusDPFedAvg({type(self.dp).__name__})"
+        return f"SecAggPlusDPFedAvg({self.dp.name})"
 
     @property
     def secagg_settings(self) -> dict:

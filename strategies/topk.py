@@ -7,8 +7,8 @@ malformed ones (indices out of range or duplicated, wrong counts), and averages 
 dense sums with the fixed denominator m, not the number of non-zeros. It measures the
 bytes it received next to what dense float32 uploads would have cost.
 
-`TopKCodec` is that codec, a part of the wrapper (the codec role, `strategies.parts`); `DPFedSAMTopK` is the
-wrapper composed with it from the flat keywords `sparsity` and `topk_mode`.
+`TopKCodec` is that codec, a part of the wrapper (the codec role, `strategies.parts`); `DPFedSAMTopK` is a preset:
+a function that returns the wrapper composed with it from the flat keywords `sparsity` and `topk_mode`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dpcore.privacy import protocol as keys
 from dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
 from dpcore.privacy.settings import one_of, require
 
-from .dp_fedavg import DPFedAvg, keyword_parts
+from .dp_fedavg import DPFedAvg
 from .noise_placement import PLACEMENTS
 from .parts import Part
 from .reply_gate import MetricRule
@@ -138,12 +138,15 @@ class TopKCodec(Part):
         }
 
 
-class DPFedSAMTopK(DPFedAvg):
-    """DPFedAvg whose clients upload top-k sparse updates (`TopKCodec`; keywords sparsity and topk_mode)."""
+def DPFedSAMTopK(strategy=None, *args, sparsity: float = 0.4, topk_mode: str = "per-layer", **keywords) -> DPFedAvg:
+    """DPFedAvg composed with top-k sparse uploads (`TopKCodec(sparsity, topk_mode)` after the given `parts`): a
+    preset, not a subclass; the other arguments are DPFedAvg's."""
+    return DPFedAvg(strategy, *args, **topk_keywords(sparsity, topk_mode, **keywords), name="DPFedSAMTopK")
 
-    keyword_parts = staticmethod(lambda keywords, run: [topk_codec(keywords), *keyword_parts(keywords, run)])
+
+def topk_keywords(sparsity: float = 0.4, topk_mode: str = "per-layer", parts=(), **keywords) -> dict:
+    """DPFedAvg's keywords with the codec that `sparsity` and `topk_mode` name after the given parts."""
+    return {**keywords, "parts": [*parts, TopKCodec(sparsity, topk_mode)]}
 
 
-def topk_codec(keywords: dict) -> TopKCodec:
-    """The codec the flat keywords `sparsity` and `topk_mode` name."""
-    return TopKCodec(keywords.pop("sparsity", 0.4), keywords.pop("topk_mode", "per-layer"))
+DPFedSAMTopK.check_settings = lambda **keywords: DPFedAvg.check_settings(**topk_keywords(**keywords))

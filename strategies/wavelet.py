@@ -13,7 +13,8 @@ sigma_eff = sigma_H / sqrt(n), and that is what the ledger charges.
 - `exact`: sigma_H = sigma * sqrt(n), so sigma_eff = sigma and the configured epsilon holds.
 
 `WaveletMechanism` is that noise, a part of the wrapper (the mechanism role, `strategies.parts`);
-`DPFedAvgWavelet` is the wrapper composed with it from the flat keyword `wavelet_calibration`.
+`DPFedAvgWavelet` is a preset: a function that returns the wrapper composed with it from the flat keyword
+`wavelet_calibration`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpcore.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
 from dpcore.privacy.settings import one_of, require
 
-from .dp_fedavg import DPFedAvg, keyword_parts
+from .dp_fedavg import DPFedAvg
 from .mechanism import NOISE_STREAM, GaussianMechanism
 from .noise_placement import PLACEMENTS
 from .parts import AfterRound
@@ -42,6 +43,7 @@ class WaveletMechanism(GaussianMechanism):
 
     keyword = "wavelet_calibration"
     publishes_claimed_epsilon = True  # claimed_epsilon (ledger at sigma_H) is in every round's record: no guarantee
+    clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
 
     def __init__(self, calibration: str = "exact") -> None:
         one_of("wavelet_calibration", calibration, WAVELET_CALIBRATIONS)
@@ -149,19 +151,16 @@ class WaveletMechanism(GaussianMechanism):
         }
 
 
-class DPFedAvgWavelet(DPFedAvg):
-    """DP-FedAvg with the server's Gaussian noise replaced by Haar-wavelet noise (`WaveletMechanism`; keyword
-    wavelet_calibration). Under central noise its clients clip too (Algorithm 2), and the server clips again."""
+def DPFedAvgWavelet(strategy=None, *args, wavelet_calibration: str = "exact", **keywords) -> DPFedAvg:
+    """DPFedAvg with the server's Gaussian noise replaced by Haar-wavelet noise (`WaveletMechanism`, after the given
+    `parts`): a preset, not a subclass; the other arguments are DPFedAvg's. Under central noise its clients clip too
+    (Algorithm 2), and the server clips again."""
+    return DPFedAvg(strategy, *args, **wavelet_keywords(wavelet_calibration, **keywords), name="DPFedAvgWavelet")
 
-    clients_clip_under_central_noise = True  # Algorithm 2: clients clip, the server adds the noise
 
-    keyword_parts = staticmethod(
-        lambda keywords, run: [
-            *keyword_parts(keywords, run),
-            WaveletMechanism(keywords.pop("wavelet_calibration", "exact")),
-        ]
-    )
+def wavelet_keywords(wavelet_calibration: str = "exact", parts=(), **keywords) -> dict:
+    """DPFedAvg's keywords with the mechanism that `wavelet_calibration` names after the given parts."""
+    return {**keywords, "parts": [*parts, WaveletMechanism(wavelet_calibration)]}
 
-    @property
-    def wavelet(self) -> WaveletMechanism:
-        return self.mechanism
+
+DPFedAvgWavelet.check_settings = lambda **keywords: DPFedAvg.check_settings(**wavelet_keywords(**keywords))

@@ -143,7 +143,7 @@ def run_wavelet(calibration, sigma, rounds=4, dim_in=7, dim_out=8, **kwargs):
 def test_paper_ledger_charges_sigma_h_over_sqrt_n_and_warns(caplog):
     with caplog.at_level("WARNING", logger="flwr"):
         s, result = run_wavelet("paper", 8.0)
-    assert s.wavelet.padded_size == 64 and s.wavelet.sigma_h(s) == 8.0
+    assert s.mechanism.padded_size == 64 and s.mechanism.sigma_h(s) == 8.0
     assert s.accounted_noise_multiplier() == pytest.approx(1.0)  # 8 / sqrt(64)
     eps = result.train_metrics_clientapp[4]["epsilon"]
     eps_pld, eps_rdp = dp_accounting_epsilons(1.0, 0.3, 4, 1e-4)
@@ -159,7 +159,7 @@ def test_paper_ledger_charges_sigma_h_over_sqrt_n_and_warns(caplog):
 
 def test_exact_calibration_holds_the_configured_sigma():
     s, result = run_wavelet("exact", 1.2)
-    assert s.wavelet.sigma_h(s) == pytest.approx(1.2 * 8)
+    assert s.mechanism.sigma_h(s) == pytest.approx(1.2 * 8)
     assert result.train_metrics_clientapp[4]["epsilon"] == pytest.approx(epsilon_of([(1.2, 0.3, 4)], 1e-4))
 
 
@@ -177,7 +177,7 @@ def test_exact_noise_on_the_model_update():
     )
     arrays = ArrayRecord([np.zeros((10, 99), np.float32), np.zeros(10, np.float32)])
     result = s.start(grid, arrays, num_rounds=1)
-    assert s.wavelet.padded_size == 1024 and s.expected_clients == m
+    assert s.mechanism.padded_size == 1024 and s.expected_clients == m
     delta = flatten(result.arrays.to_numpy_ndarrays())
     per_coord = sigma * math.sqrt(1024) * clip * math.sqrt(1 / 1024**2 + sum(4.0**-l for l in range(1, 11))) / m
     # coordinates are correlated (the coarse levels have few coefficients): the ratio has standard deviation 0.025

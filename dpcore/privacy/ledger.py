@@ -30,7 +30,7 @@ from dpcore.privacy.accountants import (
 )
 from dpcore.privacy.calibration import per_update_noise_multiplier, secure_sum_noise_multiplier
 
-from .modes import TRUSTED_SERVER, ClientSamplingMode, ServerView
+from .modes import SAMPLING_FORMS, TRUSTED_SERVER, SamplingForm, ServerView
 
 
 def check_ledger_settings(delta: float, accountant: str) -> None:
@@ -160,13 +160,16 @@ class ClientLevelLedger:
     accountant: str = DEFAULT_ACCOUNTANT
     server_view: ServerView = TRUSTED_SERVER
     secure_aggregation: bool = False
-    client_sampling: str = "poisson"
+    client_sampling: str = "poisson"  # the sampling's name (the state records it); or give its `sampling` form
     truncation_delta: float = 0.0
     fixed_rounds: list[WorEvent] = field(default_factory=list)  # fixed sampling: (sigma / 2, N, m, steps) per round
+    sampling: SamplingForm | None = None  # what the selection part says of its sampling (default: by the name)
     model: PrivacyLedger = field(init=False)
     server: PrivacyLedger = field(init=False)
 
     def __post_init__(self) -> None:
+        self.sampling = self.sampling or SAMPLING_FORMS[self.client_sampling]
+        self.client_sampling = self.sampling.name
         self.model = PrivacyLedger(self.delta, self.accountant)
         self.server = PrivacyLedger(self.delta, self.accountant)
 
@@ -193,7 +196,7 @@ class ClientLevelLedger:
                 "amplification"
             )
         quantizer = "SecAgg+'s quantizer-clip probability" if self.secure_aggregation else ""
-        if self.client_sampling == ClientSamplingMode.FIXED:
+        if self.sampling.fixed_size:
             return (
                 "replace-one, fixed-size sampling: Gaussian mechanism with sensitivity 2C; the smaller of two "
                 "upper bounds: no sampling amplification, and dp-accounting's replace-one RDP of sampling "
@@ -208,7 +211,7 @@ class ClientLevelLedger:
     def release_event(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float]:
         """(multiplier, rate) one round's release is charged as: (sigma, q), or (sigma / 2, 1) for fixed-size
         sampling and for local noise."""
-        if self.client_sampling == ClientSamplingMode.FIXED or self.server_view.uploads_private:
+        if self.sampling.fixed_size or self.server_view.uploads_private:
             return noise_multiplier / 2.0, 1.0
         return noise_multiplier, sample_rate
 
@@ -224,7 +227,7 @@ class ClientLevelLedger:
         eps, by = epsilon_of(events, delta, self.accountant), accountant_used(events, delta, self.accountant)
         fixed_rounds = self.fixed_rounds if fixed_rounds is None else fixed_rounds
         if (
-            self.client_sampling == ClientSamplingMode.FIXED
+            self.sampling.fixed_size
             and not self.server_view.uploads_private
             and fixed_rounds
             and sum(e[3] for e in fixed_rounds) == sum(e[2] for e in events)
@@ -252,7 +255,7 @@ class ClientLevelLedger:
         event = (*self.release_event(noise_multiplier, sample_rate), rounds)
         fixed = None
         where = sampled_from or (self.fixed_rounds[-1][1:3] if self.fixed_rounds else None)
-        if self.client_sampling == ClientSamplingMode.FIXED and where is not None:
+        if self.sampling.fixed_size and where is not None:
             fixed = self.fixed_rounds + [(event[0], int(where[0]), int(where[1]), rounds)]
         return self._model_epsilon(
             self.model.history + [event], self.truncation_delta + rounds * truncation_probability, fixed
@@ -276,7 +279,7 @@ class ClientLevelLedger:
         if self.server_view.uploads_private:  # no amplification, no truncation reserve: the server is not trusted
             self.server.record(sigma, rate)
             return
-        if self.client_sampling == ClientSamplingMode.FIXED and sampled_from is not None:
+        if self.sampling.fixed_size and sampled_from is not None:
             population, sample = int(sampled_from[0]), int(sampled_from[1])
             last = self.fixed_rounds[-1] if self.fixed_rounds else None
             if last is not None and last[:3] == (sigma, population, sample):
@@ -329,7 +332,7 @@ class ClientLevelLedger:
     @classmethod
     def from_state_dict(cls, state: dict, server_view: ServerView) -> "ClientLevelLedger":
         """The ledger `state_dict` saved, with what its noise placement (`state["noise_placement"]`) says the
-        server sees."""
+        server sees; its sampling's form by the name the state records (`SAMPLING_FORMS`)."""
         if server_view.name != state["noise_placement"]:
             raise ValueError(
                 f"noise_placement={state['noise_placement']!r} in the saved ledger, but the server view given is "

@@ -2,8 +2,8 @@
 member per allowed value. A member equals its string (`NoisePlacementMode.LOCAL == "local"`) and prints as it
 (`StrEnum`), so a setting read from a run config or a saved ledger compares with the members, and nothing
 printed or recorded changes. Code compares a mode with these members, never with a string literal
-(tests/test_modes.py). `ServerView` is what a noise placement means for the server, which the ledger asks
-instead of the placement's name.
+(tests/test_modes.py). `ServerView` is what a noise placement means for the server, and `SamplingForm` what a
+selection's sampling means for the release, which the ledger asks instead of their names.
 """
 
 from dataclasses import dataclass
@@ -64,3 +64,25 @@ class ServerView:
 
 
 TRUSTED_SERVER = ServerView()  # central noise: the ledger's default
+
+
+@dataclass(frozen=True)
+class SamplingForm:
+    """How a round's clients are drawn, as the selection part answers it (the selection role's `sampling_form`,
+    strategies/sampling.py); the ledger asks this, never the sampling's name.
+
+    - `fixed_size`: exactly m of the N connected nodes: each release is charged replace-one as (sigma / 2, q = 1),
+      with dp-accounting's bound for sampling without replacement where N and m are known, and no truncation;
+    - otherwise Poisson (each node with probability q): the sampled Gaussian mechanism (sigma, q), add/remove-one.
+
+    `name`: the sampling's name, which the ledger's state records.
+    """
+
+    name: str = "poisson"
+    fixed_size: bool = False
+
+
+SAMPLING_FORMS = {  # by name: a saved ledger records the name
+    ClientSamplingMode.POISSON: SamplingForm(ClientSamplingMode.POISSON, fixed_size=False),
+    ClientSamplingMode.FIXED: SamplingForm(ClientSamplingMode.FIXED, fixed_size=True),
+}
