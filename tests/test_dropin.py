@@ -301,6 +301,7 @@ def legacy_server_app(strategy, rounds):
     )
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_target():
     """As the deployment guide shows it (ServerConfig(num_rounds=...)): without num_rounds the strategy
     refuses before any client trains; with it, sigma is calibrated for all the rounds and the last

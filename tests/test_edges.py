@@ -100,6 +100,7 @@ def launch_refusal(argv: list[str]) -> str:
     return str(err.value.code)
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_the_launcher_refuses_a_bad_config_in_seconds_and_starts_nothing(tmp_path):
     import subprocess
     import sys

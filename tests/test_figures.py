@@ -138,6 +138,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_a_figure_added_to_the_table_reaches_every_output():
     """One row, and nothing else: the record's split, both log lines, the dashboards, its mark and the docs."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_TELEMETRY_ENABLED": "0"}

@@ -75,6 +75,7 @@ def test_never_below_the_worst_pair_lower_bound(population, m, rounds):
     )
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_a_round_without_its_sampling_record_falls_back_to_no_amplification():
     ledger = fixed_ledger(100, 10, 20, 1e-5)
     ledger.record_round(1.0, 0.1, 10)  # N and m unknown (e.g. a caller that did not pass them)

@@ -120,6 +120,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_the_printed_flwr_ls_reaches_the_launchers_superlink(tmp_path):
     """The hint names both ports and FLWR_HOME; its `flwr ls`, run from a shell with none of them set and
     outside the launcher's network namespace (which it enters with nsenter), talks to the launcher's

@@ -200,6 +200,7 @@ REACHABLE = "this launch's SuperLink is reachable by every local account on this
 
 
 @pytest.mark.parametrize("mode", ["auto", "require"])
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_a_refused_namespace_warns_or_stops_the_launch(tmp_path, mode):
     """The kernel refuses: auto says so in one line (with the errno) and starts the launch; require exits
     with the reason before anything starts (no results folder either)."""
@@ -216,6 +217,7 @@ def test_a_refused_namespace_warns_or_stops_the_launch(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["auto", "require"])
 @pytest.mark.parametrize("need", ["wandb-online", "ray-address"])
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_runs_that_need_the_network_skip_isolation_or_are_refused(tmp_path, mode, need):
     """W&B online mode (the ServerApp logs through the network) and a Ray cluster named in RAY_ADDRESS."""
     args = ["-c", "wandb=true wandb-mode='online'"] if need == "wandb-online" else []

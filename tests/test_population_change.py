@@ -66,6 +66,7 @@ def shrinking_strategy(grid: ChangingGrid) -> DifferentialPrivacy:
     )
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_a_shrinking_population_cannot_push_epsilon_past_the_target():
     grid = ChangingGrid(stub_app(zero_update, 4, 2), SHRINK)
     strategy = shrinking_strategy(grid)

@@ -212,6 +212,7 @@ def test_a_single_run_frontier_keeps_accuracy_within_0_and_1(tmp_path):
         "output folder missing",
     ],
 )
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_bad_run_folders_give_one_line_naming_the_file(tmp_path, damage):
     """dpfl_tools.report on damaged run folders: one line naming the file (or the output), exit 2, no traceback."""
     import subprocess

@@ -5,6 +5,7 @@ import dataclasses
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from dpcore.task.catalogue import ArrayDataset
@@ -87,6 +88,7 @@ def mapped_kib(path: str) -> int:
     return total
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_a_process_keeps_only_the_samples_its_clients_copied():
     """The kernel maps far more than the samples a client copies (here one client's 40 samples mapped most
     of the 12 MB pool); load_partition drops the pool's pages again."""

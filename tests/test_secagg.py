@@ -245,6 +245,7 @@ def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list, dict]:
     return summary, read_rounds(summary["results_dir"]), diagnostics
 
 
+@pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_app_with_secagg_matches_plain_run(tmp_path):
     torch.set_num_threads(1)
     secure, secure_rounds, secure_diagnostics = run_app(True, tmp_path)
