@@ -245,48 +245,10 @@ def chunk_size(model: torch.nn.Module, client, budget: int | None, rows: int = 0
 def train_chunk(model, rule: str, clients: list, plans: list, params: list, device) -> tuple[list, list]:
     """The local steps of `clients` at once; (each client's new weights as numpy arrays, its step losses)."""
     names = list(model.state_dict())
-    w = {
-        k: torch.stack([torch.from_numpy(np.asarray(p[j], dtype=np.float32)) for p in params]).to(device)
-        for j, k in enumerate(names)
-    }
-    n = len(clients)
-    steps = torch.tensor([plan[0][0] for plan in plans], device=device)
-    iters = [plan[0][1] for plan in plans]
-    configs = [plan[1] for plan in plans]
-    lr = torch.tensor(
-        [c.round_lr(float(cfg.get(keys.LEARNING_RATE, c.lr)), cfg) for c, cfg in zip(clients, configs)], device=device
-    )
-    mu, wd, rho = clients[0].momentum, clients[0].weight_decay, getattr(clients[0], "rho", 0.0)
-    batch = clients[0].batch_size
-    model.train()
-
-    def loss_of(p, x, y, m):
-        out = functional_call(model, p, (x,))
-        ce = torch.nn.functional.cross_entropy(out, y, reduction="none")
-        return (ce * m).sum() / m.sum().clamp(min=1)
-
-    def sam_grad(p, x, y, m):
-        g0, loss = grad_and_value(loss_of)(p, x, y, m)
-        scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
-        return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, x, y, m), loss
-
-    sample = tuple(clients[0].trainset.x.shape[1:])
-    step_fn = (device.type == "cpu" and grouped_step(model, rule, rho, sample)) or vmap(
-        sam_grad if rule == "sam" else grad_and_value(loss_of)
-    )
-    b: dict[str, torch.Tensor] = {}
-    history = []  # per step: each client's loss, NaN where it took no step
-    counts = [plan[0][0] for plan in plans]
-    for t in range(max(counts, default=0)):
-        active = steps > t
-        x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
-        g, loss = step_fn(w, x, y, m)
-        w, b = sgd_update(w, b, g, t, active, lr, mu, wd)
-        history.append(torch.where(active, loss.detach(), torch.nan))
-    out = {k: v.detach().cpu().numpy() for k, v in w.items()}
-    table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in range(n)]
-    losses = [[v for v in row if not math.isnan(v)] for row in table]
-    return [[out[k][i].copy() for k in names] for i in range(n)], losses
+    w = stacked(names, [dict(zip(names, p)) for p in params], device)
+    lr = [c.round_lr(float(cfg.get(keys.LEARNING_RATE, c.lr)), cfg) for c, (_, cfg) in zip(clients, plans)]
+    w, losses = masked_steps(model, rule, w, {}, [plan for plan, _ in plans], lr, clients, device)
+    return unstacked(w), losses
 
 
 def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):
@@ -408,7 +370,8 @@ def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
 
 
 def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list, clients: list, device) -> tuple:
-    """Each client's (steps, minibatches) `plans` on its stacked trainable tensors `w`, its `frozen` ones held:
+    """Each client's (steps, minibatches) `plans` on its stacked trainable tensors `w`, its `frozen` ones held
+    (none: the whole model, trained by `cohort_grouped`'s step on the CPU, by vmap elsewhere):
     the rule of `sgd_step` / `sam_step` on the parameters that require grad (the SAM radius and norm over `w`
     only), LocalSGD's update g <- g + lambda w, b <- mu b + g, w <- w - eta_i b; a client past its last step
     masked. Returns (the new `w`, each client's step losses)."""
@@ -426,7 +389,12 @@ def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list,
         scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
         return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, q, x, y, m), loss
 
-    step_fn = vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
+    grouped = not frozen and device.type == "cpu" and grouped_step(model, rule, rho, sample)  # the CPU's step
+    step_fn = (
+        (lambda p, _q, x, y, m: grouped(p, x, y, m))
+        if grouped
+        else vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
+    )
     counts, iters = [plan[0] for plan in plans], [plan[1] for plan in plans]
     steps, eta = torch.tensor(counts, device=device), torch.tensor(lr, device=device)
     b: dict[str, torch.Tensor] = {}
