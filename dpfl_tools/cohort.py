@@ -55,6 +55,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from dpcore.privacy import protocol as keys
 from dpcore.task.threads import limit_blas_threads
 from dpfl_tools.cohort_grouped import grouped_step
+from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 from dpfl_tools.inprocess import InProcessGrid
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
@@ -251,19 +252,6 @@ def train_chunk(model, rule: str, clients: list, plans: list, params: list, devi
     return unstacked(w), losses
 
 
-def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):
-    """LocalSGD's step t on stacked tensors: g <- g + lambda w; b <- mu b + g (b = g at t = 0); w <- w - eta_i b;
-    a client not `active` keeps its w and b. Returns (w, b)."""
-    new_w, new_b = {}, {}
-    for k in w:
-        keep = active.view(-1, *[1] * (w[k].dim() - 1))
-        gk = g[k] + wd * w[k] if wd else g[k]
-        bk = gk if t == 0 or not mu else b[k] * mu + gk
-        new_b[k] = torch.where(keep, bk, b[k]) if t else bk
-        new_w[k] = torch.where(keep, w[k] - eta.view_as(keep) * bk, w[k])
-    return new_w, new_b
-
-
 def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each client's minibatch (None: it took its last step) stacked as (x, y, mask) of `batch` rows per client:
     a short or missing one padded with zeros and mask 0."""
@@ -353,20 +341,6 @@ def keeping(store, head: dict, reply: Message) -> Callable[[Message, Context], M
 
 def mean_or_nan(losses: list[float]) -> float:
     return float(np.mean(losses)) if losses else math.nan
-
-
-def stacked(names: list[str], arrays: list[dict], device) -> dict[str, torch.Tensor]:
-    """{name: the clients' arrays of that name stacked on a leading dimension, float32 on `device`}."""
-    return {
-        k: torch.stack([torch.from_numpy(np.asarray(a[k], dtype=np.float32)) for a in arrays]).to(device) for k in names
-    }
-
-
-def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
-    """Each client's arrays (in `w`'s order) as numpy copies."""
-    out = {k: v.detach().cpu().numpy() for k, v in w.items()}
-    n = len(next(iter(out.values())))
-    return [[out[k][i].copy() for k in out] for i in range(n)]
 
 
 def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list, clients: list, device) -> tuple:

@@ -32,6 +32,7 @@ from torch.func import functional_call, grad, vmap
 
 from dpcore.privacy.mechanisms import haar_coefficient_norms, haar_wavelet_noise
 from dpcore.task.torch_helpers import as_tensors
+from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 
 def batchable(client) -> bool:
@@ -76,12 +77,9 @@ def poisson_rows(clients: list) -> int:
 
 def dpsgd_chunk(model: torch.nn.Module, clients: list, plans: list, params: list) -> list[list[np.ndarray]]:
     """The DP-SGD steps of `clients` at once (formulas: the module docstring); each client's new weights."""
-    device, n = clients[0].device, len(clients)
+    device = clients[0].device
     names = [k for k, _ in model.named_parameters()]
-    w = {
-        k: torch.stack([torch.from_numpy(np.asarray(p[j], dtype=np.float32)) for p in params]).to(device)
-        for j, k in enumerate(names)
-    }
+    w = stacked(names, [dict(zip(names, p)) for p in params], device)
     data = [as_tensors(c.trainset) for c in clients]
     steps = torch.tensor([plan.steps for plan in plans], device=device)
     lr = torch.tensor([plan.lr for plan in plans], device=device)
@@ -109,17 +107,9 @@ def dpsgd_chunk(model: torch.nn.Module, clients: list, plans: list, params: list
             factor = (clip / (norms + 1e-6)).clamp(max=1.0) * m
             summed = {k: torch.einsum("nb,nb...->n...", factor, g[k]) for k in names}
             summed = gaussian_noised(summed, std, [plan.noise_generator for plan in plans], active, first.secure_rng)
-        new_w, new_b = {}, {}
-        for k in names:
-            keep = active.view(-1, *[1] * (w[k].dim() - 1))
-            gk = summed[k] / expected.view_as(keep)
-            gk = gk + wd * w[k] if wd else gk
-            bk = gk if t == 0 or not mu else b[k] * mu + gk
-            new_b[k] = torch.where(keep, bk, b[k]) if t else bk
-            new_w[k] = torch.where(keep, w[k] - lr.view_as(keep) * bk, w[k])
-        w, b = new_w, new_b
-    out = {k: v.detach().cpu().numpy() for k, v in w.items()}
-    return [[out[k][i].copy() for k in names] for i in range(n)]
+        noisy_mean = {k: v / expected.view(-1, *[1] * (v.dim() - 1)) for k, v in summed.items()}  # / (q |D_i|)
+        w, b = sgd_update(w, b, noisy_mean, t, active, lr, mu, wd)
+    return unstacked(w)
 
 
 def poisson_batch(client, plan, data) -> torch.Tensor:

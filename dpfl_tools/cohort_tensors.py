@@ -1,0 +1,34 @@
+"""Stacked per-client tensors, shared by the cohort engine's trainers (dpfl_tools.cohort, dpfl_tools.cohort_dpsgd):
+every tensor carries the clients on its leading dimension."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def stacked(names: list[str], arrays: list[dict], device) -> dict[str, torch.Tensor]:
+    """{name: the clients' arrays of that name stacked on a leading dimension, float32 on `device`}."""
+    return {
+        k: torch.stack([torch.from_numpy(np.asarray(a[k], dtype=np.float32)) for a in arrays]).to(device) for k in names
+    }
+
+
+def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
+    """Each client's arrays (in `w`'s order) as numpy copies."""
+    out = {k: v.detach().cpu().numpy() for k, v in w.items()}
+    n = len(next(iter(out.values())))
+    return [[out[k][i].copy() for k in out] for i in range(n)]
+
+
+def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):
+    """LocalSGD's step t on stacked tensors: g <- g + lambda w; b <- mu b + g (b = g at t = 0); w <- w - eta_i b;
+    a client not `active` keeps its w and b. Returns (w, b)."""
+    new_w, new_b = {}, {}
+    for k in w:
+        keep = active.view(-1, *[1] * (w[k].dim() - 1))
+        gk = g[k] + wd * w[k] if wd else g[k]
+        bk = gk if t == 0 or not mu else b[k] * mu + gk
+        new_b[k] = torch.where(keep, bk, b[k]) if t else bk
+        new_w[k] = torch.where(keep, w[k] - eta.view_as(keep) * bk, w[k])
+    return new_w, new_b
