@@ -1,12 +1,16 @@
 """Every test session decodes and partitions into its own cache folder (dpcore.task.data_cache.cache_dir); the
 test modules that `flwr run` apps share one SuperLink fixture."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
-os.environ.setdefault("DPFL_CACHE_DIR", tempfile.mkdtemp(prefix="dpfl-test-cache-"))
+if "DPFL_CACHE_DIR" not in os.environ:
+    os.environ["DPFL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DPFL_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
