@@ -16,10 +16,10 @@ import warnings
 
 import torch
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.server_app import run_federated
 
 BASE = {
     "algorithm": "ali-dpfl",

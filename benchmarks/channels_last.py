@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clients.base import LocalSGD, sgd_step
-from clients.sam import sam_step
-from dpcore.task.catalogue import dataset_info
-from dpcore.task.device import CHANNELS_LAST_MODELS, place_input, place_model
-from dpcore.task.models import MODELS, build_model
+from dpfl.clients.base import LocalSGD, sgd_step
+from dpfl.clients.sam import sam_step
+from dpfl.dpcore.task.catalogue import dataset_info
+from dpfl.dpcore.task.device import CHANNELS_LAST_MODELS, place_input, place_model
+from dpfl.dpcore.task.models import MODELS, build_model
 
 THRESHOLD = 1.1  # channels_last is taken where both steps are faster by more than this
 DATASET_OF = {

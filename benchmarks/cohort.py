@@ -50,7 +50,7 @@ def synthetic_partitions(samples: int):
     """load_client_partition's stand-in: `samples` Gaussian images of the dataset's shape per client, 10 labels."""
     import numpy as np
 
-    from dpcore.task.catalogue import ArrayDataset
+    from dpfl.dpcore.task.catalogue import ArrayDataset
 
     def load(s, pid, n):
         rng = np.random.default_rng([pid, n])
@@ -69,11 +69,11 @@ def one(
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-    import fl_app.client_app as project
-    from dpcore.task.device import resolve_device
+    import dpfl.fl_app.client_app as project
+    from dpfl.dpcore.task.device import resolve_device
+    from dpfl.fl_app.config import validate
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.config import validate
 
     torch.set_num_threads(1)
     project.load_client_partition = synthetic_partitions(samples)
@@ -161,8 +161,8 @@ def ray_round(
 ) -> dict:
     """The dp-fedsam round through `python -m dpfl_tools.launch` (Flower's Ray simulation): `rounds` rounds, the
     seconds of round rounds - 1 from the run folder (None where the launch ran out of time or failed)."""
+    from dpfl.fl_app.results import read_rounds
     from dpfl_tools import ROOT
-    from fl_app.results import read_rounds
 
     dataset = "mnist" if model == "cnn-mnist" else "cifar10"
     row = {"model": model, "clients": clients, "engine": "ray", "seconds": None}

@@ -17,7 +17,7 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 import dpfl_tools.cohort_grouped as grouped
-from dpcore.task.models import build_model
+from dpfl.dpcore.task.models import build_model
 
 
 def best(f, reps: int) -> float:

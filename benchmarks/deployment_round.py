@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dpfl.fl_app.results import read_diagnostics
 from dpfl_tools.local_deployment import Deployment
-from fl_app.results import read_diagnostics
 
 IDLE_POLL = 0.2  # dpfl_tools.supernode --idle-poll
 JOB = {
@@ -86,10 +86,10 @@ def inprocess_round_seconds(nodes: int, rounds: int) -> list[float]:
     """The same job on the in-process grid (clients one after the other, one thread)."""
     import torch
 
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.server_app import run_federated
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,12 +22,12 @@ import statistics
 import tempfile
 import time
 
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.calibration import calibrate_noise_multiplier
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.server_app import run_federated
 
 JOB = {
     "dataset": "mnist",

@@ -19,9 +19,9 @@ import torch
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 
-from clients.dpsgd import dpsgd_steps
-from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES
-from dpcore.task.models import build_model
+from dpfl.clients.dpsgd import dpsgd_steps
+from dpfl.dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES
+from dpfl.dpcore.task.models import build_model
 
 MODELS = {"cnn-mnist": ((1, 28, 28), 30), "cnn-cifar10": ((3, 32, 32), 8)}  # input, steps per repeat
 

@@ -26,12 +26,12 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
+from dpfl.fl_app.client_app import app as our_client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_rounds
+from dpfl.fl_app.server_app import run_federated
+from dpfl.fl_app.settings import Settings
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as our_client_app
-from fl_app.config import validate
-from fl_app.results import read_rounds
-from fl_app.server_app import run_federated
-from fl_app.settings import Settings
 
 from .flower_side import timed_run, weights_client_app
 

@@ -10,13 +10,13 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpcore.task.data import load_dataset
-from dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
+from dpfl.dpcore.task.data import load_dataset
+from dpfl.dpcore.task.torch_helpers import evaluate_model, get_weights, set_weights
+from dpfl.fl_app.algorithms import ALGORITHMS
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.server_app import build_global_model
+from dpfl.fl_app.settings import Settings
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.algorithms import ALGORITHMS
-from fl_app.client_app import build_client
-from fl_app.server_app import build_global_model
-from fl_app.settings import Settings
 
 
 def weights_client_app(mods=()) -> ClientApp:

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clients.base import LocalSGD, sgd_step
-from clients.dpsgd import dpsgd_steps
-from clients.sam import sam_step
-from dpcore.task.device import place_input, place_model
-from dpcore.task.models import build_model
+from dpfl.clients.base import LocalSGD, sgd_step
+from dpfl.clients.dpsgd import dpsgd_steps
+from dpfl.clients.sam import sam_step
+from dpfl.dpcore.task.device import place_input, place_model
+from dpfl.dpcore.task.models import build_model
 
 MODELS = {"cnn-mnist": ((1, 28, 28), 10), "cnn-cifar10": ((3, 32, 32), 10), "resnet18-gn": ((3, 32, 32), 10)}
 
@@ -110,10 +110,10 @@ def channels_last_on_cuda(repeats: int, batch_size: int) -> list[dict]:
 
 def inprocess_rounds(device: str, rounds: int, clients: int) -> dict:
     """The default job on the in-process grid: per-round seconds (from metrics.jsonl) and the final accuracy."""
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.server_app import run_federated
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = validate(

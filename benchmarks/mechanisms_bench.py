@@ -19,7 +19,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 from flwr.app import ArrayRecord
 
-from dpcore.privacy.mechanisms import (
+from dpfl.dpcore.privacy.mechanisms import (
     clip_and_noise,
     haar_padded_size,
     haar_wavelet_noise,
@@ -29,7 +29,7 @@ from dpcore.privacy.mechanisms import (
     topk_sparsify,
     unflatten,
 )
-from strategies.topk import payload_bytes
+from dpfl.strategies.topk import payload_bytes
 
 
 def resnet18_shapes(num_classes: int = 10) -> list[tuple[int, ...]]:

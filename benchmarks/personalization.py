@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_summary
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_summary
-from fl_app.server_app import run_federated
 
 ALGORITHMS = ("dp-fedavg", "dp-fedsam", "dp-fedavg-ft", "dp-fedsam-ft", "centaur", "dp2-fedsam")
 

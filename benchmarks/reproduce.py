@@ -342,10 +342,10 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.ERROR)
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.server_app import run_federated
 
     folder = Path(job["folder"])
     if (folder / "status.json").exists() and json.loads((folder / "status.json").read_text())["status"] == "completed":
@@ -360,7 +360,7 @@ def run_one(job: dict) -> dict:
 
 def collect(folder: Path, job: dict) -> dict:
     """The figures of a completed run folder: final accuracies, epsilon, norms, bytes, tau."""
-    from fl_app.results import read_diagnostics, read_metrics
+    from dpfl.fl_app.results import read_diagnostics, read_metrics
 
     summary = json.loads((folder / "summary.json").read_text())
     diagnostics = json.loads((folder / "diagnostics-summary.json").read_text())

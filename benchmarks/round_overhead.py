@@ -22,16 +22,16 @@ import time
 import torch
 from flwr.app import Context, Message, MessageType
 
-from clients.sam import sam_step
-from dpcore.privacy import protocol as keys
-from dpcore.task.models import build_model
-from dpcore.task.partitions import load_partition
+from dpfl.clients.sam import sam_step
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.task.models import build_model
+from dpfl.dpcore.task.partitions import load_partition
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_rounds
+from dpfl.fl_app.server_app import run_federated
+from dpfl.fl_app.settings import Settings
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_rounds
-from fl_app.server_app import run_federated
-from fl_app.settings import Settings
 
 
 def product_rounds(cfg: Settings, clients: int) -> tuple[list[float], list[list[int]]]:

@@ -146,8 +146,8 @@ class TreeSampler(threading.Thread):
 
 def warm_caches(data_dir: str, clients: list[int], seed: int) -> float:
     """Build the dataset and partition caches the runs read (seconds taken)."""
-    from dpcore.task.data import load_dataset
-    from dpcore.task.partitions import load_partition
+    from dpfl.dpcore.task.data import load_dataset
+    from dpfl.dpcore.task.partitions import load_partition
 
     start = time.perf_counter()
     load_dataset("mnist", data_dir)
@@ -220,8 +220,8 @@ def per_node_costs(num_nodes: int, run_config: dict, checkout: Path) -> dict:
     from flwr.supercore.run import Run
     from flwr.superlink.federation import NoOpFederationManager
 
-    from clients.personalized import ContextHeadStore
-    from dpcore.task.models import build_model, split_state_keys
+    from dpfl.clients.personalized import ContextHeadStore
+    from dpfl.dpcore.task.models import build_model, split_state_keys
 
     run = dataclasses.replace(Run.create_empty(1), federation_id=NOOP_FEDERATION_ID, override_config=run_config)
     factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())

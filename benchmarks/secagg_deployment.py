@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dpfl.fl_app.results import read_rounds, read_summary
 from dpfl_tools.local_deployment import Deployment
-from fl_app.results import read_rounds, read_summary
 
 RUN = {
     "dataset": "digits",

@@ -12,7 +12,7 @@ where round 1's extra time goes.
    `flwr run`, so a round's bare time is its client count x a partition's mean bare time).
 3. Round 1's parts, each measured apart in fresh processes: `ray.init` (not `import ray`), a Ray actor started and ready
    (Ray started by Flower's own `RayBackend`, so the actor is in a worker process started for it, as in every run),
-   `import fl_app.client_app` inside that actor, and a process's first local training against its second.
+   `import dpfl.fl_app.client_app` inside that actor, and a process's first local training against its second.
    The actor and the import alone are what a run's first reply waits for after Flower builds its pool.
 """
 
@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dpfl.fl_app.results import read_rounds
 from dpfl_tools.launch import QUIET_ENV
-from fl_app.results import read_rounds
 
 PARTS = r"""
 import json, time
@@ -44,7 +44,7 @@ class Actor:
     def ready(self):
         return True
     def load_app(self):
-        import fl_app.client_app
+        import dpfl.fl_app.client_app
         return True
 
 actor = Actor.remote()
@@ -60,9 +60,9 @@ FIRST_FIT = r"""
 import json, time, torch
 torch.set_num_threads(1)
 from flwr.app import Context, RecordDict
-from fl_app.client_app import build_client
-from fl_app.config import validate
-from dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.config import validate
+from dpfl.dpcore.task.torch_helpers import get_weights
 ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 50}, state=RecordDict(),
               run_config=validate({}))
 times = []
@@ -125,7 +125,7 @@ def measure(clients: int, rounds: int) -> dict:
     """The default job with the launcher's Ray head and with `--no-ray-head`, the same job with
     HEAVY_EPOCHS local epochs (4 rounds), and round 1's parts measured apart."""
     from benchmarks.round_overhead import expected_bare_loop_seconds
-    from fl_app.config import validate
+    from dpfl.fl_app.config import validate
 
     own_seconds, _, own_wall = launch_rounds(clients, rounds, ray_head=False)
     seconds, counts, wall = launch_rounds(clients, rounds)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.speed [--deployment [--cold]] [--rounds 6] [--clients 20] [--repeats 3]
 
-1. cold start: a fresh process from `import fl_app.client_app` to "data ready for partition i"
+1. cold start: a fresh process from `import dpfl.fl_app.client_app` to "data ready for partition i"
    (data and partitions cached), against a bare `python -c "import torch"`;
 2. an in-process round of the default job against a bare PyTorch loop doing the same SAM steps for the same
    partitions (the median over rounds 2.. of the per-round ratio);
@@ -33,12 +33,12 @@ import torch
 from benchmarks import deployment_round, flower_dp_baseline, simulation_round
 from benchmarks.dpsgd_bench import sgd_steps, time_per_step
 from benchmarks.round_overhead import bare_rounds, product_rounds, steady_ratio, step_seconds
-from clients.dpsgd import dpsgd_steps
-from dpcore.task.models import build_model
-from fl_app.config import validate
+from dpfl.clients.dpsgd import dpsgd_steps
+from dpfl.dpcore.task.models import build_model
+from dpfl.fl_app.config import validate
 
 READY = (
-    "import fl_app.client_app; from dpcore.task.partitions import load_partition; "
+    "import dpfl.fl_app.client_app; from dpfl.dpcore.task.partitions import load_partition; "
     "load_partition('mnist-embedded', 3, 50, 'dirichlet', alpha=0.5, seed=42)"
 )
 
@@ -150,7 +150,7 @@ def main() -> None:
         f"{sim['steady_own_ray']:.2f} s, whole job {sim['wall_own_ray']:.1f} s; with local-epochs="
         f"{simulation_round.HEAVY_EPOCHS} round 1 {sim['round1_heavy']:.2f} s, steady {sim['steady_heavy']:.2f} s; "
         f"round 1's parts measured apart: ray.init {sim['ray_init']:.2f} s, "
-        f"Ray actor ready {sim['actor_ready']:.2f} s, import fl_app.client_app in the actor "
+        f"Ray actor ready {sim['actor_ready']:.2f} s, import dpfl.fl_app.client_app in the actor "
         f"{sim['app_import_in_actor']:.2f} s, first local training of a process {sim['first_fit']:.2f} s "
         f"(second {sim['second_fit']:.2f} s)"
     )

@@ -32,11 +32,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
     args = parser.parse_args()
 
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.results import read_summary
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.results import read_summary
-    from fl_app.server_app import run_federated
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from dpcore.privacy.ledger import PrivacyLedger
-from dpcore.privacy.mechanisms import haar_padded_size
+from dpfl.dpcore.privacy.ledger import PrivacyLedger
+from dpfl.dpcore.privacy.mechanisms import haar_padded_size
 
 
 def pld_epsilon(sigma: float, q: float, rounds: int, delta: float) -> float:
@@ -76,10 +76,10 @@ RUNS = [
 
 
 def accuracy_runs(rounds: int, clients: int, seeds: list[int]) -> None:
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.server_app import run_federated
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)

@@ -19,9 +19,9 @@ import tempfile
 import torch
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
-from fl_app.config import validate
-from fl_app.settings import Settings
-from strategies import DifferentialPrivacy
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.settings import Settings
+from dpfl.strategies import DifferentialPrivacy
 
 from .flower_side import timed_run, weights_client_app
 

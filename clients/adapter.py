@@ -11,7 +11,7 @@ import numbers
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.client import NumPyClient
 
-from dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy import protocol as keys
 
 
 def _metric_record(metrics: dict) -> MetricRecord:

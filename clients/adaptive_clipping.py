@@ -14,8 +14,8 @@ import numpy as np
 from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import make_rng
 
 
 def make_clip_bit_mod(seed: int | None = None) -> Mod:

@@ -19,10 +19,10 @@ from flwr.client import NumPyClient
 from torch import nn
 from torch.optim.sgd import sgd as functional_sgd
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
-from dpcore.task.device import place_input, place_model
-from dpcore.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import clip_and_noise, flatten, l2_norm, make_rng, unflatten
+from dpfl.dpcore.task.device import place_input, place_model
+from dpfl.dpcore.task.torch_helpers import as_tensors, evaluate_model, get_weights, set_weights
 
 
 class LocalSGD:

@@ -33,7 +33,7 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from dpcore.task.opacus_import import import_opacus
+from dpfl.dpcore.task.opacus_import import import_opacus
 
 import_opacus()  # first: Opacus' own import would give the root logger a handler (dpcore/task/opacus_import.py)
 from opacus.grad_sample.utils import prepare_module  # noqa: E402
@@ -41,11 +41,11 @@ from opacus.optimizers import DPOptimizer, get_optimizer_class  # noqa: E402
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping  # noqa: E402
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # noqa: E402
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
-from dpcore.privacy.dpsgd_noise import dpsgd_multipliers
-from dpcore.privacy.ledger import PrivacyLedger
-from dpcore.privacy.mechanisms import (
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
+from dpfl.dpcore.privacy.dpsgd_noise import dpsgd_multipliers
+from dpfl.dpcore.privacy.ledger import PrivacyLedger
+from dpfl.dpcore.privacy.mechanisms import (
     flatten,
     gaussian_noise,
     haar_coefficient_norms,
@@ -54,9 +54,9 @@ from dpcore.privacy.mechanisms import (
     make_rng,
     unflatten,
 )
-from dpcore.privacy.settings import check_dpsgd_clipping
-from dpcore.task.device import model_device
-from dpcore.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
+from dpfl.dpcore.privacy.settings import check_dpsgd_clipping
+from dpfl.dpcore.task.device import model_device
+from dpfl.dpcore.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
 
 from .base import TrainingClient
 

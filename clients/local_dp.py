@@ -27,10 +27,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
-from dpcore.privacy.ledger import PrivacyLedger
-from dpcore.privacy.mechanisms import clip_and_noise, flatten, float_indices, make_rng, unflatten, update_problem
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpfl.dpcore.privacy.ledger import PrivacyLedger
+from dpfl.dpcore.privacy.mechanisms import clip_and_noise, flatten, float_indices, make_rng, unflatten, update_problem
 
 STATE_KEY = "local-dp-ledger"  # the ConfigRecord in Context.state holding the client's ledger (JSON)
 

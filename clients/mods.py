@@ -34,8 +34,8 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import (
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import (
     clip_and_noise,
     flatten,
     float_indices,

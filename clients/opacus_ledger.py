@@ -59,10 +59,10 @@ from flwr.common import log
 from flwr.compat.common import recorddict_compat as compat
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, Event, accountant_used
-from dpcore.privacy.ledger import PrivacyLedger
-from dpcore.task.opacus_import import import_opacus
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, Event, accountant_used
+from dpfl.dpcore.privacy.ledger import PrivacyLedger
+from dpfl.dpcore.task.opacus_import import import_opacus
 
 STATE_KEY = "dpfl.sample-ledger"  # the ConfigRecord in Context.state that holds the node's ledger
 FOLDER_KEY = "sample-ledger-dir"  # node_config: the node-local folder of the ledger files

@@ -27,10 +27,10 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 from torch import nn
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import make_rng
-from dpcore.task.atomic import atomic_write
-from dpcore.task.torch_helpers import evaluate_model, set_weights
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.task.atomic import atomic_write
+from dpfl.dpcore.task.torch_helpers import evaluate_model, set_weights
 
 from .base import LocalSGD, TrainingClient, sgd_step
 from .sam import sam_step

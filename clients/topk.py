@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import sparse_encode, topk_sparsify
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import sparse_encode, topk_sparsify
 
 from .sam import SAMClient
 

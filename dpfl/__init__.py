@@ -13,54 +13,100 @@ FedAvg), its option objects (`PrivacyOptions`, `SamplingOptions`, `RunOptions`; 
 the shipped parts: `AdaptiveClipping`, `DPFTRL`, `TopKCodec`, `WaveletMechanism`, ...), the algorithms built on it, and the legacy-API adapters
 (`LegacyDifferentialPrivacy` around any legacy strategy, `LegacyDPFedAvg`, and their SecAgg+ forms
 `SecAggPlusDifferentialPrivacy`, `SecAggPlusDPFedAvg` with `DPSecAggPlusWorkflow`). Client side: the Flower
-mods and the NumPyClients to subclass. The ledgers, for a client that accounts for itself. Each name is the object of its home module (strategies, clients, dpcore):
-this package only re-exports, and nothing in the project imports it.
+mods and the NumPyClients to subclass. The ledgers, for a client that accounts for itself. Each name is the object
+of its home module (dpfl.strategies, dpfl.clients, dpfl.dpcore): this package only re-exports, and nothing in the
+project imports its names.
 
-Importing it loads neither torch nor Opacus: the NumPyClients (torch) are imported on first use.
+Installed, the repository's packages live under this one name (`dpfl.strategies`, `dpfl.clients`,
+`dpfl.dpcore`, `dpfl.fl_app`; pyproject.toml's package-dir), so an app's own `strategies` or `clients` module
+never meets ours. In a checkout or a FAB they stay top-level folders beside this one, and the package path below
+finds them there.
+
+Importing it loads nothing else: each name is imported from its home module on first use (the NumPyClients
+import torch, the Opacus pieces Opacus).
 """
 
+import os
 from importlib import import_module
 
-from clients.adaptive_clipping import clip_bit_mod, make_clip_bit_mod
-from clients.local_dp import make_local_dp_mod
-from clients.mods import dp_privatize_mod, make_dp_privatize_mod, uniform_weight_mod
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger, SampleLevelLedgers
-from dpcore.privacy.modes import ClientSamplingMode, NoisePlacementMode, PrivacyUnit, TargetEpsilonMode
-from strategies.adaptive_clipping import AdaptiveClipping
-from strategies.ali_dpfl import ALIDPFL
-from strategies.audit import AuditCanaries
-from strategies.dp_fedavg import DifferentialPrivacy, DPFedAvg
-from strategies.dp_ftrl import DPFTRL
-from strategies.dp_ftrl_mf import MatrixFactorizationFTRL
-from strategies.legacy import LegacyDPFedAvg
-from strategies.legacy_log import quiet_workflow_logs
-from strategies.legacy_wrapper import LegacyDifferentialPrivacy
-from strategies.mechanism import GaussianMechanism
-from strategies.noise_placement import CentralNoise, DistributedNoise, LocalNoise
-from strategies.options import DPSGDOptions, PrivacyOptions, RunOptions, SamplingOptions, ServerData
-from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from strategies.parts import AfterRound, DenseCodec, Part
-from strategies.roles import CodecRole, MechanismRole, NoiseRole, SelectionRole
-from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
-from strategies.sampling import ClientSampling, Selection
-from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDifferentialPrivacy, SecAggPlusDPFedAvg
-from strategies.secure_aggregation import SecureAggregation
-from strategies.topk import DPFedSAMTopK, TopKCodec
-from strategies.wavelet import DPFedAvgWavelet, WaveletMechanism
+# a checkout or a FAB: the packages are folders beside this one (installed, pyproject's package-dir puts them inside)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_BESIDE = os.path.dirname(_HERE)
+_PACKAGES = ("strategies", "clients", "dpcore", "fl_app")
+if not any(os.path.isdir(os.path.join(_HERE, p)) for p in _PACKAGES) and any(
+    os.path.isfile(os.path.join(_BESIDE, p, "__init__.py")) for p in _PACKAGES
+):
+    __path__.append(_BESIDE)
 
-_TORCH_NAMES = {  # name -> home module, imported on first access (they import torch; the Opacus ones Opacus)
-    "TrainingClient": "clients.base",
-    "LocalSGD": "clients.base",
-    "SAMClient": "clients.sam",
-    "TopKSAMClient": "clients.topk",
-    "PartialSharingClient": "clients.personalized",
-    "DP2FedSAMClient": "clients.personalized",
-    "FineTuneClient": "clients.personalized",
-    "DPSGDClient": "clients.dpsgd",
-    "PrivacyEngine": "clients.opacus_ledger",  # Opacus' own, its steps charged by sample_ledger_mod
-    "sample_ledger_mod": "clients.opacus_ledger",
-    "make_sample_ledger_mod": "clients.opacus_ledger",
+_HOMES = {  # name -> home module, imported on first access
+    "clip_bit_mod": "dpfl.clients.adaptive_clipping",
+    "make_clip_bit_mod": "dpfl.clients.adaptive_clipping",
+    "make_local_dp_mod": "dpfl.clients.local_dp",
+    "dp_privatize_mod": "dpfl.clients.mods",
+    "make_dp_privatize_mod": "dpfl.clients.mods",
+    "uniform_weight_mod": "dpfl.clients.mods",
+    "epsilon_of": "dpfl.dpcore.privacy.accountants",
+    "ClientLevelLedger": "dpfl.dpcore.privacy.ledger",
+    "PrivacyLedger": "dpfl.dpcore.privacy.ledger",
+    "SampleLevelLedgers": "dpfl.dpcore.privacy.ledger",
+    "ClientSamplingMode": "dpfl.dpcore.privacy.modes",
+    "NoisePlacementMode": "dpfl.dpcore.privacy.modes",
+    "PrivacyUnit": "dpfl.dpcore.privacy.modes",
+    "TargetEpsilonMode": "dpfl.dpcore.privacy.modes",
+    "AdaptiveClipping": "dpfl.strategies.adaptive_clipping",
+    "ALIDPFL": "dpfl.strategies.ali_dpfl",
+    "AuditCanaries": "dpfl.strategies.audit",
+    "DifferentialPrivacy": "dpfl.strategies.dp_fedavg",
+    "DPFedAvg": "dpfl.strategies.dp_fedavg",
+    "DPFTRL": "dpfl.strategies.dp_ftrl",
+    "MatrixFactorizationFTRL": "dpfl.strategies.dp_ftrl_mf",
+    "LegacyDPFedAvg": "dpfl.strategies.legacy",
+    "quiet_workflow_logs": "dpfl.strategies.legacy_log",
+    "LegacyDifferentialPrivacy": "dpfl.strategies.legacy_wrapper",
+    "GaussianMechanism": "dpfl.strategies.mechanism",
+    "CentralNoise": "dpfl.strategies.noise_placement",
+    "DistributedNoise": "dpfl.strategies.noise_placement",
+    "LocalNoise": "dpfl.strategies.noise_placement",
+    "DPSGDOptions": "dpfl.strategies.options",
+    "PrivacyOptions": "dpfl.strategies.options",
+    "RunOptions": "dpfl.strategies.options",
+    "SamplingOptions": "dpfl.strategies.options",
+    "ServerData": "dpfl.strategies.options",
+    "PartialSharingDPFedAvg": "dpfl.strategies.partial_sharing",
+    "PersonalizedDPFedAvg": "dpfl.strategies.partial_sharing",
+    "AfterRound": "dpfl.strategies.parts",
+    "DenseCodec": "dpfl.strategies.parts",
+    "Part": "dpfl.strategies.parts",
+    "CodecRole": "dpfl.strategies.roles",
+    "MechanismRole": "dpfl.strategies.roles",
+    "NoiseRole": "dpfl.strategies.roles",
+    "SelectionRole": "dpfl.strategies.roles",
+    "max_sample_epsilon": "dpfl.strategies.sample_epsilon",
+    "max_sample_epsilon_records": "dpfl.strategies.sample_epsilon",
+    "with_max_sample_epsilon": "dpfl.strategies.sample_epsilon",
+    "ClientSampling": "dpfl.strategies.sampling",
+    "Selection": "dpfl.strategies.sampling",
+    "DPSecAggPlusWorkflow": "dpfl.strategies.secagg",
+    "SecAggPlusDifferentialPrivacy": "dpfl.strategies.secagg",
+    "SecAggPlusDPFedAvg": "dpfl.strategies.secagg",
+    "SecureAggregation": "dpfl.strategies.secure_aggregation",
+    "DPFedSAMTopK": "dpfl.strategies.topk",
+    "TopKCodec": "dpfl.strategies.topk",
+    "DPFedAvgWavelet": "dpfl.strategies.wavelet",
+    "WaveletMechanism": "dpfl.strategies.wavelet",
+}
+_TORCH_HOMES = {  # the same, for the names that import torch (the Opacus ones Opacus)
+    "TrainingClient": "dpfl.clients.base",
+    "LocalSGD": "dpfl.clients.base",
+    "SAMClient": "dpfl.clients.sam",
+    "TopKSAMClient": "dpfl.clients.topk",
+    "PartialSharingClient": "dpfl.clients.personalized",
+    "DP2FedSAMClient": "dpfl.clients.personalized",
+    "FineTuneClient": "dpfl.clients.personalized",
+    "DPSGDClient": "dpfl.clients.dpsgd",
+    "PrivacyEngine": "dpfl.clients.opacus_ledger",
+    "sample_ledger_mod": "dpfl.clients.opacus_ledger",
+    "make_sample_ledger_mod": "dpfl.clients.opacus_ledger",
 }
 
 __all__ = [
@@ -121,7 +167,7 @@ __all__ = [
     "max_sample_epsilon_records",
     "with_max_sample_epsilon",
     # client: NumPyClients and the Opacus ledger (torch, imported on first use)
-    *_TORCH_NAMES,
+    *_TORCH_HOMES,
     # the ledgers
     "PrivacyLedger",
     "ClientLevelLedger",
@@ -131,10 +177,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The torch-based names, imported from their home module on first access (PEP 562)."""
-    if name not in _TORCH_NAMES:
+    """Every public name, imported from its home module on first access (PEP 562)."""
+    home = _HOMES.get(name) or _TORCH_HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module 'dpfl' has no attribute {name!r}")
-    value = getattr(import_module(_TORCH_NAMES[name]), name)
+    value = getattr(import_module(home), name)
     globals()[name] = value
     return value
 

@@ -23,8 +23,8 @@ import sys
 import time
 
 from dpfl_tools.pull_backoff import PULL_BACKOFF, flower_patch_problem, pull_backoff_option, shorten_pull_backoff
-from fl_app import PROJECT_PACKAGES  # this repository's: a task takes them from its FAB
 
+APP_NAMESPACE = "dpfl"  # every package of the app is under it (installed or in a FAB): a task takes them from its FAB
 PRELOAD = ("numpy", "torch", "flwr.supernode.runtime.run_clientapp")
 
 
@@ -56,12 +56,12 @@ def fresh_random_state() -> None:
 
 
 def forget_own_modules() -> None:
-    """In a forked child, before the task loads its app: drop the modules of PROJECT_PACKAGES (`fl_app`, imported
-    to run this executor) from `sys.modules`. Flower's `load_app` imports the app from the run's FAB folder
-    but keeps a package already imported, so without this a task would run the executor's installed
-    `fl_app` beside the FAB's `clients` and `strategies`. (Named, not taken from `__name__`, which is
-    `__main__` under `python -m`: that once left the executor's `fl_app` in every task.)"""
-    for name in [m for m in sys.modules if m.partition(".")[0] in PROJECT_PACKAGES]:
+    """In a forked child, before the task loads its app: drop `dpfl` and its modules (the app's packages,
+    `dpfl.fl_app` and the rest, imported to run this executor) from `sys.modules`. Flower's `load_app` imports the
+    app from the run's FAB folder but keeps a package already imported, so without this a task would run the
+    executor's installed `dpfl.fl_app` beside the FAB's other packages. (Named, not taken from `__name__`, which
+    is `__main__` under `python -m`: that once left the executor's `fl_app` in every task.)"""
+    for name in [m for m in sys.modules if m.partition(".")[0] == APP_NAMESPACE]:
         del sys.modules[name]
 
 

@@ -52,8 +52,8 @@ from flwr.app import Context, Message
 from flwr.common.logger import log
 from torch.func import functional_call, grad, grad_and_value, vmap
 
-from dpcore.privacy import protocol as keys
-from dpcore.task.threads import limit_blas_threads
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.task.threads import limit_blas_threads
 from dpfl_tools.cohort_grouped import grouped_step
 from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 from dpfl_tools.inprocess import InProcessGrid
@@ -65,12 +65,12 @@ CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
 def local_rule(client) -> str | None:
     """'sgd', 'sam' or 'dpsgd' for the clients whose local rule is batched (exact types: a subclass changes the
     rule)."""
-    from clients.base import TrainingClient
-    from clients.personalized import DP2FedSAMClient, PartialSharingClient
-    from clients.sam import SAMClient
-    from clients.topk import TopKSAMClient
+    from dpfl.clients.base import TrainingClient
+    from dpfl.clients.personalized import DP2FedSAMClient, PartialSharingClient
+    from dpfl.clients.sam import SAMClient
+    from dpfl.clients.topk import TopKSAMClient
 
-    dpsgd = sys.modules.get("clients.dpsgd")  # imported where a client is one (not otherwise: it imports Opacus)
+    dpsgd = sys.modules.get("dpfl.clients.dpsgd")  # imported where a client is one (not otherwise: it imports Opacus)
     if dpsgd is not None and type(client) is dpsgd.DPSGDClient:
         from dpfl_tools.cohort_dpsgd import batchable
 
@@ -82,7 +82,7 @@ def local_rule(client) -> str | None:
 
 def trainer(client):
     """The client that trains: a -FT baseline's inner client (its fit is the inner client's fit)."""
-    from clients.personalized import FineTuneClient
+    from dpfl.clients.personalized import FineTuneClient
 
     return client.inner if type(client) is FineTuneClient else client
 
@@ -123,13 +123,13 @@ class CohortGrid(InProcessGrid):
         """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply (a
         Message, or a handler run when the node answers: DP-SGD's charges the node's ledger, `train_personal`'s
         writes its head)."""
-        from fl_app.client_app import train_with
+        from dpfl.fl_app.client_app import train_with
 
         return lambda msg, context: train_with(reply if callable(reply) else lambda *_: reply, msg, context)
 
     def batchable(self, msg: Message):
         """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
-        from fl_app import client_app as project
+        from dpfl.fl_app import client_app as project
 
         if self.client_app is not project.app:
             self.say("a ClientApp other than the project's (fl_app.client_app.app): messages run one by one")
@@ -164,7 +164,7 @@ class CohortGrid(InProcessGrid):
 
     def shared_model(self, context: Context) -> torch.nn.Module:
         """One module for all clients (the ClientApp's, built once): the structure functional_call runs."""
-        from fl_app.client_app import build_client
+        from dpfl.fl_app.client_app import build_client
 
         if getattr(self, "_model", None) is None:
             self._model = trainer(build_client(context)).model
@@ -183,7 +183,7 @@ def torch_threads(n: int | None):
 
 def train_cohort(messages: list[Message], clients: list, budget: int | None, threads: int | None) -> dict[int, Message]:
     """Train each message's client in chunks; {id(message): its train reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
-    from clients.adapter import config_of, fit_reply
+    from dpfl.clients.adapter import config_of, fit_reply
 
     limit_blas_threads()  # the ClientApp's setting (its train calls it): numpy's BLAS on one thread for the uploads
     if personal(clients[0]):
@@ -273,7 +273,7 @@ def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch
 
 def personal(client) -> bool:
     """A client with a personal head kept in its node's HeadStore (clients.personalized.PartialSharingClient)."""
-    from clients.personalized import PartialSharingClient
+    from dpfl.clients.personalized import PartialSharingClient
 
     return isinstance(client, PartialSharingClient)
 
@@ -296,7 +296,7 @@ def train_personal(
     (SGD, or SAM with the perturbation over phi only) on phi with h_i frozen (generator (seed, 4, ...)). The reply
     is the client's `upload_body` (phi's Delta only); h_i is saved to the node's HeadStore when the node answers,
     as the ClientApp saves it, so a node that fails keeps its previous head. {id(message): that handler}."""
-    from clients.adapter import config_of, fit_reply
+    from dpfl.clients.adapter import config_of, fit_reply
 
     configs = [config_of(m) for m in messages]
     model, device, first = clients[0].model, clients[0].device, clients[0]

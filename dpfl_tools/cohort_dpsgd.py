@@ -30,8 +30,8 @@ import torch
 from flwr.app import Message
 from torch.func import functional_call, grad, vmap
 
-from dpcore.privacy.mechanisms import haar_coefficient_norms, haar_wavelet_noise
-from dpcore.task.torch_helpers import as_tensors
+from dpfl.dpcore.privacy.mechanisms import haar_coefficient_norms, haar_wavelet_noise
+from dpfl.dpcore.task.torch_helpers import as_tensors
 from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 
@@ -43,7 +43,7 @@ def batchable(client) -> bool:
 def train_dpsgd_cohort(messages: list[Message], clients: list, size: int) -> dict:
     """{id(message): handler(msg, context) -> its train reply}: the DP-SGD steps in chunks of `size` clients run
     now, each client's `finish_round` (ledger, metrics) when the handler runs."""
-    from clients.adapter import config_of, fit_reply
+    from dpfl.clients.adapter import config_of, fit_reply
 
     plans = [c.plan_round(config_of(m)) for c, m in zip(clients, messages)]
     params = [m.content["arrays"].to_numpy_ndarrays() for m in messages]

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from dpcore.task.models import ConvNet
+from dpfl.dpcore.task.models import ConvNet
 
 ELEMENTWISE = (nn.ReLU, nn.MaxPool2d, nn.Upsample, nn.Identity)  # per sample and channel: same in grouped layout
 CONTAINERS = (nn.Sequential, ConvNet)  # whose forward runs their children in registration order

@@ -16,8 +16,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from dpfl.fl_app import PROJECT_PACKAGES
 from dpfl_tools import ROOT
-from fl_app import PROJECT_PACKAGES
 
 GRAPH_PACKAGES = (*PROJECT_PACKAGES, "dpfl_tools")  # the app's packages (what the FAB ships) and the tooling
 
@@ -40,15 +40,21 @@ def project_modules(packages: tuple[str, ...] = GRAPH_PACKAGES) -> dict[str, Pat
     return {module_name(p): p for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
 
 
+def _in_repository(name: str) -> str:
+    """`dpfl.strategies.x` (the installed name every import uses) -> `strategies.x` (the repository's folder)."""
+    inner = name.removeprefix("dpfl.")
+    return inner if inner != name and inner.split(".")[0] in PROJECT_PACKAGES else name
+
+
 def _resolve(importer: str, node: ast.ImportFrom | ast.Import, is_package: bool) -> list[str]:
     if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
+        return [_in_repository(alias.name) for alias in node.names]
     if node.level:  # relative: from .x import y
         base = importer.split(".") if is_package else importer.split(".")[:-1]
         base = base[: len(base) - node.level + 1]
         prefix = ".".join(base + ([node.module] if node.module else []))
     else:
-        prefix = node.module or ""
+        prefix = _in_repository(node.module or "")
     return [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
 
 

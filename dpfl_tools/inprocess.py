@@ -18,7 +18,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_app.settings import Settings
+from dpfl.fl_app.settings import Settings
 
 SERVER_NODE_ID = 1
 

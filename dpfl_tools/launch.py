@@ -50,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+from dpfl.fl_app import SPEED_PATCHES_ENV
+from dpfl.fl_app.plain_output import call_plain_when_piped
 from dpfl_tools import ROOT
 from dpfl_tools.netns import isolate, own_user_namespace
 from dpfl_tools.plan import plan_runs, run_stamp
@@ -57,8 +59,6 @@ from dpfl_tools.processes import BIN, FLOWER_QUIET_ENV, die_with_launcher, end_p
 from dpfl_tools.ray_head import ray_token_auth, start_ray_head, stop_ray_head, wait_ray_head
 from dpfl_tools.simulation_resources import federation_config, gpus_per_client
 from dpfl_tools.superlink import own_superlink_env, start_local_superlink, stop, superlink_hint
-from fl_app import SPEED_PATCHES_ENV
-from fl_app.plain_output import call_plain_when_piped
 
 QUIET_ENV = {  # the SuperLink and the simulation it starts inherit these
     **FLOWER_QUIET_ENV,
@@ -107,8 +107,8 @@ def release_watchdog(proc: subprocess.Popen) -> None:
 def run_status(run_dir: Path, since: float = 0.0) -> str:
     """What the run folder says: completed, failed, interrupted (a ServerApp that died), or missing; `stale` when
     its status.json was written before `since` (a previous run's, e.g. of a resume that was refused)."""
-    from fl_app.results import read_status  # numpy: not before the namespace is made
-    from fl_app.run_files import RunFileError
+    from dpfl.fl_app.results import read_status  # numpy: not before the namespace is made
+    from dpfl.fl_app.run_files import RunFileError
 
     try:
         record = read_status(run_dir)
@@ -121,8 +121,8 @@ def run_status(run_dir: Path, since: float = 0.0) -> str:
 def check_run_folders(folders: list[Path]) -> None:
     """Before anything starts: exit with the one-line reason where a run's folder holds a damaged status.json
     (`read_status` names the file); a dead run's `running` status is rewritten `interrupted` on the way."""
-    from fl_app.results import read_status
-    from fl_app.run_files import RunFileError
+    from dpfl.fl_app.results import read_status
+    from dpfl.fl_app.run_files import RunFileError
 
     for folder in folders:
         try:
@@ -271,11 +271,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_in_process(args: argparse.Namespace) -> int:
     """--engine inprocess / cohort: each planned run through the ServerApp's `run_federated` on a Grid in this
     process, with --clients nodes."""
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.results import read_status
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.results import read_status
-    from fl_app.server_app import run_federated
 
     grid_class = CohortGrid if args.engine == "cohort" else InProcessGrid
     stamp = run_stamp()
@@ -308,7 +308,7 @@ def print_summaries(run_dirs: list[Path], args: argparse.Namespace, stamp: str) 
             f"rounds={s['rounds_completed']}"
         )
     if len(run_dirs) > 1:
-        from fl_app.results import plot_runs
+        from dpfl.fl_app.results import plot_runs
 
         print("comparison plot:", plot_runs(run_dirs, run_dirs[0] / "plot-vs-reference.png"))
         print(

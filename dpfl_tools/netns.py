@@ -24,8 +24,8 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from dpfl.fl_app.settings import Settings
     from dpfl_tools.plan import PlannedRun
-    from fl_app.settings import Settings
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1  # linux/sockios.h, linux/if.h
@@ -118,7 +118,7 @@ def prefetch_datasets(settings: list[Settings]) -> None:
     """Download the runs' datasets that come from the network (`dpcore.task.data.downloads`) into the cache
     now, while the launcher still has the network; the ServerApp and ClientApps read the cache. Exits with
     the data-dir instructions when offline."""
-    from dpcore.task.data import downloads, load_dataset
+    from dpfl.dpcore.task.data import downloads, load_dataset
 
     for name, data_dir in dict.fromkeys((s.data.dataset, s.data.data_dir) for s in settings):
         if downloads(name, data_dir):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from dpfl_tools import ROOT
 
 if TYPE_CHECKING:  # not imported at start: the user namespace needs a process without threads (numpy starts some)
-    from fl_app.settings import Settings
+    from dpfl.fl_app.settings import Settings
 
 
 def format_run_config(values: dict) -> str:
@@ -32,8 +32,8 @@ def reference_run_config(run_config: str) -> str:
     """The non-private reference of a run: its algorithm's `reference` overrides (fl_app.algorithms)."""
     from flwr.common.config import parse_config_args
 
-    from fl_app.algorithms import reference_overrides
-    from fl_app.config import SPEC
+    from dpfl.fl_app.algorithms import reference_overrides
+    from dpfl.fl_app.config import SPEC
 
     overrides = parse_config_args([run_config]) if run_config.strip() else {}
     return format_run_config(reference_overrides(overrides, {k: spec.default for k, spec in SPEC.items()}))
@@ -89,7 +89,7 @@ def parse_overrides(run_config: str) -> dict:
 def resume_run_config(run_dir: Path, run_config: str) -> str:
     """The run config that continues the run in `run_dir`: its config.json's settings (those that differ from
     the defaults), then `run_config`'s overrides (e.g. num-rounds), resume = true and its results-dir."""
-    from fl_app.config import SPEC
+    from dpfl.fl_app.config import SPEC
 
     previous = run_dir / "config.json"
     if not previous.is_file():
@@ -130,8 +130,8 @@ def plan_runs(args: argparse.Namespace, stamp: str) -> list[PlannedRun]:
 def check_run(name: str, overrides: str, args: argparse.Namespace, stamp: str, count: int) -> PlannedRun:
     """One run of `plan_runs`: its folder (the results-dir it names, else <--results>/<stamp>-<name>) and its
     validated config; SystemExit with the reason otherwise."""
-    from fl_app.config import ConfigError, validate
-    from fl_app.results import PreviousRunError, check_resumable
+    from dpfl.fl_app.config import ConfigError, validate
+    from dpfl.fl_app.results import PreviousRunError, check_resumable
 
     if args.clients < 1:
         raise SystemExit(f"--clients {args.clients}: must be at least 1")

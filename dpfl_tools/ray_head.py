@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from dpcore.task.atomic import lock_held
+from dpfl.dpcore.task.atomic import lock_held
 from dpfl_tools.processes import BIN, die_with_launcher, end_process_tree, free_port
 
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up

@@ -21,10 +21,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dpcore.privacy.figures import with_current_names
+from dpfl.dpcore.privacy.figures import with_current_names
+from dpfl.fl_app.results import read_diagnostics, read_metrics, read_status, run_label
+from dpfl.fl_app.run_files import RunFileError, read_json_object
 from dpfl_tools.svg_charts import Series, chart, fmt, heatmap, number
-from fl_app.results import read_diagnostics, read_metrics, read_status, run_label
-from fl_app.run_files import RunFileError, read_json_object
 
 NOT_PRIVATE = "not private: not covered by epsilon"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")

@@ -84,8 +84,8 @@ def install() -> bool:
     Flower is a release they were tested on, its engine is loaded and its loop takes the arguments this one
     does. Returns whether it is in place."""
     global _flower_loop
+    from dpfl.fl_app import SPEED_PATCHES_ENV
     from dpfl_tools.pull_backoff import flower_patch_problem
-    from fl_app import SPEED_PATCHES_ENV
 
     if os.environ.get(SPEED_PATCHES_ENV) != "1" or flower_patch_problem() is not None:
         return False

@@ -23,9 +23,9 @@ from functools import cache
 
 from flwr.client import NumPyClient
 
-from dpcore.privacy.modes import PrivacyUnit, TargetEpsilonMode
-from dpcore.privacy.settings import check_calibration_reachable
-from fl_app.builders import (
+from dpfl.dpcore.privacy.modes import PrivacyUnit, TargetEpsilonMode
+from dpfl.dpcore.privacy.settings import check_calibration_reachable
+from dpfl.fl_app.builders import (
     ClientSetup,
     check_dpsgd_config,
     check_ftrl_config,
@@ -45,13 +45,13 @@ from fl_app.builders import (
     wavelet_settings,
     wrapped_strategy,
 )
-from fl_app.settings import CONCERNS, WHERE, Settings
-from strategies.ali_dpfl import ALIDPFL
-from strategies.dp_fedavg import DPFedAvg
-from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from strategies.round_loop import DPRoundLoop
-from strategies.topk import DPFedSAMTopK
-from strategies.wavelet import DPFedAvgWavelet
+from dpfl.fl_app.settings import CONCERNS, WHERE, Settings
+from dpfl.strategies.ali_dpfl import ALIDPFL
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from dpfl.strategies.round_loop import DPRoundLoop
+from dpfl.strategies.topk import DPFedSAMTopK
+from dpfl.strategies.wavelet import DPFedAvgWavelet
 
 
 @dataclass(frozen=True)

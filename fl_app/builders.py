@@ -17,14 +17,14 @@ from flwr.app import Context
 from flwr.client import NumPyClient
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
-from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
-from dpcore.privacy.matrix_factorization import require_jax_privacy
-from dpcore.privacy.modes import NoisePlacementMode, TargetEpsilonMode
-from fl_app.settings import Settings
-from strategies.adaptive_clipping import AdaptiveClipping
-from strategies.dp_ftrl import DPFTRL
-from strategies.dp_ftrl_mf import MatrixFactorizationFTRL
-from strategies.options import DPSGDOptions, RunOptions, SamplingOptions
+from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
+from dpfl.dpcore.privacy.matrix_factorization import require_jax_privacy
+from dpfl.dpcore.privacy.modes import NoisePlacementMode, TargetEpsilonMode
+from dpfl.fl_app.settings import Settings
+from dpfl.strategies.adaptive_clipping import AdaptiveClipping
+from dpfl.strategies.dp_ftrl import DPFTRL
+from dpfl.strategies.dp_ftrl_mf import MatrixFactorizationFTRL
+from dpfl.strategies.options import DPSGDOptions, RunOptions, SamplingOptions
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ClientSetup:
 
     def training_kwargs(self) -> dict:
         """The local-training settings every TrainingClient takes (device: dpcore.task.device)."""
-        from dpcore.task.device import resolve_device, use_channels_last
+        from dpfl.dpcore.task.device import resolve_device, use_channels_last
 
         training, device = self.settings.training, resolve_device(self.settings.training.device)
         return dict(
@@ -61,7 +61,7 @@ class ClientSetup:
 
 def load_client_partition(s: Settings, partition_id: int, num_partitions: int) -> tuple[Any, Any]:
     """(train, test) of one client: the run's data and partitioner (the ClientApp's, and the server's sizes)."""
-    from dpcore.task.partitions import load_partition
+    from dpfl.dpcore.task.partitions import load_partition
 
     d = s.data
     return load_partition(
@@ -198,13 +198,13 @@ def dpsgd_settings(s: Settings) -> dict:
 
 # ---------------------------------------------------------------------------- clients
 def sgd_client(setup: ClientSetup) -> NumPyClient:
-    from clients.base import TrainingClient
+    from dpfl.clients.base import TrainingClient
 
     return TrainingClient(setup.model, setup.trainset, setup.testset, **setup.training_kwargs())
 
 
 def sam_client(setup: ClientSetup) -> NumPyClient:
-    from clients.sam import SAMClient
+    from dpfl.clients.sam import SAMClient
 
     return SAMClient(
         setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho, **setup.training_kwargs()
@@ -212,7 +212,7 @@ def sam_client(setup: ClientSetup) -> NumPyClient:
 
 
 def topk_sam_client(setup: ClientSetup) -> NumPyClient:
-    from clients.topk import TopKSAMClient
+    from dpfl.clients.topk import TopKSAMClient
 
     return TopKSAMClient(
         setup.model, setup.trainset, setup.testset, rho=setup.settings.training.sam_rho, **setup.training_kwargs()
@@ -223,7 +223,7 @@ def fine_tuned(inner: Callable[[ClientSetup], NumPyClient]) -> Callable[[ClientS
     """A -FT baseline: `inner` trains; evaluation fine-tunes the global model locally first."""
 
     def build(setup: ClientSetup) -> NumPyClient:
-        from clients.personalized import FineTuneClient
+        from dpfl.clients.personalized import FineTuneClient
 
         return FineTuneClient(inner(setup), setup.settings.personalization.fine_tune_steps)
 
@@ -233,7 +233,7 @@ def fine_tuned(inner: Callable[[ClientSetup], NumPyClient]) -> Callable[[ClientS
 def head_store(context: Context, partition_id: int):
     """Where this node keeps its personal head: a file under node config `state-dir` (a deployment),
     else Context.state (simulation, where Context.state lives as long as the run)."""
-    from clients.personalized import ContextHeadStore, FileHeadStore
+    from dpfl.clients.personalized import ContextHeadStore, FileHeadStore
 
     state_dir = context.node_config.get("state-dir")
     if state_dir is None:
@@ -249,8 +249,8 @@ def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
     """DP2-FedSAM (SAM on the body) or CENTAUR (SGD): the head stays on the client."""
 
     def build(setup: ClientSetup) -> NumPyClient:
-        from clients.personalized import DP2FedSAMClient, PartialSharingClient
-        from dpcore.task.models import split_state_keys
+        from dpfl.clients.personalized import DP2FedSAMClient, PartialSharingClient
+        from dpfl.dpcore.task.models import split_state_keys
 
         p, training = setup.settings.personalization, setup.settings.training
         _, head_keys = split_state_keys(setup.model, p.head_prefix)
@@ -270,7 +270,7 @@ def partial_sharing_client(sam: bool) -> Callable[[ClientSetup], NumPyClient]:
 
 
 def dpsgd_client(setup: ClientSetup) -> NumPyClient:
-    from clients.dpsgd import DPSGDClient
+    from dpfl.clients.dpsgd import DPSGDClient
 
     d, privacy = setup.settings.dpsgd, setup.settings.privacy
     return DPSGDClient(
@@ -297,8 +297,8 @@ def dpsgd_client(setup: ClientSetup) -> NumPyClient:
 # ---------------------------------------------------------------------------- extra config rules
 def check_head_prefix(s: Settings) -> None:
     """The head prefix must name some but not all of the model's parameters."""
-    from dpcore.task.catalogue import dataset_info
-    from dpcore.task.models import build_model, split_state_keys
+    from dpfl.dpcore.task.catalogue import dataset_info
+    from dpfl.dpcore.task.models import build_model, split_state_keys
 
     prefix, model = s.personalization.head_prefix, s.training.model
     if not prefix:

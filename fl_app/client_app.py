@@ -9,16 +9,16 @@ from flwr.client import Client, NumPyClient
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
-from clients.adapter import evaluate_reply, train_reply
-from clients.mods import uniform_weight_mod
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.modes import NoisePlacementMode
-from dpcore.task.models import build_model
-from dpcore.task.threads import one_thread_per_client
-from fl_app import SPEED_PATCHES_ENV, speed_patches
-from fl_app.algorithms import algorithm
-from fl_app.builders import ClientSetup, load_client_partition
-from fl_app.config import validate
+from dpfl.clients.adapter import evaluate_reply, train_reply
+from dpfl.clients.mods import uniform_weight_mod
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.modes import NoisePlacementMode
+from dpfl.dpcore.task.models import build_model
+from dpfl.dpcore.task.threads import one_thread_per_client
+from dpfl.fl_app import SPEED_PATCHES_ENV, speed_patches
+from dpfl.fl_app.algorithms import algorithm
+from dpfl.fl_app.builders import ClientSetup, load_client_partition
+from dpfl.fl_app.config import validate
 
 app = ClientApp()
 
@@ -83,9 +83,9 @@ def secure_aggregation(context: Context) -> bool:
 def train_mods(context: Context) -> list:
     """The run config's client mods on train (`noise-placement = "local"`: the local-DP mod; adaptive clipping
     under distributed noise: the noisy clipped bit)."""
-    from clients.adaptive_clipping import make_clip_bit_mod
-    from clients.local_dp import make_local_dp_mod
-    from dpcore.privacy.calibration import default_client_delta
+    from dpfl.clients.adaptive_clipping import make_clip_bit_mod
+    from dpfl.clients.local_dp import make_local_dp_mod
+    from dpfl.dpcore.privacy.calibration import default_client_delta
 
     s = validate(context.run_config)
     privacy, seed = s.privacy, None if s.privacy.secure_rng else s.run.seed

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any
 
-from dpcore.task.device import device_problem
-from fl_app.algorithms import ALGORITHMS, algorithm, check_config
-from fl_app.run_config_keys import Key
-from fl_app.settings import KEYS, WHERE, Settings
+from dpfl.dpcore.task.device import device_problem
+from dpfl.fl_app.algorithms import ALGORITHMS, algorithm, check_config
+from dpfl.fl_app.run_config_keys import Key
+from dpfl.fl_app.settings import KEYS, WHERE, Settings
 
 # results-dir may not be the filesystem root nor lie in these trees (the launcher runs as any user, root included)
 SYSTEM_TREES = (
@@ -98,7 +98,7 @@ def _check_creatable(key: str, path: str) -> None:
 def _check_results_dir(path: str) -> None:
     """results-dir is not the filesystem root, lies in no system tree, and is new, empty or a dpfl run folder
     (whatever else a folder holds would be mixed with the run's files, or overwritten)."""
-    from fl_app.results import RUN_FILES
+    from dpfl.fl_app.results import RUN_FILES
 
     folder = os.path.realpath(os.path.expanduser(path))
     system = next((t for t in SYSTEM_TREES if folder == t or folder.startswith(t + "/")), None)
@@ -215,7 +215,10 @@ def literal(value: Any) -> str:
 
 def app_config_table() -> str:
     """pyproject.toml's [tool.flwr.app.config]: every key with its default and help, concern by concern."""
-    lines = [APP_CONFIG_TABLE, "# drawn from fl_app/settings.py: regenerate with `python -m fl_app.config --write`"]
+    lines = [
+        APP_CONFIG_TABLE,
+        "# drawn from fl_app/settings.py: regenerate with `python -m dpfl.fl_app.config --write`",
+    ]
     for concern in fields(Settings):
         lines.append(f"# -- {concern.name}: {concern.default_factory.__doc__.strip()}")
         lines += [f"{f'{spec.name} = {literal(spec.default)}':<40}# {spec.help}" for spec in concern_keys(concern.name)]
@@ -253,7 +256,7 @@ def key_reference() -> str:
             "is declared once, in the dataclass of its concern, with its default, what is allowed and what it does.",
             "`fl_app.config.validate()` checks a run config against it before anything trains (an error names the",
             "key, the value and what is allowed) and returns the typed `Settings` the code reads (the last column).",
-            "Regenerate with `python -m fl_app.config --write` (a test keeps this page current).",
+            "Regenerate with `python -m dpfl.fl_app.config --write` (a test keeps this page current).",
             "",
             *[line for concern in fields(Settings) for line in section(concern)],
         ]

@@ -6,7 +6,7 @@ tags, drawn from the one table of figures (dpcore/privacy/figures.py). The non-p
 (diagnostics.jsonl: counts, update norms, clipped fraction, losses, client evaluation) appear under
 `nonprivate/` only when the run publishes them (`publish-diagnostics = true`), with a text note that
 epsilon does not cover them.
-`python -m fl_app.results --tensorboard RUN...` writes the events of older run folders.
+`python -m dpfl.fl_app.results --tensorboard RUN...` writes the events of older run folders.
 
 Weights & Biases (`wandb = true`, the `wandb` extra) logs the same scalars under the same names (`WandbWriter`),
 offline by default: into <run folder>/wandb/, with no account and no network (`wandb sync` uploads it later).
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 from flwr.common import log
 
-from dpcore.privacy import figures
-from fl_app.run_files import read_diagnostics, read_metrics
+from dpfl.dpcore.privacy import figures
+from dpfl.fl_app.run_files import read_diagnostics, read_metrics
 
 if TYPE_CHECKING:
-    from fl_app.settings import Settings
+    from dpfl.fl_app.settings import Settings
 
 TAGS = figures.dashboard_tags()  # {published key: tag}, from the one table of figures
 NONPRIVATE_PREFIX = "nonprivate/"

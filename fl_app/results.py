@@ -5,7 +5,7 @@ metrics.jsonl and summary.json hold what the privacy ledger covers (fit to publi
 and diagnostics-summary.json hold the raw statistics of client replies (counts, norms, losses, client
 evaluation, timing), which no noise covers. Non-finite numbers (epsilon of a non-private run is inf)
 are written as null.
-`python -m fl_app.results RUN_DIR [REFERENCE_RUN_DIR ...]` redraws a run's plot with
+`python -m dpfl.fl_app.results RUN_DIR [REFERENCE_RUN_DIR ...]` redraws a run's plot with
 other runs (e.g. the non-private reference) as extra lines; `--tensorboard RUN_DIR ...` writes
 TensorBoard events for older run folders.
 """
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpcore.task.atomic import atomic_write, lock_held
-from fl_app.run_files import RunFileError, read_diagnostics, read_metrics
+from dpfl.dpcore.task.atomic import atomic_write, lock_held
+from dpfl.fl_app.run_files import RunFileError, read_diagnostics, read_metrics
 
 if TYPE_CHECKING:
-    from fl_app.settings import Settings
+    from dpfl.fl_app.settings import Settings
 
 
 def json_safe(obj):
@@ -376,7 +376,7 @@ class RunDirectory:
 
 def run_label(summary: dict) -> str:
     """The run's label in plots: its algorithm's (fl_app.algorithms), or the strategy's name."""
-    from fl_app.algorithms import ALGORITHMS
+    from dpfl.fl_app.algorithms import ALGORITHMS
 
     name = summary.get("strategy")
     label = ALGORITHMS[name].run_label(summary) if name in ALGORITHMS else str(name)
@@ -435,15 +435,15 @@ if __name__ == "__main__":
     with_diagnostics = "--diagnostics" in args
     args = [a for a in args if a != "--diagnostics"]
     if args and args[0] == "--tensorboard":
-        from fl_app.dashboards import write_tensorboard
+        from dpfl.fl_app.dashboards import write_tensorboard
 
         for run in args[1:]:
             print("TensorBoard events written into", write_tensorboard(run, with_diagnostics))
         sys.exit(0)
     if not args:
         sys.exit(
-            "usage: python -m fl_app.results [--diagnostics] RUN_DIR [OTHER_RUN_DIR ...]\n"
-            "       python -m fl_app.results --tensorboard [--diagnostics] RUN_DIR ...\n"
+            "usage: python -m dpfl.fl_app.results [--diagnostics] RUN_DIR [OTHER_RUN_DIR ...]\n"
+            "       python -m dpfl.fl_app.results --tensorboard [--diagnostics] RUN_DIR ...\n"
             "--diagnostics: also show the non-private diagnostics (diagnostics.jsonl)"
         )
     print(plot_runs(args, Path(args[0], "plot.png"), with_diagnostics))

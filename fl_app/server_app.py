@@ -11,32 +11,32 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from dpcore.privacy import figures
-from dpcore.privacy.modes import PrivacyUnit
-from dpcore.task.catalogue import dataset_info
-from dpcore.task.data import load_dataset
-from dpcore.task.device import resolve_device
-from dpcore.task.models import build_model, count_parameters, split_state_keys
-from dpcore.task.partitions import load_validation
-from dpcore.task.threads import limit_blas_threads
-from dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
-from fl_app import speed_patches
-from fl_app.algorithms import Algorithm, algorithm
-from fl_app.builders import load_client_partition
-from fl_app.config import validate
-from fl_app.dashboards import open_dashboards
-from fl_app.results import (
+from dpfl.dpcore.privacy import figures
+from dpfl.dpcore.privacy.modes import PrivacyUnit
+from dpfl.dpcore.task.catalogue import dataset_info
+from dpfl.dpcore.task.data import load_dataset
+from dpfl.dpcore.task.device import resolve_device
+from dpfl.dpcore.task.models import build_model, count_parameters, split_state_keys
+from dpfl.dpcore.task.partitions import load_validation
+from dpfl.dpcore.task.threads import limit_blas_threads
+from dpfl.dpcore.task.torch_helpers import evaluate_model, get_weights, loss_gradient, opacus_compatible, set_weights
+from dpfl.fl_app import speed_patches
+from dpfl.fl_app.algorithms import Algorithm, algorithm
+from dpfl.fl_app.builders import load_client_partition
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.dashboards import open_dashboards
+from dpfl.fl_app.results import (
     INTERRUPTED_NOTE,
     RunDirectory,
     plot_runs,
     resolve_run_dir,
     unreadable_checkpoint_error,
 )
-from fl_app.settings import Settings
-from fl_app.transport import PromptGrid, is_simulation, wait_for_nodes
-from strategies.options import ServerData
-from strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
-from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
+from dpfl.fl_app.settings import Settings
+from dpfl.fl_app.transport import PromptGrid, is_simulation, wait_for_nodes
+from dpfl.strategies.options import ServerData
+from dpfl.strategies.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
+from dpfl.strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 
 app = ServerApp()
 

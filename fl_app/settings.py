@@ -19,21 +19,21 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from dpcore.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
-from dpcore.privacy.matrix_factorization import STRATEGIES as FTRL_STRATEGIES
-from dpcore.privacy.mechanisms import TOPK_MODES
-from dpcore.privacy.settings import (
+from dpfl.dpcore.privacy.dpsgd_noise import DPSGD_NOISES, GRAD_SAMPLE_MODES, WAVELET_CALIBRATIONS
+from dpfl.dpcore.privacy.matrix_factorization import STRATEGIES as FTRL_STRATEGIES
+from dpfl.dpcore.privacy.mechanisms import TOPK_MODES
+from dpfl.dpcore.privacy.settings import (
     ACCOUNTANT_NAMES,
     CLIENT_SAMPLINGS,
     MU_SOURCES,
     NOISE_PLACEMENTS,
     TARGET_EPSILON_MODES,
 )
-from dpcore.task.catalogue import DATASETS
-from dpcore.task.device import DEVICE_CHOICES
-from dpcore.task.models import MODELS
-from dpcore.task.partitions import PARTITIONERS
-from fl_app.run_config_keys import KEY, NOISE_RANGE, RATE_MIN, Key, setting
+from dpfl.dpcore.task.catalogue import DATASETS
+from dpfl.dpcore.task.device import DEVICE_CHOICES
+from dpfl.dpcore.task.models import MODELS
+from dpfl.dpcore.task.partitions import PARTITIONERS
+from dpfl.fl_app.run_config_keys import KEY, NOISE_RANGE, RATE_MIN, Key, setting
 
 AUDIT_CANARIES_MAX = 10_000  # each canary is a model-sized vector held by the server: 1e7 of them ran out of memory
 DEFAULT_ALGORITHM = "dp-fedsam"  # the `algorithm` key's default (the registry, fl_app.algorithms, holds them all)

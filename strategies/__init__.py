@@ -1,7 +1,7 @@
 """Server strategies: client-level DP as a wrapper around any Flower Message-API strategy, and its variants.
 
     from flwr.serverapp.strategy import FedAdam
-    from strategies import DifferentialPrivacy
+    from dpfl.strategies import DifferentialPrivacy
 
     strategy = DifferentialPrivacy(FedAdam(), clipping_norm=0.5, noise_multiplier=1.0, sample_rate=0.5)
 

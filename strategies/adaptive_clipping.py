@@ -27,9 +27,9 @@ import math
 
 import numpy as np
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import make_rng
-from dpcore.privacy.settings import require
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.privacy.settings import require
 
 from .noise_placement import PLACEMENTS
 from .parts import AfterRound, Part

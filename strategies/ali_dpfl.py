@@ -38,11 +38,11 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
-from dpcore.privacy.ledger import SampleLevelLedgers
-from dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
-from dpcore.privacy.settings import check_dpsgd, require, require_a_step
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
+from dpfl.dpcore.privacy.ledger import SampleLevelLedgers
+from dpfl.dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
+from dpfl.dpcore.privacy.settings import check_dpsgd, require, require_a_step
 
 from .ali_dpfl_clients import claimed_epsilon, load_mirror_state, mirror_state, row_problem, update_ledgers
 from .local_steps import estimate_mu, next_local_steps

@@ -10,8 +10,8 @@ from logging import WARNING
 
 from flwr.common import log
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.accountants import epsilon_of
 
 from .local_steps import reply_metrics_problem
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ArrayRecord
 
-from dpcore.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
-from dpcore.privacy.mechanisms import flatten, make_rng
-from dpcore.privacy.settings import one_of, require
+from dpfl.dpcore.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
+from dpfl.dpcore.privacy.mechanisms import flatten, make_rng
+from dpfl.dpcore.privacy.settings import one_of, require
 
 from .parts import Part
 

@@ -33,13 +33,13 @@ from flwr.common import log
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.privacy_accounting import PrivacyConfig, PrivacySpent
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
-from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
-from dpcore.privacy.ledger import ClientLevelLedger
-from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
-from dpcore.privacy.modes import ClientSamplingMode, TargetEpsilonMode
-from dpcore.privacy.settings import SettingError, check_client_level_dp
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
+from dpfl.dpcore.privacy.ledger import ClientLevelLedger
+from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
+from dpfl.dpcore.privacy.modes import ClientSamplingMode, TargetEpsilonMode
+from dpfl.dpcore.privacy.settings import SettingError, check_client_level_dp
 
 from .audit import AuditCanaries
 from .mechanism import GaussianMechanism

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpcore.privacy.ledger import TreeAggregationLedger
-from dpcore.privacy.mechanisms import make_rng
-from dpcore.privacy.settings import require
-from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
+from dpfl.dpcore.privacy.ledger import TreeAggregationLedger
+from dpfl.dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.privacy.settings import require
+from dpfl.dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 
 from .noise_placement import PLACEMENTS
 from .parts import Part

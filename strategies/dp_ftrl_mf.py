@@ -28,10 +28,10 @@ import secrets
 
 import numpy as np
 
-from dpcore.privacy.calibration import calibrate_noise_multiplier
-from dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy, optimize_strategy
-from dpcore.privacy.mechanisms import gaussian_noise, make_rng
-from dpcore.privacy.settings import one_of, require
+from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
+from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy, optimize_strategy
+from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
+from dpfl.dpcore.privacy.settings import one_of, require
 
 from .dp_ftrl import check_ftrl, choose
 from .parts import Part

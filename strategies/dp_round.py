@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, Message
 
-from dpcore.privacy.mechanisms import flatten, float_indices
+from dpfl.dpcore.privacy.mechanisms import flatten, float_indices
 
 
 @dataclass

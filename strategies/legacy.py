@@ -30,8 +30,8 @@ from flwr.server.workflow import DefaultWorkflow
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.modes import TargetEpsilonMode
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 
 from .dp_fedavg import DPFedAvg
 from .legacy_log import FlowerLegacyLog

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, l2_norm, unflatten
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, unflatten
 
 
 def optimal_local_steps(

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpcore.privacy.ledger import ClientLevelLedger
-from dpcore.privacy.mechanisms import gaussian_noise, make_rng
+from dpfl.dpcore.privacy.ledger import ClientLevelLedger
+from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
 
 from .noise_placement import server_view
 from .parts import Part

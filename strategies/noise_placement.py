@@ -21,9 +21,9 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
-from dpcore.privacy.modes import ServerView
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
+from dpfl.dpcore.privacy.modes import ServerView
 
 from .parts import Part
 from .reply_gate import upload_norm_bound

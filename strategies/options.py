@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
-from dpcore.privacy.settings import require
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpfl.dpcore.privacy.settings import require
 
 
 @dataclass(frozen=True)

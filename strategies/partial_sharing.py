@@ -20,8 +20,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import make_rng
 
 from .dp_fedavg import DPFedAvg
 from .reply_gate import MetricRule, read_metrics

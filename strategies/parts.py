@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy import protocol as keys
 
 from .reply_gate import MetricRule
 

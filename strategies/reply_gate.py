@@ -25,7 +25,7 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.common import log
 
-from dpcore.privacy.mechanisms import flatten, update_problem
+from dpfl.dpcore.privacy.mechanisms import flatten, update_problem
 
 METRICS_RECORD = "metrics"  # the name the clients' adapter and Flower's NumPyClient use
 HONEST_REJECTION_PROBABILITY = 1e-12  # per upload: how often the norm bound may reject an honest one

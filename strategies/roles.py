@@ -19,8 +19,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from flwr.app import RecordDict
 
-from dpcore.privacy.ledger import Ledger
-from dpcore.privacy.modes import SamplingForm, ServerView
+from dpfl.dpcore.privacy.ledger import Ledger
+from dpfl.dpcore.privacy.modes import SamplingForm, ServerView
 
 from .sampling import Selection
 

@@ -53,10 +53,10 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
-from dpcore.privacy import figures
-from dpcore.privacy.mechanisms import noise_share_count
-from dpcore.privacy.modes import ClientSamplingMode
-from dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
+from dpfl.dpcore.privacy import figures
+from dpfl.dpcore.privacy.mechanisms import noise_share_count
+from dpfl.dpcore.privacy.modes import ClientSamplingMode
+from dpfl.dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 
 from .dp_round import DPRound
 from .flower_log import FlowerLog

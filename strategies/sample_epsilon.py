@@ -20,7 +20,7 @@ from flwr.app import MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy import protocol as keys
 
 SAMPLE_KEYS = (keys.SAMPLE_EPSILON, keys.SAMPLE_DELTA, keys.SAMPLE_STEPS, keys.SAMPLE_ACCOUNTANT)
 MAX_KEY = "sample-epsilon-max"

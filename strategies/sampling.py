@@ -13,8 +13,8 @@ from logging import INFO, WARNING
 import numpy as np
 from flwr.common import log
 
-from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, noise_share_count, truncation_probability
-from dpcore.privacy.modes import SAMPLING_FORMS, ClientSamplingMode
+from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, noise_share_count, truncation_probability
+from dpfl.dpcore.privacy.modes import SAMPLING_FORMS, ClientSamplingMode
 
 from .parts import Part
 

@@ -34,9 +34,9 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
-from dpcore.privacy.settings import check_secure_aggregation
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
+from dpfl.dpcore.privacy.settings import check_secure_aggregation
 
 from .dp_fedavg import DPFedAvg, extra_updates
 from .legacy import LegacyDPFedAvg, LegacyEvaluateFn

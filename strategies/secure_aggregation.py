@@ -7,7 +7,7 @@ quantizer's clip probability out of delta (`failure_probability`), for both figu
 
 from __future__ import annotations
 
-from dpcore.privacy.settings import check_secure_aggregation
+from dpfl.dpcore.privacy.settings import check_secure_aggregation
 
 from .parts import Part
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
-from dpcore.privacy.settings import one_of, require
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
+from dpfl.dpcore.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg
 from .noise_placement import PLACEMENTS

@@ -26,10 +26,15 @@ import numpy as np
 from flwr.app import ArrayRecord
 from flwr.common import log
 
-from dpcore.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
-from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
-from dpcore.privacy.mechanisms import haar_padded_size, haar_wavelet_noise, make_rng, wavelet_effective_noise_multiplier
-from dpcore.privacy.settings import one_of, require
+from dpfl.dpcore.privacy.dpsgd_noise import WAVELET_CALIBRATIONS
+from dpfl.dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
+from dpfl.dpcore.privacy.mechanisms import (
+    haar_padded_size,
+    haar_wavelet_noise,
+    make_rng,
+    wavelet_effective_noise_multiplier,
+)
+from dpfl.dpcore.privacy.settings import one_of, require
 
 from .dp_fedavg import DPFedAvg
 from .mechanism import NOISE_STREAM, GaussianMechanism

@@ -17,9 +17,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.common import log
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.figures import published_and_former_names
-from dpcore.privacy.mechanisms import flatten, unflatten
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.figures import published_and_former_names
+from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
 
 from .reply_gate import METRICS_RECORD, metric_record
 from .sample_epsilon import sample_epsilon_summary

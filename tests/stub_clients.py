@@ -8,10 +8,10 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from clients.adapter import train_reply
-from clients.base import TrainingClient
-from dpcore.privacy.mechanisms import flatten, unflatten
-from dpcore.task.torch_helpers import get_weights, set_weights
+from dpfl.clients.adapter import train_reply
+from dpfl.clients.base import TrainingClient
+from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
+from dpfl.dpcore.task.torch_helpers import get_weights, set_weights
 
 
 class FixedUpdateClient(TrainingClient):

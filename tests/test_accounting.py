@@ -4,12 +4,16 @@ import math
 
 import pytest
 
-from dpcore.privacy import accountants
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
-from dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta, per_update_noise_multiplier
-from dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
-from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
-from strategies.noise_placement import server_view
+from dpfl.dpcore.privacy import accountants
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
+from dpfl.dpcore.privacy.calibration import (
+    calibrate_noise_multiplier,
+    default_client_delta,
+    per_update_noise_multiplier,
+)
+from dpfl.dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
+from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
+from dpfl.strategies.noise_placement import server_view
 from tests.independent_accountant import dp_accounting_epsilons
 
 # (sigma, q, rounds, delta): epsilons from about 0.5 to 20
@@ -263,7 +267,7 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
     """dp-accounting's epsilon-for-delta can overflow near eps ~ 700 and return inf for one round between
     finite ones (seen in a run's log: epsilon_against_server 706, inf, inf, 727): the ledger prints RDP's
     bound instead, valid and finite."""
-    from dpcore.privacy import accountants
+    from dpfl.dpcore.privacy import accountants
 
     events = [(0.3, 1.0, 40)]
     expected = accountants.epsilon_of(events, 1e-5, "rdp")
@@ -283,7 +287,7 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
 def test_an_accountant_is_one_registered_class():
     """The registry (as Opacus' accountants/registry.py): the three accountants are classes in it, and a new
     class registered under a name is what `epsilon_of` uses for that name, with RDP standing in as for PLD."""
-    from dpcore.privacy import accountants as accountants
+    from dpfl.dpcore.privacy import accountants as accountants
 
     assert set(accountants.ACCOUNTANT_REGISTRY) == {"pld", "rdp", "prv"} == set(accountants.ACCOUNTANTS)
     events = [(1.1, 0.3, 40)]
@@ -309,8 +313,8 @@ def test_the_ledger_asks_the_noise_placement_what_the_server_sees():
     named anything that says each upload carries all the noise is charged as local DP, (sigma / 2, q = 1) against
     the model and the server; a trusted view has no figure against the server; and a saved ledger comes back
     only with its own placement's view."""
-    from dpcore.privacy.modes import ServerView
-    from strategies.mechanism import GaussianMechanism
+    from dpfl.dpcore.privacy.modes import ServerView
+    from dpfl.strategies.mechanism import GaussianMechanism
 
     views = {name: server_view(name) for name in ("central", "distributed", "local")}
     assert [(v.trusted, v.uploads_private) for v in views.values()] == [(True, False), (False, False), (False, True)]

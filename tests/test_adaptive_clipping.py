@@ -12,17 +12,17 @@ from dp_accounting import pld, rdp
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.adaptive_clipping import make_clip_bit_mod
-from clients.mods import make_dp_privatize_mod
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.settings import SettingError
+from dpfl.clients.adaptive_clipping import make_clip_bit_mod
+from dpfl.clients.mods import make_dp_privatize_mod
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.settings import SettingError
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import ConfigError, validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import ConfigError, validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
-from strategies import DifferentialPrivacy
-from strategies.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 DIM = 400

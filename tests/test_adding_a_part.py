@@ -1,6 +1,6 @@
 """docs/architecture.md's "Adding a part" through the run config is true: in a copy of the repository, a toy part
 is offered as run-config key `toy-shift` by editing only the files that page lists, and redrawing the two it
-says `python -m fl_app.config --write` redraws. The copy then validates the key (named in the error with its
+says `python -m dpfl.fl_app.config --write` redraws. The copy then validates the key (named in the error with its
 value and what is allowed), builds dp-fedavg's wrapper with the part, and refuses the key for ali-dpfl, whose
 builder does not read it (the record lists no owned_keys)."""
 
@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # the files the page lists: the part's own module, its settings, the builder that passes it, the registry record
 PART_MODULE = "strategies/toy_shift.py"
 EDITED = {PART_MODULE, "fl_app/settings.py", "fl_app/builders.py", "fl_app/algorithms.py"}
-REDRAWN = {"docs/run-config.md", "pyproject.toml"}  # by python -m fl_app.config --write
+REDRAWN = {"docs/run-config.md", "pyproject.toml"}  # by python -m dpfl.fl_app.config --write
 
 TOY_PART = '''"""A toy part: every client is told a shift."""
 
-from dpcore.privacy.settings import require
+from dpfl.dpcore.privacy.settings import require
 
 from .parts import Part
 
@@ -55,15 +55,15 @@ class ToySettings:
 TOY_BUILDER = """
 
 def toy_level(s: Settings) -> dict:
-    from strategies.toy_shift import ToyShift
+    from dpfl.strategies.toy_shift import ToyShift
 
     return {**client_level(s), "parts": [ToyShift(s.toy.shift)]}
 """
 
 CHECK = """
 import json
-from fl_app.algorithms import algorithm, check_config
-from fl_app.config import validate
+from dpfl.fl_app.algorithms import algorithm, check_config
+from dpfl.fl_app.config import validate
 
 out = {}
 s = validate({"algorithm": "dp-fedavg", "toy-shift": 0.5})

@@ -10,22 +10,22 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.dpsgd import DPSGDClient, dpsgd_steps, load_ledger
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
-from dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
-from dpcore.privacy.mechanisms import flatten
-from dpcore.task.catalogue import ArrayDataset
-from dpcore.task.models import build_model
-from dpcore.task.torch_helpers import get_weights
+from dpfl.clients.dpsgd import DPSGDClient, dpsgd_steps, load_ledger
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
+from dpfl.dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.task.catalogue import ArrayDataset
+from dpfl.dpcore.task.models import build_model
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies.ali_dpfl import ALIDPFL
+from dpfl.strategies.local_steps import estimate_mu, next_local_steps, optimal_local_steps
+from dpfl.strategies.options import DPSGDOptions, SamplingOptions, ServerData
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
-from strategies.ali_dpfl import ALIDPFL
-from strategies.local_steps import estimate_mu, next_local_steps, optimal_local_steps
-from strategies.options import DPSGDOptions, SamplingOptions, ServerData
 from tests.independent_accountant import dp_accounting_epsilons
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -513,7 +513,7 @@ def test_alidpfl_takes_its_option_objects_built_straight_from_the_settings():
     Settings, and the strategy it builds holds their values."""
     import inspect
 
-    from fl_app.algorithms import ALGORITHMS
+    from dpfl.fl_app.algorithms import ALGORITHMS
 
     assert list(inspect.signature(ALIDPFL).parameters) == ["strategy", "dpsgd", "sampling", "run", "server_data"]
     s = validate({"algorithm": "ali-dpfl", "target-epsilon": 3.0, "batch-sample-rate": 0.02, "gamma": 1.0})

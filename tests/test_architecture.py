@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from dpfl.fl_app import PROJECT_PACKAGES
+from dpfl.fl_app.algorithms import ALGORITHMS
 from dpfl_tools.import_graph import ROOT, import_cycles, import_edges, layer_of, mermaid, project_modules
 from dpfl_tools.processes import BIN
-from fl_app import PROJECT_PACKAGES
-from fl_app.algorithms import ALGORITHMS
 
 EDGES = import_edges()
 
@@ -91,7 +91,7 @@ def test_the_app_package_holds_only_what_the_fab_needs():
     assert "launch.py" not in lines and "report.py" not in lines and "pull_backoff.py" not in lines
 
 
-PUBLIC_API_IMPORTS = {"strategies", "clients", "dpcore", "importlib"}
+PUBLIC_API_IMPORTS = {"strategies", "clients", "dpcore"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -105,18 +105,40 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_public_api_layer_sits_on_top_and_nothing_imports_it():
-    """`dpfl` re-exports strategies, clients and the core (its lazy names too); no module of the product
-    imports it, so it stays a namespace for users and never a knot in the graph."""
+    """`dpfl`'s names come from strategies, clients and the core (`dpfl.strategies`, ...: its lazy tables, and it
+    imports nothing else of the project); no module of the product imports `dpfl`'s names, only its packages, so
+    it stays a namespace for users and never a knot in the graph."""
     import dpfl
 
-    modules = {m for path in (ROOT / "dpfl").rglob("*.py") for m in imported_modules(path)}
-    modules |= set(dpfl._TORCH_NAMES.values())
-    assert {m.split(".")[0] for m in modules} <= PUBLIC_API_IMPORTS, modules
+    homes = {*dpfl._HOMES.values(), *dpfl._TORCH_HOMES.values()}
+    assert {m.split(".")[1] for m in homes} <= PUBLIC_API_IMPORTS and all(m.startswith("dpfl.") for m in homes)
+    assert {m.split(".")[0] for m in imported_modules(ROOT / "dpfl" / "__init__.py")} == {"os", "importlib"}
     assert [
         name
         for name, path in project_modules().items()
-        if any(m.split(".")[0] == "dpfl" for m in imported_modules(path))
+        if any(m == "dpfl" or (m.startswith("dpfl.") and not app_module(m)) for m in imported_modules(path))
     ] == []
+
+
+def app_module(name: str) -> bool:
+    """`dpfl.strategies.x` and the like: a module of one of the app's packages under its installed name."""
+    return name.split(".")[1] in PROJECT_PACKAGES
+
+
+def test_every_import_of_the_apps_packages_is_under_dpfl():
+    """Installed, the app's packages exist only as `dpfl.strategies`, `dpfl.clients`, `dpfl.dpcore`, `dpfl.fl_app`
+    (pyproject's package-dir): an import of a bare `strategies` or `clients` would meet a user's own module of that
+    name (the issue of an app that has one). Checked in every file of the repository, tests and benchmarks too."""
+    bare = {
+        f"{path.relative_to(ROOT)}: {m}"
+        for path in ROOT.rglob("*.py")
+        if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
+        and "foreign_app" not in path.parts
+        and "clash_app" not in path.parts
+        for m in imported_modules(path)
+        if m.split(".")[0] in PROJECT_PACKAGES
+    }
+    assert bare == set()
 
 
 def test_the_public_api_check_sees_an_import_of_dpfl(tmp_path):
@@ -135,9 +157,13 @@ def test_type_checking_imports_count_for_cycles_and_layers(tmp_path, monkeypatch
     import dpfl_tools.import_graph
 
     for package, name, text in (
-        ("fl_app", "registry", "from fl_app.knobs import Knobs\n"),
-        ("fl_app", "knobs", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fl_app.registry import R\n"),
-        ("dpcore", "core", "import typing\nif typing.TYPE_CHECKING:\n    from fl_app.knobs import Knobs\n"),
+        ("fl_app", "registry", "from dpfl.fl_app.knobs import Knobs\n"),
+        (
+            "fl_app",
+            "knobs",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dpfl.fl_app.registry import R\n",
+        ),
+        ("dpcore", "core", "import typing\nif typing.TYPE_CHECKING:\n    from dpfl.fl_app.knobs import Knobs\n"),
     ):
         (tmp_path / package).mkdir(exist_ok=True)
         (tmp_path / package / f"{name}.py").write_text(text)
@@ -176,7 +202,7 @@ def test_after_start_up_no_module_reads_a_run_config_key_from_a_dict():
     the launcher and the registry's `reference_overrides` of its override dicts) and the report (which reads
     saved config.json files) see run configs as dicts. (Node configs and the ledger's own state record share
     some key names: not run configs.)"""
-    from fl_app.config import SPEC
+    from dpfl.fl_app.config import SPEC
 
     start_up_functions = {"reference_overrides"}
     not_run_configs = ("node", "state")
@@ -234,7 +260,7 @@ def string_constants(path: Path) -> list[tuple[int, str]]:
 def test_only_the_registry_names_algorithms():
     """...but for the `algorithm` key's declared default (fl_app.settings.DEFAULT_ALGORITHM, one of the registry's
     names: validation checks it like any value)."""
-    from fl_app.settings import DEFAULT_ALGORITHM
+    from dpfl.fl_app.settings import DEFAULT_ALGORITHM
 
     names = set(ALGORITHMS)
     assert DEFAULT_ALGORITHM in names

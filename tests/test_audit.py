@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord
 
-from dpcore.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
+from dpfl.dpcore.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.wavelet import DPFedAvgWavelet
 from dpfl_tools.inprocess import InProcessGrid
-from strategies.dp_fedavg import DPFedAvg
-from strategies.wavelet import DPFedAvgWavelet
 from tests.stub_clients import stub_app, zero_update
 
 

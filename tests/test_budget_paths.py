@@ -4,12 +4,12 @@ last epsilon it printed is at most the target. (The legacy drop-in: tests/test_d
 
 import pytest
 
-from dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
 
 SMALL = {
     "dataset": "digits",

@@ -18,12 +18,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.cohort import CohortGrid
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.client_app import build_client
-from fl_app.config import validate
-from fl_app.server_app import run_federated
 
 RTOL = 1e-4 if torch.cuda.is_available() else 1e-5
 NODES = 6
@@ -144,7 +144,7 @@ def test_no_client_leaks_into_another(monkeypatch):
     grid = CohortGrid(client_app, NODES, cfg)
     noisier = arrays(grid.send_and_receive(train_messages(grid, noise_std={102: 0.5})))
 
-    import fl_app.client_app as project
+    import dpfl.fl_app.client_app as project
 
     load = project.load_client_partition
 
@@ -168,8 +168,8 @@ def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path, 
     """A client whose local rule the engine does not know (a subclass of SAMClient: local_rule takes exact types, as
     a subclass may change the rule) and a user's own ClientApp: message by message, one log line each, the
     sequential replies exactly."""
-    from clients.sam import SAMClient
-    from fl_app.algorithms import ALGORITHMS
+    from dpfl.clients.sam import SAMClient
+    from dpfl.fl_app.algorithms import ALGORITHMS
 
     class OwnSAM(SAMClient):
         pass
@@ -220,7 +220,7 @@ def test_malformed_message_gets_the_clientapps_error():
 def test_a_client_that_cannot_be_built_is_logged_and_gets_the_clientapps_error(caplog, monkeypatch):
     """build_client raising (e.g. a model Opacus refuses) is not swallowed: one log line names the error, and every
     message runs through the ClientApp, whose reply carries that error."""
-    import fl_app.client_app as project
+    import dpfl.fl_app.client_app as project
 
     def broken(context, model=None):
         raise ValueError("no client for this node")
@@ -298,7 +298,7 @@ def test_model_with_buffers_is_not_batched(caplog):
 
 def stored_heads(grid) -> dict[int, dict[str, np.ndarray] | None]:
     """Each node's personal head as the ClientApp left it in Context.state (None: never trained)."""
-    from clients.personalized import ContextHeadStore
+    from dpfl.clients.personalized import ContextHeadStore
 
     return {node: ContextHeadStore(context.state).load() for node, context in grid.contexts.items()}
 
@@ -359,7 +359,7 @@ def test_personal_heads_do_not_leak_and_fail_as_the_clientapp(monkeypatch):
     """DP2-FedSAM in the batch: replies and heads equal the sequential ones; one node's stored head or data changed moves only its reply and its saved head; a
     node that fails keeps its previous head (none), and a stored head that does not fit the model gets the
     ClientApp's error as its reply, while the other nodes train in the batch unchanged."""
-    from clients.personalized import ContextHeadStore
+    from dpfl.clients.personalized import ContextHeadStore
 
     cfg = validate({**BASE, "algorithm": "dp2-fedsam", "head-steps": 3, "local-steps": 3})
     grid = CohortGrid(client_app, NODES, cfg)
@@ -375,7 +375,7 @@ def test_personal_heads_do_not_leak_and_fail_as_the_clientapp(monkeypatch):
     ContextHeadStore(grid.contexts[102].state).save(other_head)
     own_head, own_heads = arrays(grid.send_and_receive(body_messages(grid))), stored_heads(grid)
 
-    import fl_app.client_app as project
+    import dpfl.fl_app.client_app as project
 
     load = project.load_client_partition
 
@@ -412,7 +412,7 @@ def test_personal_heads_do_not_leak_and_fail_as_the_clientapp(monkeypatch):
 def test_personal_heads_in_a_state_dir_resume_as_the_clientapps(tmp_path):
     """A deployment's heads (node config state-dir: one .npz file per node): the batch writes the files the ClientApp
     writes, and a resumed run (a fresh grid, empty Context.state) trains round 2 from them to the same replies."""
-    from clients.personalized import FileHeadStore
+    from dpfl.clients.personalized import FileHeadStore
 
     cfg = validate({**BASE, "algorithm": "dp2-fedsam", "head-steps": 3, "local-steps": 3})
 

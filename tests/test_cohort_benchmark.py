@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from benchmarks.cohort import main, write_parquet_export
-from dpcore.task.data_files import read_local
+from dpfl.dpcore.task.data_files import read_local
 
 
 @pytest.mark.parametrize(("dataset", "shape"), [("mnist", (28, 28)), ("cifar10", (32, 32, 3))])

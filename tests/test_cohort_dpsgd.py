@@ -18,12 +18,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from clients.dpsgd import LEDGER_KEY, torch_generator
+from dpfl.clients.dpsgd import LEDGER_KEY, torch_generator
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.config import validate
 from dpfl_tools.cohort import CohortGrid
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.client_app import build_client
-from fl_app.config import validate
 from tests.test_cohort import BASE, NODES, RTOL, assert_replies_close, launch, run
 
 ALI = {
@@ -126,8 +126,8 @@ def test_dpsgd_no_client_leaks_into_another(monkeypatch):
             assert grid.batched == NODES
             return [np.concatenate([x.ravel() for x in r.content["arrays"].to_numpy_ndarrays()]) for r in out]
 
-    import clients.dpsgd as dpsgd
-    import fl_app.client_app as project
+    import dpfl.clients.dpsgd as dpsgd
+    import dpfl.fl_app.client_app as project
 
     def other_stream(m, which, pid):
         made = dpsgd.torch_generator

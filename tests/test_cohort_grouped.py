@@ -9,11 +9,11 @@ from torch import nn
 
 import dpfl_tools.cohort as cohort
 import dpfl_tools.cohort_grouped as grouped
-from dpcore.task.models import build_model
+from dpfl.dpcore.task.models import build_model
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
 from dpfl_tools.cohort import CohortGrid
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
 from tests.test_cohort import assert_replies_close, run
 
 RTOL = 1e-5

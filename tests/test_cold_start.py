@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from dpcore.task import data, partitions
+from dpfl.dpcore.task import data, partitions
 
 PROBE = """
 import sys, json
-import fl_app.client_app
-from dpcore.task.partitions import load_partition
+import dpfl.fl_app.client_app
+from dpfl.dpcore.task.partitions import load_partition
 train, test = load_partition("mnist-embedded", 3, 50, "dirichlet", alpha=0.5, seed=42)
 print(json.dumps({"n": len(train), "loaded": [m for m in ("opacus", "flwr_datasets", "datasets") if m in sys.modules]}))
 """
@@ -94,11 +94,11 @@ def test_cached_partitions_equal_freshly_computed_ones(tmp_path, monkeypatch):
 FIRST_TRAINING = """
 import sys, json, torch
 from flwr.app import Context, RecordDict
-from fl_app.algorithms import ALGORITHMS
-from fl_app.client_app import build_client
-from fl_app.config import validate
-from fl_app.server_app import shared_weights
-from dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.algorithms import ALGORITHMS
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import shared_weights
+from dpfl.dpcore.task.torch_helpers import get_weights
 out = {}
 for algorithm in ("dp-fedsam", "dp2-fedsam"):
     cfg = validate({"algorithm": algorithm, "local-steps": 2})
@@ -130,7 +130,7 @@ def test_local_training_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path
 def test_local_sgd_equals_torch_sgd_bit_for_bit():
     import torch
 
-    from clients.base import LocalSGD
+    from dpfl.clients.base import LocalSGD
 
     torch.manual_seed(0)
     for momentum, weight_decay in ((0.0, 0.0), (0.5, 5e-4), (0.9, 1e-2)):
@@ -159,10 +159,10 @@ import json
 import numpy
 from threadpoolctl import threadpool_info
 before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-from fl_app.client_app import app
-from fl_app.config import validate
+from dpfl.fl_app.client_app import app
+from dpfl.fl_app.config import validate
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.server_app import run_federated
+from dpfl.fl_app.server_app import run_federated
 cfg = validate({"dataset": "digits", "model": "mlp", "num-rounds": 1, "sample-rate": 1.0, "local-steps": 1,
                 "tensorboard": False, "results-dir": RESULTS})
 run_federated(InProcessGrid(app, 2, cfg), cfg)

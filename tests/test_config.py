@@ -5,28 +5,28 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.config import SPEC, ConfigError, validate
+from dpfl.fl_app.config import SPEC, ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_defaults_equal_spec():
     """pyproject's [tool.flwr.app.config] is drawn from fl_app/settings.py: the same keys and defaults (typed as
-    the settings are: 600.0 a float, 2 an int), and the text `python -m fl_app.config --write` writes."""
-    from fl_app.config import with_app_config_table
+    the settings are: 600.0 a float, 2 an int), and the text `python -m dpfl.fl_app.config --write` writes."""
+    from dpfl.fl_app.config import with_app_config_table
 
     text = (ROOT / "pyproject.toml").read_text()
     app_config = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
     assert app_config == {k: s.default for k, s in SPEC.items()}
     assert {k: type(v) for k, v in app_config.items()} == {k: type(s.default) for k, s in SPEC.items()}
-    assert text == with_app_config_table(text), "regenerate it: python -m fl_app.config --write"
+    assert text == with_app_config_table(text), "regenerate it: python -m dpfl.fl_app.config --write"
 
 
 def test_the_readme_key_table_gives_the_declared_defaults():
     """README's table of the keys that matter shows each key's default as fl_app/settings.py declares it."""
     import re
 
-    from fl_app.config import literal
+    from dpfl.fl_app.config import literal
 
     rows = re.findall(r"^\| `([a-z-]+)` \| `([^`]*)` \|", (ROOT / "README.md").read_text(), re.M)
     assert len(rows) >= 10
@@ -39,7 +39,7 @@ def test_each_key_is_one_typed_field_of_one_concern():
     import dataclasses
     import typing
 
-    from fl_app.settings import KEYS, Settings
+    from dpfl.fl_app.settings import KEYS, Settings
 
     assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 79
     assert len({k.attribute for k in KEYS}) == len(KEYS)
@@ -54,7 +54,7 @@ def test_each_key_is_one_typed_field_of_one_concern():
 
 
 def test_validate_gives_typed_settings_that_round_trip():
-    from fl_app.settings import Settings
+    from dpfl.fl_app.settings import Settings
 
     given = {
         "noise-multiplier": 2.5,
@@ -261,9 +261,9 @@ def test_every_key_has_an_error_test_or_is_free_text():
 
 
 def test_the_key_reference_is_drawn_from_the_spec():
-    from fl_app.config import KEYS_DOC, key_reference
+    from dpfl.fl_app.config import KEYS_DOC, key_reference
 
-    assert (ROOT / KEYS_DOC).read_text() == key_reference(), "regenerate it: python -m fl_app.config --write"
+    assert (ROOT / KEYS_DOC).read_text() == key_reference(), "regenerate it: python -m dpfl.fl_app.config --write"
     assert all(f"| `{key}` |" in key_reference() for key in SPEC)
 
 
@@ -300,8 +300,8 @@ def test_targets_that_fail_in_round_one_are_refused_at_validation(overrides, rea
 
 def test_the_least_reachable_calibrate_target_passes_validation():
     """The bound is exact at delta 1e-5: eps(sigma = 1e3) after 30 rounds at q 0.5 is refused just below, not at."""
-    from dpcore.privacy.accountants import epsilon_of
-    from dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY
+    from dpfl.dpcore.privacy.accountants import epsilon_of
+    from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY
 
     least = epsilon_of([(1e3, 0.5, 30)], 1e-5 - 30 * TRUNCATION_PROBABILITY)
     assert least == pytest.approx(0.008465, rel=1e-3)
@@ -317,7 +317,7 @@ def test_ali_dpfl_plans_huge_targets_at_the_step_cap_within_seconds(target):
     capped at MAX_LOCAL_STEPS = 100,000, found with two evaluations of the accountant."""
     import time
 
-    from dpcore.privacy.dpsgd_noise import MAX_LOCAL_STEPS, max_local_steps
+    from dpfl.dpcore.privacy.dpsgd_noise import MAX_LOCAL_STEPS, max_local_steps
 
     start = time.monotonic()
     assert max_local_steps(target, 1e-5, 1.0, 0.05) == MAX_LOCAL_STEPS == 100_000
@@ -350,7 +350,7 @@ def test_every_rule_error_names_a_key_of_the_app_config():
     argument with '-' for '_' where the key is another: epoch_rounds is 'ftrl-epoch-rounds')."""
     import re
 
-    from dpcore.privacy.settings import PYTHON_ONLY, SettingError, require
+    from dpfl.dpcore.privacy.settings import PYTHON_ONLY, SettingError, require
 
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     arguments = rule_arguments()
@@ -368,8 +368,8 @@ def test_every_rule_error_names_a_key_of_the_app_config():
 
 
 def test_dp_ftrl_built_from_python_names_its_real_key():
-    from dpcore.privacy.settings import SettingError
-    from strategies.dp_ftrl import DPFTRL
+    from dpfl.dpcore.privacy.settings import SettingError
+    from dpfl.strategies.dp_ftrl import DPFTRL
 
     with pytest.raises(SettingError, match=r"epoch_rounds=-1 \(run-config key 'ftrl-epoch-rounds'\)"):
         DPFTRL(epoch_rounds=-1)
@@ -401,8 +401,8 @@ def test_a_new_key_read_by_one_builder_is_refused_for_the_others(monkeypatch):
     refused for ali-dpfl, whose builder does not read it: found by reading the builders, not by a list."""
     from dataclasses import replace
 
-    from fl_app import algorithms
-    from fl_app.builders import client_level
+    from dpfl.fl_app import algorithms
+    from dpfl.fl_app.builders import client_level
 
     def with_head_steps(s):
         return {**client_level(s), "head_steps": s.personalization.head_steps}
@@ -426,7 +426,7 @@ def test_a_new_key_read_by_one_builder_is_refused_for_the_others(monkeypatch):
 
 
 def test_the_reference_run_drops_the_keys_its_algorithm_does_not_read():
-    from fl_app.algorithms import reference_overrides
+    from dpfl.fl_app.algorithms import reference_overrides
 
     defaults = {k: spec.default for k, spec in SPEC.items()}
     overrides = {"algorithm": "ali-dpfl", "num-partitions": 4, "gamma": 1.0, "local-steps": 3}

@@ -6,8 +6,8 @@ import math
 import random
 import time
 
-from dpcore.privacy.accountants import epsilon_of
-from fl_app.config import SPEC, ConfigError, validate
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.fl_app.config import SPEC, ConfigError, validate
 
 CONFIGS = 1200
 WEIRD = [

@@ -7,12 +7,12 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.dashboards import NONPRIVATE_PREFIX, NOT_A_GUARANTEE, TAGS, WandbWriter, scalars, write_tensorboard
+from dpfl.fl_app.results import read_diagnostics, read_metrics
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.dashboards import NONPRIVATE_PREFIX, NOT_A_GUARANTEE, TAGS, WandbWriter, scalars, write_tensorboard
-from fl_app.results import read_diagnostics, read_metrics
-from fl_app.server_app import run_federated
 
 SMALL = {
     "dataset": "digits",

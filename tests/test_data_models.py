@@ -12,11 +12,11 @@ import torch
 from opacus import GradSampleModule
 from opacus.validators import ModuleValidator
 
-from dpcore.task import data, data_files, partitions
-from dpcore.task.catalogue import dataset_info
-from dpcore.task.data import load_dataset
-from dpcore.task.models import MODELS, build_model, count_parameters, head_parameter_names
-from dpcore.task.partitions import load_partition, partition_indices
+from dpfl.dpcore.task import data, data_files, partitions
+from dpfl.dpcore.task.catalogue import dataset_info
+from dpfl.dpcore.task.data import load_dataset
+from dpfl.dpcore.task.models import MODELS, build_model, count_parameters, head_parameter_names
+from dpfl.dpcore.task.partitions import load_partition, partition_indices
 
 torch.set_num_threads(1)
 
@@ -283,7 +283,7 @@ def test_head_prefix():
 def test_validation_split_is_held_out_from_every_client():
     """validation-fraction 0.1: the server's validation set is 10% of the pool, no client partition touches it,
     and the partitions cover the rest exactly once."""
-    from dpcore.task.partitions import _dataset_partitions, load_validation, validation_split
+    from dpfl.dpcore.task.partitions import _dataset_partitions, load_validation, validation_split
 
     pool, _ = load_dataset("digits")
     clients, held = validation_split(len(pool), 0.1)

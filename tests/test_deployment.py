@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.mechanisms import noise_share_count, topup_noise_std
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.mechanisms import noise_share_count, topup_noise_std
+from dpfl.fl_app.results import read_rounds, read_status
 from dpfl_tools import ROOT
 from dpfl_tools.local_deployment import Deployment, make_node_keys
-from fl_app.results import read_rounds, read_status
 from tests.independent_accountant import dp_accounting_epsilons
 
 pytestmark = pytest.mark.slow

@@ -13,18 +13,18 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from clients.base import TrainingClient
-from clients.dpsgd import DPSGDClient, torch_generator
-from clients.personalized import ContextHeadStore, DP2FedSAMClient
-from clients.sam import SAMClient
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, make_rng
-from dpcore.task.device import CHANNELS_LAST_MODELS, device_problem, resolve_device, use_channels_last
-from dpcore.task.models import build_model, split_state_keys
-from dpcore.task.partitions import load_partition
-from dpcore.task.torch_helpers import get_weights
-from fl_app.client_app import build_client
-from fl_app.config import ConfigError, validate
+from dpfl.clients.base import TrainingClient
+from dpfl.clients.dpsgd import DPSGDClient, torch_generator
+from dpfl.clients.personalized import ContextHeadStore, DP2FedSAMClient
+from dpfl.clients.sam import SAMClient
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import flatten, make_rng
+from dpfl.dpcore.task.device import CHANNELS_LAST_MODELS, device_problem, resolve_device, use_channels_last
+from dpfl.dpcore.task.models import build_model, split_state_keys
+from dpfl.dpcore.task.partitions import load_partition
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.config import ConfigError, validate
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
@@ -232,9 +232,9 @@ def test_secure_torch_generators_ignore_the_run_seed():
 # ---------------------------------------------------------------- on CUDA (skipped without it)
 @needs_cuda
 def test_a_round_on_cuda_returns_cpu_float32_and_learns(tmp_path):
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.server_app import run_federated
 
     cfg = validate(
         {

@@ -11,19 +11,19 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MessageType, RecordDict
 from torch import nn
 
-import clients.personalized as personalized
-from clients.base import TrainingClient
-from clients.personalized import ContextHeadStore, DP2FedSAMClient, FileHeadStore, PartialSharingClient
-from dpcore.privacy.mechanisms import clip_to_norm, flatten
-from dpcore.task import atomic
-from dpcore.task.models import MODELS, build_model, head_parameter_names, split_state_keys
+import dpfl.clients.personalized as personalized
+from dpfl.clients.base import TrainingClient
+from dpfl.clients.personalized import ContextHeadStore, DP2FedSAMClient, FileHeadStore, PartialSharingClient
+from dpfl.dpcore.privacy.mechanisms import clip_to_norm, flatten
+from dpfl.dpcore.task import atomic
+from dpfl.dpcore.task.models import MODELS, build_model, head_parameter_names, split_state_keys
+from dpfl.fl_app.algorithms import ALGORITHMS
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.client_app import build_client
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import build_global_model, build_strategy, run_federated, shared_weights
+from dpfl.strategies.partial_sharing import PartialSharingDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.algorithms import ALGORITHMS
-from fl_app.client_app import app as client_app
-from fl_app.client_app import build_client
-from fl_app.config import validate
-from fl_app.server_app import build_global_model, build_strategy, run_federated, shared_weights
-from strategies.partial_sharing import PartialSharingDPFedAvg
 
 torch.set_num_threads(1)
 C, SIGMA = 0.5, 1.3

@@ -8,11 +8,11 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.mechanisms import flatten
-from dpcore.task.torch_helpers import get_weights
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
-from strategies.dp_fedavg import DPFedAvg
 from tests.stub_clients import stub_app, zero_update
 
 C, SIGMA = 0.5, 1.3
@@ -210,8 +210,8 @@ def test_regenerating_the_noise_from_the_seed_recovers_nothing_by_default(secure
     """The attack of a server that knows the run config: regenerate the client's noise share from 'seed'
     and subtract it. With the default (OS entropy) the residual is the full noise; seeded noise
     (secure_rng=False, which the summary marks as no guarantee) gives the clipped update away."""
-    from clients.base import TrainingClient
-    from dpcore.privacy.mechanisms import clip_to_norm, gaussian_noise, make_rng
+    from dpfl.clients.base import TrainingClient
+    from dpfl.dpcore.privacy.mechanisms import clip_to_norm, gaussian_noise, make_rng
 
     update = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
     client = TrainingClient(torch.nn.Linear(2, 2), [], [], seed=42, partition_id=3, secure_rng=secure_rng)

@@ -15,19 +15,19 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from dpcore.privacy.accountants import epsilon_of, tree_gaussian_multiplier
-from dpcore.privacy.ledger import TreeAggregationLedger
-from dpcore.privacy.mechanisms import make_rng
-from dpcore.privacy.settings import SettingError
-from dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth
+from dpfl.dpcore.privacy.accountants import epsilon_of, tree_gaussian_multiplier
+from dpfl.dpcore.privacy.ledger import TreeAggregationLedger
+from dpfl.dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.privacy.settings import SettingError
+from dpfl.dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix, tree_depth
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import ConfigError, validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.dp_ftrl import DPFTRL
+from dpfl.strategies.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import ConfigError, validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
-from strategies import DifferentialPrivacy
-from strategies.dp_ftrl import DPFTRL
-from strategies.wrapped import reply_message
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 

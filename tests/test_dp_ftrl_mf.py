@@ -14,16 +14,16 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-import strategies.dp_ftrl_mf as dp_ftrl_mf
-from dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy
+import dpfl.strategies.dp_ftrl_mf as dp_ftrl_mf
+from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import RunDirectory, read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.dp_ftrl_mf import MatrixFactorizationFTRL, prefix_noise_norms
+from dpfl.strategies.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import RunDirectory, read_metrics
-from fl_app.server_app import run_federated
-from strategies import DifferentialPrivacy
-from strategies.dp_ftrl_mf import MatrixFactorizationFTRL, prefix_noise_norms
-from strategies.wrapped import reply_message
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.test_dp_ftrl import rel_tolerance, unchanged_weights_client
 from tests.test_resume import CrashingGrid, KilledServerApp, records
@@ -65,7 +65,7 @@ def test_a_strategy_is_optimized_once_per_process_for_each_set_of_inputs(monkeyp
     import contextlib
     import types
 
-    import dpcore.privacy.matrix_factorization as mf_module
+    import dpfl.dpcore.privacy.matrix_factorization as mf_module
 
     calls = []
 
@@ -244,7 +244,7 @@ def test_jax_is_not_imported_by_default_and_its_absence_is_refused_with_the_inst
     code = (
         "import sys\n"
         "import dpfl, strategies, fl_app.server_app, fl_app.client_app\n"
-        "from fl_app.config import validate\n"
+        "from dpfl.fl_app.config import validate\n"
         "validate({'algorithm': 'dp-ftrl'})\n"
         "assert 'jax' not in sys.modules, 'jax imported'\n"
         "sys.modules['jax_privacy'] = None\n"  # as if not installed

@@ -7,10 +7,10 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.dpsgd import DPSGDClient, dpsgd_steps
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.dpsgd_noise import dpsgd_multipliers, max_local_steps
-from dpcore.privacy.mechanisms import (
+from dpfl.clients.dpsgd import DPSGDClient, dpsgd_steps
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.dpsgd_noise import dpsgd_multipliers, max_local_steps
+from dpfl.dpcore.privacy.mechanisms import (
     coefficient_clipping_noise_multiplier,
     flatten,
     haar_coefficient_norm,
@@ -21,11 +21,11 @@ from dpcore.privacy.mechanisms import (
     haar_weights,
     make_rng,
 )
-from dpcore.task.torch_helpers import get_weights
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.server_app import run_federated
 from tests.test_ali_dpfl import tensors, tiny_data, tiny_model
 
 torch.set_num_threads(1)

@@ -15,13 +15,13 @@ from flwr.server import LegacyContext, ServerApp, ServerAppComponents, ServerCon
 from flwr.server.workflow import DefaultWorkflow
 from sklearn.datasets import load_digits
 
-from clients.mods import make_dp_privatize_mod, uniform_weight_mod
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.mechanisms import flatten
+from dpfl.clients.mods import make_dp_privatize_mod, uniform_weight_mod
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.legacy import LegacyDPFedAvg
+from dpfl.strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
-from strategies.dp_fedavg import DPFedAvg
-from strategies.legacy import LegacyDPFedAvg
-from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from tests.foreign_app.foreign.task import train as softmax_regression_steps
 
 NODES, ROUNDS, C, SIGMA = 10, 8, 1.0, 0.7

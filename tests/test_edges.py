@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.config import ConfigError, validate
+from dpfl.fl_app.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,8 +170,8 @@ def test_the_launcher_honours_a_given_results_dir_and_resumes_a_run_folder(tmp_p
 
     import numpy as np
 
+    from dpfl.fl_app.config import SPEC
     from dpfl_tools.plan import parse_overrides, plan_runs
-    from fl_app.config import SPEC
 
     args = argparse.Namespace(
         resume="",
@@ -229,8 +229,8 @@ def test_run_folder_files_are_the_owners_only(tmp_path):
     import numpy as np
     from flwr.app import ArrayRecord
 
-    from fl_app.results import RunDirectory, plot_runs
-    from fl_app.settings import Settings
+    from dpfl.fl_app.results import RunDirectory, plot_runs
+    from dpfl.fl_app.settings import Settings
 
     run = RunDirectory(tmp_path / "run")
     run.write_config(Settings())
@@ -270,7 +270,7 @@ def test_the_launchers_flower_home_is_the_owners_only(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
-from fl_app.results import RunDirectory
+from dpfl.fl_app.results import RunDirectory
 run = RunDirectory(sys.argv[1])
 print("locked", flush=True)
 time.sleep(60)
@@ -283,7 +283,7 @@ def test_a_run_folder_has_one_writer(tmp_path):
     import subprocess
     import sys
 
-    from fl_app.results import RunDirectory, RunFolderLockedError, lock_run_folder
+    from dpfl.fl_app.results import RunDirectory, RunFolderLockedError, lock_run_folder
 
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -310,9 +310,9 @@ def test_a_run_folder_has_one_writer(tmp_path):
 def test_two_runs_started_in_the_same_second_get_different_folders(monkeypatch):
     import time
 
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.results import resolve_run_dir
     from dpfl_tools.plan import run_stamp
-    from fl_app.config import validate
-    from fl_app.results import resolve_run_dir
 
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-120000")
     cfg = validate({})
@@ -330,8 +330,8 @@ def previous_run(folder: Path, checkpoint: bool = True) -> Path:
     import numpy as np
     from flwr.app import ArrayRecord
 
-    from fl_app.config import validate
-    from fl_app.results import RunDirectory
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.results import RunDirectory
 
     run = RunDirectory(folder)
     run.write_config(validate({"results-dir": str(folder)}))
@@ -346,8 +346,8 @@ def previous_run(folder: Path, checkpoint: bool = True) -> Path:
 
 
 def test_a_refused_resume_leaves_the_round_files_as_they_were(tmp_path):
-    from fl_app.config import validate
-    from fl_app.results import PreviousRunError, RunDirectory
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.results import PreviousRunError, RunDirectory
 
     folder = previous_run(tmp_path / "run")
     before = {name: (folder / name).read_bytes() for name in ("metrics.jsonl", "diagnostics.jsonl")}
@@ -370,7 +370,7 @@ def test_the_launcher_fails_a_run_whose_status_is_a_previous_runs(tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_an_error_naming_it(tmp_path):
-    from fl_app.results import PreviousRunError, RunDirectory
+    from dpfl.fl_app.results import PreviousRunError, RunDirectory
 
     folder = previous_run(tmp_path / "run", checkpoint=False)
     with pytest.raises(PreviousRunError) as err:
@@ -386,7 +386,7 @@ def test_a_full_disk_leaves_no_half_written_file(tmp_path, monkeypatch):
     import errno
     import os
 
-    from fl_app.results import RunDirectory, read_metrics
+    from dpfl.fl_app.results import RunDirectory, read_metrics
 
     run = RunDirectory(tmp_path / "run")
     run.write_status("running")
@@ -456,8 +456,8 @@ def mnist_folder(folder: Path, train: int = 20, test: int = 10, train_labels: in
 
 
 def data_error(folder: Path) -> str:
-    from dpcore.task.data import load_dataset
-    from dpcore.task.data_files import DataFileError
+    from dpfl.dpcore.task.data import load_dataset
+    from dpfl.dpcore.task.data_files import DataFileError
 
     with pytest.raises(DataFileError) as err:
         load_dataset("mnist", str(folder))
@@ -466,7 +466,7 @@ def data_error(folder: Path) -> str:
 
 
 def test_good_idx_files_load(tmp_path):
-    from dpcore.task.data import load_dataset
+    from dpfl.dpcore.task.data import load_dataset
 
     pool, test = load_dataset("mnist", str(mnist_folder(tmp_path / "mnist")))
     assert (len(pool), len(test), pool.x.shape[1:]) == (20, 10, (1, 28, 28))
@@ -528,7 +528,7 @@ def test_a_corrupted_cache_file_is_rebuilt_with_a_warning_naming_it(tmp_path, mo
 
     import numpy as np
 
-    from dpcore.task import data
+    from dpfl.dpcore.task import data
 
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     x, y = data._embedded_images("digits")
@@ -549,7 +549,7 @@ def test_a_full_disk_leaves_no_half_written_cache_file(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from dpcore.task import data
+    from dpfl.dpcore.task import data
 
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
 
@@ -604,7 +604,7 @@ def test_the_launcher_resumes_a_run_and_refuses_a_changed_one(tmp_path):
     import subprocess
     import sys
 
-    from fl_app.results import read_metrics
+    from dpfl.fl_app.results import read_metrics
 
     results = tmp_path / "results"
 

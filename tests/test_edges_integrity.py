@@ -10,12 +10,12 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.strategies.ali_dpfl import ALIDPFL
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
 from dpfl_tools.inprocess import InProcessGrid
-from strategies.ali_dpfl import ALIDPFL
-from strategies.dp_fedavg import DPFedAvg
-from strategies.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
 
 SIZES = [10, 30, 60, 99]
 
@@ -181,7 +181,7 @@ NO_UPDATE_AGGREGATED = "no client update was aggregated in any round"
 
 
 def small_run_config(tmp_path, algorithm="ali-dpfl"):
-    from fl_app.config import validate
+    from dpfl.fl_app.config import validate
 
     common = {
         "dataset": "digits",
@@ -208,9 +208,9 @@ def small_run_config(tmp_path, algorithm="ali-dpfl"):
 @pytest.mark.parametrize("algorithm", ["ali-dpfl", "dp-fedavg"])
 def test_a_run_in_which_every_client_fails_says_failed_and_the_launcher_exits_non_zero(tmp_path, algorithm):
     """Before: status 'completed' (the launcher exited 0) though no client update was ever aggregated."""
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.launch import run_status
-    from fl_app.client_app import app as client_app
-    from fl_app.server_app import run_federated
 
     cfg = small_run_config(tmp_path, algorithm=algorithm)
     summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: True), cfg)
@@ -224,8 +224,8 @@ def test_a_run_in_which_every_client_fails_says_failed_and_the_launcher_exits_no
 
 
 def test_a_run_in_which_one_client_trains_completes(tmp_path):
-    from fl_app.client_app import app as client_app
-    from fl_app.server_app import run_federated
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.server_app import run_federated
 
     cfg = small_run_config(tmp_path)
     summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: node != 101), cfg)

@@ -11,10 +11,10 @@ from flwr.clientapp import ClientApp
 from flwr.common import ndarrays_to_parameters
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.legacy import LegacyDPFedAvg
+from dpfl.strategies.secagg import SecAggPlusDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
-from strategies.dp_fedavg import DPFedAvg
-from strategies.legacy import LegacyDPFedAvg
-from strategies.secagg import SecAggPlusDPFedAvg
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.test_dropin import dp_mod, initial_weights, legacy_client_fn, legacy_evaluate
 
@@ -75,7 +75,7 @@ def secagg_server_app(strategy):
     from flwr.server import LegacyContext
     from flwr.server.workflow import DefaultWorkflow
 
-    from strategies.secagg import DPSecAggPlusWorkflow
+    from dpfl.strategies.secagg import DPSecAggPlusWorkflow
 
     app = ServerApp()
 
@@ -148,10 +148,10 @@ def run_small(tmp_path, name, caplog, **overrides):
     import logging
     from pathlib import Path
 
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.results import read_metrics
-    from fl_app.server_app import run_federated
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.results import read_metrics
+    from dpfl.fl_app.server_app import run_federated
     from tests.test_dashboards import events
 
     cfg = validate(
@@ -289,9 +289,9 @@ def test_server_mu_is_estimated_on_held_out_data_never_on_what_accuracy_is_measu
     evaluated); now on the validation split, or on 256 test samples that evaluation leaves out."""
     import numpy as np
 
-    import fl_app.server_app as server_app
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
+    import dpfl.fl_app.server_app as server_app
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
 
     mu_rows, evaluated_rows = set(), set()
     real_gradient, real_evaluate = server_app.loss_gradient, server_app.evaluate_model
@@ -349,8 +349,8 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     import dp_accounting
     from dp_accounting import pld
 
-    from dpcore.privacy.ledger import ClientLevelLedger
-    from strategies.noise_placement import server_view
+    from dpfl.dpcore.privacy.ledger import ClientLevelLedger
+    from dpfl.strategies.noise_placement import server_view
 
     ledger = ClientLevelLedger(
         1e-5, server_view=server_view("distributed"), secure_aggregation=True, client_sampling=sampling
@@ -373,7 +373,7 @@ def test_secagg_refuses_a_sum_above_what_honest_clients_can_produce():
     from flwr.app import ArrayRecord
     from flwr.common import Code, FitRes, Status, parameters_to_ndarrays
 
-    from dpcore.privacy.mechanisms import flatten, l2_norm
+    from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm
 
     dp = DPFedAvg(sample_rate=1.0, clipping_norm=1.0, noise_multiplier=0.0, noise_placement="distributed")
     strategy = SecAggPlusDPFedAvg(dp)

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_diagnostics, read_metrics
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_diagnostics, read_metrics
-from fl_app.server_app import run_federated
 
 NUM_CLIENTS = 50
 
@@ -104,8 +104,8 @@ def test_bad_config_fails_before_training(tmp_path):
     """The ServerApp refuses a bad config before it writes or trains anything."""
     from flwr.app import Context, RecordDict
 
-    from fl_app.config import ConfigError
-    from fl_app.server_app import main
+    from dpfl.fl_app.config import ConfigError
+    from dpfl.fl_app.server_app import main
 
     bad = {"noise-multiplier": -1.0, "results-dir": str(tmp_path / "run")}
     grid = InProcessGrid(client_app, 3, bad)

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from dpcore.privacy import figures
-from dpcore.privacy.figures import FIGURES, GUARANTEE_SUFFIX
-from fl_app.dashboards import NOT_A_GUARANTEE, TAGS, scalars
-from fl_app.server_app import DIAGNOSTIC_SUMMARY_LOG_KEYS, SUMMARY_LOG_KEYS
-from strategies.round_loop import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, PUBLISHED_KEYS, format_record, parse_log_line
+from dpfl.dpcore.privacy import figures
+from dpfl.dpcore.privacy.figures import FIGURES, GUARANTEE_SUFFIX
+from dpfl.fl_app.dashboards import NOT_A_GUARANTEE, TAGS, scalars
+from dpfl.fl_app.server_app import DIAGNOSTIC_SUMMARY_LOG_KEYS, SUMMARY_LOG_KEYS
+from dpfl.strategies.round_loop import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, PUBLISHED_KEYS, format_record, parse_log_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_docs_table_is_drawn_from_the_figures():
     doc = (ROOT / figures.FIGURES_DOC).read_text()
-    assert figures.figure_table() in doc, "regenerate it: python -m dpcore.privacy.figures --write"
+    assert figures.figure_table() in doc, "regenerate it: python -m dpfl.dpcore.privacy.figures --write"
     assert all(f"| `{f.name}` |" in doc for f in FIGURES)
 
 
@@ -102,8 +102,8 @@ def test_the_log_line_keeps_its_order_and_reads_back():
 
 
 def test_an_adaptive_clipping_run_publishes_only_figures_of_the_table():
-    from strategies import DPFedAvg
-    from strategies.adaptive_clipping import AdaptiveClipping
+    from dpfl.strategies import DPFedAvg
+    from dpfl.strategies.adaptive_clipping import AdaptiveClipping
 
     strategy = DPFedAvg(
         noise_multiplier=0.1,
@@ -118,13 +118,13 @@ def test_an_adaptive_clipping_run_publishes_only_figures_of_the_table():
 
 TOY = """
 import json
-from dpcore.privacy import figures
+from dpfl.dpcore.privacy import figures
 
 toy = figures.Figure("toy_figure", "a toy", tag="toy/figure", round_line=True, finish_line=True, caveat="a toy's")
 figures.FIGURES = (*figures.FIGURES, toy, figures.guarantee_mark(toy))
-from fl_app.dashboards import scalars
-from fl_app.server_app import SUMMARY_LOG_KEYS
-from strategies.round_loop import LOG_KEYS, PUBLISHED_KEYS, format_record
+from dpfl.fl_app.dashboards import scalars
+from dpfl.fl_app.server_app import SUMMARY_LOG_KEYS
+from dpfl.strategies.round_loop import LOG_KEYS, PUBLISHED_KEYS, format_record
 
 record = {"round": 2, "toy_figure": 0.25, "toy_figure_is_guarantee": False}
 print(json.dumps({

@@ -10,9 +10,9 @@ import pytest
 from dp_accounting import pld, rdp
 from flwr.app import Array, ArrayRecord
 
-from dpcore.privacy.ledger import ClientLevelLedger
+from dpfl.dpcore.privacy.ledger import ClientLevelLedger
+from dpfl.strategies import DifferentialPrivacy
 from dpfl_tools.inprocess import InProcessGrid
-from strategies import DifferentialPrivacy
 from tests.test_accounting import worst_pair_lower_bound
 from tests.test_wrapper import weights_client
 

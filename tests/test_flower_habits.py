@@ -12,8 +12,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.privacy_accounting import PrivacySpent
 
-from dpcore.privacy.settings import SettingError
 from dpfl import DifferentialPrivacy as DifferentialPrivacyServerSideFixedClipping
+from dpfl.dpcore.privacy.settings import SettingError
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_wrapper import model, weights_client
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flwr.serverapp.strategy import FedAvg
 
+from dpfl.fl_app.transport import PromptGrid, TooFewNodes, wait_for_nodes
+from dpfl.strategies import DifferentialPrivacy
 from dpfl_tools import pull_backoff
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.transport import PromptGrid, TooFewNodes, wait_for_nodes
-from strategies import DifferentialPrivacy
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.test_wrapper import M, model, weights_client
 
@@ -67,9 +67,9 @@ def test_the_default_server_path_patches_nothing(tmp_path, monkeypatch):
     """The ServerApp's main with the default config leaves Flower's pull defaults as they are."""
     from flwr.app import Context, RecordDict
 
+    from dpfl.fl_app import server_app
+    from dpfl.fl_app.server_app import main as server_main
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app import server_app
-    from fl_app.server_app import main as server_main
 
     monkeypatch.setattr(server_app, "PromptGrid", lambda grid, **_: grid)  # the in-process grid answers at once
 
@@ -83,7 +83,7 @@ def test_the_default_server_path_patches_nothing(tmp_path, monkeypatch):
         "results-dir": str(tmp_path / "run"),
         "tensorboard": False,
     }
-    from fl_app.client_app import app as client_app
+    from dpfl.fl_app.client_app import app as client_app
 
     grid = InProcessGrid(client_app, 2, run_config)
     server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
@@ -136,7 +136,7 @@ def flower():
     }
 
 before = flower()
-import fl_app.client_app, fl_app.server_app
+import dpfl.fl_app.client_app, dpfl.fl_app.server_app
 after = flower()
 changed = [name for name in before if after[name] is not before[name] and after[name] != before[name]]
 print("changed:", changed, "tooling imported:", sorted(m for m in sys.modules if m.startswith("dpfl_tools")))
@@ -153,7 +153,7 @@ def test_importing_the_apps_patches_nothing_unless_the_tooling_asks(speed_patche
     import subprocess
     import sys
 
-    from fl_app import SPEED_PATCHES_ENV
+    from dpfl.fl_app import SPEED_PATCHES_ENV
 
     env = {k: v for k, v in os.environ.items() if k != SPEED_PATCHES_ENV}
     if speed_patches == "1":
@@ -174,7 +174,7 @@ def test_without_the_tooling_the_speed_patches_error_names_the_key(monkeypatch):
     """The FAB does not ship dpfl_tools: where it is not installed, asking for the patches fails with the key."""
     import sys
 
-    from fl_app import speed_patches
+    from dpfl.fl_app import speed_patches
 
     for name in ("dpfl_tools", "dpfl_tools.pull_backoff"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it fails

@@ -18,19 +18,19 @@ from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAvg
 from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
-from strategies import DifferentialPrivacy
-from strategies.ali_dpfl import ALIDPFL
-from strategies.dp_fedavg import DPFedAvg
-from strategies.legacy import LegacyDPFedAvg, reply_message
-from strategies.legacy_wrapper import LegacyDifferentialPrivacy
-from strategies.options import DPSGDOptions, SamplingOptions, ServerData
-from strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
-from strategies.secagg import SecAggPlusDPFedAvg
-from strategies.topk import DPFedSAMTopK
-from strategies.wavelet import DPFedAvgWavelet
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.ali_dpfl import ALIDPFL
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.legacy import LegacyDPFedAvg, reply_message
+from dpfl.strategies.legacy_wrapper import LegacyDifferentialPrivacy
+from dpfl.strategies.options import DPSGDOptions, SamplingOptions, ServerData
+from dpfl.strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
+from dpfl.strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
+from dpfl.strategies.secagg import SecAggPlusDPFedAvg
+from dpfl.strategies.topk import DPFedSAMTopK
+from dpfl.strategies.wavelet import DPFedAvgWavelet
 
 SHAPES = [(4, 3), (5,)]
 DIM = 17

@@ -138,11 +138,11 @@ def run_route(overrides: dict, run_dir: Path) -> Path:
     import paths."""
     import torch
 
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.server_app import run_federated
 
     torch.set_num_threads(1)
     np.random.seed(0)  # Flower's SecAgg+ quantization rounds stochastically with the global NumPy generator

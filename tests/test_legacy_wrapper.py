@@ -17,16 +17,16 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedYogi, Krum, QFedAvg
 from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
-from dpcore.privacy import protocol as keys
-from dpcore.privacy.mechanisms import flatten, unflatten
-from dpcore.privacy.settings import SettingError
 from dpfl import LegacyDifferentialPrivacy, SecAggPlusDifferentialPrivacy
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
+from dpfl.dpcore.privacy.settings import SettingError
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.legacy_log import FlowerLegacyLog
+from dpfl.strategies.round_loop import parse_log_line
+from dpfl.strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
+from dpfl.strategies.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid
-from strategies import DifferentialPrivacy
-from strategies.legacy_log import FlowerLegacyLog
-from strategies.round_loop import parse_log_line
-from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
-from strategies.wrapped import reply_message
 from tests.test_dropin import NODES, accuracy, initial_weights, legacy_client_fn, shard
 
 ROUNDS, C, SIGMA, M = 3, 1.0, 0.5, 5

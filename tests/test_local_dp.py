@@ -10,14 +10,14 @@ import pytest
 from dp_accounting import pld
 from flwr.app import Array, ArrayRecord
 
-from clients.local_dp import make_local_dp_mod
-from dpcore.privacy import protocol as keys
+from dpfl.clients.local_dp import make_local_dp_mod
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import ConfigError, validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies import DifferentialPrivacy
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import ConfigError, validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
-from strategies import DifferentialPrivacy
 from tests.test_wrapper import weights_client
 
 logging.getLogger("absl").setLevel(logging.ERROR)

@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
+from dpfl.strategies.round_loop import format_record, parse_log_line
 from dpfl_tools.import_graph import ROOT
-from strategies.round_loop import format_record, parse_log_line
 
 RUN = """
 import json, logging, sys
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.server_app import run_federated
+from dpfl.fl_app.server_app import run_federated
 cfg = validate(json.loads(sys.argv[1]))
 run_federated(InProcessGrid(client_app, 4, cfg), cfg)
 print("root handlers:", len(logging.getLogger().handlers))
@@ -102,7 +102,7 @@ def test_the_line_format_reads_back():
 OPACUS_ROOT_HANDLERS = """
 import logging, sys
 if sys.argv[1] == "guarded":
-    from dpcore.task.opacus_import import import_opacus
+    from dpfl.dpcore.task.opacus_import import import_opacus
     import_opacus()
 import opacus
 print(len(logging.getLogger().handlers))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dpcore.privacy.mechanisms import (
+from dpfl.dpcore.privacy.mechanisms import (
     clip_and_noise,
     clip_to_norm,
     distributed_noise_std,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from benchmarks.mf_accuracy import ARMS, launch_args, table
+from dpfl.fl_app.config import validate
 from dpfl_tools.plan import parse_overrides
-from fl_app.config import validate
 from tests.independent_accountant import dp_accounting_epsilons
 
 ARGS = argparse.Namespace(

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dpcore.privacy import settings
-from dpcore.privacy.modes import ClientSamplingMode, NoisePlacementMode, PrivacyUnit, TargetEpsilonMode, values
-from fl_app.algorithms import ALGORITHMS
-from fl_app.config import SPEC
+from dpfl.dpcore.privacy import settings
+from dpfl.dpcore.privacy.modes import ClientSamplingMode, NoisePlacementMode, PrivacyUnit, TargetEpsilonMode, values
+from dpfl.fl_app.algorithms import ALGORITHMS
+from dpfl.fl_app.config import SPEC
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

@@ -148,7 +148,7 @@ def test_a_dataset_downloaded_before_isolation_is_read_from_the_cache_inside(tmp
     )
     offline = (
         "from dpfl_tools.netns import isolate_network; isolate_network()\n"
-        "import dpcore.task.data as d\n"
+        "import dpfl.dpcore.task.data as d\n"
         "def no_network(name): raise RuntimeError('downloaded inside the namespace')\n"
         "d.download = no_network\n"
     )
@@ -169,7 +169,7 @@ def test_a_dataset_downloaded_before_isolation_is_read_from_the_cache_inside(tmp
 LAUNCH = """
 import errno, sys
 import dpfl_tools.launch as launch, dpfl_tools.netns as netns
-import dpcore.task.data as data
+import dpfl.dpcore.task.data as data
 if sys.argv[1] == "refused":
     def refused(flags):
         raise OSError(errno.EPERM, "unshare: Operation not permitted")

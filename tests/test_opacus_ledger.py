@@ -25,10 +25,10 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from clients import opacus_ledger
-from clients.opacus_ledger import PrivacyEngine, make_sample_ledger_mod, sample_ledger_mod
-from dpcore.privacy import protocol as keys
-from strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
+from dpfl.clients import opacus_ledger
+from dpfl.clients.opacus_ledger import PrivacyEngine, make_sample_ledger_mod, sample_ledger_mod
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
 from tests.independent_accountant import dp_accounting_epsilons
 
 SIGMA, BATCH, N = 1.0, 16, 128  # q = 16 / 128; one epoch = 8 expected steps

@@ -11,12 +11,12 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from dpcore.privacy.settings import SettingError, require
+from dpfl.dpcore.privacy.settings import SettingError, require
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.options import PrivacyOptions, RunOptions, SamplingOptions
+from dpfl.strategies.parts import AfterRound, Part
+from dpfl.strategies.reply_gate import MetricRule
 from dpfl_tools.inprocess import InProcessGrid
-from strategies import DifferentialPrivacy
-from strategies.options import PrivacyOptions, RunOptions, SamplingOptions
-from strategies.parts import AfterRound, Part
-from strategies.reply_gate import MetricRule
 
 TOY_SHIFT, TOY_ECHO = "toy-shift", "toy-echo"
 

@@ -17,12 +17,12 @@ from flwr.clientapp import ClientApp
 from scipy.stats import binom
 from torch import nn
 
-from clients.mods import make_dp_privatize_mod
-from dpcore.privacy import protocol as keys
-from dpcore.task.torch_helpers import get_weights
+from dpfl.clients.mods import make_dp_privatize_mod
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.legacy import LegacyDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
-from strategies import DifferentialPrivacy
-from strategies.legacy import LegacyDPFedAvg
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.stub_clients import stub_app, zero_update
 from tests.test_fixed_sampling import unamplified, without_replacement

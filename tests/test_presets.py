@@ -8,11 +8,11 @@ import logging
 import pytest
 from flwr.serverapp.strategy import FedAdam
 
-from dpcore.privacy import protocol as keys
-from strategies.dp_fedavg import DPFedAvg
-from strategies.roles import ROLE_PROTOCOLS, check_roles, role_members
-from strategies.topk import DPFedSAMTopK, TopKCodec
-from strategies.wavelet import DPFedAvgWavelet, WaveletMechanism
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.roles import ROLE_PROTOCOLS, check_roles, role_members
+from dpfl.strategies.topk import DPFedSAMTopK, TopKCodec
+from dpfl.strategies.wavelet import DPFedAvgWavelet, WaveletMechanism
 
 COMMON = dict(sample_rate=0.5, clipping_norm=1.5, noise_multiplier=1.0)
 

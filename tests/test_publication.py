@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-from dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_diagnostics, read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.round_loop import PUBLISHED_KEYS
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_diagnostics, read_metrics
-from fl_app.server_app import run_federated
-from strategies.dp_fedavg import DPFedAvg
-from strategies.round_loop import PUBLISHED_KEYS
 from tests.stub_clients import stub_app, zero_update
 
 C, SIGMA, M, Q = 0.5, 1.3, 10, 0.5

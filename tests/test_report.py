@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
 from dpfl_tools.report import NOT_PRIVATE, main, write_report
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import PreviousRunError, RunDirectory, read_metrics
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import PreviousRunError, RunDirectory, read_metrics
-from fl_app.server_app import run_federated
 
 SMALL = {
     "dataset": "digits",

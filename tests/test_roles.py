@@ -13,23 +13,23 @@ from pathlib import Path
 import pytest
 from flwr.serverapp.strategy import FedAvg
 
-import strategies
-from strategies import DifferentialPrivacy, noise_placement
-from strategies.mechanism import GaussianMechanism
-from strategies.options import PrivacyOptions, SamplingOptions
-from strategies.parts import ROLES, Part
-from strategies.roles import ROLE_PROTOCOLS, check_roles, role_members
+import dpfl.strategies as strategies
+from dpfl.strategies import DifferentialPrivacy, noise_placement
+from dpfl.strategies.mechanism import GaussianMechanism
+from dpfl.strategies.options import PrivacyOptions, SamplingOptions
+from dpfl.strategies.parts import ROLES, Part
+from dpfl.strategies.roles import ROLE_PROTOCOLS, check_roles, role_members
 
 
 def shipped_parts() -> list[type[Part]]:
     """Every subclass of Part defined in strategies/ (each module imported, so a new part is found)."""
     for module in pkgutil.iter_modules(strategies.__path__):
-        import_module(f"strategies.{module.name}")
+        import_module(f"dpfl.strategies.{module.name}")
     found, todo = [], list(Part.__subclasses__())
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if cls.__module__.startswith("strategies."):
+        if cls.__module__.startswith("dpfl.strategies."):
             found.append(cls)
     return found
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import ConfigError, validate
+from dpfl.fl_app.dashboards import TensorBoardWriter
+from dpfl.fl_app.results import PreviousRunError, RunDirectory, lock_run_folder, read_status
+from dpfl.fl_app.run_files import RunFileError
+from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import ConfigError, validate
-from fl_app.dashboards import TensorBoardWriter
-from fl_app.results import PreviousRunError, RunDirectory, lock_run_folder, read_status
-from fl_app.run_files import RunFileError
-from fl_app.server_app import run_federated
 from tests.independent_accountant import dp_accounting_epsilons
 
 SMALL = {
@@ -213,7 +213,7 @@ def test_a_full_disk_names_the_file_and_the_status_is_true(tmp_path, monkeypatch
 
 
 def test_a_failed_append_names_its_file(tmp_path, monkeypatch):
-    from fl_app.results import append_line
+    from dpfl.fl_app.results import append_line
 
     target = tmp_path / "metrics.jsonl"
     target.write_text("old\n")
@@ -269,7 +269,7 @@ def hold_lock(file):
 def killed_writer(folder: Path) -> dict:
     """A run whose writer is SIGKILLed right after it wrote `running`; the status.json it left."""
     code = (
-        "import sys, os, signal; from fl_app.results import RunDirectory; r = RunDirectory(sys.argv[1]); "
+        "import sys, os, signal; from dpfl.fl_app.results import RunDirectory; r = RunDirectory(sys.argv[1]); "
         "r.write_status('running'); os.kill(os.getpid(), signal.SIGKILL)"
     )
     subprocess.run([sys.executable, "-c", code, str(folder)], cwd=Path(__file__).parents[1])
@@ -279,8 +279,8 @@ def killed_writer(folder: Path) -> dict:
 def test_a_run_whose_writer_was_killed_reads_interrupted_also_in_the_file(tmp_path):
     import socket
 
+    from dpfl.fl_app.results import LOCK_FILE
     from dpfl_tools.launch import run_status
-    from fl_app.results import LOCK_FILE
 
     left = killed_writer(tmp_path)
     assert left["status"] == "running" and left["host"] == socket.gethostname()  # what the dead run left

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from clients.sam import sam_step
+from dpfl.clients.sam import sam_step
 
 
 def test_sam_step_matches_hand_computation():

@@ -3,10 +3,10 @@ client-level ledger reads a `SamplingForm` (Poisson or fixed-size), never compar
 
 import pytest
 
-from dpcore.privacy.ledger import ClientLevelLedger
-from dpcore.privacy.modes import SAMPLING_FORMS, SamplingForm
-from strategies.dp_fedavg import DPFedAvg
-from strategies.sampling import ClientSampling
+from dpfl.dpcore.privacy.ledger import ClientLevelLedger
+from dpfl.dpcore.privacy.modes import SAMPLING_FORMS, SamplingForm
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.sampling import ClientSampling
 from tests.independent_accountant import dp_accounting_epsilons
 
 DELTA, SIGMA, Q, ROUNDS = 1e-5, 2.0, 0.1, 20

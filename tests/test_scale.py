@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from dpcore.task.catalogue import ArrayDataset
-from dpcore.task.data import load_dataset
-from dpcore.task.mapped import memory_mapped
-from dpcore.task.models import build_model
-from dpcore.task.partitions import load_partition
-from dpcore.task.torch_helpers import as_tensors, evaluate_model
+from dpfl.dpcore.task.catalogue import ArrayDataset
+from dpfl.dpcore.task.data import load_dataset
+from dpfl.dpcore.task.mapped import memory_mapped
+from dpfl.dpcore.task.models import build_model
+from dpfl.dpcore.task.partitions import load_partition
+from dpfl.dpcore.task.torch_helpers import as_tensors, evaluate_model
 
 
 # ---------------------------------------------------------------- memory-mapped datasets

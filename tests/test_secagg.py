@@ -14,17 +14,17 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat
 from torch import nn
 
-from clients.mods import uniform_weight_mod
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.mechanisms import flatten
-from dpcore.task.torch_helpers import get_weights
+from dpfl.clients.mods import uniform_weight_mod
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.client_app import app as fl_client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.parts import failure_probability
+from dpfl.strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg, secagg_clipping_range
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as fl_client_app
-from fl_app.config import validate
-from fl_app.server_app import run_federated
-from strategies.dp_fedavg import DPFedAvg
-from strategies.parts import failure_probability
-from strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg, secagg_clipping_range
 from tests.stub_clients import FixedUpdateClient
 
 C, SIGMA = 0.5, 1.3
@@ -222,7 +222,7 @@ def run_app(secure: bool, tmp_path, **overrides) -> tuple[dict, list, dict]:
     import json
     from pathlib import Path
 
-    from fl_app.results import read_rounds
+    from dpfl.fl_app.results import read_rounds
 
     cfg = validate(
         {

@@ -24,7 +24,6 @@ from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAdam, FedAvg
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
-from dpcore.privacy.mechanisms import flatten
 from dpfl import (
     DPFedAvg,
     DPSecAggPlusWorkflow,
@@ -34,9 +33,10 @@ from dpfl import (
     SecAggPlusDPFedAvg,
     make_dp_privatize_mod,
 )
+from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.strategies.legacy_log import FlowerLegacyLog
+from dpfl.strategies.secagg import SECAGG_APP_FIT_METRICS_NOTE, SECAGG_FIT_METRICS_NOTE
 from dpfl_tools.inprocess import InProcessGrid
-from strategies.legacy_log import FlowerLegacyLog
-from strategies.secagg import SECAGG_APP_FIT_METRICS_NOTE, SECAGG_FIT_METRICS_NOTE
 from tests.test_dropin import (
     NODES,
     SIGMA,

@@ -112,7 +112,7 @@ def test_an_expired_message_is_dropped_as_flower_drops_it():
 def test_the_client_app_installs_the_pickup_only_where_asked_and_flowers_engine_is_loaded():
     import os
 
-    from fl_app import SPEED_PATCHES_ENV
+    from dpfl.fl_app import SPEED_PATCHES_ENV
 
     code = (
         "import sys\nimport flwr.server.superlink.fleet.vce.vce_api as v\nimport fl_app.client_app\n"

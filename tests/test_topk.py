@@ -8,7 +8,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from dpcore.privacy.mechanisms import (
+from dpfl.dpcore.privacy.mechanisms import (
     flatten,
     sparse_decode,
     sparse_encode,
@@ -16,14 +16,14 @@ from dpcore.privacy.mechanisms import (
     topk_mask,
     topk_sparsify,
 )
-from dpcore.task.torch_helpers import get_weights
+from dpfl.dpcore.task.torch_helpers import get_weights
+from dpfl.fl_app.algorithms import ALGORITHMS
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_metrics, read_rounds
+from dpfl.fl_app.server_app import build_global_model, build_strategy, run_federated
+from dpfl.strategies.topk import DPFedSAMTopK, payload_bytes
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.algorithms import ALGORITHMS
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_metrics, read_rounds
-from fl_app.server_app import build_global_model, build_strategy, run_federated
-from strategies.topk import DPFedSAMTopK, payload_bytes
 from tests.stub_clients import stub_app
 
 torch.set_num_threads(1)
@@ -322,8 +322,8 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
     """Exact zeros in the released aggregate when `present` of m = 5 sampled clients' uploads arrive."""
     from flwr.app import Error, MetricRecord, RecordDict
 
-    from dpcore.privacy import protocol as keys
-    from strategies.legacy import reply_message
+    from dpfl.dpcore.privacy import protocol as keys
+    from dpfl.strategies.legacy import reply_message
 
     # The server's noise is seeded, one stream per trial (the trial is the round): numpy's float32 normals are
     # exactly 0.0 with probability 2^-23, and with noise from OS entropy one of the ~38,800 server draws that land

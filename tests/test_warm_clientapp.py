@@ -10,8 +10,9 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from dpfl_tools import clientapp_executor
-from fl_app.transport import PromptGrid
+from dpfl.fl_app import PROJECT_PACKAGES
+from dpfl.fl_app.transport import PromptGrid
+from dpfl_tools import ROOT, clientapp_executor
 
 FORK_TWO_TASKS = r"""
 import json, random, sys
@@ -22,7 +23,7 @@ from dpfl_tools import clientapp_executor
 def draws(path):
     with open(path, "w") as f:
         json.dump({"numpy": np.random.random(), "python": random.random(), "torch": torch.initial_seed(),
-                   "app": "fl_app.client_app" in sys.modules}, f)
+                   "app": "dpfl.fl_app.client_app" in sys.modules}, f)
     return 0
 
 np.random.seed(0)  # the parent's state; children must not share it
@@ -55,9 +56,9 @@ from dpfl_tools import clientapp_executor
 def load(fab, out):
     clientapp_executor.forget_own_modules()  # what run_task does first
     from flwr.supercore.object_ref import load_app
-    load_app("fl_app.client_app:app", ValueError, fab)
+    load_app("dpfl.fl_app.client_app:app", ValueError, fab)
     with open(out, "w") as f:
-        json.dump({"client_app": sys.modules["fl_app.client_app"].__file__, "fl_app": sys.modules["fl_app"].__file__}, f)
+        json.dump({name: sys.modules[name].__file__ for name in ("dpfl", "dpfl.fl_app", "dpfl.fl_app.client_app")}, f)
     return 0
 
 pid = clientapp_executor.fork_task(load, sys.argv[1], sys.argv[2])
@@ -66,10 +67,13 @@ assert os.waitpid(pid, 0)[1] == 0
 
 
 def test_a_forked_task_imports_fl_app_from_the_runs_fab_not_the_executors(tmp_path):
-    """The executor runs from an installed fl_app; a task must load the run's own fl_app (as a fresh
-    flwr-clientapp process would), even though the executor's package is already imported when it forks."""
+    """The executor runs from an installed dpfl; a task must load the run's own dpfl.fl_app (as a fresh
+    flwr-clientapp process would), even though the executor's package is already imported when it forks. The FAB
+    holds dpfl/__init__.py, which finds the FAB's fl_app beside it."""
     fab = tmp_path / "fab"
-    (fab / "fl_app").mkdir(parents=True)
+    (fab / "dpfl").mkdir(parents=True)
+    (fab / "dpfl" / "__init__.py").write_text((ROOT / "dpfl" / "__init__.py").read_text())
+    (fab / "fl_app").mkdir()
     (fab / "fl_app" / "__init__.py").write_text("")
     (fab / "fl_app" / "client_app.py").write_text("from flwr.clientapp import ClientApp\napp = ClientApp()\n")
     out = tmp_path / "loaded.json"
@@ -79,15 +83,16 @@ def test_a_forked_task_imports_fl_app_from_the_runs_fab_not_the_executors(tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(out.read_text())
     assert loaded == {
-        "client_app": str(fab / "fl_app" / "client_app.py"),
-        "fl_app": str(fab / "fl_app" / "__init__.py"),
+        "dpfl": str(fab / "dpfl" / "__init__.py"),
+        "dpfl.fl_app": str(fab / "fl_app" / "__init__.py"),
+        "dpfl.fl_app.client_app": str(fab / "fl_app" / "client_app.py"),
     }
 
 
 def test_executor_preloads_libraries_only():
     """Only libraries are preloaded: nothing of this repository (the FAB's copy is what a task runs)."""
-    assert set(clientapp_executor.PROJECT_PACKAGES) == {"dpcore", "fl_app", "clients", "strategies"}
-    assert not [m for m in clientapp_executor.PRELOAD if m.split(".")[0] in clientapp_executor.PROJECT_PACKAGES]
+    assert clientapp_executor.APP_NAMESPACE == "dpfl"
+    assert not [m for m in clientapp_executor.PRELOAD if m.split(".")[0] in ("dpfl", *PROJECT_PACKAGES)]
 
 
 class FakeGrid(Grid):

@@ -9,8 +9,8 @@ import torch
 from flwr.app import ArrayRecord
 from threadpoolctl import threadpool_limits
 
-from dpcore.privacy.accountants import epsilon_of
-from dpcore.privacy.mechanisms import (
+from dpfl.dpcore.privacy.accountants import epsilon_of
+from dpfl.dpcore.privacy.mechanisms import (
     flatten,
     haar_coefficients,
     haar_padded_size,
@@ -19,12 +19,12 @@ from dpcore.privacy.mechanisms import (
     make_rng,
     wavelet_effective_noise_multiplier,
 )
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_metrics
+from dpfl.fl_app.server_app import run_federated
+from dpfl.strategies.wavelet import DPFedAvgWavelet
 from dpfl_tools.inprocess import InProcessGrid
-from fl_app.client_app import app as client_app
-from fl_app.config import validate
-from fl_app.results import read_metrics
-from fl_app.server_app import run_federated
-from strategies.wavelet import DPFedAvgWavelet
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.stub_clients import stub_app, zero_update
 

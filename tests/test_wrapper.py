@@ -8,11 +8,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
-from clients.mods import make_dp_privatize_mod
-from dpcore.privacy import protocol as keys
+from dpfl.clients.mods import make_dp_privatize_mod
+from dpfl.dpcore.privacy import protocol as keys
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid
-from strategies import DifferentialPrivacy
-from strategies.wrapped import reply_message
 
 M = 4
 STEP = np.float32(0.01)  # what each client adds to every floating-point weight
@@ -186,9 +186,9 @@ def test_replies_it_cannot_interpret_are_refused_with_a_reason():
 @pytest.mark.parametrize("server_strategy, wrapped", [("fedadam", "FedAdam"), ("fedavgm", "FedAvgM")])
 def test_the_app_runs_the_wrapper_around_the_configured_flower_strategy(tmp_path, server_strategy, wrapped):
     """`server-strategy` in the run config: the app's DP wrapper around Flower's optimizer; the model learns."""
-    from fl_app.client_app import app as client_app
-    from fl_app.config import validate
-    from fl_app.server_app import run_federated
+    from dpfl.fl_app.client_app import app as client_app
+    from dpfl.fl_app.config import validate
+    from dpfl.fl_app.server_app import run_federated
 
     cfg = validate(
         {
@@ -213,7 +213,7 @@ def test_the_app_runs_the_wrapper_around_the_configured_flower_strategy(tmp_path
 
 def test_settings_that_cannot_learn_are_warned_about_at_start(caplog):
     """sigma sqrt(d) / m above 10: a warning with the ratio and the number of clients per round that fixes it."""
-    from strategies.dp_fedavg import noise_to_signal_warning
+    from dpfl.strategies.dp_fedavg import noise_to_signal_warning
 
     assert noise_to_signal_warning(1.0, 25, 26010) is None  # the default job: 6.45, it learns
     warning = noise_to_signal_warning(1.0, 10, 26010)  # 10 clients a round: 16.1

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dpcore.task.opacus_import import import_opacus
+from dpfl.dpcore.task.opacus_import import import_opacus
 
 DEFAULT_ACCOUNTANT = "pld"
 MIN_SIGMA = 1e-12  # below: epsilon is infinite (Opacus' RDP divides by sigma^2)

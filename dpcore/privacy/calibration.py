@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
 
 
 def default_client_delta(num_clients: int) -> float:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
-from dpcore.privacy.ledger import PrivacyLedger
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
+from dpfl.dpcore.privacy.ledger import PrivacyLedger
 
 from .mechanisms import coefficient_clipping_noise_multiplier, haar_padded_size
 

@@ -8,7 +8,7 @@ and, for a privacy figure that may be no guarantee, the caveat: such a figure ha
 is none. Everything that writes or shows figures draws from these rows: the round record's split
 (`strategies.round_loop.PUBLISHED_KEYS`), the log lines (`LOG_KEYS`, `DIAGNOSTIC_LOG_KEYS`,
 `fl_app.server_app.SUMMARY_LOG_KEYS`), the dashboards (`fl_app.dashboards.TAGS`) and the figure table of
-docs/running.md (`python -m dpcore.privacy.figures --write` redraws it; a test keeps it current).
+docs/running.md (`python -m dpfl.dpcore.privacy.figures --write` redraws it; a test keeps it current).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def with_current_names(record: dict) -> dict:
 
 # ---------------------------------------------------------------------------- docs/running.md's table
 FIGURES_DOC = "docs/running.md"
-TABLE_START = "<!-- figures: drawn from dpcore/privacy/figures.py, `python -m dpcore.privacy.figures --write` -->"
+TABLE_START = "<!-- figures: drawn from dpcore/privacy/figures.py, `python -m dpfl.dpcore.privacy.figures --write` -->"
 TABLE_END = "<!-- end of figures -->"
 
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dpcore.privacy.accountants import (
+from dpfl.dpcore.privacy.accountants import (
     ACCOUNTANTS,
     DEFAULT_ACCOUNTANT,
     Event,
@@ -28,7 +28,7 @@ from dpcore.privacy.accountants import (
     tree_aggregation_rdp_epsilon,
     tree_gaussian_multiplier,
 )
-from dpcore.privacy.calibration import per_update_noise_multiplier, secure_sum_noise_multiplier
+from dpfl.dpcore.privacy.calibration import per_update_noise_multiplier, secure_sum_noise_multiplier
 
 from .modes import SAMPLING_FORMS, TRUSTED_SERVER, SamplingForm, ServerView
 

@@ -8,7 +8,7 @@ registry) before any training starts.
 
 from __future__ import annotations
 
-from dpcore.privacy.accountants import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
+from dpfl.dpcore.privacy.accountants import ACCOUNTANTS as ACCOUNTANT_NAMES  # the accountant registry's names
 
 from .modes import ClientSamplingMode, NoisePlacementMode, TargetEpsilonMode, values
 

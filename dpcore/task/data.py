@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dpcore.task.catalogue import SPECS, ArrayDataset, check_dataset
-from dpcore.task.data_cache import CACHE_VERSION, cache_dir, cached_arrays, file_digest
-from dpcore.task.data_files import RawImages, download, read_local
-from dpcore.task.mapped import memory_mapped
+from dpfl.dpcore.task.catalogue import SPECS, ArrayDataset, check_dataset
+from dpfl.dpcore.task.data_cache import CACHE_VERSION, cache_dir, cached_arrays, file_digest
+from dpfl.dpcore.task.data_files import RawImages, download, read_local
+from dpfl.dpcore.task.mapped import memory_mapped
 
 SPLIT_SEED = 0  # fixed seed of the pool/test splits that the sources do not provide
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpcore.task.atomic import atomic_write
+from dpfl.dpcore.task.atomic import atomic_write
 
 CACHE_VERSION = 1  # bump when decoding or partitioning changes what a cached file holds
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dpcore.task.catalogue import SPECS
+from dpfl.dpcore.task.catalogue import SPECS
 
 # Hugging Face hub id, image column, label column of the downloadable datasets.
 _HUB = {

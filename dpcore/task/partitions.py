@@ -12,10 +12,10 @@ import warnings
 
 import numpy as np
 
-from dpcore.task.catalogue import ArrayDataset, check_dataset
-from dpcore.task.data import SPLIT_SEED, load_dataset, source_digest
-from dpcore.task.data_cache import cached_arrays
-from dpcore.task.mapped import release_pages
+from dpfl.dpcore.task.catalogue import ArrayDataset, check_dataset
+from dpfl.dpcore.task.data import SPLIT_SEED, load_dataset, source_digest
+from dpfl.dpcore.task.data_cache import cached_arrays
+from dpfl.dpcore.task.mapped import release_pages
 
 PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
 

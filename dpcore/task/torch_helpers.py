@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpcore.task.device import model_device
-from dpcore.task.opacus_import import import_opacus
+from dpfl.dpcore.task.device import model_device
+from dpfl.dpcore.task.opacus_import import import_opacus
 
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:

@@ -3,7 +3,7 @@
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.mods import dp_privatize_mod  # dpfl, installed on the node
+from dpfl import dp_privatize_mod  # dpfl, installed on the node
 from foreign.task import CLASSES, blobs, train
 
 app = ClientApp()

@@ -6,8 +6,8 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from dpfl import DPFedAvg  # dpfl, installed on the server
 from foreign.task import accuracy, blobs, initial_weights
-from strategies.dp_fedavg import DPFedAvg  # dpfl, installed on the server
 
 app = ServerApp()
 

@@ -4,7 +4,7 @@ from flwr.app import Context
 from flwr.client import NumPyClient
 from flwr.clientapp import ClientApp
 
-from clients.mods import dp_privatize_mod
+from dpfl.clients.mods import dp_privatize_mod
 from legacyapp.task import accuracy, shard, train
 
 

@@ -11,8 +11,8 @@ from flwr.server import Server, ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAdam, FedProx
 
+from dpfl.strategies import DPFedAvg, LegacyDifferentialPrivacy, LegacyDPFedAvg
 from legacyapp.task import initial_weights
-from strategies import DPFedAvg, LegacyDifferentialPrivacy, LegacyDPFedAvg
 
 
 def mean_accuracy(results) -> dict:

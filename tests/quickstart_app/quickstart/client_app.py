@@ -6,7 +6,7 @@ one line distributed noise needs: `mods=[dp_privatize_mod]` on train."""
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.mods import dp_privatize_mod
+from dpfl.clients.mods import dp_privatize_mod
 from quickstart.task import Net, load_data, test, train
 
 

@@ -9,8 +9,8 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg
 
+from dpfl.strategies import DifferentialPrivacy
 from quickstart.task import Net, load_data, test
-from strategies import DifferentialPrivacy
 
 app = ServerApp()
 

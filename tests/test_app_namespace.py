@@ -1,0 +1,97 @@
+"""One installed namespace (issue 41, item 5): an app with its own `strategies` and `clients` modules uses ours.
+
+Installed, the repository's packages are `dpfl.strategies`, `dpfl.clients`, `dpfl.dpcore` and `dpfl.fl_app`
+(pyproject.toml's package-dir), and every import of the project names them so (tests/test_architecture.py). An
+app whose folder holds a `strategies.py` and a `clients/` package of its own comes first on the path under
+`flwr run`: it keeps its modules and still gets our wrapper and mod. Before the namespace, `from dpfl import
+DPFedAvg` there failed with "'strategies' is not a package".
+"""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpfl_tools.plan import format_run_config
+from dpfl_tools.processes import BIN
+
+FOREIGN = Path(__file__).parent / "foreign_app"
+OWN_STRATEGIES = 'OWN = "the app\'s own strategies module"\n'
+OWN_CLIENTS = 'OWN = "the app\'s own clients package"\n'
+
+
+def with_own_modules(app: Path) -> Path:
+    """`app` given a top-level `strategies.py` and `clients/` package of its own, as a user's app may have."""
+    app.mkdir(exist_ok=True)
+    (app / "strategies.py").write_text(OWN_STRATEGIES)
+    (app / "clients").mkdir()
+    (app / "clients" / "__init__.py").write_text(OWN_CLIENTS)
+    return app
+
+
+IMPORT_BOTH = """
+import json, sys
+sys.path.insert(0, sys.argv[1])  # the app's folder first, as Flower puts it
+import clients, strategies
+from dpfl import DPFedAvg, dp_privatize_mod
+import dpfl.fl_app.server_app
+print(json.dumps({"strategies": strategies.OWN, "clients": clients.OWN, "wrapper": DPFedAvg.__module__,
+                  "mod": dp_privatize_mod.__module__}))
+"""
+
+
+def test_an_apps_own_strategies_and_clients_do_not_meet_ours(tmp_path):
+    app = with_own_modules(tmp_path / "app")
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_BOTH, str(app)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {
+        "strategies": "the app's own strategies module",
+        "clients": "the app's own clients package",
+        "wrapper": "dpfl.strategies.dp_fedavg",
+        "mod": "dpfl.clients.mods",
+    }
+
+
+SERVER_USES_OWN = """
+import clients as own_clients  # the app's own modules, beside dpfl's
+import strategies as own_strategies
+"""
+
+
+@pytest.mark.slow
+def test_an_app_with_its_own_strategies_and_clients_runs_our_wrapper_under_flwr_run(superlink, tmp_path):
+    """The foreign app (tests/foreign_app: numpy softmax regression, our DPFedAvg and dp_privatize_mod) with a
+    `strategies.py` and a `clients/` of its own, whose ServerApp imports them, runs under `flwr run`: it learns,
+    prints our epsilon, and its summary names its own modules."""
+    app = shutil.copytree(FOREIGN, tmp_path / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    with_own_modules(app)
+    server = app / "foreign" / "server.py"
+    text = server.read_text().replace("app = ServerApp()", SERVER_USES_OWN + "\napp = ServerApp()")
+    server.write_text(
+        text.replace(
+            '"history": strategy.history,',
+            '"history": strategy.history, "own": [own_strategies.OWN, own_clients.OWN],',
+        )
+    )
+    out = tmp_path / "results"
+    config = format_run_config({"results-dir": str(out), "num-rounds": 3, "min-nodes": 3})
+    done = subprocess.run(
+        [str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", config]
+        + ["--federation-config", "num-supernodes=3 client-resources-num-cpus=1"],
+        env=superlink,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and (out / "summary.json").exists(), (done.stdout + done.stderr)[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["own"] == ["the app's own strategies module", "the app's own clients package"]
+    assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]  # 10 blobs: chance is 0.1
+    assert math.isfinite(summary["epsilon"]) and summary["epsilon"] > 0
+    assert len(summary["history"]) == 3
