@@ -29,7 +29,7 @@ from dpfl.dpcore.privacy.mechanisms import (
     topk_sparsify,
     unflatten,
 )
-from dpfl.strategies.topk import payload_bytes
+from dpfl.strategies.parts.topk import payload_bytes
 
 
 def resnet18_shapes(num_classes: int = 10) -> list[tuple[int, ...]]:

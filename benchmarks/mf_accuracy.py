@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks.mf_noise import tree_prefix_norms, tree_row
 from dpfl.dpcore.privacy.matrix_factorization import Strategy
-from dpfl.strategies.dp_ftrl_mf import prefix_noise_norms
+from dpfl.strategies.parts.dp_ftrl_mf import prefix_noise_norms
 
 RESULTS = Path("results") / "mf_accuracy"  # git ignores results/
 ARMS = {

@@ -32,7 +32,7 @@ from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
 from dpfl.dpcore.privacy.ledger import TreeAggregationLedger
 from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, optimize_strategy
 from dpfl.dpcore.privacy.tree_aggregation import nodes_in_prefix, tree_depth
-from dpfl.strategies.dp_ftrl_mf import prefix_noise_norms
+from dpfl.strategies.parts.dp_ftrl_mf import prefix_noise_norms
 
 OUTPUT = Path(__file__).parent / "output" / "mf_noise.json"
 

@@ -15,7 +15,7 @@ the reply carries `local-epsilon-round` (one release), `local-epsilon` (composed
 are dropped, since under local DP the server is not trusted with them.
 
 The mod does not take C or sigma from the server's train config: the client decides its own noise. The server's
-side is `DifferentialPrivacy(..., noise_placement="local")` (`strategies.noise_placement.LocalNoise`): no server
+side is `DifferentialPrivacy(..., noise_placement="local")` (`strategies.parts.noise_placement.LocalNoise`): no server
 noise, only uploads marked with a local noise multiplier at least the configured one are averaged in.
 """
 

@@ -12,7 +12,7 @@ cumulative epsilon. Two changed lines on the client:
 
 and, on a server that does not aggregate its clients' epsilon already, `fit_metrics_aggregation_fn=
 max_sample_epsilon` (legacy FedAvg) or `train_metrics_aggr_fn=max_sample_epsilon_records` (Message-API FedAvg),
-`strategies.sample_epsilon`.
+`strategies.loop.sample_epsilon`.
 
 Where steps are counted: `PrivacyEngine` is Opacus' own, whose `make_private` (and so `make_private_with_epsilon`)
 puts a counter in front of the optimizer's step hook, the hook Opacus' accountants use: each noisy step is one

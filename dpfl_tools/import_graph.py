@@ -23,7 +23,9 @@ GRAPH_PACKAGES = (*PROJECT_PACKAGES, "dpfl_tools")  # the app's packages (what t
 
 LAYERS = {  # subgraph title -> module prefixes, from the bottom layer up
     "neutral core": ("dpcore",),
-    "server strategies": ("strategies",),
+    "strategy parts": ("strategies.parts",),  # the ground of strategies/: the part protocol, roles, every part
+    "round loop": ("strategies.loop",),
+    "server strategies": ("strategies",),  # the algorithms on the loop, sample-level, legacy
     "clients": ("clients",),
     "app wiring": ("fl_app",),
     "tooling": ("dpfl_tools",),

@@ -46,12 +46,11 @@ from dpfl.fl_app.builders import (
     wrapped_strategy,
 )
 from dpfl.fl_app.settings import CONCERNS, WHERE, Settings
-from dpfl.strategies.ali_dpfl import ALIDPFL
 from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.loop.round_loop import DPRoundLoop
 from dpfl.strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from dpfl.strategies.round_loop import DPRoundLoop
-from dpfl.strategies.topk import DPFedSAMTopK
-from dpfl.strategies.wavelet import DPFedAvgWavelet
+from dpfl.strategies.presets import DPFedAvgWavelet, DPFedSAMTopK
+from dpfl.strategies.sample_level.ali_dpfl import ALIDPFL
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class Algorithm:
 
     name: str
     description: str
-    strategy_class: Callable[..., DPRoundLoop]  # a class or a preset (strategies.topk.DPFedSAMTopK)
+    strategy_class: Callable[..., DPRoundLoop]  # a class or a preset (strategies.presets.DPFedSAMTopK)
     strategy_settings: Callable[[Settings], dict]
     build_client: Callable[[ClientSetup], NumPyClient]
     owned_keys: tuple[str, ...] = ()

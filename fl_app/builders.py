@@ -21,10 +21,10 @@ from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 from dpfl.dpcore.privacy.matrix_factorization import require_jax_privacy
 from dpfl.dpcore.privacy.modes import NoisePlacementMode, TargetEpsilonMode
 from dpfl.fl_app.settings import Settings
-from dpfl.strategies.adaptive_clipping import AdaptiveClipping
-from dpfl.strategies.dp_ftrl import DPFTRL
-from dpfl.strategies.dp_ftrl_mf import MatrixFactorizationFTRL
-from dpfl.strategies.options import DPSGDOptions, RunOptions, SamplingOptions
+from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions
+from dpfl.strategies.parts.adaptive_clipping import AdaptiveClipping
+from dpfl.strategies.parts.dp_ftrl import DPFTRL
+from dpfl.strategies.parts.dp_ftrl_mf import MatrixFactorizationFTRL
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@
 LegacyDPFedAvg's.
 """
 
-from .dp_fedavg import DifferentialPrivacy, DPFedAvg
-from .legacy import LegacyDPFedAvg
-from .legacy_wrapper import LegacyDifferentialPrivacy
-from .secagg import DPSecAggPlusWorkflow, SecAggPlusDifferentialPrivacy, SecAggPlusDPFedAvg
+from dpfl.strategies.dp_fedavg import DifferentialPrivacy, DPFedAvg
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg
+from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow, SecAggPlusDifferentialPrivacy, SecAggPlusDPFedAvg
+from dpfl.strategies.legacy.wrapper import LegacyDifferentialPrivacy
 
 __all__ = [
     "DifferentialPrivacy",

@@ -4,11 +4,11 @@
 (`DifferentialPrivacy(FedAdam(...), clipping_norm=..., noise_multiplier=..., sample_rate=...)` is DP-FedAdam);
 `DPFedAvg` is the same class, around FedAvg by default. Clients upload their new weights (any Flower client)
 or the update Delta_i = w_i - w_global (this project's clients and mod). On the shared round loop
-(`strategies.round_loop`) the server
+(`strategies.loop.round_loop`) the server
 
 1. samples clients (`poisson`: each with probability q; `fixed`: exactly m = qM),
 2. rejects malformed or non-finite updates (logged, counted, never averaged in),
-3. clips and noises through its noise placement (`strategies.noise_placement`):
+3. clips and noises through its noise placement (`strategies.parts.noise_placement`):
    `central`: clips each update to C and adds N(0, sigma^2 C^2 I) to the sum;
    `distributed`: clients clipped and added N(0, sigma^2 C^2 / n_s I) each; the server
    tops the noise up by N(0, sigma^2 C^2 (n_s - k)/n_s I) for the k <= n_s updates that arrived,
@@ -38,19 +38,18 @@ from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
 from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
-from dpfl.dpcore.privacy.modes import ClientSamplingMode, TargetEpsilonMode
+from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.dpcore.privacy.settings import SettingError, check_client_level_dp
-
-from .audit import AuditCanaries
-from .mechanism import GaussianMechanism
-from .noise_placement import noise_placement as make_noise_placement
-from .options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
-from .parts import ROLES, Part, failure_probability, filling, keywords_of
-from .reply_gate import MetricRule
-from .roles import check_roles
-from .round_loop import DPRoundLoop
-from .secure_aggregation import SecureAggregation
-from .wrapped import metric_replies, own_metrics, release
+from dpfl.strategies.loop.options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
+from dpfl.strategies.loop.round_loop import DPRoundLoop
+from dpfl.strategies.loop.wrapped import metric_replies, own_metrics, release
+from dpfl.strategies.parts.audit import AuditCanaries
+from dpfl.strategies.parts.mechanism import GaussianMechanism
+from dpfl.strategies.parts.noise_placement import noise_placement as make_noise_placement
+from dpfl.strategies.parts.part import ROLES, Part, failure_probability, filling, keywords_of
+from dpfl.strategies.parts.reply_rules import MetricRule
+from dpfl.strategies.parts.roles import check_roles
+from dpfl.strategies.parts.secure_aggregation import SecureAggregation
 
 ADJUSTABLE = ("clipping_norm", "noise_multiplier")  # the settings a part's after_round may give new values
 
@@ -121,7 +120,7 @@ def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Seq
 class DifferentialPrivacy(DPRoundLoop):
     """Client-level DP around a Flower strategy: clipping, Gaussian noise (central, distributed or local),
     sampling with amplification, the privacy ledger, the budget stop or calibration, and whatever parts it is
-    composed with (`strategies.parts`).
+    composed with (`strategies.parts.part`).
 
         DifferentialPrivacy(FedAdam(), clipping_norm=0.5, noise_multiplier=1.0, sample_rate=0.5)
         DifferentialPrivacy(FedAdam(), 1.0, 0.5, privacy=..., sampling=SamplingOptions(0.5), parts=[...])
@@ -132,14 +131,14 @@ class DifferentialPrivacy(DPRoundLoop):
     noise_multiplier, clipping_norm, num_sampled_clients : sigma, C and m, positionally in Flower's order (as
         `DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier, clipping_norm, num_sampled_clients)`
         takes them; or in `privacy` and `sampling`). m: fixed-size sampling of m nodes a round.
-    privacy, sampling, run : the option objects (`strategies.options`); or their fields as flat keywords
+    privacy, sampling, run : the option objects (`strategies.loop.options`); or their fields as flat keywords
         (sample_rate, noise_placement, delta, accountant, target_epsilon, seed, on_round_end, ...).
-    parts : the optional pieces of the round (`strategies.parts.Part`); the flat keywords `adaptive_clipping`
-        (`strategies.adaptive_clipping.AdaptiveClipping`, Andrew et al.), `ftrl` (`strategies.dp_ftrl.DPFTRL`,
-        Kairouz et al.), `audit_canaries` / `audit_canary_kind` (`strategies.audit`) and `secure_aggregation`
-        (`strategies.secure_aggregation`) add theirs. The noise placement is the first part; the selection,
+    parts : the optional pieces of the round (`strategies.parts.part.Part`); the flat keywords `adaptive_clipping`
+        (`strategies.parts.adaptive_clipping.AdaptiveClipping`, Andrew et al.), `ftrl` (`strategies.parts.dp_ftrl.DPFTRL`,
+        Kairouz et al.), `audit_canaries` / `audit_canary_kind` (`strategies.parts.audit`) and `secure_aggregation`
+        (`strategies.parts.secure_aggregation`) add theirs. The noise placement is the first part; the selection,
         mechanism and codec roles default to the round loop's sampling, `GaussianMechanism` and dense replies.
-    name : the strategy's name in the log and errors (the class's; a preset's: `strategies.topk.DPFedSAMTopK`).
+    name : the strategy's name in the log and errors (the class's; a preset's: `strategies.presets.DPFedSAMTopK`).
 
     Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
     of the bounds without amplification and with sampling without replacement (`dpcore.privacy.ledger.ClientLevelLedger`).
@@ -224,7 +223,8 @@ class DifferentialPrivacy(DPRoundLoop):
         own `calibrated_noise_multiplier` where it has one: DP-FTRL's matrix-factorization noise)."""
         ledger = self.mechanism.make_ledger(self, delta)
         if self.target_epsilon > 0 and self.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
-            fixed, rounds = self.client_sampling == ClientSamplingMode.FIXED, max(1, self.num_rounds)
+            form, rounds = self.selection.sampling_form, max(1, self.num_rounds)  # the selection part's answer
+            fixed = form is not None and form.fixed_size
             # out of delta: sampling's truncation (none for fixed-size: sigma / 2 unamplified), the parts' (SecAgg+)
             reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
             own = getattr(self.mechanism, "calibrated_noise_multiplier", None)

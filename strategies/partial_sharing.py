@@ -22,10 +22,9 @@ from flwr.serverapp import Grid
 
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import make_rng
-
-from .dp_fedavg import DPFedAvg
-from .reply_gate import MetricRule, read_metrics
-from .sampling import pick
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.parts.reply_rules import MetricRule, read_metrics
+from dpfl.strategies.parts.sampling import pick
 
 EVALUATION_RULES = {keys.ACCURACY: MetricRule(low=0.0, high=1.0), keys.LOSS: MetricRule(low=0.0)}
 

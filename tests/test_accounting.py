@@ -13,7 +13,7 @@ from dpfl.dpcore.privacy.calibration import (
 )
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
-from dpfl.strategies.noise_placement import server_view
+from dpfl.strategies.parts.noise_placement import server_view
 from tests.independent_accountant import dp_accounting_epsilons
 
 # (sigma, q, rounds, delta): epsilons from about 0.5 to 20
@@ -314,7 +314,7 @@ def test_the_ledger_asks_the_noise_placement_what_the_server_sees():
     the model and the server; a trusted view has no figure against the server; and a saved ledger comes back
     only with its own placement's view."""
     from dpfl.dpcore.privacy.modes import ServerView
-    from dpfl.strategies.mechanism import GaussianMechanism
+    from dpfl.strategies.parts.mechanism import GaussianMechanism
 
     views = {name: server_view(name) for name in ("central", "distributed", "local")}
     assert [(v.trusted, v.uploads_private) for v in views.values()] == [(True, False), (False, False), (False, True)]

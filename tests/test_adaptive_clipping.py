@@ -21,7 +21,7 @@ from dpfl.fl_app.config import ConfigError, validate
 from dpfl.fl_app.results import read_metrics
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
+from dpfl.strategies.parts.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
 from dpfl_tools.inprocess import InProcessGrid
 
 logging.getLogger("absl").setLevel(logging.ERROR)

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # the files the page lists: the part's own module, its settings, the builder that passes it, the registry record
-PART_MODULE = "strategies/toy_shift.py"
+PART_MODULE = "strategies/parts/toy_shift.py"
 EDITED = {PART_MODULE, "fl_app/settings.py", "fl_app/builders.py", "fl_app/algorithms.py"}
 REDRAWN = {"docs/run-config.md", "pyproject.toml"}  # by python -m dpfl.fl_app.config --write
 
@@ -55,7 +55,7 @@ class ToySettings:
 TOY_BUILDER = """
 
 def toy_level(s: Settings) -> dict:
-    from dpfl.strategies.toy_shift import ToyShift
+    from dpfl.strategies.parts.toy_shift import ToyShift
 
     return {**client_level(s), "parts": [ToyShift(s.toy.shift)]}
 """
@@ -115,7 +115,7 @@ def test_a_part_offered_through_the_run_config_touches_only_the_files_the_page_l
     page = (ROOT / "docs" / "architecture.md").read_text()
     for name in EDITED | REDRAWN:
         assert f"`{name}`" in page or name == PART_MODULE, f"docs/architecture.md does not list {name}"
-    assert "its own module in `strategies/`" in page
+    assert "its own module in `strategies/parts/`" in page
 
     product_copy(tmp_path)
     (tmp_path / PART_MODULE).write_text(TOY_PART)

@@ -22,9 +22,9 @@ from dpfl.fl_app.client_app import app as client_app
 from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import read_metrics
 from dpfl.fl_app.server_app import run_federated
-from dpfl.strategies.ali_dpfl import ALIDPFL
-from dpfl.strategies.local_steps import estimate_mu, next_local_steps, optimal_local_steps
-from dpfl.strategies.options import DPSGDOptions, SamplingOptions, ServerData
+from dpfl.strategies.loop.options import DPSGDOptions, SamplingOptions, ServerData
+from dpfl.strategies.sample_level.ali_dpfl import ALIDPFL
+from dpfl.strategies.sample_level.local_steps import estimate_mu, next_local_steps, optimal_local_steps
 from dpfl_tools.inprocess import InProcessGrid
 from tests.independent_accountant import dp_accounting_epsilons
 

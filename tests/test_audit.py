@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord
 
 from dpfl.dpcore.privacy.audit import audit_epsilon, canary_direction, gdp_epsilon
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.wavelet import DPFedAvgWavelet
+from dpfl.strategies.presets import DPFedAvgWavelet
 from dpfl_tools.inprocess import InProcessGrid
 from tests.stub_clients import stub_app, zero_update
 

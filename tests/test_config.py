@@ -369,7 +369,7 @@ def test_every_rule_error_names_a_key_of_the_app_config():
 
 def test_dp_ftrl_built_from_python_names_its_real_key():
     from dpfl.dpcore.privacy.settings import SettingError
-    from dpfl.strategies.dp_ftrl import DPFTRL
+    from dpfl.strategies.parts.dp_ftrl import DPFTRL
 
     with pytest.raises(SettingError, match=r"epoch_rounds=-1 \(run-config key 'ftrl-epoch-rounds'\)"):
         DPFTRL(epoch_rounds=-1)

@@ -25,8 +25,8 @@ from dpfl.fl_app.config import ConfigError, validate
 from dpfl.fl_app.results import read_metrics
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.dp_ftrl import DPFTRL
-from dpfl.strategies.wrapped import reply_message
+from dpfl.strategies.loop.wrapped import reply_message
+from dpfl.strategies.parts.dp_ftrl import DPFTRL
 from dpfl_tools.inprocess import InProcessGrid
 
 logging.getLogger("absl").setLevel(logging.ERROR)

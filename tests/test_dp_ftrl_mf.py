@@ -14,15 +14,15 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-import dpfl.strategies.dp_ftrl_mf as dp_ftrl_mf
+import dpfl.strategies.parts.dp_ftrl_mf as dp_ftrl_mf
 from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy
 from dpfl.fl_app.client_app import app as client_app
 from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import RunDirectory, read_metrics
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.dp_ftrl_mf import MatrixFactorizationFTRL, prefix_noise_norms
-from dpfl.strategies.wrapped import reply_message
+from dpfl.strategies.loop.wrapped import reply_message
+from dpfl.strategies.parts.dp_ftrl_mf import MatrixFactorizationFTRL, prefix_noise_norms
 from dpfl_tools.inprocess import InProcessGrid
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.test_dp_ftrl import rel_tolerance, unchanged_weights_client

@@ -19,8 +19,8 @@ from dpfl.clients.mods import make_dp_privatize_mod, uniform_weight_mod
 from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.dpcore.privacy.mechanisms import flatten
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.legacy import LegacyDPFedAvg
-from dpfl.strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg
+from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
 from tests.foreign_app.foreign.task import train as softmax_regression_steps
 

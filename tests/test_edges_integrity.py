@@ -12,9 +12,9 @@ from flwr.clientapp import ClientApp
 
 from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.dpcore.privacy.mechanisms import flatten
-from dpfl.strategies.ali_dpfl import ALIDPFL
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
+from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
+from dpfl.strategies.sample_level.ali_dpfl import ALIDPFL
 from dpfl_tools.inprocess import InProcessGrid
 
 SIZES = [10, 30, 60, 99]

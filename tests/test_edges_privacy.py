@@ -12,8 +12,8 @@ from flwr.common import ndarrays_to_parameters
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.legacy import LegacyDPFedAvg
-from dpfl.strategies.secagg import SecAggPlusDPFedAvg
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg
+from dpfl.strategies.legacy.secagg import SecAggPlusDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.test_dropin import dp_mod, initial_weights, legacy_client_fn, legacy_evaluate
@@ -75,7 +75,7 @@ def secagg_server_app(strategy):
     from flwr.server import LegacyContext
     from flwr.server.workflow import DefaultWorkflow
 
-    from dpfl.strategies.secagg import DPSecAggPlusWorkflow
+    from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow
 
     app = ServerApp()
 
@@ -350,7 +350,7 @@ def test_secagg_server_figure_is_one_derivation_sensitivity_2c(sampling):
     from dp_accounting import pld
 
     from dpfl.dpcore.privacy.ledger import ClientLevelLedger
-    from dpfl.strategies.noise_placement import server_view
+    from dpfl.strategies.parts.noise_placement import server_view
 
     ledger = ClientLevelLedger(
         1e-5, server_view=server_view("distributed"), secure_aggregation=True, client_sampling=sampling

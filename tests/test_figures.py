@@ -15,7 +15,7 @@ from dpfl.dpcore.privacy import figures
 from dpfl.dpcore.privacy.figures import FIGURES, GUARANTEE_SUFFIX
 from dpfl.fl_app.dashboards import NOT_A_GUARANTEE, TAGS, scalars
 from dpfl.fl_app.server_app import DIAGNOSTIC_SUMMARY_LOG_KEYS, SUMMARY_LOG_KEYS
-from dpfl.strategies.round_loop import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, PUBLISHED_KEYS, format_record, parse_log_line
+from dpfl.strategies.loop.round_loop import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, PUBLISHED_KEYS, format_record, parse_log_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_the_log_line_keeps_its_order_and_reads_back():
 
 def test_an_adaptive_clipping_run_publishes_only_figures_of_the_table():
     from dpfl.strategies import DPFedAvg
-    from dpfl.strategies.adaptive_clipping import AdaptiveClipping
+    from dpfl.strategies.parts.adaptive_clipping import AdaptiveClipping
 
     strategy = DPFedAvg(
         noise_multiplier=0.1,
@@ -124,7 +124,7 @@ toy = figures.Figure("toy_figure", "a toy", tag="toy/figure", round_line=True, f
 figures.FIGURES = (*figures.FIGURES, toy, figures.guarantee_mark(toy))
 from dpfl.fl_app.dashboards import scalars
 from dpfl.fl_app.server_app import SUMMARY_LOG_KEYS
-from dpfl.strategies.round_loop import LOG_KEYS, PUBLISHED_KEYS, format_record
+from dpfl.strategies.loop.round_loop import LOG_KEYS, PUBLISHED_KEYS, format_record
 
 record = {"round": 2, "toy_figure": 0.25, "toy_figure_is_guarantee": False}
 print(json.dumps({

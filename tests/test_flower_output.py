@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from dpfl import DifferentialPrivacy
-from dpfl.strategies.round_loop import parse_log_line
+from dpfl.strategies.loop.round_loop import parse_log_line
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_wrapper import model
 
@@ -200,7 +200,7 @@ def test_evaluation_lines_follow_eval_every_and_the_budget_stop_ends_with_flower
 
 def test_the_withheld_note_names_at_most_twenty_keys_a_kind_and_counts_the_rest():
     """A client may send any number of metric keys: the note stays one readable line."""
-    from dpfl.strategies.flower_log import withheld_note
+    from dpfl.strategies.loop.flower_log import withheld_note
 
     note = withheld_note({"train": dict.fromkeys(f"k{i}" for i in range(50)), "clients' evaluation": {}}, False)
     assert "k19, and" not in note and "k19 and 30 more" in note and "k20" not in note

@@ -21,16 +21,15 @@ from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, sparse_encode, topk_sparsify
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.ali_dpfl import ALIDPFL
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.legacy import LegacyDPFedAvg, reply_message
-from dpfl.strategies.legacy_wrapper import LegacyDifferentialPrivacy
-from dpfl.strategies.options import DPSGDOptions, SamplingOptions, ServerData
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg, reply_message
+from dpfl.strategies.legacy.secagg import SecAggPlusDPFedAvg
+from dpfl.strategies.legacy.wrapper import LegacyDifferentialPrivacy
+from dpfl.strategies.loop.options import DPSGDOptions, SamplingOptions, ServerData
+from dpfl.strategies.loop.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
 from dpfl.strategies.partial_sharing import PartialSharingDPFedAvg, PersonalizedDPFedAvg
-from dpfl.strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
-from dpfl.strategies.secagg import SecAggPlusDPFedAvg
-from dpfl.strategies.topk import DPFedSAMTopK
-from dpfl.strategies.wavelet import DPFedAvgWavelet
+from dpfl.strategies.presets import DPFedAvgWavelet, DPFedSAMTopK
+from dpfl.strategies.sample_level.ali_dpfl import ALIDPFL
 
 SHAPES = [(4, 3), (5,)]
 DIM = 17

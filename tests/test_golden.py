@@ -60,7 +60,7 @@ DROPPED_KEYS = frozenset(
         "host",  # status.json: the machine it ran on
     }
 )
-# The wall-clock seconds on the log's closing line (Flower's format, printed by strategies.flower_log).
+# The wall-clock seconds on the log's closing line (Flower's format, printed by strategies.loop.flower_log).
 LOG_SECONDS = re.compile(r"(Strategy execution finished in )\d+\.\d+s$")
 # TensorBoard's event file is named events.out.tfevents.<time>.<host>.<pid>.<n>; its wall_time is not recorded.
 EVENTS_FILE = re.compile(r"events\.out\.tfevents\.\d+\..*")

@@ -1,7 +1,7 @@
 """`LegacyDifferentialPrivacy(strategy, noise_multiplier, clipping_norm, num_sampled_clients)`, Flower's legacy
 DP wrapper signature, around the app's own legacy FedAvg, FedProx and FedAdam: a legacy app (tests.test_dropin's
 foreign NumPyClients, no mod: server-side clipping) run under ServerApp(server_fn=...) in process. Flower's own log
-is kept less what epsilon does not cover (`strategies.legacy_log`)."""
+is kept less what epsilon does not cover (`strategies.legacy.log`)."""
 
 import logging
 import math
@@ -22,10 +22,10 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
 from dpfl.dpcore.privacy.settings import SettingError
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.legacy_log import FlowerLegacyLog
-from dpfl.strategies.round_loop import parse_log_line
-from dpfl.strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
-from dpfl.strategies.wrapped import reply_message
+from dpfl.strategies.legacy.log import FlowerLegacyLog
+from dpfl.strategies.loop.round_loop import parse_log_line
+from dpfl.strategies.loop.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
+from dpfl.strategies.loop.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_dropin import NODES, accuracy, initial_weights, legacy_client_fn, shard
 

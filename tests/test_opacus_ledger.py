@@ -1,4 +1,4 @@
-"""Sample-level DP in a user's own Opacus client (clients.opacus_ledger, strategies.sample_epsilon): a Flower-style
+"""Sample-level DP in a user's own Opacus client (clients.opacus_ledger, strategies.loop.sample_epsilon): a Flower-style
 NumPyClient that builds a new PrivacyEngine every round reports an epsilon that grows across rounds and equals
 dp-accounting's (PLD of the Poisson-sampled Gaussian composed once per step) for all its steps; an engine kept
 across rounds, made outside the mod, or given a new accountant is charged once per step; nodes in one process keep
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpfl.clients import opacus_ledger
 from dpfl.clients.opacus_ledger import PrivacyEngine, make_sample_ledger_mod, sample_ledger_mod
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.strategies.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
+from dpfl.strategies.loop.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
 from tests.independent_accountant import dp_accounting_epsilons
 
 SIGMA, BATCH, N = 1.0, 16, 128  # q = 16 / 128; one epoch = 8 expected steps

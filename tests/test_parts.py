@@ -13,9 +13,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from dpfl.dpcore.privacy.settings import SettingError, require
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.options import PrivacyOptions, RunOptions, SamplingOptions
-from dpfl.strategies.parts import AfterRound, Part
-from dpfl.strategies.reply_gate import MetricRule
+from dpfl.strategies.loop.options import PrivacyOptions, RunOptions, SamplingOptions
+from dpfl.strategies.parts.part import AfterRound, Part
+from dpfl.strategies.parts.reply_rules import MetricRule
 from dpfl_tools.inprocess import InProcessGrid
 
 TOY_SHIFT, TOY_ECHO = "toy-shift", "toy-echo"

@@ -21,7 +21,7 @@ from dpfl.clients.mods import make_dp_privatize_mod
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.task.torch_helpers import get_weights
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.legacy import LegacyDPFedAvg
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.stub_clients import stub_app, zero_update

@@ -10,9 +10,10 @@ from flwr.serverapp.strategy import FedAdam
 
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.roles import ROLE_PROTOCOLS, check_roles, role_members
-from dpfl.strategies.topk import DPFedSAMTopK, TopKCodec
-from dpfl.strategies.wavelet import DPFedAvgWavelet, WaveletMechanism
+from dpfl.strategies.parts.roles import ROLE_PROTOCOLS, check_roles, role_members
+from dpfl.strategies.parts.topk import TopKCodec
+from dpfl.strategies.parts.wavelet import WaveletMechanism
+from dpfl.strategies.presets import DPFedAvgWavelet, DPFedSAMTopK
 
 COMMON = dict(sample_rate=0.5, clipping_norm=1.5, noise_multiplier=1.0)
 

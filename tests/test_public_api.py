@@ -60,7 +60,7 @@ def test_dpfl_gives_the_public_api():
 
 
 def test_dpfl_gives_the_role_protocols_and_every_shipped_part():
-    from dpfl.strategies.roles import ROLE_PROTOCOLS
+    from dpfl.strategies.parts.roles import ROLE_PROTOCOLS
     from tests.test_roles import shipped_parts
 
     concrete = {cls.__name__ for cls in shipped_parts() if not inspect.isabstract(cls)}
@@ -123,9 +123,7 @@ def test_readme_and_docs_import_only_dpfl_flower_torch_numpy():
 
 
 def test_the_docs_import_check_sees_a_project_import():
-    text = (
-        "text\n\n  ```python\n  from dpfl.strategies.legacy import LegacyDPFedAvg\n  import dpfl.clients.mods\n  ```\n"
-    )
+    text = "text\n\n  ```python\n  from dpfl.strategies.legacy.adapter import LegacyDPFedAvg\n  import dpfl.clients.mods\n  ```\n"
     assert [imports_of(b) for b in python_blocks(text)] == [
-        [("dpfl.strategies.legacy", ["LegacyDPFedAvg"]), ("dpfl.clients.mods", [])]
+        [("dpfl.strategies.legacy.adapter", ["LegacyDPFedAvg"]), ("dpfl.clients.mods", [])]
     ]

@@ -21,7 +21,7 @@ from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import read_diagnostics, read_metrics
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.round_loop import PUBLISHED_KEYS
+from dpfl.strategies.loop.round_loop import PUBLISHED_KEYS
 from dpfl_tools.inprocess import InProcessGrid
 from tests.stub_clients import stub_app, zero_update
 

@@ -1,4 +1,4 @@
-"""The declared roles (strategies/roles.py): every shipped part has the methods of the roles it claims, and a part
+"""The declared roles (strategies/parts/roles.py): every shipped part has the methods of the roles it claims, and a part
 that claims a role without one of them is refused when the wrapper is built, naming the part, the role and the
 method."""
 
@@ -14,22 +14,25 @@ import pytest
 from flwr.serverapp.strategy import FedAvg
 
 import dpfl.strategies as strategies
-from dpfl.strategies import DifferentialPrivacy, noise_placement
-from dpfl.strategies.mechanism import GaussianMechanism
-from dpfl.strategies.options import PrivacyOptions, SamplingOptions
-from dpfl.strategies.parts import ROLES, Part
-from dpfl.strategies.roles import ROLE_PROTOCOLS, check_roles, role_members
+from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.loop.options import PrivacyOptions, SamplingOptions
+from dpfl.strategies.parts import noise_placement
+from dpfl.strategies.parts.mechanism import GaussianMechanism
+from dpfl.strategies.parts.part import ROLES, Part
+from dpfl.strategies.parts.roles import ROLE_PROTOCOLS, check_roles, role_members
 
 
 def shipped_parts() -> list[type[Part]]:
-    """Every subclass of Part defined in strategies/ (each module imported, so a new part is found)."""
-    for module in pkgutil.iter_modules(strategies.__path__):
-        import_module(f"dpfl.strategies.{module.name}")
+    """Every subclass of Part defined in strategies/ (each module imported, subpackages too, so a new part is found);
+    every one of them lives in strategies/parts/."""
+    for module in pkgutil.walk_packages(strategies.__path__, "dpfl.strategies."):
+        import_module(module.name)
     found, todo = [], list(Part.__subclasses__())
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         if cls.__module__.startswith("dpfl.strategies."):
+            assert cls.__module__.startswith("dpfl.strategies.parts."), f"{cls.__name__} is a part outside parts/"
             found.append(cls)
     return found
 
@@ -126,9 +129,12 @@ def test_a_part_with_its_roles_methods_is_taken():
 def test_the_noise_placement_is_built_once_by_the_wrapper_and_parts_read_its_class():
     """Parts asked what a placement does by building one from its name; only the wrapper builds one now."""
     callers = []
-    for path in sorted(Path(strategies.__path__[0]).glob("*.py")):
+    for path in sorted(Path(strategies.__path__[0]).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "noise_placement":
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                "noise_placement",
+                "dpfl.strategies.parts.noise_placement",
+            ):
                 callers += [path.name for alias in node.names if alias.name == "noise_placement"]
     assert callers == ["dp_fedavg.py"]
     for name, cls in noise_placement.PLACEMENTS.items():

@@ -6,7 +6,7 @@ import pytest
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
 from dpfl.dpcore.privacy.modes import SAMPLING_FORMS, SamplingForm
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.sampling import ClientSampling
+from dpfl.strategies.parts.sampling import ClientSampling
 from tests.independent_accountant import dp_accounting_epsilons
 
 DELTA, SIGMA, Q, ROUNDS = 1e-5, 2.0, 0.1, 20

@@ -22,8 +22,8 @@ from dpfl.fl_app.client_app import app as fl_client_app
 from dpfl.fl_app.config import validate
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.parts import failure_probability
-from dpfl.strategies.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg, secagg_clipping_range
+from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg, secagg_clipping_range
+from dpfl.strategies.parts.part import failure_probability
 from dpfl_tools.inprocess import InProcessGrid
 from tests.stub_clients import FixedUpdateClient
 

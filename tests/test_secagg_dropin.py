@@ -34,8 +34,8 @@ from dpfl import (
     make_dp_privatize_mod,
 )
 from dpfl.dpcore.privacy.mechanisms import flatten
-from dpfl.strategies.legacy_log import FlowerLegacyLog
-from dpfl.strategies.secagg import SECAGG_APP_FIT_METRICS_NOTE, SECAGG_FIT_METRICS_NOTE
+from dpfl.strategies.legacy.log import FlowerLegacyLog
+from dpfl.strategies.legacy.secagg import SECAGG_APP_FIT_METRICS_NOTE, SECAGG_FIT_METRICS_NOTE
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_dropin import (
     NODES,

@@ -22,7 +22,8 @@ from dpfl.fl_app.client_app import app as client_app
 from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import read_metrics, read_rounds
 from dpfl.fl_app.server_app import build_global_model, build_strategy, run_federated
-from dpfl.strategies.topk import DPFedSAMTopK, payload_bytes
+from dpfl.strategies.parts.topk import payload_bytes
+from dpfl.strategies.presets import DPFedSAMTopK
 from dpfl_tools.inprocess import InProcessGrid
 from tests.stub_clients import stub_app
 
@@ -323,7 +324,7 @@ def zero_count_trials(placement: str, present: int, trials: int, d: int = 1024, 
     from flwr.app import Error, MetricRecord, RecordDict
 
     from dpfl.dpcore.privacy import protocol as keys
-    from dpfl.strategies.legacy import reply_message
+    from dpfl.strategies.legacy.adapter import reply_message
 
     # The server's noise is seeded, one stream per trial (the trial is the round): numpy's float32 normals are
     # exactly 0.0 with probability 2^-23, and with noise from OS entropy one of the ~38,800 server draws that land

@@ -23,7 +23,7 @@ from dpfl.fl_app.client_app import app as client_app
 from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import read_metrics
 from dpfl.fl_app.server_app import run_federated
-from dpfl.strategies.wavelet import DPFedAvgWavelet
+from dpfl.strategies.presets import DPFedAvgWavelet
 from dpfl_tools.inprocess import InProcessGrid
 from tests.independent_accountant import dp_accounting_epsilons
 from tests.stub_clients import stub_app, zero_update

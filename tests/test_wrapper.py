@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 from dpfl.clients.mods import make_dp_privatize_mod
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.strategies import DifferentialPrivacy
-from dpfl.strategies.wrapped import reply_message
+from dpfl.strategies.loop.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid
 
 M = 4

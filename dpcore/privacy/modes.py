@@ -11,7 +11,7 @@ from enum import StrEnum
 
 
 class NoisePlacementMode(StrEnum):
-    """Who adds the Gaussian noise (docs/algorithms.md §0; the parts in strategies/noise_placement.py)."""
+    """Who adds the Gaussian noise (docs/algorithms.md §0; the parts in strategies/parts/noise_placement.py)."""
 
     CENTRAL = "central"  # the server clips and adds N(0, sigma^2 C^2 I) to the sum
     DISTRIBUTED = "distributed"  # each client adds N(0, sigma^2 C^2 / n_s I); the server tops up
@@ -47,7 +47,7 @@ def values(mode: type[StrEnum]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ServerView:
     """What the server sees of a round, as the noise placement answers it (the noise role's `server_view`,
-    strategies/noise_placement.py); the ledger asks this, never the placement's name.
+    strategies/parts/noise_placement.py); the ledger asks this, never the placement's name.
 
     - `trusted`: the server sees the raw clipped updates, so there is no DP against it (central noise);
     - `uploads_private`: every upload carries all the noise N(0, sigma^2 C^2 I) on its own, local DP: each round
@@ -69,7 +69,7 @@ TRUSTED_SERVER = ServerView()  # central noise: the ledger's default
 @dataclass(frozen=True)
 class SamplingForm:
     """How a round's clients are drawn, as the selection part answers it (the selection role's `sampling_form`,
-    strategies/sampling.py); the ledger asks this, never the sampling's name.
+    strategies/parts/sampling.py); the ledger asks this, never the sampling's name.
 
     - `fixed_size`: exactly m of the N connected nodes: each release is charged replace-one as (sigma / 2, q = 1),
       with dp-accounting's bound for sampling without replacement where N and m are known, and no truncation;

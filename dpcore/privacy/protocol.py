@@ -43,7 +43,7 @@ LOCAL_EPSILON_ROUND = "local-epsilon-round"  # epsilon of this one release, on i
 LOCAL_EPSILON = "local-epsilon"  # composed over the rounds this client took part in
 LOCAL_ROUNDS = "local-rounds"  # rounds this client took part in
 LOCAL_DELTA = "local-delta"
-# Adaptive clipping (strategies.adaptive_clipping, clients.adaptive_clipping).
+# Adaptive clipping (strategies.parts.adaptive_clipping, clients.adaptive_clipping).
 CLIP_COUNT_NOISE_STD = "clip-count-noise-std"  # train config: the std of the client's share of the count noise
 CLIP_BIT = "clip-bit"  # metric: (1[||Delta|| <= C] - 1/2) + the client's share of the count noise
 # Sample-level DP in a user's own Opacus client (clients.opacus_ledger): its ledger across rounds.

@@ -34,10 +34,9 @@ from dpfl.dpcore.privacy.ledger import TreeAggregationLedger
 from dpfl.dpcore.privacy.mechanisms import make_rng
 from dpfl.dpcore.privacy.settings import require
 from dpfl.dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
-
-from .noise_placement import PLACEMENTS
-from .parts import Part
-from .sampling import Selection
+from dpfl.strategies.parts.noise_placement import PLACEMENTS
+from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.sampling import Selection
 
 NOISE_STREAM = 21  # make_rng stream of the tree nodes' noise (seeded runs only)
 SELECTION_STREAM = 22

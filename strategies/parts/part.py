@@ -6,16 +6,16 @@ only) and the round in flight; what it changes comes back as a return value (`af
 next clipping norm), never as a write into the wrapper.
 
 Roles: four jobs of a round are filled by exactly one part each; the wrapper supplies the default when none of
-its parts fills the role. Each role is a `typing.Protocol` in `strategies.roles`, and a part that names a role in
-its `roles` without the role's methods is refused when the wrapper is built (`strategies.roles.check_roles`).
+its parts fills the role. Each role is a `typing.Protocol` in `strategies.parts.roles`, and a part that names a role in
+its `roles` without the role's methods is refused when the wrapper is built (`strategies.parts.roles.check_roles`).
 
 - selection: who is sent the train message (Poisson or fixed-size sampling: the round loop's own;
-  DP-FTRL's participation rule, `strategies.dp_ftrl`);
+  DP-FTRL's participation rule, `strategies.parts.dp_ftrl`);
 - mechanism: how the sum becomes a release and what the ledger charges (the Gaussian mechanism through the noise
-  placement, `strategies.mechanism.GaussianMechanism`; DP-FTRL's tree; the Haar-wavelet noise,
-  `strategies.wavelet.WaveletMechanism`);
-- codec: how a reply's arrays are read (dense, `DenseCodec`; top-k sparse, `strategies.topk.TopKCodec`);
-- noise: who adds the Gaussian noise (`strategies.noise_placement`: central, distributed or local; the wrapper
+  placement, `strategies.parts.mechanism.GaussianMechanism`; DP-FTRL's tree; the Haar-wavelet noise,
+  `strategies.parts.wavelet.WaveletMechanism`);
+- codec: how a reply's arrays are read (dense, `DenseCodec`; top-k sparse, `strategies.parts.topk.TopKCodec`);
+- noise: who adds the Gaussian noise (`strategies.parts.noise_placement`: central, distributed or local; the wrapper
   builds it from `noise_placement`, always its first part).
 
 The other parts (adaptive clipping, the canary audit, secure aggregation) add to a round without replacing a job.
@@ -30,10 +30,9 @@ import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
 from dpfl.dpcore.privacy import protocol as keys
+from dpfl.strategies.parts.reply_rules import MetricRule
 
-from .reply_gate import MetricRule
-
-ROLES = ("selection", "mechanism", "codec", "noise")  # strategies.roles declares each
+ROLES = ("selection", "mechanism", "codec", "noise")  # strategies.parts.roles declares each
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,9 @@ import numpy as np
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import make_rng
 from dpfl.dpcore.privacy.settings import require
-
-from .noise_placement import PLACEMENTS
-from .parts import AfterRound, Part
-from .reply_gate import MetricRule
+from dpfl.strategies.parts.noise_placement import PLACEMENTS
+from dpfl.strategies.parts.part import AfterRound, Part
+from dpfl.strategies.parts.reply_rules import MetricRule
 
 HONEST_BIT_BOUND_SIGMAS = math.sqrt(2 * math.log(1e12))  # an honest share exceeds 1/2 + this many stds w.p. <= 1e-12
 

@@ -10,7 +10,7 @@ the DP average as if it were its only result, and its `aggregate_fit` (FedAdam's
 post-processing of that release, costing no epsilon, as in the Message-API wrapper; a strategy whose aggregation
 needs each client's update or loss (Bulyan, QFedAvg, Krum, ...) is refused when the wrapper is built. Its SecAgg+
 form (clients clip and add their noise share, the server reads the secure sum) is
-`strategies.secagg.SecAggPlusDifferentialPrivacy`.
+`strategies.legacy.secagg.SecAggPlusDifferentialPrivacy`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 
-from .dp_fedavg import DPFedAvg
-from .legacy import LegacyDPFedAvg
-from .options import refuse_more_than_connected
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg
+from dpfl.strategies.loop.options import refuse_more_than_connected
 
 # Flower's strategies whose aggregate_fit, given the DP average as its only result, is a server step on it
 WRAPPABLE = (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM)
@@ -92,7 +92,7 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
         Fewer than m nodes connected at round 1 is refused with an error naming both.
     num_rounds : the number of rounds, for the log's `Round r/R` (Flower's ServerConfig does not tell the strategy;
         without it the log reads `Round r`) and for target_epsilon_mode='calibrate'.
-    aggregation : how the workflow's results carry the updates (`strategies.legacy.LegacyDPFedAvg`).
+    aggregation : how the workflow's results carry the updates (`strategies.legacy.adapter.LegacyDPFedAvg`).
     dp_keywords : further DPFedAvg settings (delta, accountant, target_epsilon, seed, publish_diagnostics, ...).
 
     The wrapper samples the clients itself, so the strategy's fraction_fit and min_fit_clients are not used

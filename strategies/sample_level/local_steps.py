@@ -1,5 +1,5 @@
 """ALI-DPFL's choice of the local steps tau (the ALI-DPFL paper's Algorithm 2, eq. (9); docs/algorithms.md §5)
-and its strong-convexity estimate mu, as functions (the strategy, `strategies.ali_dpfl.ALIDPFL`, calls them)."""
+and its strong-convexity estimate mu, as functions (the strategy, `strategies.sample_level.ali_dpfl.ALIDPFL`, calls them)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from flwr.app import ArrayRecord
 from dpfl.dpcore.privacy.audit import CANARY_KINDS, audit_epsilon, canary_direction, new_canary_seed
 from dpfl.dpcore.privacy.mechanisms import flatten, make_rng
 from dpfl.dpcore.privacy.settings import one_of, require
-
-from .parts import Part
+from dpfl.strategies.parts.part import Part
 
 CANARY_STREAM = 9  # make_rng stream of which canaries a round inserts (seeded runs only)
 

@@ -1,7 +1,7 @@
 """The selection role: who is sent a round's train message (docs/algorithms.md §0).
 
 `ClientSampling` is the round loop's own selection, Poisson (each node with probability q) or fixed-size (exactly
-m = round(q M)), seeded per round. DP-FTRL's participation rule (`strategies.dp_ftrl.DPFTRL`) fills the same role.
+m = round(q M)), seeded per round. DP-FTRL's participation rule (`strategies.parts.dp_ftrl.DPFTRL`) fills the same role.
 A selection returns a `Selection`: the nodes, and what the ledger must know about how they were drawn.
 """
 
@@ -15,8 +15,7 @@ from flwr.common import log
 
 from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, make_rng, noise_share_count, truncation_probability
 from dpfl.dpcore.privacy.modes import SAMPLING_FORMS, ClientSamplingMode
-
-from .parts import Part
+from dpfl.strategies.parts.part import Part
 
 
 @dataclass(frozen=True)

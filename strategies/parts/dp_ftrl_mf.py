@@ -32,10 +32,9 @@ from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
 from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy, optimize_strategy
 from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
 from dpfl.dpcore.privacy.settings import one_of, require
-
-from .dp_ftrl import check_ftrl, choose
-from .parts import Part
-from .sampling import Selection
+from dpfl.strategies.parts.dp_ftrl import check_ftrl, choose
+from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.sampling import Selection
 
 NOISE_STREAM = 23  # make_rng stream of z_t (from the run's noise key)
 SELECTION_STREAM = 24

@@ -1,7 +1,7 @@
 """ALI-DPFL server strategy (the ALI-DPFL paper's Algorithm 2; docs/algorithms.md §5).
 
 Sample-level DP: every client runs DP-SGD (`clients.dpsgd`) and keeps its own
-ledger; the server adds no noise. On the shared round loop (`strategies.round_loop`),
+ledger; the server adds no noise. On the shared round loop (`strategies.loop.round_loop`),
 each round the server
 
 1. sends the global model and tau (local DP-SGD steps) to the sampled clients,
@@ -43,13 +43,18 @@ from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipli
 from dpfl.dpcore.privacy.ledger import SampleLevelLedgers
 from dpfl.dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
 from dpfl.dpcore.privacy.settings import check_dpsgd, require, require_a_step
-
-from .ali_dpfl_clients import claimed_epsilon, load_mirror_state, mirror_state, row_problem, update_ledgers
-from .local_steps import estimate_mu, next_local_steps
-from .options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
-from .reply_gate import MetricRule
-from .round_loop import DPRoundLoop
-from .wrapped import release
+from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
+from dpfl.strategies.loop.round_loop import DPRoundLoop
+from dpfl.strategies.loop.wrapped import release
+from dpfl.strategies.parts.reply_rules import MetricRule
+from dpfl.strategies.sample_level.ali_dpfl_clients import (
+    claimed_epsilon,
+    load_mirror_state,
+    mirror_state,
+    row_problem,
+    update_ledgers,
+)
+from dpfl.strategies.sample_level.local_steps import estimate_mu, next_local_steps
 
 
 class ALIDPFL(DPRoundLoop):
@@ -58,10 +63,10 @@ class ALIDPFL(DPRoundLoop):
         ALIDPFL(FedAvg(), dpsgd=DPSGDOptions(0.1, 1.0, 1.0, target_epsilon=5.0), sampling=SamplingOptions(1.0))
 
     strategy : the wrapped Flower strategy (FedAvg if None).
-    dpsgd : the clients' DP-SGD and its accounting (`strategies.options.DPSGDOptions`).
+    dpsgd : the clients' DP-SGD and its accounting (`strategies.loop.options.DPSGDOptions`).
     sampling : which clients train each round (the paper: all, q = 1); client sampling does not enter the
         sample-level accounting.
-    run : eta_s, the randomness, the outputs and their hooks (`strategies.options.RunOptions`).
+    run : eta_s, the randomness, the outputs and their hooks (`strategies.loop.options.RunOptions`).
     server_data : the server's gradient function (mu_source = server) and the public partition sizes.
     """
 

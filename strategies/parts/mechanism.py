@@ -3,7 +3,7 @@
 `GaussianMechanism` is the wrapper's default (docs/algorithms.md §0): the sum of the clipped updates plus the
 server's share of N(0, sigma^2 C^2 I) as the noise placement says (all of it, the top-up for the missing client
 shares, or none), divided by the fixed m, one sampled-Gaussian event per round in `ClientLevelLedger`.
-DP-FTRL's tree (`strategies.dp_ftrl.DPFTRL`) and the Haar-wavelet noise (`strategies.wavelet.WaveletMechanism`)
+DP-FTRL's tree (`strategies.parts.dp_ftrl.DPFTRL`) and the Haar-wavelet noise (`strategies.parts.wavelet.WaveletMechanism`)
 fill the same role.
 """
 
@@ -13,9 +13,8 @@ import numpy as np
 
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
 from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
-
-from .noise_placement import server_view
-from .parts import Part
+from dpfl.strategies.parts.noise_placement import server_view
+from dpfl.strategies.parts.part import Part
 
 NOISE_STREAM = 2  # make_rng stream of the server's noise on the sum (seeded runs only)
 

@@ -21,7 +21,7 @@ class PrivacyOptions:
 
     clipping_norm : C, bound on the global L2 norm of each update (0: no clipping, only with sigma = 0).
     noise_multiplier : sigma (0: no noise, epsilon = inf).
-    noise_placement : "central", "distributed" or "local" (`strategies.noise_placement`).
+    noise_placement : "central", "distributed" or "local" (`strategies.parts.noise_placement`).
     delta : target delta; 0: the strategy's default.
     accountant : the ledger's accountant ("pld", "rdp" or "prv").
     target_epsilon, target_epsilon_mode : "stop" before a round would exceed the target, or "calibrate" sigma up
@@ -75,7 +75,7 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class DPSGDOptions:
-    """ALI-DPFL's sample-level DP-SGD on the clients (`strategies.ali_dpfl.ALIDPFL`), and its accounting.
+    """ALI-DPFL's sample-level DP-SGD on the clients (`strategies.sample_level.ali_dpfl.ALIDPFL`), and its accounting.
 
     batch_sample_rate : q_s, Poisson batch sampling rate of DP-SGD on each client.
     sample_noise_multiplier, sample_clipping_norm : sigma and C of DP-SGD.

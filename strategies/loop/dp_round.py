@@ -20,7 +20,7 @@ class DPRound:
         noises (floating point), `global_vector` their flat concatenation (what a weights reply's update is taken
         from).
     nodes : the nodes sampled (None: not sampled here); `population` the nodes connected when it sampled.
-    truncation_probability, sampled_from : how the sample was drawn (`strategies.sampling.Selection`).
+    truncation_probability, sampled_from : how the sample was drawn (`strategies.parts.sampling.Selection`).
     problems : failed and rejected replies (diagnostics); `accepted_replies` the replies the reply gate accepted
         (`accepted_nodes` their nodes), in order.
     server_noise_std : the std of the noise the server added to the sum.

@@ -1,4 +1,4 @@
-"""Secure aggregation as a part of the wrapper: the server only ever sees the sum (SecAgg+, `strategies.secagg`).
+"""Secure aggregation as a part of the wrapper: the server only ever sees the sum (SecAgg+, `strategies.legacy.secagg`).
 
 It changes the "against the server" figure: under SecAgg+ that figure depends on how many noise shares reached the
 sum, so it is a diagnostic (diagnostics-summary.json), not a published figure. And every round reserves the
@@ -8,8 +8,7 @@ quantizer's clip probability out of delta (`failure_probability`), for both figu
 from __future__ import annotations
 
 from dpfl.dpcore.privacy.settings import check_secure_aggregation
-
-from .parts import Part
+from dpfl.strategies.parts.part import Part
 
 
 class SecureAggregation(Part):
@@ -19,7 +18,7 @@ class SecureAggregation(Part):
     server_sees_only_the_sum = True
 
     def __init__(self) -> None:
-        self.quantizer_clip_probability = 0.0  # set each round by DPSecAggPlusWorkflow (`strategies.secagg`)
+        self.quantizer_clip_probability = 0.0  # set each round by DPSecAggPlusWorkflow (`strategies.legacy.secagg`)
 
     @classmethod
     def from_keywords(cls, keywords: dict) -> SecureAggregation | None:

@@ -20,9 +20,8 @@ from flwr.common import log
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.figures import published_and_former_names
 from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
-
-from .reply_gate import METRICS_RECORD, metric_record
-from .sample_epsilon import sample_epsilon_summary
+from dpfl.strategies.loop.sample_epsilon import sample_epsilon_summary
+from dpfl.strategies.parts.reply_rules import METRICS_RECORD, metric_record
 
 PROTOCOL_NAMES = frozenset(v for k, v in vars(keys).items() if k.isupper() and isinstance(v, str))
 OWN_NAMES = PROTOCOL_NAMES | published_and_former_names()  # no client writes these
@@ -31,7 +30,7 @@ OWN_NAMES = PROTOCOL_NAMES | published_and_former_names()  # no client writes th
 def own_metrics(dp, metrics: MetricRecord | None) -> dict:
     """The clients' own train metrics as the wrapped strategy aggregated them (`metrics`, e.g. FedAvg's weighted
     `train_loss`), plus the largest sample-level epsilon of every accepted reply (`sample-epsilon-max` at
-    `sample-delta`, `strategies.sample_epsilon`): non-private diagnostics that reach Flower's Result (the round's
+    `sample-delta`, `strategies.loop.sample_epsilon`): non-private diagnostics that reach Flower's Result (the round's
     own statistics of the same name take precedence). Keys of the protocol or of a published figure (e.g.
     `epsilon`, `accuracy`) are left out, so no client can write a published figure."""
     own = {k: v for k, v in dict(metrics or {}).items() if k not in OWN_NAMES}

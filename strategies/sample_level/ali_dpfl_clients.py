@@ -1,6 +1,6 @@
 """ALI-DPFL's mirror of the clients' ledgers on the server (docs/algorithms.md §5): each node's DP-SGD steps and mu
 releases charged from the cumulative counts it reports, keyed by the node id the SuperLink gives its replies, and
-the public partition size that weighs its model. Functions of the strategy (`strategies.ali_dpfl.ALIDPFL`), whose
+the public partition size that weighs its model. Functions of the strategy (`strategies.sample_level.ali_dpfl.ALIDPFL`), whose
 state they read and update."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from flwr.common import log
 
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.accountants import epsilon_of
-
-from .local_steps import reply_metrics_problem
+from dpfl.strategies.sample_level.local_steps import reply_metrics_problem
 
 
 def update_ledgers(ali, server_round: int, replies: list[dict], nodes: list[int]) -> None:

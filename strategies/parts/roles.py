@@ -1,14 +1,14 @@
 """The roles a part can fill, declared as `typing.Protocol`s (docs/architecture.md, "Adding a part").
 
-A part names the roles it fills in its `roles` tuple (`strategies.parts.Part.roles`); `check_roles` holds it to
+A part names the roles it fills in its `roles` tuple (`strategies.parts.part.Part.roles`); `check_roles` holds it to
 them when the wrapper is built: a part that claims a role without one of the role's methods or attributes is a
 TypeError naming the part, the role and what is missing. `DifferentialPrivacy` calls a role's methods and nothing
 else of the part that fills it (besides `Part`'s hooks).
 
-- selection: who is sent a round's train message (`strategies.sampling.ClientSampling`, DP-FTRL's rule);
-- mechanism: how the round's sum becomes a release and what the ledger charges (`strategies.mechanism`);
-- codec: how a reply's arrays are read (`strategies.parts.DenseCodec`, `strategies.topk.TopKCodec`);
-- noise: who adds the Gaussian noise and what the server sees (`strategies.noise_placement`).
+- selection: who is sent a round's train message (`strategies.parts.sampling.ClientSampling`, DP-FTRL's rule);
+- mechanism: how the round's sum becomes a release and what the ledger charges (`strategies.parts.mechanism`);
+- codec: how a reply's arrays are read (`strategies.parts.part.DenseCodec`, `strategies.parts.topk.TopKCodec`);
+- noise: who adds the Gaussian noise and what the server sees (`strategies.parts.noise_placement`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from flwr.app import RecordDict
 
 from dpfl.dpcore.privacy.ledger import Ledger
 from dpfl.dpcore.privacy.modes import SamplingForm, ServerView
-
-from .sampling import Selection
+from dpfl.strategies.parts.sampling import Selection
 
 
 @runtime_checkable

@@ -7,8 +7,8 @@ clients that finished the protocol. Clients report weight w_i = 1 (`clients.mods
 is uniform and sum = k * mean; that sum goes through the wrapped strategy's noisy average step,
 which tops the noise up for the n_s - k shares that did not arrive. `SecureSum` is that reading,
 the one piece both SecAgg+ strategies are composed with: `SecAggPlusDPFedAvg` (the legacy adapter
-`strategies.legacy.LegacyDPFedAvg` around a DPFedAvg) and `SecAggPlusDifferentialPrivacy` (Flower's
-legacy DP wrapper signature around any legacy strategy, `strategies.legacy_wrapper`).
+`strategies.legacy.adapter.LegacyDPFedAvg` around a DPFedAvg) and `SecAggPlusDifferentialPrivacy` (Flower's
+legacy DP wrapper signature around any legacy strategy, `strategies.legacy.wrapper`).
 
 SecAgg+ quantizes each upload x to integers after clipping every coordinate to [-R, R].
 `secagg_clipping_range` picks R = C + z s (s = noise-share std, z from a union bound over
@@ -37,12 +37,12 @@ from flwr.serverapp import Grid
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, unflatten, update_problem
 from dpfl.dpcore.privacy.settings import check_secure_aggregation
-
-from .dp_fedavg import DPFedAvg, extra_updates
-from .legacy import LegacyDPFedAvg, LegacyEvaluateFn
-from .legacy_wrapper import LegacyDifferentialPrivacy
-from .reply_gate import node_problem, upload_norm_bound
-from .secure_aggregation import SecureAggregation
+from dpfl.strategies.dp_fedavg import DPFedAvg, extra_updates
+from dpfl.strategies.legacy.adapter import LegacyDPFedAvg, LegacyEvaluateFn
+from dpfl.strategies.legacy.wrapper import LegacyDifferentialPrivacy
+from dpfl.strategies.loop.reply_gate import node_problem
+from dpfl.strategies.parts.reply_rules import upload_norm_bound
+from dpfl.strategies.parts.secure_aggregation import SecureAggregation
 
 SECAGG_MODULUS_RANGE = 2**32  # Flower's default and maximum
 SECAGG_QUANTIZATION_RANGE = 2**22  # Flower's default: precision 2R / 2^22 per coordinate

@@ -7,9 +7,9 @@ the wrapped strategy's own code, reached through its public methods. This class 
 translates FitIns/FitRes <-> Messages, so the legacy and the Message-API strategies cannot
 drift apart. How the workflow's results carry the updates is a piece it is composed with
 (`aggregation`): `SeparateUpdates` (each result is one client's update: Flower's default fit
-workflow) or `strategies.secagg.SecureSum` (every result carries SecAgg+'s one sum; its SecAgg+
-forms are in `strategies.secagg`). While it runs, Flower's own log is kept, less what epsilon
-does not cover (`strategies.legacy_log`).
+workflow) or `strategies.legacy.secagg.SecureSum` (every result carries SecAgg+'s one sum; its SecAgg+
+forms are in `strategies.legacy.secagg`). While it runs, Flower's own log is kept, less what epsilon
+does not cover (`strategies.legacy.log`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from flwr.serverapp.strategy import Result
 
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
-
-from .dp_fedavg import DPFedAvg
-from .legacy_log import FlowerLegacyLog
-from .run_record import bound_note
-from .wrapped import reply_message
+from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.legacy.log import FlowerLegacyLog
+from dpfl.strategies.loop.run_record import bound_note
+from dpfl.strategies.loop.wrapped import reply_message
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
@@ -112,7 +111,7 @@ def weighted_numeric_mean(results: list) -> dict:
 class SeparateUpdates:
     """How Flower's default fit workflow hands over the updates: each result is one client's, and the results go to
     the wrapped strategy as replies, through its reply gate (`LegacyDPFedAvg.aggregation`; SecAgg+'s sum is read by
-    `strategies.secagg.SecureSum`)."""
+    `strategies.legacy.secagg.SecureSum`)."""
 
     secure = False
 
@@ -164,11 +163,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
         round's fit metrics in Flower's History, outside what epsilon covers; if it raises, the round goes on
         without them (a diagnostic).
     aggregation : how the workflow's results carry the updates: `SeparateUpdates()` (default) or SecAgg+'s
-        `strategies.secagg.SecureSum()`.
+        `strategies.legacy.secagg.SecureSum()`.
 
     The fit metrics it returns to Flower are the ledger's (epsilon, delta) and the app's; the non-private counts
     and norms go to the round record's diagnostics only. Flower's log prints the ledger's only
-    (`strategies.legacy_log`, unless publish_diagnostics).
+    (`strategies.legacy.log`, unless publish_diagnostics).
     """
 
     def __init__(
@@ -264,7 +263,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
     # ------------------------------------------------------------------ fit
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         """The run begins (Flower's workflows and legacy Server call this first): Flower's log is kept, less what
-        epsilon does not cover, until its [SUMMARY] ends (`strategies.legacy_log`; all of it with
+        epsilon does not cover, until its [SUMMARY] ends (`strategies.legacy.log`; all of it with
         publish_diagnostics), which closes with the bound the printed epsilon is where it is not the accountant's
         asked for."""
         self.flower_log = FlowerLegacyLog(publish_all=self.dp.publish_diagnostics, closing=self.bound_line)

@@ -35,10 +35,9 @@ an unmarked one came from a client that added no noise share, and is refused wit
 `state_dict()` / `load_state_dict()` carry everything a resumed run needs (the ledger included),
 so that a run killed in round r continues from round r with no round charged twice or lost.
 
-Client-level DP-FedAvg (`strategies.dp_fedavg`) and sample-level ALI-DPFL
-(`strategies.ali_dpfl`) are siblings on this base; they differ in the train config, the
-aggregation and the ledger. The legacy adapter (`strategies.legacy`) drives the same methods
-from Flower's legacy workflow.
+Client-level DP-FedAvg (`strategies.dp_fedavg`) and sample-level ALI-DPFL (`strategies.sample_level.ali_dpfl`) are
+siblings on this base; they differ in the train config, the aggregation and the ledger. The legacy adapter
+(`strategies.legacy.adapter`) drives the same methods from Flower's legacy workflow.
 """
 
 from __future__ import annotations
@@ -57,15 +56,12 @@ from dpfl.dpcore.privacy import figures
 from dpfl.dpcore.privacy.mechanisms import noise_share_count
 from dpfl.dpcore.privacy.modes import ClientSamplingMode
 from dpfl.dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
-
-from .dp_round import DPRound
-from .flower_log import FlowerLog
-from .options import RunOptions, SamplingOptions, refuse_more_than_connected
-from .parts import DenseCodec, Part
-from .reply_gate import ReplyGate
-from .run_record import RunRecord, bound_note
-from .sampling import ClientSampling, covering_noise_shares
-from .wrapped import (
+from dpfl.strategies.loop.dp_round import DPRound
+from dpfl.strategies.loop.flower_log import FlowerLog
+from dpfl.strategies.loop.options import RunOptions, SamplingOptions, refuse_more_than_connected
+from dpfl.strategies.loop.reply_gate import ReplyGate
+from dpfl.strategies.loop.run_record import RunRecord, bound_note
+from dpfl.strategies.loop.wrapped import (
     OWN_AGGREGATE_TRAIN,
     UnusedSamplingLines,
     filtered_flower_log,
@@ -73,6 +69,8 @@ from .wrapped import (
     quiet_flower_info,
     wrapped_train_content,
 )
+from dpfl.strategies.parts.part import DenseCodec, Part
+from dpfl.strategies.parts.sampling import ClientSampling, covering_noise_shares
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -92,8 +90,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     strategy : the wrapped Flower Message-API strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAvgM, a user's
         own); None: FedAvg with `fraction_evaluate` and `min_available_nodes`. Its aggregation and server
         optimizer act on the privatized model; its evaluation settings (fraction_evaluate) are its own.
-    sampling : q, Poisson or fixed-size sampling, the nodes to wait for (`strategies.options.SamplingOptions`).
-    run : eta_s, the randomness, evaluation, outputs and hooks (`strategies.options.RunOptions`).
+    sampling : q, Poisson or fixed-size sampling, the nodes to wait for (`strategies.loop.options.SamplingOptions`).
+    run : eta_s, the randomness, evaluation, outputs and hooks (`strategies.loop.options.RunOptions`).
     delta : target delta; 0 means the strategy's default (`default_delta`).
     accountant : the ledger's accountant ("pld", the default, "rdp" or "prv").
     selection : who is sent the train message (the selection role); None: `sampling`'s Poisson or fixed-size.
@@ -131,10 +129,12 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             raise TypeError(
                 f"strategy = {strategy!r}: must be a Flower Message-API strategy "
                 "(flwr.serverapp.strategy.Strategy, e.g. FedAvg()); for a legacy flwr.server.strategy "
-                "use strategies.legacy.LegacyDPFedAvg"
+                "use strategies.legacy.adapter.LegacyDPFedAvg"
             )
         self.strategy = strategy
-        self.name = type(self).__name__  # in the log (a preset names itself: strategies.topk, strategies.wavelet)
+        self.name = type(
+            self
+        ).__name__  # in the log (a preset names itself: strategies.parts.topk, strategies.parts.wavelet)
         self.min_available_nodes = sampling.min_available_nodes
         require(0 < sampling.sample_rate <= 1, "sample_rate", sampling.sample_rate, "must be in (0, 1]")
         one_of("client_sampling", sampling.client_sampling, CLIENT_SAMPLINGS)
@@ -151,7 +151,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         self.num_sampled_clients = sampling.num_sampled_clients  # m given (Flower's wrappers); 0: round(q M)
         self.selection = selection or ClientSampling(sampling.client_sampling)
         self.codec = DenseCodec()
-        self.parts = list(parts)  # the optional pieces of the round (strategies.parts), in the order they run
+        self.parts = list(parts)  # the optional pieces of the round (strategies.parts.part), in the order they run
         self.server_learning_rate = run.server_learning_rate
         self.requested_delta = delta
         self.accountant = accountant
@@ -222,7 +222,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
 
     # ------------------------------------------------------------------ train
     def sample_clients(self, server_round: int, node_ids: list[int]) -> list[int]:
-        """The nodes the selection role picks this round (`strategies.sampling`), noted in the round; n_s first
+        """The nodes the selection role picks this round (`strategies.parts.sampling`), noted in the round; n_s first
         covers the round's population (`covering_noise_shares`). Then, before anything is sent, the budget is
         checked at the round's own (N, m) and truncation probability: a round that would spend more than the
         budget allows is refused (`round.refused`, `stop_reason` says why) and no node is returned."""
@@ -374,7 +374,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         clients' evaluation run every `eval_every` rounds and after the last round (the configured last, or the
         last the budget allows). `should_stop(round, result)` (Flower 1.43's keyword, honoured on every release)
         is asked at the end of each round, once its record is written: True ends the run there, and the ledger
-        closes it as after the last round. The log has Flower's own lines (`strategies.flower_log`: what epsilon
+        closes it as after the last round. The log has Flower's own lines (`strategies.loop.flower_log`: what epsilon
         does not cover withheld unless publish_diagnostics) and the round's `Round r/R:` line."""
         self.set_num_rounds(num_rounds)
         flower = FlowerLog(self)  # Flower's own lines, as Strategy.start prints them

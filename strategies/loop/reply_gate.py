@@ -9,16 +9,17 @@ in the ServerApp: metric values are read only through `read_metrics`.
   to float32, the dtype they are aggregated in (`dpcore.privacy.mechanisms.update_problem`);
 - metrics: one metric record (`metrics`, or the only one), each expected key a finite real
   scalar in its range (`MetricRule`); other keys are ignored;
-- norms: under distributed noise an upload may not exceed `upload_norm_bound` (below).
+- norms: under distributed noise an upload may not exceed `upload_norm_bound`.
+
+The rules themselves (`MetricRule`, `read_metrics`, `upload_norm_bound`) are the parts' words, in
+`strategies.parts.reply_rules`.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from logging import DEBUG, WARNING
 
 import numpy as np
@@ -26,65 +27,13 @@ from flwr.app import Message, RecordDict
 from flwr.common import log
 
 from dpfl.dpcore.privacy.mechanisms import flatten, update_problem
-
-METRICS_RECORD = "metrics"  # the name the clients' adapter and Flower's NumPyClient use
-HONEST_REJECTION_PROBABILITY = 1e-12  # per upload: how often the norm bound may reject an honest one
-
-
-@dataclass(frozen=True)
-class MetricRule:
-    """What one metric of a reply must be: present (if required), a finite real scalar in [low, high]."""
-
-    required: bool = False
-    low: float = -math.inf
-    high: float = math.inf
-    integer: bool = False
-
-    def problem(self, key: str, value) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"metric '{key}' = {value!r} is not a number"
-        if not math.isfinite(value):
-            return f"metric '{key}' = {value!r} is not finite"
-        if self.integer and value != int(value):
-            return f"metric '{key}' = {value!r} is not an integer"
-        if not self.low <= value <= self.high:
-            return f"metric '{key}' = {value!r} is outside [{self.low}, {self.high}]"
-        return None
-
-
-def metric_record(content: RecordDict):
-    """A reply's metric record: the one named `metrics`, else the only one ({} if none); None if it has several
-    and none of that name."""
-    records = content.metric_records
-    if METRICS_RECORD in records:
-        return records[METRICS_RECORD]
-    if len(records) <= 1:
-        return next(iter(records.values()), {})
-    return None
-
-
-def read_metrics(content: RecordDict, rules: dict[str, MetricRule]) -> tuple[dict, str | None]:
-    """(the rule-checked metrics as floats/ints, None) or ({}, why the reply's metrics are unusable)."""
-    record = metric_record(content)
-    if record is None:
-        return {}, f"{len(content.metric_records)} metric records and none named '{METRICS_RECORD}'"
-    clean = {}
-    for key, rule in rules.items():
-        if key not in record:
-            if rule.required:
-                return {}, f"metric '{key}' missing"
-            continue
-        problem = rule.problem(key, record[key])
-        if problem:
-            return {}, problem
-        clean[key] = int(record[key]) if rule.integer else float(record[key])
-    return clean, None
+from dpfl.strategies.parts.reply_rules import MetricRule, read_metrics
 
 
 def node_problem(rnd, node: int, seen: set[int]) -> str | None:
     """Why a reply from `node` is not read in the round `rnd` (a `DPRound`), whatever it holds: a second reply (`seen`:
     the nodes already read), or a node the round did not sample (`rnd.nodes`; None: every node may reply), else None.
-    The SecAgg+ sum's results are checked the same way (`strategies.secagg.SecureSum`)."""
+    The SecAgg+ sum's results are checked the same way (`strategies.legacy.secagg.SecureSum`)."""
     if node in seen:
         return "a second reply"
     if rnd.nodes is not None and node not in rnd.nodes:
@@ -101,7 +50,7 @@ class ReplyGate:
     all_failed_hinted = False  # ALL_FAILED_HINT is given once a run
 
     def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
-        """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.DenseCodec`:
+        """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.part.DenseCodec`:
         the update itself when the reply is marked `UPLOAD_UPDATE`, else the client's new weights)."""
         return self.codec.decode(self, content)
 
@@ -135,7 +84,7 @@ class ReplyGate:
     def accepted_updates(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
-        """(flat update, checked metrics) of every reply that passes the gate (`strategies.reply_gate`),
+        """(flat update, checked metrics) of every reply that passes the gate (`strategies.loop.reply_gate`),
         and the counts of failed and rejected replies. Nothing in a reply can raise here.
 
         Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
@@ -229,18 +178,3 @@ def round_problems(problems: list[str], failed_nodes: list[str]) -> list[str]:
         if node not in named:
             extra.append(f"{node} failed: {reason}")
     return list(problems) + extra
-
-
-def upload_norm_bound(
-    clipping_norm: float, noise_std: float, dim: int, failure_probability: float = HONEST_REJECTION_PROBABILITY
-) -> float:
-    """B = C (1 + 1e-5) + s (sqrt(d) + t), t = sqrt(2 ln(1 / p)): an honest upload (update clipped to
-    C plus its noise share N(0, s^2 I_d)) has norm above B with probability at most p.
-
-    ||clip(Delta) + z|| <= C + ||z||, and z -> ||z|| is 1-Lipschitz with E||z|| <= s sqrt(d), so by
-    Gaussian concentration P(||z|| > s sqrt(d) + s t) <= exp(-t^2 / 2) = p. The factor 1e-5 covers
-    float32 rounding of the clipped update. An upload above B is rejected: each accepted one moves the
-    aggregate by at most B / m.
-    """
-    t = math.sqrt(2.0 * math.log(1.0 / failure_probability))
-    return clipping_norm * (1 + 1e-5) + noise_std * (math.sqrt(dim) + t)

@@ -2,7 +2,7 @@
 does not cover (issue 34 item 4).
 
 Flower prints `[INIT]`, `[ROUND r]`, the node-count lines of each round, `[SUMMARY]`, `Run finished ...` and its
-History. A legacy DP strategy of this package (`strategies.legacy.LegacyDPFedAvg`) puts a `FlowerLegacyLog` on the
+History. A legacy DP strategy of this package (`strategies.legacy.adapter.LegacyDPFedAvg`) puts a `FlowerLegacyLog` on the
 flwr logger while it runs (from `initialize_parameters` to the end of `[SUMMARY]`, never at import):
 
 - the node-count lines (`configure_fit: strategy sampled N clients (out of M)`, `aggregate_fit: received N results
@@ -28,8 +28,8 @@ from logging import INFO
 from flwr.common import log
 from flwr.server import History
 
-from .flower_log import listed
-from .wrapped import filtered_flower_log
+from dpfl.strategies.loop.flower_log import listed
+from dpfl.strategies.loop.wrapped import filtered_flower_log
 
 LEGACY_SERVER_PATHS = ("/flwr/server/workflow/", "/flwr/server/server.py")
 # Flower's lines that count nodes: sampled, answered and failed each round (fit and evaluate); SecAgg+'s stages

@@ -7,8 +7,8 @@ malformed ones (indices out of range or duplicated, wrong counts), and averages 
 dense sums with the fixed denominator m, not the number of non-zeros. It measures the
 bytes it received next to what dense float32 uploads would have cost.
 
-`TopKCodec` is that codec, a part of the wrapper (the codec role, `strategies.parts`); `DPFedSAMTopK` is a preset:
-a function that returns the wrapper composed with it from the flat keywords `sparsity` and `topk_mode`.
+`TopKCodec` is that codec, a part of the wrapper (the codec role, `strategies.parts.part`); the preset `DPFedSAMTopK`
+(`strategies.presets`) returns the wrapper composed with it from the flat keywords `sparsity` and `topk_mode`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from flwr.app import ArrayRecord, RecordDict
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
 from dpfl.dpcore.privacy.settings import one_of, require
-
-from .dp_fedavg import DPFedAvg
-from .noise_placement import PLACEMENTS
-from .parts import Part
-from .reply_gate import MetricRule
+from dpfl.strategies.parts.noise_placement import PLACEMENTS
+from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.reply_rules import MetricRule
 
 
 def payload_bytes(record: ArrayRecord) -> int:
@@ -136,17 +134,3 @@ class TopKCodec(Part):
                 self.upload_bytes_total / self.dense_bytes_total if self.dense_bytes_total else None
             ),
         }
-
-
-def DPFedSAMTopK(strategy=None, *args, sparsity: float = 0.4, topk_mode: str = "per-layer", **keywords) -> DPFedAvg:
-    """DPFedAvg composed with top-k sparse uploads (`TopKCodec(sparsity, topk_mode)` after the given `parts`): a
-    preset, not a subclass; the other arguments are DPFedAvg's."""
-    return DPFedAvg(strategy, *args, **topk_keywords(sparsity, topk_mode, **keywords), name="DPFedSAMTopK")
-
-
-def topk_keywords(sparsity: float = 0.4, topk_mode: str = "per-layer", parts=(), **keywords) -> dict:
-    """DPFedAvg's keywords with the codec that `sparsity` and `topk_mode` name after the given parts."""
-    return {**keywords, "parts": [*parts, TopKCodec(sparsity, topk_mode)]}
-
-
-DPFedSAMTopK.check_settings = lambda **keywords: DPFedAvg.check_settings(**topk_keywords(**keywords))

@@ -21,7 +21,7 @@ class RunRecord:
     """The checkpoint state (`state_dict`, with the strategy's `extra_state`, its parts' and its ledger's) and the
     statements about the guarantee (`guarantee_caveats`, `guarantee_marks`, `describe_sampling`)."""
 
-    parts: list = []  # strategies.parts.Part
+    parts: list = []  # strategies.parts.part.Part
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs, JSON-serializable (the ledger's own state included)."""

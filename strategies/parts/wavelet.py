@@ -12,8 +12,8 @@ sigma_eff = sigma_H / sqrt(n), and that is what the ledger charges.
   reports the claimed one (ledger epsilon at sigma_H) next to it.
 - `exact`: sigma_H = sigma * sqrt(n), so sigma_eff = sigma and the configured epsilon holds.
 
-`WaveletMechanism` is that noise, a part of the wrapper (the mechanism role, `strategies.parts`);
-`DPFedAvgWavelet` is a preset: a function that returns the wrapper composed with it from the flat keyword
+`WaveletMechanism` is that noise, a part of the wrapper (the mechanism role, `strategies.parts.part`); the preset
+`DPFedAvgWavelet` (`strategies.presets`) returns the wrapper composed with it from the flat keyword
 `wavelet_calibration`.
 """
 
@@ -35,11 +35,9 @@ from dpfl.dpcore.privacy.mechanisms import (
     wavelet_effective_noise_multiplier,
 )
 from dpfl.dpcore.privacy.settings import one_of, require
-
-from .dp_fedavg import DPFedAvg
-from .mechanism import NOISE_STREAM, GaussianMechanism
-from .noise_placement import PLACEMENTS
-from .parts import AfterRound
+from dpfl.strategies.parts.mechanism import NOISE_STREAM, GaussianMechanism
+from dpfl.strategies.parts.noise_placement import PLACEMENTS
+from dpfl.strategies.parts.part import AfterRound
 
 
 class WaveletMechanism(GaussianMechanism):
@@ -154,18 +152,3 @@ class WaveletMechanism(GaussianMechanism):
                 "the paper's analysis prints (ledger at sigma_H)"
             ),
         }
-
-
-def DPFedAvgWavelet(strategy=None, *args, wavelet_calibration: str = "exact", **keywords) -> DPFedAvg:
-    """DPFedAvg with the server's Gaussian noise replaced by Haar-wavelet noise (`WaveletMechanism`, after the given
-    `parts`): a preset, not a subclass; the other arguments are DPFedAvg's. Under central noise its clients clip too
-    (Algorithm 2), and the server clips again."""
-    return DPFedAvg(strategy, *args, **wavelet_keywords(wavelet_calibration, **keywords), name="DPFedAvgWavelet")
-
-
-def wavelet_keywords(wavelet_calibration: str = "exact", parts=(), **keywords) -> dict:
-    """DPFedAvg's keywords with the mechanism that `wavelet_calibration` names after the given parts."""
-    return {**keywords, "parts": [*parts, WaveletMechanism(wavelet_calibration)]}
-
-
-DPFedAvgWavelet.check_settings = lambda **keywords: DPFedAvg.check_settings(**wavelet_keywords(**keywords))

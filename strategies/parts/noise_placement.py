@@ -9,7 +9,7 @@ fixed-clipping DP wrappers.
   `noise_shares`, `dpcore.privacy.mechanisms.noise_share_count`).
 - `LocalNoise`: local DP, each client adds N(0, sigma^2 C^2 I) to its own clipped update; no server noise.
 
-Each is a part of the wrapper (`strategies.parts.Part`): it writes the clients' privatizing config, refuses the
+Each is a part of the wrapper (`strategies.parts.part.Part`): it writes the clients' privatizing config, refuses the
 replies it cannot take, and says what it means for the server figure. Code that needs to know who adds noise asks
 these objects (`server_adds_noise`, `clients_add_noise`, `noise_in_shares`), never their name.
 """
@@ -24,14 +24,13 @@ import numpy as np
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
 from dpfl.dpcore.privacy.modes import ServerView
-
-from .parts import Part
-from .reply_gate import upload_norm_bound
+from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.reply_rules import upload_norm_bound
 
 
 class NoisePlacement(Part, ABC):
     """Who adds the noise; the wrapper's `noise` (one of the three below), the noise role
-    (`strategies.roles.NoiseRole`)."""
+    (`strategies.parts.roles.NoiseRole`)."""
 
     roles = ("noise",)
     keyword = "noise_placement"
