@@ -50,7 +50,7 @@ def main() -> None:
                 "noise-multiplier": args.noise_multiplier,
                 "clipping-norm": args.clipping_norm,
                 "local-epochs": 1,
-                "head-epochs": 1,
+                **({"head-epochs": 1} if algorithm in ("dp2-fedsam", "centaur") else {}),  # the others have no head
                 "results-dir": str(out / algorithm),
             }
         )

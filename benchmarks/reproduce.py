@@ -172,7 +172,6 @@ CLAIMS: dict[str, Claim] = {
             "sample-rate": 0.1,
             "num-rounds": 50,
             "local-epochs": 1,
-            "head-epochs": 1,
             "eval-every": 50,
             "clipping-norm": 0.2,
             "sam-rho": 0.1,
@@ -181,8 +180,8 @@ CLAIMS: dict[str, Claim] = {
         arms={
             "DP-FedSAM": {"algorithm": "dp-fedsam"},
             "DP-FedSAM-FT": {"algorithm": "dp-fedsam-ft"},
-            "CENTAUR": {"algorithm": "centaur"},
-            "DP2-FedSAM": {"algorithm": "dp2-fedsam"},
+            "CENTAUR": {"algorithm": "centaur", "head-epochs": 1},
+            "DP2-FedSAM": {"algorithm": "dp2-fedsam", "head-epochs": 1},
         },
         levels=(
             Level("paper epsilon 1, delta 1/N", calibrated(1.0, 1 / 300)),

@@ -124,7 +124,7 @@ SAMPLE_LEVEL_KEYS = (
     "mu-noise-multiplier",
     "wavelet-calibration",
 )
-HEAD_KEYS = ("head-prefix",)
+HEAD_KEYS = ("head-prefix", "head-epochs", "head-steps", "head-lr")  # read by the personal-head clients only
 
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a

@@ -404,25 +404,38 @@ def test_a_new_key_read_by_one_builder_is_refused_for_the_others(monkeypatch):
     from dpfl.fl_app import algorithms
     from dpfl.fl_app.builders import client_level
 
-    def with_head_steps(s):
-        return {**client_level(s), "head_steps": s.personalization.head_steps}
+    def with_wandb_project(s):
+        return {**client_level(s), "wandb_project": s.output.wandb_project}
 
-    assert validate({**ALI_DPFL, "head-steps": 3}).personalization.head_steps == 3  # no one reads it
-    record = replace(algorithms.ALGORITHMS["dp-fedavg"], strategy_settings=with_head_steps)
+    assert validate({**ALI_DPFL, "wandb-project": "x"}).output.wandb_project == "x"  # the apps read it, no builder
+    record = replace(algorithms.ALGORITHMS["dp-fedavg"], strategy_settings=with_wandb_project)
     monkeypatch.setitem(algorithms.ALGORITHMS, "dp-fedavg", record)
     algorithms.default_keys_read.cache_clear()
     try:
-        assert "head-steps" in algorithms.algorithm_specific_keys()
+        assert "wandb-project" in algorithms.algorithm_specific_keys()
         with pytest.raises(
             ConfigError,
-            match="'head-steps' = 3 is not read by algorithm 'ali-dpfl', whose own keys "
+            match="'wandb-project' = 'x' is not read by algorithm 'ali-dpfl', whose own keys "
             "are adaptive, batch-sample-rate, dpsgd-noise",
         ):
-            validate({**ALI_DPFL, "head-steps": 3})
+            validate({**ALI_DPFL, "wandb-project": "x"})
         assert validate(ALI_DPFL).run.algorithm == "ali-dpfl"  # at its default: allowed
     finally:
         monkeypatch.undo()
         algorithms.default_keys_read.cache_clear()
+
+
+@pytest.mark.parametrize("key, value", [("head-lr", 0.05), ("head-steps", 3), ("head-epochs", 4)])
+@pytest.mark.parametrize("algorithm", ["dp-fedavg", "dp-fedsam", "dp-fedsam-topk"])
+def test_the_personal_heads_keys_are_refused_where_there_is_no_head(algorithm, key, value):
+    """head-lr, head-steps and head-epochs are read by the clients of dp2-fedsam and centaur only (their owned keys):
+    elsewhere a value other than the default trains nothing and is refused, naming the key and the algorithm."""
+    with pytest.raises(
+        ConfigError,
+        match=f"'{key}' = {value} applies only to algorithm = dp2-fedsam or centaur, but 'algorithm' = '{algorithm}'",
+    ):
+        validate({"algorithm": algorithm, key: value})
+    assert getattr(validate({"algorithm": "centaur", key: value}).personalization, key.replace("-", "_")) == value
 
 
 def test_the_reference_run_drops_the_keys_its_algorithm_does_not_read():

@@ -48,3 +48,22 @@ def test_quick_study_of_one_claim_writes_its_table(tmp_path):
     assert all(len(row.split("|")) == len(claim.levels) + 3 for row in rows)  # one cell per level
     assert sum(line.startswith("- ") for line in table) == len(claim.levels) * len(claim.compare)
     assert (tmp_path / "quick" / "dp-fedsam.png").stat().st_size > 5_000
+
+
+@pytest.mark.parametrize("name", sorted(CLAIMS))
+def test_every_run_of_every_claim_is_a_valid_run_config(name, tmp_path):
+    """Each run a study would start (tuning, final and diagnosis, at the papers' size) passes the app's validation:
+    a key its algorithm does not read (head-epochs on an arm without a head) is found here, not hours into a sweep."""
+    from benchmarks.reproduce import jobs_for
+    from dpfl.fl_app.config import validate
+
+    claim = CLAIMS[name]
+    chosen = {arm: {k: v[0] for k, v in grid.items()} for arm, grid in claim.grid.items()}
+    jobs = [
+        j
+        for phase in ("tune", "final", "diagnosis")
+        for j in jobs_for(name, claim, phase, 1, False, "", tmp_path, chosen)
+    ]
+    assert jobs
+    for j in jobs:
+        validate({k: v for k, v in j["config"].items() if k != "data-dir"})
