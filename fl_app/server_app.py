@@ -35,8 +35,9 @@ from dpfl.fl_app.results import (
 from dpfl.fl_app.settings import Settings
 from dpfl.fl_app.transport import PromptGrid, is_simulation, wait_for_nodes
 from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
+from dpfl.strategies.loop.log_line import DIAGNOSTICS_MARK, format_record
 from dpfl.strategies.loop.options import ServerData
-from dpfl.strategies.loop.round_loop import DIAGNOSTICS_MARK, DPRoundLoop, format_record
+from dpfl.strategies.loop.round_loop import DPRoundLoop
 
 app = ServerApp()
 
@@ -255,7 +256,7 @@ DIAGNOSTIC_SUMMARY_LOG_KEYS = figures.finish_line_names(published=False)  # diag
 
 def log_finish(summary: dict, diagnostics: dict, publish_diagnostics: bool, run_dir) -> None:
     """The run's last lines: `Finished:` with summary.json's figures (what the ledger covers) as `key=value`
-    (strategies.loop.round_loop.parse_log_line reads it), the audit, where the files and the diagnostics are."""
+    (strategies.loop.log_line.parse_log_line reads it), the audit, where the files and the diagnostics are."""
     line = format_record(summary, SUMMARY_LOG_KEYS)
     if publish_diagnostics and format_record(diagnostics, DIAGNOSTIC_SUMMARY_LOG_KEYS):
         line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_SUMMARY_LOG_KEYS)

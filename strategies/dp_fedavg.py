@@ -2,8 +2,8 @@
 
 `DifferentialPrivacy(strategy, ...)` wraps a Flower strategy as Flower's own DP wrappers do
 (`DifferentialPrivacy(FedAdam(...), clipping_norm=..., noise_multiplier=..., sample_rate=...)` is DP-FedAdam);
-`DPFedAvg` is the same class, around FedAvg by default. Clients upload their new weights (any Flower client)
-or the update Delta_i = w_i - w_global (this project's clients and mod). On the shared round loop
+`DPFedAvg` is the same class, around FedAvg by default. Clients upload their new weights (any Flower client) or the
+update Delta_i = w_i - w_global (this project's clients and mod). On the shared round loop
 (`strategies.loop.round_loop`) the server
 
 1. samples clients (`poisson`: each with probability q; `fixed`: exactly m = qM),
@@ -14,7 +14,7 @@ or the update Delta_i = w_i - w_global (this project's clients and mod). On the 
    tops the noise up by N(0, sigma^2 C^2 (n_s - k)/n_s I) for the k <= n_s updates that arrived,
    so the sum carries N(0, sigma^2 C^2 I) whatever k is (n_s: `noise_share_count`),
 4. divides by the fixed m (uniform average) and forms w' = w + eta_s * average, which the wrapped
-   strategy's aggregation and server optimizer take as post-processing (`DPRoundLoop.release`),
+   strategy's aggregation and server optimizer take as post-processing (`strategies.loop.wrapped.release`),
 5. charges one sampled-Gaussian event (sigma, q) to the ledger and reports epsilon.
 
 Only what the ledger covers is published per round (`DPRoundLoop.split_record`); counts, norms,
@@ -41,6 +41,7 @@ from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_n
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.dpcore.privacy.settings import SettingError, check_client_level_dp
 from dpfl.strategies.loop.options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
+from dpfl.strategies.loop.reply_gate import ReplyGate
 from dpfl.strategies.loop.round_loop import DPRoundLoop
 from dpfl.strategies.loop.wrapped import metric_replies, own_metrics, release
 from dpfl.strategies.parts.audit import AuditCanaries
@@ -191,8 +192,10 @@ class DifferentialPrivacy(DPRoundLoop):
         self.target_epsilon_mode = privacy.target_epsilon_mode
         self.mechanism, self.codec = mechanism, filling(parts, "codec", self.codec)
         self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
-        for part in self.parts:
-            self.reply_metric_rules = {**self.reply_metric_rules, **part.reply_rules}
+        rules = {**self.reply_metric_rules, **{k: v for p in self.parts for k, v in p.reply_rules.items()}}
+        # clients that add noise: a reply counts only if the client (or its mod) added its noise (a marked update)
+        marked_only = lambda: self.noise.clients_add_noise and self.noise_multiplier > 0  # noqa: E731
+        self.gate = ReplyGate(rules, self.publish_diagnostics, marked_only, self.upload_problem)
 
     @classmethod
     def check_settings(cls, *, privacy=None, sampling=None, run=None, parts: Sequence[Part] = (), **keywords) -> None:
@@ -303,7 +306,7 @@ class DifferentialPrivacy(DPRoundLoop):
         replies = list(replies)
         measured = {k: v for part in self.parts for k, v in part.round_metrics(self, server_round, replies).items()}
         global_arrays = self.round.global_arrays()
-        accepted, failures, rejected = self.accepted_updates(server_round, replies)
+        accepted, failures, rejected = self.gate.accepted(self, server_round, replies)
         updates, norms, losses = [], [], []
         for vector, metrics in accepted:
             vector, norm = self.noise.server_clip(vector, metrics, self.clipping_norm)
@@ -330,10 +333,6 @@ class DifferentialPrivacy(DPRoundLoop):
                     raise ValueError(f"{type(part).__name__} returned {name!r}: only {ADJUSTABLE} may change")
                 setattr(self, name, value)
         return arrays, MetricRecord(metrics)
-
-    def needs_marked_updates(self) -> bool:
-        """Clients that add noise: a reply counts only if the client (or its mod) added its noise."""
-        return self.noise.clients_add_noise and self.noise_multiplier > 0
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """What a part refuses, or an upload above the bound an honest one stays under (p <= 1e-12)."""

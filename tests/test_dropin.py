@@ -332,7 +332,7 @@ def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_targe
 
 
 def test_legacy_start_evaluates_every_n_rounds_and_after_the_last():
-    """eval_every on the legacy path follows DPRoundLoop.evaluation_due: rounds 0 (Flower's initial), 2, 4, 5."""
+    """eval_every on the legacy path follows the round loop's evaluation_due: rounds 0 (Flower's initial), 2, 4, 5."""
     strategy = LegacyDPFedAvg(dp(), initial_parameters=ndarrays_to_parameters(initial_weights()))
     evaluated = []
 

@@ -15,7 +15,8 @@ from dpfl.dpcore.privacy import figures
 from dpfl.dpcore.privacy.figures import FIGURES, GUARANTEE_SUFFIX
 from dpfl.fl_app.dashboards import NOT_A_GUARANTEE, TAGS, scalars
 from dpfl.fl_app.server_app import DIAGNOSTIC_SUMMARY_LOG_KEYS, SUMMARY_LOG_KEYS
-from dpfl.strategies.loop.round_loop import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, PUBLISHED_KEYS, format_record, parse_log_line
+from dpfl.strategies.loop.log_line import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, format_record, parse_log_line
+from dpfl.strategies.loop.round_loop import PUBLISHED_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +125,8 @@ toy = figures.Figure("toy_figure", "a toy", tag="toy/figure", round_line=True, f
 figures.FIGURES = (*figures.FIGURES, toy, figures.guarantee_mark(toy))
 from dpfl.fl_app.dashboards import scalars
 from dpfl.fl_app.server_app import SUMMARY_LOG_KEYS
-from dpfl.strategies.loop.round_loop import LOG_KEYS, PUBLISHED_KEYS, format_record
+from dpfl.strategies.loop.round_loop import PUBLISHED_KEYS
+from dpfl.strategies.loop.log_line import LOG_KEYS, format_record
 
 record = {"round": 2, "toy_figure": 0.25, "toy_figure_is_guarantee": False}
 print(json.dumps({

@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from dpfl import DifferentialPrivacy
-from dpfl.strategies.loop.round_loop import parse_log_line
+from dpfl.strategies.loop.log_line import parse_log_line
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_wrapper import model
 

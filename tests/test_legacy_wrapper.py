@@ -23,7 +23,7 @@ from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
 from dpfl.dpcore.privacy.settings import SettingError
 from dpfl.strategies import DifferentialPrivacy
 from dpfl.strategies.legacy.log import FlowerLegacyLog
-from dpfl.strategies.loop.round_loop import parse_log_line
+from dpfl.strategies.loop.log_line import parse_log_line
 from dpfl.strategies.loop.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records
 from dpfl.strategies.loop.wrapped import reply_message
 from dpfl_tools.inprocess import InProcessGrid

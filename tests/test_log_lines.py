@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dpfl.strategies.loop.round_loop import format_record, parse_log_line
+from dpfl.strategies.loop.log_line import format_record, parse_log_line
 from dpfl_tools.import_graph import ROOT
 
 RUN = """

@@ -34,6 +34,7 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl.strategies.legacy.log import FlowerLegacyLog
+from dpfl.strategies.loop.round_loop import evaluation_due
 from dpfl.strategies.loop.run_record import bound_note
 from dpfl.strategies.loop.wrapped import reply_message
 
@@ -435,7 +436,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         if evaluate_fn is not None:
 
             def legacy_evaluate(rnd: int, ndarrays: list, config: dict):
-                if not self.dp.evaluation_due(rnd, eval_every, num_rounds):
+                if not evaluation_due(self.dp, rnd, eval_every, num_rounds):
                     return None
                 metrics = evaluate_fn(rnd, ArrayRecord(ndarrays))
                 return None if metrics is None else (float(metrics.get("loss", math.nan)), dict(metrics))

@@ -1,6 +1,6 @@
 """The reply gate: what a client reply must look like before a strategy reads any of it.
 
-Every strategy passes every reply through `DPRoundLoop.accepted_updates`, which uses these
+Every strategy passes every reply through its reply gate (`ReplyGate.accepted`), which applies these
 checks; a reply that fails one is rejected (logged with the node and the reason, counted in
 `rejected`, and its noise share topped up like a dropout). Nothing a client sends can raise
 in the ServerApp: metric values are read only through `read_metrics`.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import DEBUG, WARNING
 
 import numpy as np
@@ -42,27 +42,37 @@ def node_problem(rnd, node: int, seen: set[int]) -> str | None:
 
 
 class ReplyGate:
-    """The round loop's reply path (`DPRoundLoop`): every train reply decoded and checked before anything reads it.
-    Reads the strategy's round in flight (`round`), its codec and its `reply_metric_rules`."""
+    """The round loop's reply path, an object the loop holds (`DPRoundLoop.gate`), not a base of it: every train
+    reply decoded by the strategy's codec and checked before anything reads it.
 
-    reply_metric_rules: dict[str, MetricRule] = {}
-    publish_diagnostics = False
-    all_failed_hinted = False  # ALL_FAILED_HINT is given once a run
+    Built with what it reads: the metric rules of the strategy and its parts (`metric_rules`), whether the log may
+    name nodes and reasons (`publish_diagnostics`), and the strategy's two questions, whether only privatized
+    (marked) updates count (`marked_only()`, distributed noise) and why a well-formed upload is still refused
+    (`upload_problem(vector, metrics)`, e.g. above the norm bound). Each call is given the strategy `dp`, whose
+    round in flight (`dp.round`) it reads and writes, and whose codec decodes a reply (`dp.codec`)."""
 
-    def decode_update(self, content: RecordDict) -> tuple[list[np.ndarray], bool]:
-        """(arrays of one reply, whether they are the update), by the codec role (`strategies.parts.part.DenseCodec`:
-        the update itself when the reply is marked `UPLOAD_UPDATE`, else the client's new weights)."""
-        return self.codec.decode(self, content)
+    def __init__(
+        self,
+        metric_rules: dict[str, MetricRule],
+        publish_diagnostics: bool = False,
+        marked_only: Callable[[], bool] = lambda: False,
+        upload_problem: Callable[[np.ndarray, dict], str | None] = lambda vector, metrics: None,
+    ) -> None:
+        self.metric_rules, self.publish_diagnostics = dict(metric_rules), publish_diagnostics
+        self.marked_only, self.upload_problem = marked_only, upload_problem
+        self.all_failed_hinted = False  # ALL_FAILED_HINT is given once a run
 
-    def reply_update(self, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
-        """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used)."""
-        rnd = self.round
+    def reply_update(self, dp, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
+        """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used). The codec
+        role decodes the arrays (`strategies.parts.part.DenseCodec`: the update itself when the reply is marked
+        `UPLOAD_UPDATE`, else the client's new weights)."""
+        rnd = dp.round
         assert rnd.arrays is not None
-        arrays, is_update = self.decode_update(content)
+        arrays, is_update = dp.codec.decode(dp, content)
         everything = rnd.everything
         if len(arrays) != len(everything):
             return None, f"expected {len(everything)} arrays, got {len(arrays)}"
-        if not is_update and self.needs_marked_updates():
+        if not is_update and self.marked_only():
             return None, (
                 "not privatized: under distributed noise the client adds its noise share; add "
                 "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
@@ -77,65 +87,61 @@ class ReplyGate:
         vector = flatten(floats)
         return (vector if is_update else vector - rnd.global_vector), None
 
-    def needs_marked_updates(self) -> bool:
-        """Whether only privatized (marked) updates may be averaged in (distributed noise)."""
-        return False
-
-    def accepted_updates(
-        self, server_round: int, replies: Iterable[Message]
+    def accepted(
+        self, dp, server_round: int, replies: Iterable[Message]
     ) -> tuple[list[tuple[np.ndarray, dict]], int, int]:
-        """(flat update, checked metrics) of every reply that passes the gate (`strategies.loop.reply_gate`),
-        and the counts of failed and rejected replies. Nothing in a reply can raise here.
+        """(flat update, checked metrics) of every reply that passes the gate, and the counts of failed and rejected
+        replies. Nothing in a reply can raise here.
 
         Who replied is the SuperLink's word (the reply's `src_node_id`), never the client's: a reply from a node this
         round did not sample, or a second reply from one node, is rejected (`node_problem`). The round's
         `accepted_replies` lists each accepted reply."""
         accepted, failures, rejected = [], 0, 0
-        rnd = self.round
+        rnd = dp.round
         rnd.accepted_replies = []
         seen: set[int] = set()
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if not msg.has_error() and (problem := node_problem(rnd, node, seen)):
                 rejected += 1
-                self.note_problem(server_round, f"rejected a reply of node {node}: {problem}")
+                self.note(rnd, server_round, f"rejected a reply of node {node}: {problem}")
                 continue
             if msg.has_error():
                 failures += 1
-                self.note_problem(server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
+                self.note(rnd, server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
                 continue
             try:
-                vector, problem = self.reply_update(msg.content)
+                vector, problem = self.reply_update(dp, msg.content)
                 if problem is None:
-                    metrics, problem = read_metrics(msg.content, self.reply_metric_rules)
+                    metrics, problem = read_metrics(msg.content, self.metric_rules)
                 if problem is None:
                     problem = self.upload_problem(vector, metrics)
             except Exception as exc:  # malformed content of any kind
                 problem = f"undecodable reply ({type(exc).__name__}: {exc})"
             if problem:
                 rejected += 1
-                self.note_problem(server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
+                self.note(rnd, server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
                 continue
             seen.add(node)
             accepted.append((vector, metrics))
             rnd.accepted_replies.append(msg)
         return accepted, failures, rejected
 
-    def note_problem(self, server_round: int, problem: str) -> None:
-        """A failed or rejected reply: into the round's diagnostics (`problems`), and into the log only with
+    def note(self, rnd, server_round: int, problem: str) -> None:
+        """A failed or rejected reply: into the round's diagnostics (`rnd.problems`), and into the log only with
         publish_diagnostics (how many replies failed is a count of participants: not covered by epsilon)."""
-        self.round.problems.append(problem)
+        rnd.problems.append(problem)
         log(WARNING if self.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
 
-    def warn_reply_problems(self, record: dict) -> None:
+    def warn(self, rnd, record: dict) -> None:
         """One line per round that had failed or rejected replies: how many and why, grouped by reason
         (`round_problems`). The count is a non-private diagnostic, so the line is a warning only with
         publish_diagnostics, or where every reply of the round failed or was rejected (a misconfigured run, not one
         client's data: then also, the first time, a hint at the usual causes); otherwise it is logged at DEBUG."""
-        problems = round_problems(self.round.problems, record.get("failed_nodes", []))
+        problems = round_problems(rnd.problems, record.get("failed_nodes", []))
         if not problems:
             return
-        none_usable = record.get("clients", len(self.round.accepted_nodes)) == 0 and (
+        none_usable = record.get("clients", len(rnd.accepted_nodes)) == 0 and (
             record.get("failures", 0) + record.get("rejected", 0) > 0  # not an empty sample or a halted SecAgg+
         )
         reasons = Counter(NODE_ID.sub("a node", p) for p in problems)
@@ -152,10 +158,6 @@ class ReplyGate:
         if none_usable and not self.all_failed_hinted:
             self.all_failed_hinted = True
             log(WARNING, "%s", ALL_FAILED_HINT)
-
-    def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
-        """Why a well-formed upload is still refused (e.g. above the norm bound), else None."""
-        return None
 
 
 NODE_ID = re.compile(r"\bnode -?\d+\b")

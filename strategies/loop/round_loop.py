@@ -7,7 +7,7 @@ wrappers do, and adds what differential privacy needs around it:
    and build the ledger (`make_ledger`, per strategy);
 2. sampling: Poisson (each node with probability q, n_s re-derived for the round's population) or
    fixed-size (exactly m), seeded per round;
-3. the reply gate: every reply is decoded and checked (`accepted_updates`) before anything reads it;
+3. the reply gate (`gate`, an object it holds): every reply decoded and checked before anything reads it;
 4. the budget stop: once a round has sampled and before anything is sent, `budget_exhausted()` at the
    round's own (N, m) and truncation probability may refuse it and end the run;
 5. the round record: one dict per round in `history`, the `on_checkpoint` hook (the strategy's
@@ -42,7 +42,6 @@ siblings on this base; they differ in the train config, the aggregation and the 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -58,6 +57,7 @@ from dpfl.dpcore.privacy.modes import ClientSamplingMode
 from dpfl.dpcore.privacy.settings import CLIENT_SAMPLINGS, one_of, require
 from dpfl.strategies.loop.dp_round import DPRound
 from dpfl.strategies.loop.flower_log import FlowerLog
+from dpfl.strategies.loop.log_line import DIAGNOSTIC_LOG_KEYS, DIAGNOSTICS_MARK, format_record
 from dpfl.strategies.loop.options import RunOptions, SamplingOptions, refuse_more_than_connected
 from dpfl.strategies.loop.reply_gate import ReplyGate
 from dpfl.strategies.loop.run_record import RunRecord, bound_note
@@ -70,6 +70,7 @@ from dpfl.strategies.loop.wrapped import (
     wrapped_train_content,
 )
 from dpfl.strategies.parts.part import DenseCodec, Part
+from dpfl.strategies.parts.reply_rules import MetricRule
 from dpfl.strategies.parts.sampling import ClientSampling, covering_noise_shares
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
@@ -82,7 +83,7 @@ CheckpointCallback = Callable[[dict, ArrayRecord], None]
 PUBLISHED_KEYS = figures.published_names()
 
 
-class DPRoundLoop(ReplyGate, RunRecord, Strategy):
+class DPRoundLoop(RunRecord, Strategy):
     """Sampling, reply gate, budget stop and round record for a DP strategy, around a Flower strategy.
 
     Parameters
@@ -100,6 +101,8 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
     `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and `describe`, and declare the
     metrics they read from a train reply in `reply_metric_rules`.
     """
+
+    reply_metric_rules: dict[str, MetricRule] = {}  # the metrics a train reply must hold (each strategy's own)
 
     def __init__(
         self,
@@ -158,6 +161,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         self.seed = run.seed
         self.secure_rng = run.secure_rng
         self.publish_diagnostics = run.publish_diagnostics
+        self.gate = ReplyGate(self.reply_metric_rules, run.publish_diagnostics)  # a subclass may build its own
         self.on_round_end = run.on_round_end
         self.on_checkpoint = run.on_checkpoint
         self.completed_rounds = 0
@@ -292,6 +296,10 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             self.note_problem(server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
             return None
 
+    def note_problem(self, server_round: int, problem: str) -> None:
+        """A failed or rejected reply, or a client figure not aggregated: into the round's diagnostics (`gate.note`)."""
+        self.gate.note(self.round, server_round, problem)
+
     def summary(self) -> None:
         """The wrapped strategy's summary, less its train-sampling lines, which the wrapper replaces with its own
         (the DP subclasses add theirs)."""
@@ -317,11 +325,6 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
 
     def budget_stop_reason(self, server_round: int) -> str:
         raise NotImplementedError
-
-    def evaluation_due(self, server_round: int, eval_every: int, num_rounds: int) -> bool:
-        """Evaluate every `eval_every` rounds and after the last one (the configured last, or the last the
-        budget allows)."""
-        return server_round % eval_every == 0 or server_round == num_rounds or self.budget_exhausted()
 
     def published_keys(self) -> frozenset:
         """The round-record keys the ledger covers for this strategy (and what its parts add or withdraw)."""
@@ -354,7 +357,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
             line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
         total = f"/{self.num_rounds}" if self.num_rounds > 0 else ""  # unknown to a legacy strategy without num_rounds
         log(INFO, "Round %d%s: %s", record["round"], total, line)
-        self.warn_reply_problems(record)
+        self.gate.warn(self.round, record)
         if self.on_round_end:
             self.on_round_end(published, diagnostics)
 
@@ -407,7 +410,7 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
                 record["failures"] = int(record.get("failures", 0)) + len(missing)
                 for node in missing:
                     self.note_problem(rnd, f"node {node} failed: {NO_REPLY}")
-            due = self.evaluation_due(rnd, eval_every, num_rounds)
+            due = evaluation_due(self, rnd, eval_every, num_rounds)
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid) if due else []
             if eval_msgs:
                 client_eval = self.aggregate_evaluate(rnd, grid.send_and_receive(eval_msgs, timeout=timeout))
@@ -427,6 +430,12 @@ class DPRoundLoop(ReplyGate, RunRecord, Strategy):
         if self.ledger is not None and (note := bound_note(self.accountant, self.ledger)):
             log(INFO, "%s", note)
         return result
+
+
+def evaluation_due(dp: DPRoundLoop, server_round: int, eval_every: int, num_rounds: int) -> bool:
+    """Evaluate every `eval_every` rounds and after the last one (the configured last, or the last the budget
+    allows); the legacy adapter asks the same."""
+    return server_round % eval_every == 0 or server_round == num_rounds or dp.budget_exhausted()
 
 
 NO_REPLY = "no reply before round-timeout"
@@ -459,42 +468,4 @@ def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Messa
     return {"failed_nodes": failed} if failed else {}
 
 
-LOG_KEYS = figures.round_line_names()
-DIAGNOSTIC_LOG_KEYS = figures.round_line_names(published=False)
-
-
-DIAGNOSTICS_MARK = "  | not private: "  # what follows it on a log line is not covered by epsilon
 # `Round r/R: ...`, `Round r: key=...` (R unknown: a legacy strategy without num_rounds), `Finished: ...`
-LOG_LINE = re.compile(r"(?:Round (\d+)(?:/\d+|(?=: [\w-]+=))|Finished): (.*)$")
-
-
-def format_record(record: dict, keys: tuple[str, ...] = LOG_KEYS) -> str:
-    """`key=value` for the keys present (None left out), numbers to 4 significant digits, two spaces apart."""
-    return "  ".join(
-        f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
-        for k in keys
-        if record.get(k) is not None
-    )
-
-
-def parse_log_line(line: str) -> tuple[dict, dict] | None:
-    """(published values, diagnostics) of a `Round r/R: ...` or `Round r: ...` line (with `round`) or of the run's
-    `Finished: ...` line as `flwr log` prints them (a prefix such as Flower's `INFO :` is allowed); None for any other line.
-    Keys are those of metrics.jsonl (Finished: summary.json), after DIAGNOSTICS_MARK diagnostics.jsonl's;
-    numbers come back to the line's 4 significant digits."""
-    match = LOG_LINE.search(line.rstrip())
-    if match is None:
-        return None
-
-    def value(v: str):
-        if v in ("True", "False"):  # the not-a-guarantee marks
-            return v == "True"
-        return int(v) if v.lstrip("-").isdigit() else float(v)
-
-    def values(text: str) -> dict:
-        pairs = (item.split("=", 1) for item in text.split())
-        return {k: value(v) for k, v in pairs}
-
-    published, _, diagnostics = match.group(2).partition(DIAGNOSTICS_MARK.strip())
-    round_number = {"round": int(match.group(1))} if match.group(1) else {}
-    return {**round_number, **values(published)}, values(diagnostics)

@@ -265,7 +265,7 @@ class ALIDPFL(DPRoundLoop):
         shapes = [a.shape for a in global_arrays]
         if self.releases_mu():
             self.mu_rounds += 1
-        accepted, failures, rejected = self.accepted_updates(server_round, replies)
+        accepted, failures, rejected = self.gate.accepted(self, server_round, replies)
         rows, weights, nodes = [], [], []
         for (vector, metrics), node in zip(accepted, self.round.accepted_nodes):
             problem, weight = row_problem(self, metrics, tau)
