@@ -83,7 +83,7 @@ def run_task(runtime_api_address: str, token: str, insecure: bool, certificates:
     except SystemExit as done:  # flwr_exit ends the task with sys.exit
         return done.code if isinstance(done.code, int) else 1
     finally:  # which copy of the app the task ran (the run's FAB, never the executor's own)
-        app = sys.modules.get("fl_app")
+        app = sys.modules.get("dpfl.fl_app")
         print(
             f"ClientApp task pid {os.getpid()} ran fl_app from "
             f"{os.path.dirname(os.path.dirname(app.__file__)) if app else '(not loaded)'}",

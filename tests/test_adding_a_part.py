@@ -26,7 +26,7 @@ TOY_PART = '''"""A toy part: every client is told a shift."""
 
 from dpfl.dpcore.privacy.settings import require
 
-from .parts import Part
+from .part import Part
 
 
 class ToyShift(Part):
@@ -131,9 +131,9 @@ def test_a_part_offered_through_the_run_config_touches_only_the_files_the_page_l
         r'("dp-fedavg",\n\s+"[^"]*",\n\s+DPFedAvg,\n\s+)client_level,(\n\s+sgd_client,)',
         r"\1toy_level,\2",
     )
-    edit(tmp_path / "fl_app/algorithms.py", r"(from fl_app\.builders import \()", r"\1\n    toy_level,")
+    edit(tmp_path / "fl_app/algorithms.py", r"(from dpfl\.fl_app\.builders import \()", r"\1\n    toy_level,")
     run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    subprocess.run([sys.executable, "-m", "fl_app.config", "--write"], check=True, **run)
+    subprocess.run([sys.executable, "-m", "dpfl.fl_app.config", "--write"], check=True, **run)
     assert changed_files(tmp_path) == EDITED | REDRAWN
     assert "toy-shift" in (tmp_path / "docs/run-config.md").read_text()
     assert re.search(r"\ntoy-shift = 0\.0 ", (tmp_path / "pyproject.toml").read_text())
