@@ -341,6 +341,7 @@ def test_fine_tune_baseline_reports_global_and_personalized_accuracy(tmp_path):
         tmp_path,
         **{
             "algorithm": "dp-fedavg-ft",
+            "head-steps": 0,  # SMALL's head-steps is dp2-fedsam's: dp-fedavg-ft has no head and refuses it
             "num-rounds": 2,
             "fine-tune-steps": 30,
             "noise-multiplier": 0.1,
