@@ -17,7 +17,7 @@ data-dependent travels next to it in the clear; `make_dp_privatize_mod(send_fit_
 sends the client's own fit metrics knowingly, in plaintext beside the sum (outside SecAgg+'s
 and epsilon's guarantee). Put `secaggplus_mod` first:
 `mods=[secaggplus_mod, dp_privatize_mod]`. `uniform_weight_mod` does only this part, for
-clients that privatize themselves (`clients.base.TrainingClient`).
+clients that privatize themselves (`dpfl.TrainingClient`).
 
 Top-k sparsification is not part of these mods; under SecAgg+ a sparse update must be sent
 in dense form (zeros included), since the protocol sums dense vectors.

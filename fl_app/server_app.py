@@ -38,6 +38,7 @@ from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedA
 from dpfl.strategies.loop.log_line import DIAGNOSTICS_MARK, format_record
 from dpfl.strategies.loop.options import ServerData
 from dpfl.strategies.loop.round_loop import DPRoundLoop
+from dpfl.strategies.loop.run_record import split_record
 
 app = ServerApp()
 
@@ -141,8 +142,8 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             raise unreadable_checkpoint_error(
                 run_dir.checkpoint_file, f"its state does not fit this run ({type(exc).__name__}: {exc})"
             ) from None
-        initial, resumed_from = ArrayRecord(arrays), strategy.completed_rounds
-        run_dir.rewrite_rounds([strategy.split_record(record) for record in strategy.history])
+        initial, resumed_from = ArrayRecord(arrays), strategy.record.completed_rounds
+        run_dir.rewrite_rounds([split_record(strategy, record) for record in strategy.record.history])
     try:
         result = strategy.start(
             grid,
@@ -156,13 +157,17 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         run_dir.write_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=run_dir.saved_rounds)
         raise
     server_eval = result.evaluate_metrics_serverapp
-    final = server_eval[max(server_eval)] if server_eval else (strategy.history[-1] if strategy.history else {})
+    final = (
+        server_eval[max(server_eval)]
+        if server_eval
+        else (strategy.record.history[-1] if strategy.record.history else {})
+    )
     summary = {
         "strategy": s.run.algorithm,
         "dataset": s.data.dataset,
         "model": s.training.model,
         "num_parameters": count_parameters(model),
-        "rounds_completed": len(strategy.history),
+        "rounds_completed": len(strategy.record.history),
         "resumed_after_round": resumed_from or None,
         "final_accuracy": final.get("accuracy"),  # global model, server test set (null under partial sharing)
         "final_loss": final.get("loss"),
@@ -175,7 +180,7 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
         **strategy.describe_diagnostics(),
     }
     return finish_run(
-        run_dir, dashboards, summary, diagnostics, run_failure(strategy.history), s.output.publish_diagnostics
+        run_dir, dashboards, summary, diagnostics, run_failure(strategy.record.history), s.output.publish_diagnostics
     )
 
 

@@ -17,7 +17,7 @@ update Delta_i = w_i - w_global (this project's clients and mod). On the shared 
    strategy's aggregation and server optimizer take as post-processing (`strategies.loop.wrapped.release`),
 5. charges one sampled-Gaussian event (sigma, q) to the ledger and reports epsilon.
 
-Only what the ledger covers is published per round (`DPRoundLoop.split_record`); counts, norms,
+Only what the ledger covers is published per round (`strategies.loop.run_record.split_record`); counts, norms,
 losses and the clipped fraction are non-private diagnostics.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from logging import INFO, WARNING
 
 import numpy as np
@@ -43,11 +44,12 @@ from dpfl.dpcore.privacy.settings import SettingError, check_client_level_dp
 from dpfl.strategies.loop.options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
 from dpfl.strategies.loop.reply_gate import ReplyGate
 from dpfl.strategies.loop.round_loop import DPRoundLoop
+from dpfl.strategies.loop.run_record import describe_sampling, published_keys
 from dpfl.strategies.loop.wrapped import metric_replies, own_metrics, release
 from dpfl.strategies.parts.audit import AuditCanaries
 from dpfl.strategies.parts.mechanism import GaussianMechanism
 from dpfl.strategies.parts.noise_placement import noise_placement as make_noise_placement
-from dpfl.strategies.parts.part import ROLES, Part, failure_probability, filling, keywords_of
+from dpfl.strategies.parts.part import ROLES, Part, failure_probability, filling, keywords_of, sees_only_the_sum
 from dpfl.strategies.parts.reply_rules import MetricRule
 from dpfl.strategies.parts.roles import check_roles
 from dpfl.strategies.parts.secure_aggregation import SecureAggregation
@@ -176,40 +178,25 @@ class DifferentialPrivacy(DPRoundLoop):
         check_options(privacy, sampling, parts)
         mechanism = filling(parts, "mechanism", GaussianMechanism())
         self.noise = make_noise_placement(privacy.noise_placement, mechanism.clients_clip_under_central_noise)
-        super().__init__(
-            strategy,
-            sampling=sampling,
-            run=run,
-            delta=privacy.delta,
-            accountant=privacy.accountant,
-            selection=filling(parts, "selection", None),
-            parts=[self.noise, *parts],
+        self.privacy = privacy  # C and sigma take new values (calibrated, adapted): `adjust`
+        parts = [self.noise, *parts]
+        rules = {**self.reply_metric_rules, **{k: v for p in parts for k, v in p.reply_rules.items()}}
+        gate = ReplyGate(  # distributed noise: a reply counts only if its client (or mod) added its noise (marked)
+            rules,
+            run.publish_diagnostics,
+            lambda: self.noise.clients_add_noise and self.privacy.noise_multiplier > 0,
+            self.upload_problem,
         )
-        self.name, self.privacy = name, privacy
-        self.clipping_norm = privacy.clipping_norm
-        self.noise_multiplier = privacy.noise_multiplier
-        self.target_epsilon = privacy.target_epsilon
-        self.target_epsilon_mode = privacy.target_epsilon_mode
-        self.mechanism, self.codec = mechanism, filling(parts, "codec", self.codec)
-        self.signal_checked = False  # the noise-to-signal warning is given once, at the first round
-        rules = {**self.reply_metric_rules, **{k: v for p in self.parts for k, v in p.reply_rules.items()}}
-        # clients that add noise: a reply counts only if the client (or its mod) added its noise (a marked update)
-        marked_only = lambda: self.noise.clients_add_noise and self.noise_multiplier > 0  # noqa: E731
-        self.gate = ReplyGate(rules, self.publish_diagnostics, marked_only, self.upload_problem)
+        super().__init__(
+            strategy, sampling=sampling, run=run, selection=filling(parts, "selection", None), parts=parts, gate=gate
+        )
+        self.name, self.mechanism, self.codec = name, mechanism, filling(parts, "codec", self.codec)
 
     @classmethod
     def check_settings(cls, *, privacy=None, sampling=None, run=None, parts: Sequence[Part] = (), **keywords) -> None:
         """The rules of these settings, as the constructor takes them (the same call checks a run config)."""
         privacy, sampling, _, parts = sort_keywords(cls.__name__, privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
-
-    @property
-    def noise_placement(self) -> str:
-        return self.noise.name
-
-    @property
-    def server_sees_only_the_sum(self) -> bool:
-        return any(part.server_sees_only_the_sum for part in self.parts)
 
     def add_part(self, part: Part) -> None:
         """Compose with one more part before the first round (SecAgg+'s adapter adds `SecureAggregation`)."""
@@ -218,45 +205,50 @@ class DifferentialPrivacy(DPRoundLoop):
         self.parts.append(part)
 
     # ------------------------------------------------------------------ set-up
-    def default_delta(self, num_clients: int) -> float:
-        return default_client_delta(num_clients)
-
-    def make_ledger(self, delta: float) -> ClientLevelLedger:
-        """The mechanism's ledger; for `calibrate`, sigma for the configured number of rounds too (the mechanism's
-        own `calibrated_noise_multiplier` where it has one: DP-FTRL's matrix-factorization noise)."""
+    def make_ledger(self) -> ClientLevelLedger:
+        """The mechanism's ledger at the configured delta (else `default_client_delta(M)`); for `calibrate`, sigma for
+        the configured number of rounds too (the mechanism's own `calibrated_noise_multiplier` where it has one:
+        DP-FTRL's matrix-factorization noise)."""
+        delta = self.privacy.delta or default_client_delta(self.population.num_clients)
         ledger = self.mechanism.make_ledger(self, delta)
-        if self.target_epsilon > 0 and self.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
-            form, rounds = self.selection.sampling_form, max(1, self.num_rounds)  # the selection part's answer
+        if self.privacy.target_epsilon > 0 and self.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
+            form, rounds = self.selection.sampling_form, max(1, self.record.num_rounds)  # the selection part's answer
             fixed = form is not None and form.fixed_size
             # out of delta: sampling's truncation (none for fixed-size: sigma / 2 unamplified), the parts' (SecAgg+)
             reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
             own = getattr(self.mechanism, "calibrated_noise_multiplier", None)
-            self.noise_multiplier = (
-                own(self, ledger)
-                if own
-                else (2.0 if fixed else 1.0)
-                * calibrate_noise_multiplier(
-                    self.target_epsilon, delta - reserve, 1.0 if fixed else self.sample_rate, rounds, self.accountant
-                )
+            q = 1.0 if fixed else self.population.sample_rate
+            sigma = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
+                self.privacy.target_epsilon, delta - reserve, q, rounds, self.privacy.accountant
             )
+            self.privacy = replace(self.privacy, noise_multiplier=own(self, ledger) if own else sigma)
             log(
                 INFO,
                 "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
-                self.noise_multiplier,
-                self.target_epsilon,
-                self.num_rounds,
+                self.privacy.noise_multiplier,
+                self.privacy.target_epsilon,
+                self.record.num_rounds,
             )
         return ledger
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return self.mechanism.ledger_from_state(state)
 
-    def extra_state(self) -> dict:
-        return {"noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm}  # calibrated, adapted
+    def state_dict(self) -> dict:
+        """The round loop's state with sigma and C (calibrated, adapted)."""
+        privacy = self.privacy
+        return {
+            **super().state_dict(),
+            "noise_multiplier": privacy.noise_multiplier,
+            "clipping_norm": privacy.clipping_norm,
+        }
 
-    def load_extra_state(self, state: dict) -> None:
-        self.noise_multiplier = float(state["noise_multiplier"])
-        self.clipping_norm = float(state.get("clipping_norm", self.clipping_norm))
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        clipping_norm = float(state.get("clipping_norm", self.privacy.clipping_norm))
+        self.privacy = replace(
+            self.privacy, noise_multiplier=float(state["noise_multiplier"]), clipping_norm=clipping_norm
+        )
 
     def summary(self) -> None:
         super().summary()
@@ -264,18 +256,18 @@ class DifferentialPrivacy(DPRoundLoop):
         log(
             INFO,
             "\t│\t├── q=%.4g  C=%.4g  sigma=%.4g  noise=%s  sampling=%s",
-            self.sample_rate,
-            self.clipping_norm,
-            self.noise_multiplier,
-            self.noise_placement,
-            f"fixed (m={self.num_sampled_clients})" if self.num_sampled_clients else self.client_sampling,
+            self.population.sample_rate,
+            self.privacy.clipping_norm,
+            self.privacy.noise_multiplier,
+            self.noise.name,
+            f"fixed (m={m})" if (m := self.population.num_sampled_clients) else self.population.client_sampling,
         )
         log(
             INFO,
             "\t│\t└── accountant=%s  target_epsilon=%s (%s)",
-            self.accountant,
-            self.target_epsilon or "none",
-            self.target_epsilon_mode,
+            self.privacy.accountant,
+            self.privacy.target_epsilon or "none",
+            self.privacy.target_epsilon_mode,
         )
         for line in filter(None, (part.summary() for part in self.parts)):
             log(INFO, "%s", line)
@@ -292,24 +284,22 @@ class DifferentialPrivacy(DPRoundLoop):
         for part in self.parts:
             part.see_model(self, arrays)
         super().begin_round(arrays)
-        if not self.signal_checked and self.ledger is not None:
-            self.signal_checked = True
-            if warning := noise_to_signal_warning(
-                self.noise_multiplier, self.expected_clients, sum(a.size for a in self.round.global_arrays())
-            ):
+        if not self.record.history and self.ledger is not None:  # warned once, at the first round
+            dim = sum(a.size for a in self.round.global_arrays())
+            if warning := noise_to_signal_warning(self.privacy.noise_multiplier, self.population.expected_clients, dim):
                 log(WARNING, "%s", warning)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self.current_arrays is not None and self.ledger is not None
+        assert self.round.arrays is not None and self.ledger is not None
         replies = list(replies)
         measured = {k: v for part in self.parts for k, v in part.round_metrics(self, server_round, replies).items()}
         global_arrays = self.round.global_arrays()
         accepted, failures, rejected = self.gate.accepted(self, server_round, replies)
         updates, norms, losses = [], [], []
         for vector, metrics in accepted:
-            vector, norm = self.noise.server_clip(vector, metrics, self.clipping_norm)
+            vector, norm = self.noise.server_clip(vector, metrics, self.privacy.clipping_norm)
             updates.append(vector)
             norms.append(norm)
             if keys.TRAIN_LOSS in metrics:
@@ -321,7 +311,7 @@ class DifferentialPrivacy(DPRoundLoop):
         own = own_metrics(self, wrapped_metrics)
         metrics = {
             **own,
-            **round_statistics(updates, rejected, failures, norms, losses, self.clipping_norm),
+            **round_statistics(updates, rejected, failures, norms, losses, self.privacy.clipping_norm),
             **measured,
         }
         metrics.update({"server_noise_std": self.round.server_noise_std, **self.privacy_metrics()})
@@ -331,7 +321,7 @@ class DifferentialPrivacy(DPRoundLoop):
             for name, value in after.settings.items():
                 if name not in ADJUSTABLE:
                     raise ValueError(f"{type(part).__name__} returned {name!r}: only {ADJUSTABLE} may change")
-                setattr(self, name, value)
+                self.privacy = replace(self.privacy, **{name: value})
         return arrays, MetricRecord(metrics)
 
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
@@ -340,7 +330,7 @@ class DifferentialPrivacy(DPRoundLoop):
             if problem := part.reply_problem(self, metrics):
                 return problem
         bound = self.noise.upload_norm_bound(
-            self.update_noise_multiplier(), self.clipping_norm, self.noise_shares, vector.size
+            self.update_noise_multiplier(), self.privacy.clipping_norm, self.population.noise_shares, vector.size
         )
         norm = l2_norm(vector)
         return f"upload norm {norm:.6g} above the bound {bound:.6g} of an honest noisy update" if norm > bound else None
@@ -348,7 +338,7 @@ class DifferentialPrivacy(DPRoundLoop):
     def update_noise_multiplier(self) -> float:
         """The multiplier of the noise on the update sum: sigma, or what the parts leave of it (under adaptive
         clipping sigma_Delta of Theorem 1; the ledger still charges sigma)."""
-        multiplier = self.noise_multiplier
+        multiplier = self.privacy.noise_multiplier
         for part in self.parts:
             multiplier = part.update_noise_multiplier(multiplier)
         return multiplier
@@ -375,8 +365,8 @@ class DifferentialPrivacy(DPRoundLoop):
         )
         self.ledger.record_round(
             self.accounted_noise_multiplier(),
-            self.sample_rate,
-            self.noise_shares,
+            self.population.sample_rate,
+            self.population.noise_shares,
             received,
             truncation_probability=self.round.truncation_probability + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
@@ -387,12 +377,12 @@ class DifferentialPrivacy(DPRoundLoop):
         """What Flower's DP wrappers' `privacy_spent()` returns, from the ledger: epsilon and delta of the model
         released so far, the rounds charged, and the accountant whose bound it is; None before round 1 (also when
         the budget refused round 1)."""
-        if self.ledger is None or not self.completed_rounds:
+        if self.ledger is None or not self.record.completed_rounds:
             return None
         return PrivacySpent(
             epsilon=self.ledger.epsilon(),
             delta=self.ledger.delta,
-            num_releases=self.completed_rounds,
+            num_releases=self.record.completed_rounds,
             accounting_method=self.ledger.model_bound_by(),
         )
 
@@ -412,41 +402,41 @@ class DifferentialPrivacy(DPRoundLoop):
         configured rounds end at the target, but a run given more rounds than it was calibrated for (a resume
         with a larger num-rounds, a legacy strategy whose num_rounds is below its ServerConfig's), or whose
         population shrinks under fixed-size sampling, stops here too."""
-        if self.ledger is None or self.target_epsilon <= 0:
+        if self.ledger is None or self.privacy.target_epsilon <= 0:
             return False
         epsilon = self.ledger.epsilon_after_rounds(
             self.accounted_noise_multiplier(),
-            self.sample_rate,
+            self.population.sample_rate,
             1,
             self.selection.next_truncation_probability(self) + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
         )
-        return epsilon > self.target_epsilon
+        return epsilon > self.privacy.target_epsilon
 
     def budget_stop_reason(self, server_round: int) -> str:
-        calibrated = self.target_epsilon_mode == TargetEpsilonMode.CALIBRATE
+        calibrated = self.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE
         note = " (sigma was calibrated for fewer rounds)" if calibrated else ""
-        return f"target epsilon {self.target_epsilon} reached: round {server_round} would spend more{note}"
+        return f"target epsilon {self.privacy.target_epsilon} reached: round {server_round} would spend more{note}"
 
     def guarantee_caveats(self) -> list[str]:
         """Seeded noise only matters when there is noise; and what the parts say."""
-        caveats = super().guarantee_caveats() if self.noise_multiplier > 0 else []
+        caveats = super().guarantee_caveats() if self.privacy.noise_multiplier > 0 else []
         return caveats + [c for part in self.parts for c in part.caveats(self)]
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json (what the ledger covers)."""
         assert self.ledger is not None
         privacy = self.privacy_metrics()
-        published = self.published_keys()
+        published = published_keys(self)
         summary = {
-            "noise_multiplier": self.noise_multiplier,
-            "clipping_norm": self.clipping_norm,
-            **self.describe_sampling(),
-            "noise_shares": self.noise_shares,
-            "noise_placement": self.noise_placement,
+            "noise_multiplier": self.privacy.noise_multiplier,
+            "clipping_norm": self.privacy.clipping_norm,
+            **describe_sampling(self),
+            "noise_shares": self.population.noise_shares,
+            "noise_placement": self.noise.name,
             "accounting_note": self.ledger.relation,
             "server_threat_model": self.ledger.server_threat_model,
-            "secure_aggregation": self.server_sees_only_the_sum,
+            "secure_aggregation": sees_only_the_sum(self),
             "ledger": self.ledger.state_dict(),
             **{k: v for k, v in privacy.items() if k in published},
         }

@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import make_rng
 from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.parts.part import arrays_key, config_key, fraction_evaluate
 from dpfl.strategies.parts.reply_rules import MetricRule, read_metrics
 from dpfl.strategies.parts.sampling import pick
 
@@ -42,9 +43,9 @@ class PersonalizedDPFedAvg(DPFedAvg):
 
     def evaluation_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
         nodes = sorted(node_ids)
-        if 0 < self.fraction_evaluate < 1:
-            k = max(1, round(self.fraction_evaluate * len(nodes)))
-            rng = make_rng(self.seed, 6, server_round)
+        if 0 < fraction_evaluate(self) < 1:
+            k = max(1, round(fraction_evaluate(self) * len(nodes)))
+            rng = make_rng(self.run.seed, 6, server_round)
             nodes = pick(rng, nodes, k)
         return nodes
 
@@ -54,8 +55,8 @@ class PersonalizedDPFedAvg(DPFedAvg):
         nodes = self.evaluation_nodes(server_round, list(grid.get_node_ids()))
         record = RecordDict(
             {
-                self.arrayrecord_key: arrays,
-                self.configrecord_key: ConfigRecord({**dict(config), keys.SERVER_ROUND: server_round}),
+                arrays_key(self): arrays,
+                config_key(self): ConfigRecord({**dict(config), keys.SERVER_ROUND: server_round}),
             }
         )
         return [Message(content=record, dst_node_id=int(node), message_type=MessageType.EVALUATE) for node in nodes]
@@ -71,8 +72,10 @@ class PersonalizedDPFedAvg(DPFedAvg):
                 problem = "no accuracy (empty held-out split?)"
             if problem:
                 failures += 1
-                self.note_problem(
-                    server_round, f"no personalized evaluation from node {msg.metadata.src_node_id}: {problem}"
+                self.gate.note(
+                    self.round,
+                    server_round,
+                    f"no personalized evaluation from node {msg.metadata.src_node_id}: {problem}",
                 )
                 continue
             accuracies.append(metrics[keys.ACCURACY])
@@ -103,7 +106,7 @@ class PersonalizedDPFedAvg(DPFedAvg):
 
     def describe_diagnostics(self) -> dict:
         """DPFedAvg's diagnostics plus the last round's personalized evaluation."""
-        last = next((r for r in reversed(self.history) if "personalized_accuracy" in r), {})
+        last = next((r for r in reversed(self.record.history) if "personalized_accuracy" in r), {})
         keys = ("personalized_accuracy", "personalized_accuracy_std", "personalized_loss", "personalized_clients")
         return {**super().describe_diagnostics(), **{k: last.get(k) for k in keys}}
 
@@ -116,7 +119,7 @@ class PartialSharingDPFedAvg(PersonalizedDPFedAvg):
     """
 
     def describe(self) -> dict:
-        shared = self.current_arrays.to_numpy_ndarrays() if self.current_arrays is not None else []
+        shared = self.round.arrays.to_numpy_ndarrays() if self.round.arrays is not None else []
         return {
             **super().describe(),
             "shared": "body only (each client keeps its head)",

@@ -21,6 +21,7 @@ from dpfl.fl_app.config import ConfigError, validate
 from dpfl.fl_app.results import read_metrics
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies import DifferentialPrivacy
+from dpfl.strategies.loop.run_record import published_keys
 from dpfl.strategies.parts.adaptive_clipping import AdaptiveClipping, update_noise_multiplier
 from dpfl_tools.inprocess import InProcessGrid
 
@@ -59,7 +60,7 @@ def test_theorem_1_update_noise_and_the_ledger_charges_sigma_against_dp_accounti
     )
     strategy.setup_population(100)
     for _ in range(rounds):
-        strategy.ledger.record_round(strategy.accounted_noise_multiplier(), q, strategy.noise_shares)
+        strategy.ledger.record_round(strategy.accounted_noise_multiplier(), q, strategy.population.noise_shares)
     assert strategy.update_noise_multiplier() == sigma_delta
     assert strategy.ledger.epsilon() == pytest.approx(exact.get_epsilon(delta), rel=0.02)
     assert strategy.ledger.epsilon() <= accountants[0]
@@ -148,23 +149,24 @@ def test_the_clipping_norm_follows_the_geometric_rule_to_the_target_quantile(pla
     app = norms_client() if placement == "central" else privatizing_norms_client()
     grid = InProcessGrid(app, clients, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(DIM, np.float32))}), num_rounds=30)
-    for record in strategy.history:
+    for record in strategy.record.history:
         c_t = record["clipping_norm"]
         assert record["clipping_norm_next"] == pytest.approx(
             c_t * math.exp(-eta * (record["unclipped_fraction_noisy"] - gamma)), rel=1e-9
         )
         true_fraction = sum(0.01 * (i + 1.5) <= c_t for i in range(clients)) / clients
         assert record["unclipped_fraction_noisy"] == pytest.approx(true_fraction, abs=0.05)  # noise: 0.1 / 20
-    final = strategy.history[-1]["clipping_norm_next"]
+    final = strategy.record.history[-1]["clipping_norm_next"]
     assert 0.085 <= final <= 0.14  # the median of 0.015 ... 0.205
-    assert strategy.published_keys() >= {"clipping_norm", "clipping_norm_next"}
+    assert published_keys(strategy) >= {"clipping_norm", "clipping_norm_next"}
     if placement == "distributed":  # the clients' noise shares carry sigma_Delta
         sigma_delta = update_noise_multiplier(0.1, 0.1)
         config = grid.sent[-1].content["config"]
         assert config[keys.NOISE_STD] == pytest.approx(
-            sigma_delta * strategy.history[-1]["clipping_norm"] / math.sqrt(strategy.noise_shares), rel=1e-9
+            sigma_delta * strategy.record.history[-1]["clipping_norm"] / math.sqrt(strategy.population.noise_shares),
+            rel=1e-9,
         )
-        assert config[keys.CLIP_COUNT_NOISE_STD] == pytest.approx(0.1 / math.sqrt(strategy.noise_shares))
+        assert config[keys.CLIP_COUNT_NOISE_STD] == pytest.approx(0.1 / math.sqrt(strategy.population.noise_shares))
 
 
 def test_distributed_replies_without_the_bit_are_refused():
@@ -183,8 +185,8 @@ def test_distributed_replies_without_the_bit_are_refused():
         return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({})}), reply_to=msg)
 
     strategy.start(InProcessGrid(app, 4, {}), ArrayRecord({"w": Array(np.zeros(8, np.float32))}), num_rounds=1)
-    assert strategy.history[-1]["rejected"] == 4
-    assert all("clipped bit" in p for p in strategy.history[-1]["problems"])
+    assert strategy.record.history[-1]["rejected"] == 4
+    assert all("clipped bit" in p for p in strategy.record.history[-1]["problems"])
 
 
 def test_the_app_publishes_the_clipping_norm_per_round(tmp_path):

@@ -524,7 +524,7 @@ def test_alidpfl_takes_its_option_objects_built_straight_from_the_settings():
     )
     assert kwargs["sampling"] == SamplingOptions(s.federation.sample_rate, s.federation.client_sampling, 2)
     strategy = ALGORITHMS["ali-dpfl"].build_strategy(s, server_data=ServerData(gradient_fn=lambda w: w[0]))
-    assert (strategy.batch_sample_rate, strategy.sample_target_epsilon, strategy.gamma) == (0.02, 3.0, 1.0)
-    assert strategy.seed == s.run.seed and strategy.secure_rng is s.privacy.secure_rng
+    assert (strategy.dpsgd.batch_sample_rate, strategy.dpsgd.target_epsilon, strategy.dpsgd.gamma) == (0.02, 3.0, 1.0)
+    assert strategy.run.seed == s.run.seed and strategy.run.secure_rng is s.privacy.secure_rng
     with pytest.raises(TypeError):
         ALIDPFL(sample_rate=1.0, batch_sample_rate=0.1)  # the flat form is gone

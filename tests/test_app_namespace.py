@@ -58,6 +58,17 @@ def test_an_apps_own_strategies_and_clients_do_not_meet_ours(tmp_path):
     }
 
 
+def test_dpfl_finds_the_packages_the_fab_ships():
+    """dpfl/__init__.py's `_PACKAGES` (the folders it looks for beside itself in a checkout or a FAB) are the
+    repository's packages, `dpfl.fl_app.PROJECT_PACKAGES`: a package added to one list and not the other would not
+    be found, or not be shipped."""
+    import dpfl
+    from dpfl.fl_app import PROJECT_PACKAGES
+
+    assert len(set(dpfl._PACKAGES)) == len(dpfl._PACKAGES)
+    assert set(dpfl._PACKAGES) == set(PROJECT_PACKAGES)
+
+
 SERVER_USES_OWN = """
 import clients as own_clients  # the app's own modules, beside dpfl's
 import strategies as own_strategies
@@ -75,8 +86,8 @@ def test_an_app_with_its_own_strategies_and_clients_runs_our_wrapper_under_flwr_
     text = server.read_text().replace("app = ServerApp()", SERVER_USES_OWN + "\napp = ServerApp()")
     server.write_text(
         text.replace(
-            '"history": strategy.history,',
-            '"history": strategy.history, "own": [own_strategies.OWN, own_clients.OWN],',
+            '"history": strategy.record.history,',
+            '"history": strategy.record.history, "own": [own_strategies.OWN, own_clients.OWN],',
         )
     )
     out = tmp_path / "results"

@@ -96,7 +96,7 @@ def methods_and_attributes(cls: type) -> tuple[set[str], set[str]]:
     methods, attributes = set(), set()
     for klass in [k for k in cls.__mro__ if k.__module__.startswith("dpfl.")]:
         for name, value in vars(klass).items():
-            if name.startswith("__") and name != "__init__":
+            if (name.startswith("__") and name != "__init__") or name == "_abc_impl":  # ABCMeta's cache, not ours
                 continue
             callable_ = callable(value) or isinstance(value, (property, staticmethod, classmethod))
             (methods if callable_ else attributes).add(name)
@@ -111,9 +111,9 @@ def methods_and_attributes(cls: type) -> tuple[set[str], set[str]]:
 
 
 # What the wrapper and ALIDPFL hold over their whole MRO, as (methods, attributes): ceilings that only go down.
-# Issue 41's target is (30, 15) each; the reply gate is an object the loop holds (no longer a base), the run record
-# is still a base class and the settings still attributes, which is what is left to compose.
-MRO_CEILINGS = {"DifferentialPrivacy": (49, 38), "ALIDPFL": (49, 56)}
+# Issue 41's target is (30, 15): the loop holds its reply gate, run record, population and options as objects.
+# ALIDPFL's own round state (R_c, tau, the mirror of the clients' spending) is still attributes of its own.
+MRO_CEILINGS = {"DifferentialPrivacy": (30, 15), "ALIDPFL": (32, 25)}
 
 
 def test_the_wrapper_and_alidpfl_stay_under_their_method_and_attribute_ceilings():
@@ -174,9 +174,7 @@ def test_every_import_of_the_apps_packages_is_under_dpfl():
     bare = {
         f"{path.relative_to(ROOT)}: {m}"
         for path in ROOT.rglob("*.py")
-        if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
-        and "foreign_app" not in path.parts
-        and "clash_app" not in path.parts
+        if not any(part.startswith(".") for part in path.relative_to(ROOT).parts) and "foreign_app" not in path.parts
         for m in imported_modules(path)
         if m.split(".")[0] in PROJECT_PACKAGES
     }

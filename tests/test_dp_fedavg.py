@@ -52,7 +52,7 @@ def test_aggregated_noise_std_is_sigma_c_over_m(placement):
     )
     delta, metrics = run_one_round(s, grid)
     m = 10
-    assert metrics["clients"] == m and s.expected_clients == m
+    assert metrics["clients"] == m and s.population.expected_clients == m
     assert_std(delta, SIGMA * C / m)
     # in distributed mode the server adds nothing when all m shares arrived
     assert s.round.server_noise_std == (SIGMA * C if placement == "central" else 0.0)
@@ -168,8 +168,8 @@ def test_default_delta_is_far_below_one_over_the_population(population, delta):
 def test_target_epsilon_stop_never_exceeds():
     s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0, delta=1e-3, target_epsilon=3.0)
     result = run_rounds(s, 10, 50)
-    done = len(s.history)
-    assert 1 <= done < 50 and "target epsilon" in s.stop_reason
+    done = len(s.record.history)
+    assert 1 <= done < 50 and "target epsilon" in s.record.stop_reason
     assert s.ledger.epsilon() <= 3.0 < epsilon_of([(1.0, 0.5, done + 1)], 1e-3)
     assert max(result.train_metrics_clientapp) == done
 
@@ -184,9 +184,9 @@ def test_target_epsilon_calibrate():
         target_epsilon_mode="calibrate",
     )
     run_rounds(s, 10, 12)
-    assert len(s.history) == 12
+    assert len(s.record.history) == 12
     assert 3.95 <= s.ledger.epsilon() <= 4.0
-    assert s.noise_multiplier > 0.1
+    assert s.privacy.noise_multiplier > 0.1
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ momentum, refused settings, and an in-process run of the app that learns."""
 
 import logging
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import dp_accounting
@@ -85,7 +86,9 @@ def test_the_released_model_carries_the_tree_noise_of_the_nodes_summed_across_ep
     start = ArrayRecord({"w": Array(np.zeros(dim, np.float32))})
     grid = InProcessGrid(unchanged_weights_client(), nodes, {})
     models = []
-    strategy.on_checkpoint = lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
+    strategy.run = replace(
+        strategy.run, on_checkpoint=lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
+    )
     strategy.start(grid, start, num_rounds=7)
     m = strategy.mechanism.clients_per_round  # the DPFTRL part fills the mechanism role
     assert m == 2
@@ -194,14 +197,9 @@ def test_the_ftrl_model_and_its_momentum_form():
     for momentum in (0.0, gamma):
         part = DPFTRL(epoch_rounds=3, momentum=momentum)
         strategy = SimpleNamespace(
-            sample_rate=0.5,
-            num_clients=8,
-            accountant="pld",
-            seed=0,
-            secure_rng=True,
-            noise_multiplier=0.0,
-            clipping_norm=1.0,
-            server_learning_rate=eta,
+            population=SimpleNamespace(sample_rate=0.5, num_clients=8),
+            privacy=SimpleNamespace(accountant="pld", noise_multiplier=0.0, clipping_norm=1.0),
+            run=SimpleNamespace(seed=0, secure_rng=True, server_learning_rate=eta),
         )
         strategy.ledger = part.make_ledger(strategy, 1e-5)
         w0, v, total = np.array([3.0, 3.0], np.float32), 0.0, 0.0
@@ -273,7 +271,11 @@ def test_the_app_learns_under_dp_ftrl_and_prints_the_ledgers_epsilon(tmp_path):
 def test_the_superlinks_64_bit_node_ids_are_kept_exactly():
     """flwr's node ids go up to 2^64 - 1; numpy would round them through float64."""
     part = DPFTRL(epoch_rounds=2)
-    strategy = SimpleNamespace(sample_rate=0.5, num_clients=4, accountant="pld", seed=0, secure_rng=True)
+    strategy = SimpleNamespace(
+        population=SimpleNamespace(sample_rate=0.5, num_clients=4),
+        privacy=SimpleNamespace(accountant="pld"),
+        run=SimpleNamespace(seed=0, secure_rng=True),
+    )
     part.make_ledger(strategy, 1e-5)
     ids = [2**64 - 1, 2**63 + 12345, 9876543210987654321, 17]
     first = part.select(strategy, 1, ids).nodes
@@ -306,5 +308,5 @@ def test_the_budget_stop_uses_the_tree_ledger():
         ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
         num_rounds=8,
     )
-    assert strategy.completed_rounds == 3 and "target epsilon" in strategy.stop_reason
+    assert strategy.record.completed_rounds == 3 and "target epsilon" in strategy.record.stop_reason
     assert strategy.privacy_metrics()["epsilon"] == epsilons[2]

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,9 @@ def test_the_released_model_moves_by_the_streamed_noise_with_the_prefix_std():
     nodes, dim, sigma = 10, 100_000, 2.0
     strategy = mf_strategy(nodes, sigma, kind="banded", strategy=BANDED, min_sep=3)
     models = []
-    strategy.on_checkpoint = lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
+    strategy.run = replace(
+        strategy.run, on_checkpoint=lambda state, arrays: models.append(arrays["w"].numpy().astype(np.float64))
+    )
     strategy.start(InProcessGrid(unchanged_weights_client(), nodes, {}), ArrayRecord({"w": Array(np.zeros(dim))}), 5)
     norms = prefix_noise_norms(BANDED, 5)
     for model, norm in zip(models, norms):
@@ -191,9 +194,9 @@ def test_calibration_reaches_the_target_epsilon(amplified):
         ftrl=MatrixFactorizationFTRL("banded", min_sep=3, strategy=BANDED, amplified=amplified),
     )
     strategy.start(InProcessGrid(unchanged_weights_client(), nodes, {}), ArrayRecord({"w": Array(np.zeros(3))}), rounds)
-    assert strategy.completed_rounds == rounds
+    assert strategy.record.completed_rounds == rounds
     assert target * 0.99 < strategy.ledger.epsilon() <= target
-    assert strategy.noise_multiplier > 1.0  # sigma = sens x the Gaussian multiplier of the target
+    assert strategy.privacy.noise_multiplier > 1.0  # sigma = sens x the Gaussian multiplier of the target
 
 
 SMALL = {
@@ -317,8 +320,11 @@ def test_the_model_steps_by_the_noisy_round_sum_and_its_momentum_form():
 
     part = MatrixFactorizationFTRL("blt", momentum=0.5, strategy=BLT)
     part.clients_per_round = 2
-    dp = SimpleNamespace(ledger=SimpleNamespace(rounds=0), noise_multiplier=0.0, clipping_norm=1.0)
-    dp.server_learning_rate = 0.1
+    dp = SimpleNamespace(
+        ledger=SimpleNamespace(rounds=0),
+        privacy=SimpleNamespace(noise_multiplier=0.0, clipping_norm=1.0),
+        run=SimpleNamespace(server_learning_rate=0.1),
+    )
     w, velocity = np.zeros(3, np.float32), np.zeros(3)
     for t, x in enumerate([np.array([1.0, 0, 0]), np.array([0, 2.0, 0]), np.array([0, 0, 4.0])], start=1):
         w_next, std = part.release(dp, t, [x.astype(np.float32)], w, 1)

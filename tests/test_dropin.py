@@ -119,7 +119,7 @@ def test_message_api_app_with_mod_and_dpfedavg():
         result.evaluate_metrics_serverapp[ROUNDS]["accuracy"] > 0.6 > result.evaluate_metrics_serverapp[0]["accuracy"]
     )
     assert strategy.describe()["epsilon"] == pytest.approx(expected_epsilon())
-    assert strategy.history[-1]["clients"] == NODES and strategy.history[-1]["clipped_fraction"] > 0
+    assert strategy.record.history[-1]["clients"] == NODES and strategy.record.history[-1]["clipped_fraction"] > 0
 
 
 def legacy_evaluate(rnd, ndarrays, config):
@@ -136,8 +136,8 @@ def test_legacy_numpyclient_with_mod_and_legacy_strategy_server_fn():
     )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    assert len(strategy.history) == ROUNDS
-    assert strategy.history[-1]["accuracy"] > 0.6
+    assert len(strategy.record.history) == ROUNDS
+    assert strategy.record.history[-1]["accuracy"] > 0.6
     assert strategy.describe()["epsilon"] == pytest.approx(expected_epsilon())
     # the per-update figure against a server that sees every upload is far weaker
     assert strategy.describe()["epsilon_against_server"] > 5 * strategy.describe()["epsilon"]
@@ -161,8 +161,8 @@ def test_legacy_strategy_stops_on_the_privacy_budget():
     )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    assert len(strategy.history) == 2
-    assert budgeted.stop_reason == "target epsilon %s reached: round 3 would spend more" % target
+    assert len(strategy.record.history) == 2
+    assert budgeted.record.stop_reason == "target epsilon %s reached: round 3 would spend more" % target
     assert strategy.describe()["epsilon"] <= target
 
 
@@ -181,7 +181,7 @@ def test_legacy_numpyclient_with_mod_under_secaggplus():
 
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[secaggplus_mod, dp_mod]), NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    assert len(strategy.history) == ROUNDS and strategy.history[-1]["accuracy"] > 0.6
+    assert len(strategy.record.history) == ROUNDS and strategy.record.history[-1]["accuracy"] > 0.6
     described, diagnostics = strategy.describe(), strategy.describe_diagnostics()
     assert described["epsilon"] == pytest.approx(expected_epsilon())
     # against the server: the unamplified sum of the shares that arrived (a diagnostic: it depends on how many)
@@ -289,7 +289,7 @@ def test_mismatched_client_fails_alone_and_the_round_goes_on():
         ArrayRecord(initial_weights()),
         num_rounds=2,
     )
-    record = strategy.history[-1]
+    record = strategy.record.history[-1]
     assert record["failures"] == 1 and record["clients"] == NODES - 1
     assert "does not match the global model" in record["failed_nodes"][0]
     assert np.all(np.isfinite(flatten(result.arrays.to_numpy_ndarrays())))
@@ -327,8 +327,8 @@ def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_targe
     assert grid.sent == []
     strategy = LegacyDPFedAvg(calibrated(), initial_parameters=ndarrays_to_parameters(initial_weights()), num_rounds=10)
     legacy_server_app(strategy, 10)(grid, context)
-    assert len(strategy.history) == 10
-    assert 2.9 <= strategy.history[-1]["epsilon"] <= 3.0
+    assert len(strategy.record.history) == 10
+    assert 2.9 <= strategy.record.history[-1]["epsilon"] <= 3.0
 
 
 def test_legacy_start_evaluates_every_n_rounds_and_after_the_last():
@@ -409,13 +409,13 @@ def test_flowers_accountant_keyword_sets_the_budget_and_the_ledger_computes_the_
         max_epsilon=(after_2 + after_3) / 2,
     )
     strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), sigma, 1.0, nodes, accountant=RdpAccountant(config))
-    assert (strategy.accountant, strategy.target_epsilon, strategy.requested_delta) == (
+    assert (strategy.privacy.accountant, strategy.privacy.target_epsilon, strategy.privacy.delta) == (
         "rdp",
         config.max_epsilon,
         delta,
     )
     strategy.start(InProcessGrid(weights_client(), nodes, {}), model(), num_rounds=5)
-    assert len(strategy.history) == 2  # the third round would pass max_epsilon
+    assert len(strategy.record.history) == 2  # the third round would pass max_epsilon
     spent = strategy.privacy_spent()
     assert spent.delta == delta and spent.num_releases == 2
     assert spent.epsilon == pytest.approx(after_2, rel=0.01)

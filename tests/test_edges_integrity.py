@@ -82,7 +82,7 @@ def test_a_client_mu_that_underflows_does_not_crash_the_server_app():
     result = strategy.start(grid, initial(), num_rounds=2)
     first = result.train_metrics_clientapp[1]
     assert first["mu"] == pytest.approx(1e-170 / 3) and first["tau_next"] == strategy.steps_budget
-    assert math.isinf(first["tau_star"]) and strategy.completed_rounds == 2
+    assert math.isinf(first["tau_star"]) and strategy.record.completed_rounds == 2
 
 
 def test_a_client_lying_about_its_partition_id_charges_only_its_own_ledger():
@@ -155,7 +155,7 @@ def test_fewer_connected_nodes_than_partitions_are_weighted_at_the_default_num_p
     strategy = ali(min_available_nodes=2)
     metrics = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
     assert metrics["clients"] == 1 and metrics["rejected"] == 1
-    assert any("num-partitions 1 is fewer than the 2 nodes" in p for p in strategy.history[0]["problems"])
+    assert any("num-partitions 1 is fewer than the 2 nodes" in p for p in strategy.record.history[0]["problems"])
 
 
 def test_a_reply_from_a_node_that_was_not_sampled_or_twice_from_one_node_is_rejected():
@@ -243,7 +243,7 @@ def test_a_hung_node_whose_reply_never_comes_is_a_failure_in_the_round_diagnosti
     """Before: 'failures' 0 and no 'failed_nodes' entry: a reply missing at the timeout is no error message."""
     strategy = ali()
     strategy.start(HangingGrid(app_with_liar({}), 3, {}), initial(), num_rounds=1)
-    record = strategy.history[0]
+    record = strategy.record.history[0]
     assert record["clients"] == 2 and record["failures"] == 1
     assert record["failed_nodes"] == ["node 101: no reply before round-timeout"]
     assert "node 101 failed: no reply before round-timeout" in record["problems"]

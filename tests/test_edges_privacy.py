@@ -62,12 +62,12 @@ def test_every_sampled_round_is_charged_on_the_legacy_and_secagg_paths(secure):
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=mods), SKIP_NODES, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     expected, _ = dp_accounting_epsilons(SKIP_SIGMA, SKIP_Q, SKIP_ROUNDS, SKIP_DELTA)
-    assert [r["round"] for r in strategy.history] == list(range(1, SKIP_ROUNDS + 1))
+    assert [r["round"] for r in strategy.record.history] == list(range(1, SKIP_ROUNDS + 1))
     assert sum(steps for _, _, steps in strategy.ledger.model.history) == SKIP_ROUNDS
     assert strategy.describe()["epsilon"] == pytest.approx(expected, rel=0.02)
     assert strategy.describe()["epsilon"] >= expected * 0.995
     # the short rounds happened, and are diagnostics
-    short = [r for r in strategy.history if r["clients"] < (2 if secure else 1)]
+    short = [r for r in strategy.record.history if r["clients"] < (2 if secure else 1)]
     assert short and all(any("noise only" in p for p in r["problems"]) for r in short)
 
 
@@ -116,13 +116,13 @@ def test_calibrated_run_resumed_with_more_rounds_stops_at_its_target():
     grid = InProcessGrid(message_api_app([dp_mod]), 4, {})
     first = calibrated_dp()
     result = first.start(grid, ArrayRecord(initial_weights()), num_rounds=5)
-    assert len(first.history) == 5 and first.history[-1]["epsilon"] <= CAP_TARGET
+    assert len(first.record.history) == 5 and first.record.history[-1]["epsilon"] <= CAP_TARGET
     resumed = calibrated_dp()
     resumed.load_state_dict(first.state_dict())
     resumed.start(grid, result.arrays, num_rounds=10)
-    printed = [r["epsilon"] for r in resumed.history]
+    printed = [r["epsilon"] for r in resumed.record.history]
     assert max(printed) <= CAP_TARGET and resumed.ledger.epsilon() <= CAP_TARGET
-    assert len(resumed.history) < 10 and "target epsilon 2.7 reached" in resumed.stop_reason
+    assert len(resumed.record.history) < 10 and "target epsilon 2.7 reached" in resumed.record.stop_reason
 
 
 def test_legacy_strategy_with_fewer_rounds_than_its_server_config_stops_at_its_target():
@@ -136,8 +136,8 @@ def test_legacy_strategy_with_fewer_rounds_than_its_server_config_stops_at_its_t
     )
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[dp_mod]), 4, {})
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    assert max(r["epsilon"] for r in strategy.history) <= CAP_TARGET
-    assert strategy.describe()["epsilon"] <= CAP_TARGET and len(strategy.history) == 5
+    assert max(r["epsilon"] for r in strategy.record.history) <= CAP_TARGET
+    assert strategy.describe()["epsilon"] <= CAP_TARGET and len(strategy.record.history) == 5
 
 
 # ---------------------------------------------------------------- 3. every figure that is no guarantee says so
@@ -245,7 +245,7 @@ def test_short_secagg_rounds_leave_no_counting_line_in_the_log(caplog):
     grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn, mods=[secaggplus_mod, dp_mod]), SKIP_NODES, {})
     with caplog.at_level(logging.DEBUG, logger="flwr"):
         strategy.start(grid, ArrayRecord(initial_weights()), num_rounds=8)
-    assert [r for r in strategy.history if r["clients"] < 2], "the seed gives short rounds"
+    assert [r for r in strategy.record.history if r["clients"] < 2], "the seed gives short rounds"
     visible = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     for text in ("number of samples", "Insufficient", "should be odd", "no aggregate", "Not enough shares"):
         assert not [m for m in visible if text in m], text

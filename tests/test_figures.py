@@ -16,7 +16,7 @@ from dpfl.dpcore.privacy.figures import FIGURES, GUARANTEE_SUFFIX
 from dpfl.fl_app.dashboards import NOT_A_GUARANTEE, TAGS, scalars
 from dpfl.fl_app.server_app import DIAGNOSTIC_SUMMARY_LOG_KEYS, SUMMARY_LOG_KEYS
 from dpfl.strategies.loop.log_line import DIAGNOSTIC_LOG_KEYS, LOG_KEYS, format_record, parse_log_line
-from dpfl.strategies.loop.round_loop import PUBLISHED_KEYS
+from dpfl.strategies.loop.run_record import PUBLISHED_KEYS, published_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,8 +113,8 @@ def test_an_adaptive_clipping_run_publishes_only_figures_of_the_table():
         min_available_nodes=2,
         adaptive_clipping=AdaptiveClipping(0.5, 0.2, count_noise_multiplier=0.1),
     )
-    assert {"clipping_norm", "clipping_norm_next", "unclipped_fraction_noisy"} <= strategy.published_keys()
-    assert strategy.published_keys() <= figures.published_names()
+    assert {"clipping_norm", "clipping_norm_next", "unclipped_fraction_noisy"} <= published_keys(strategy)
+    assert published_keys(strategy) <= figures.published_names()
 
 
 TOY = """
@@ -125,7 +125,7 @@ toy = figures.Figure("toy_figure", "a toy", tag="toy/figure", round_line=True, f
 figures.FIGURES = (*figures.FIGURES, toy, figures.guarantee_mark(toy))
 from dpfl.fl_app.dashboards import scalars
 from dpfl.fl_app.server_app import SUMMARY_LOG_KEYS
-from dpfl.strategies.loop.round_loop import PUBLISHED_KEYS
+from dpfl.strategies.loop.run_record import PUBLISHED_KEYS
 from dpfl.strategies.loop.log_line import LOG_KEYS, format_record
 
 record = {"round": 2, "toy_figure": 0.25, "toy_figure_is_guarantee": False}

@@ -103,6 +103,6 @@ def test_the_wrapper_records_each_rounds_population_and_sample():
     grid = InProcessGrid(weights_client(), 10, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(8, np.float32))}), num_rounds=3)
     assert strategy.ledger.fixed_rounds == [(0.5, 10, 2, 3)]
-    assert strategy.history[-1]["epsilon"] == pytest.approx(
+    assert strategy.record.history[-1]["epsilon"] == pytest.approx(
         min(without_replacement(10, 2, 1.0, 3, 1e-5), unamplified(1.0, 3, 1e-5)), rel=0.01
     )

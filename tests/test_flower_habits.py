@@ -112,7 +112,7 @@ def test_the_clients_own_train_metrics_reach_the_result_as_sent_and_no_figure_is
     metrics = dict(result.train_metrics_clientapp[1])
     assert metrics["train_loss"] == pytest.approx((0 * 10 + 1 * 20 + 2 * 30) / 60)  # Flower's weighted average
     assert "accuracy" not in metrics and metrics["epsilon"] == strategy.privacy_metrics()["epsilon"]
-    assert "accuracy" not in strategy.history[0]
+    assert "accuracy" not in strategy.record.history[0]
 
 
 def test_the_log_says_when_the_printed_epsilon_is_not_the_accountant_asked_fors(caplog):

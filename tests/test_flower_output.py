@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from dpfl import DifferentialPrivacy
 from dpfl.strategies.loop.log_line import parse_log_line
+from dpfl.strategies.loop.run_record import published_keys
 from dpfl_tools.inprocess import InProcessGrid
 from tests.test_wrapper import model
 
@@ -128,14 +129,14 @@ def test_the_wrapper_prints_flowers_lines_in_flowers_order_with_the_ledgers_epsi
     # the project's epsilon line, once a round after Flower's, with the ledger's numbers
     round_lines = [parse_log_line(line)[0] for line in ours if line.startswith("Round ")]
     assert [r["round"] for r in round_lines] == list(range(1, ROUNDS + 1))
-    assert [r["epsilon"] for r in round_lines] == [float(f"{h['epsilon']:.4g}") for h in strategy.history]
+    assert [r["epsilon"] for r in round_lines] == [float(f"{h['epsilon']:.4g}") for h in strategy.record.history]
     assert round_lines[-1]["epsilon"] == float(f"{strategy.privacy_metrics()['epsilon']:.4g}")
-    assert strategy.history[0]["epsilon"] < strategy.history[-1]["epsilon"]
+    assert strategy.record.history[0]["epsilon"] < strategy.record.history[-1]["epsilon"]
 
     # the train aggregate holds the ledger's figures in full precision, and nothing it does not cover
     train_lines = [record_on(line) for line in ours if line.startswith(AGGREGATED)][::2]
-    assert [t["epsilon"] for t in train_lines] == [h["epsilon"] for h in strategy.history]
-    assert set(train_lines[0]) <= strategy.published_keys() and {"epsilon", "delta"} <= set(train_lines[0])
+    assert [t["epsilon"] for t in train_lines] == [h["epsilon"] for h in strategy.record.history]
+    assert set(train_lines[0]) <= published_keys(strategy) and {"epsilon", "delta"} <= set(train_lines[0])
     evaluate_lines = [record_on(line) for line in ours if line.startswith(AGGREGATED)][1::2]
     assert evaluate_lines == [{}] * ROUNDS  # the clients' evaluation: a diagnostic
     global_lines = [record_on(line) for line in ours if line.startswith("\t└──> MetricRecord: ")]
@@ -188,7 +189,7 @@ def test_evaluation_lines_follow_eval_every_and_the_budget_stop_ends_with_flower
     with caplog.at_level(logging.INFO, logger="flwr"):
         strategy.start(grid, model(), num_rounds=6, evaluate_fn=evaluate_fn, eval_every=3)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(strategy.history) == 4
+    assert len(strategy.record.history) == 4
     headers = [line for line in lines if line.startswith("[ROUND ")]
     assert headers == [f"[ROUND {r}/6]" for r in range(1, 6)]  # the refused round's header, then the stop
     stop = next(i for i, line in enumerate(lines) if line.startswith("Stopping before round 5"))

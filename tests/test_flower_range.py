@@ -210,14 +210,16 @@ def test_should_stop_after_round_2_ends_the_run_there_charged_2_rounds_and_close
         result = strategy.start(grid, model(), num_rounds=5, should_stop=should_stop)
     assert asked == [(1, [1]), (2, [1, 2])]
     assert {int(m.content["config"]["server-round"]) for m in grid.sent} <= {1, 2}
-    assert strategy.completed_rounds == 2 and [r["round"] for r in strategy.history] == [1, 2]
-    assert strategy.stop_reason == "should_stop after round 2"
+    assert strategy.record.completed_rounds == 2 and [r["round"] for r in strategy.record.history] == [1, 2]
+    assert strategy.record.stop_reason == "should_stop after round 2"
     fc = result.arrays["fc.weight"].numpy()
     assert not np.array_equal(fc, model()["fc.weight"].numpy())  # round 2's released model, not the initial one
     epsilon, delta = strategy.privacy_metrics()["epsilon"], strategy.ledger.delta
     pld_2, _ = dp_accounting_epsilons(SIGMA, Q, 2, delta)  # 3 rounds' is 20% more (5.84 against 4.85 at 1e-5)
     assert pld_2 * 0.999 <= epsilon <= pld_2 * 1.02, (epsilon, pld_2)
-    assert strategy.describe()["epsilon"] == epsilon and strategy.describe()["stop_reason"] == strategy.stop_reason
+    assert (
+        strategy.describe()["epsilon"] == epsilon and strategy.describe()["stop_reason"] == strategy.record.stop_reason
+    )
     messages = [r.getMessage() for r in caplog.records]
     stopped = messages.index("Stopping early after round 2")
     assert "Final results:" in messages[stopped:]  # Flower's closing lines follow, as after the last round
@@ -274,7 +276,7 @@ def test_replies_a_grid_drops_without_an_error_reply_count_as_failed_clients(unp
         DroppingGrid(unpushed, refused_id),
     )  # every node sampled: 101 and 102 too
     strategy.start(PromptGrid(grid, interval=0.01), model(), num_rounds=1, timeout=0.3)
-    (record,) = strategy.history
+    (record,) = strategy.record.history
     lost = ["node 101: no reply before round-timeout"] + [f"node {n}: no reply before round-timeout" for n in unpushed]
     assert record["failures"] == len(lost) and sorted(record["failed_nodes"]) == sorted(lost)
     assert record["clients"] == M - len(lost)

@@ -201,7 +201,7 @@ def test_message_api_strategies_survive_hostile_replies(path):
         assert np.all(np.isfinite(new)), (rnd, kinds)
         accepted = metrics["clients"]
         assert accepted >= 3 - (path == "top-k") * 0, (rnd, kinds, dict(metrics))
-        assert l2_norm(new - old) <= ETA * accepted * bound / strategy.expected_clients + 1e-6, (rnd, kinds)
+        assert l2_norm(new - old) <= ETA * accepted * bound / strategy.population.expected_clients + 1e-6, (rnd, kinds)
         assert metrics["clients"] + metrics["rejected"] + metrics["failures"] == len(replies)
         arrays = new_arrays
     record(path, hostile)
@@ -216,7 +216,7 @@ def test_ali_dpfl_survives_hostile_replies():
         sampling=SamplingOptions(1.0),
         server_data=ServerData(partition_size=lambda pid, n: 10),
     )
-    strategy.set_num_rounds(ROUNDS)
+    strategy.record.num_rounds = ROUNDS
     strategy.setup_population(M + 2)
     arrays, hostile = initial(), 0
     for rnd in range(1, ROUNDS + 1):

@@ -117,7 +117,7 @@ def test_legacy_dp_wraps_the_apps_own_strategy(make_strategy, caplog):
     strategy, evaluated, fit_metrics_seen, handed, released, history = run(make_strategy, caplog)
     name = type(strategy.strategy).__name__
     assert sorted(evaluated) == [0, 1, 2, 3]  # the app's evaluate_fn: initial model, then every round
-    assert len(strategy.history) == ROUNDS
+    assert len(strategy.record.history) == ROUNDS
     # the app's fit_metrics_aggregation_fn: exactly what the m sampled clients sent, every round
     shard_sizes = {len(shard(i, NODES)[1]) for i in range(NODES)}
     assert [len(r) for r in fit_metrics_seen] == [M] * ROUNDS
@@ -145,7 +145,7 @@ def test_legacy_dp_wraps_the_apps_own_strategy(make_strategy, caplog):
     text = [r.getMessage() for r in caplog.records]
     assert history.metrics_distributed_fit["loss_ish"] == [(1, 1.0), (2, 1.0), (3, 1.0)]  # the app's, in History
     assert sum(f"{name}'s fraction_fit=0.3 and min_fit_clients=3 are not used" in t for t in text) == 1
-    assert strategy.history[-1]["clients"] == M
+    assert strategy.record.history[-1]["clients"] == M
 
 
 def test_a_failing_fit_metrics_function_does_not_stop_the_run(caplog):
@@ -154,8 +154,8 @@ def test_a_failing_fit_metrics_function_does_not_stop_the_run(caplog):
         return FedAvg(**kw)
 
     strategy, evaluated, _, _, _, _ = run(make, caplog)
-    assert len(strategy.history) == ROUNDS and sorted(evaluated) == [0, 1, 2, 3]
-    assert "fit_metrics_aggregation_fn failed (ZeroDivisionError" in str(strategy.history[-1])
+    assert len(strategy.record.history) == ROUNDS and sorted(evaluated) == [0, 1, 2, 3]
+    assert "fit_metrics_aggregation_fn failed (ZeroDivisionError" in str(strategy.record.history[-1])
 
 
 def test_num_sampled_clients_above_the_population_is_refused_before_round_1():
@@ -170,7 +170,7 @@ def test_num_sampled_clients_above_the_population_is_refused_before_round_1():
     with pytest.raises(SettingError, match=rf"num_sampled_clients=50 .*more than the {NODES} nodes connected"):
         server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     strategy.flower_log.uninstall()  # a run that raised leaves its log filter (the next run replaces it)
-    assert strategy.history == [] and grid.sent == []
+    assert strategy.record.history == [] and grid.sent == []
 
 
 def loss_ish_mean(results):  # the app's fit_metrics_aggregation_fn
@@ -367,7 +367,7 @@ def test_fedprox_proximal_mu_and_the_apps_fit_config_reach_the_sampled_clients()
     assert all(config["proximal_mu"] == 0.25 and config["local-epochs"] == 2 for config in sent)
     assert sorted(config["round-seen"] for config in sent) == [1, 1, 1, 2, 2, 2]
     assert all(config["clipping-norm"] == C for config in sent)  # the DP keys beside them
-    assert [r["clients"] for r in strategy.history] == [3, 3]
+    assert [r["clients"] for r in strategy.record.history] == [3, 3]
 
 
 def test_the_apps_fit_config_cannot_override_the_dp_keys():

@@ -49,7 +49,7 @@ def test_each_upload_is_dp_on_its_own_and_the_model_epsilon_is_the_local_one():
     result = strategy.start(grid, ArrayRecord({"w": Array(np.zeros(100_000, np.float32))}), num_rounds=3)
     one = gaussian_epsilon(SIGMA / 2, 1)  # sensitivity 2C (replace-one), noise std sigma C: multiplier sigma / 2
     assert one == pytest.approx(gaussian_epsilon(1.0, 1), rel=1e-9)
-    for rnd, record in enumerate(strategy.history, 1):
+    for rnd, record in enumerate(strategy.record.history, 1):
         assert record["epsilon"] == pytest.approx(gaussian_epsilon(SIGMA / 2, rnd), rel=0.01)
         assert record["epsilon_against_server"] == record["epsilon"]
         assert record["server_noise_std"] == 0.0 and record["clients"] == M
@@ -57,7 +57,7 @@ def test_each_upload_is_dp_on_its_own_and_the_model_epsilon_is_the_local_one():
     assert all(r[keys.LOCAL_EPSILON_ROUND] == pytest.approx(one, rel=0.01) for r in replies)
     last = replies[-M:]  # every client took part in 3 rounds: its composed epsilon is the model's
     assert all(r[keys.LOCAL_ROUNDS] == 3 for r in last)
-    assert all(r[keys.LOCAL_EPSILON] == pytest.approx(strategy.history[-1]["epsilon"], rel=1e-6) for r in last)
+    assert all(r[keys.LOCAL_EPSILON] == pytest.approx(strategy.record.history[-1]["epsilon"], rel=1e-6) for r in last)
     assert set(replies[0].keys()) == {
         keys.UPLOAD_KIND,
         keys.NUM_EXAMPLES,
@@ -85,8 +85,10 @@ def test_the_client_ledger_counts_only_the_rounds_it_took_part_in():
         taken = sum(1 for m in grid.sent if m.metadata.dst_node_id == node)
         assert metrics[keys.LOCAL_ROUNDS] == taken
         assert metrics[keys.LOCAL_EPSILON] == pytest.approx(gaussian_epsilon(SIGMA / 2, taken), rel=0.01)
-        assert metrics[keys.LOCAL_EPSILON] <= strategy.history[-1]["epsilon"] + 1e-9  # the published one bounds it
-    assert strategy.history[-1]["epsilon"] == pytest.approx(gaussian_epsilon(SIGMA / 2, 6), rel=0.01)
+        assert (
+            metrics[keys.LOCAL_EPSILON] <= strategy.record.history[-1]["epsilon"] + 1e-9
+        )  # the published one bounds it
+    assert strategy.record.history[-1]["epsilon"] == pytest.approx(gaussian_epsilon(SIGMA / 2, 6), rel=0.01)
 
 
 def test_uploads_without_local_noise_or_with_less_are_refused():
@@ -94,15 +96,15 @@ def test_uploads_without_local_noise_or_with_less_are_refused():
     plain.start(
         InProcessGrid(weights_client(), M, {}), ArrayRecord({"w": Array(np.zeros(10, np.float32))}), num_rounds=1
     )
-    assert plain.history[-1]["rejected"] == M and plain.history[-1]["clients"] == 0
+    assert plain.record.history[-1]["rejected"] == M and plain.record.history[-1]["clients"] == 0
     weak = local_strategy()
     weak.start(
         InProcessGrid(weights_client([make_local_dp_mod(C, SIGMA / 2, DELTA, seed=1)]), M, {}),
         ArrayRecord({"w": Array(np.zeros(10, np.float32))}),
         num_rounds=1,
     )
-    assert weak.history[-1]["rejected"] == M
-    assert all("below the configured" in p for p in weak.history[-1]["problems"])
+    assert weak.record.history[-1]["rejected"] == M
+    assert all("below the configured" in p for p in weak.record.history[-1]["problems"])
 
 
 def test_run_config_route_rules():

@@ -102,8 +102,8 @@ def test_the_parts_reply_problem_and_rules_refuse_a_reply():
     published: list[dict] = []
     strategy = toy_wrapper(published)
     strategy.start(InProcessGrid(shifting_app(liar=2), 4, {}), ArrayRecord([np.zeros(3, np.float32)]), num_rounds=1)
-    assert strategy.history[0]["toy_accepted"] == 3 and strategy.history[0]["rejected"] == 1
-    assert any("echoed 1.25" in p for p in strategy.history[0]["problems"])
+    assert strategy.record.history[0]["toy_accepted"] == 3 and strategy.record.history[0]["rejected"] == 1
+    assert any("echoed 1.25" in p for p in strategy.record.history[0]["problems"])
 
 
 def test_the_parts_settings_are_checked_when_the_wrapper_is_built():
@@ -123,7 +123,12 @@ def test_flat_keywords_positional_order_and_option_objects_build_the_same_wrappe
         run=RunOptions(seed=4),
     )
     for strategy in (flat, positional, options):
-        assert (strategy.noise_multiplier, strategy.clipping_norm, strategy.sample_rate, strategy.seed) == (
+        assert (
+            strategy.privacy.noise_multiplier,
+            strategy.privacy.clipping_norm,
+            strategy.population.sample_rate,
+            strategy.run.seed,
+        ) == (
             1.2,
             0.5,
             0.3,

@@ -71,14 +71,14 @@ def test_a_shrinking_population_cannot_push_epsilon_past_the_target():
     grid = ChangingGrid(stub_app(zero_update, 4, 2), SHRINK)
     strategy = shrinking_strategy(grid)
     strategy.start(grid, model(), num_rounds=30)
-    printed = [r["epsilon"] for r in strategy.history]
+    printed = [r["epsilon"] for r in strategy.record.history]
     assert len(printed) == 19 and max(printed) <= TARGET
     assert printed[-1] == pytest.approx(min(without_replacement(100, 10, 2.0, 19, 1e-5), unamplified(2.0, 19, 1e-5)))
     assert printed[-1] == pytest.approx(5.935, abs=1e-3)
     # round 20 at (100, 10) would have stayed under the target (6.085); at its own (11, 10) it is 8.118
     assert strategy.ledger.epsilon_after_rounds(2.0, 0.1, 1, sampled_from=(100, 10)) == pytest.approx(6.085, abs=1e-3)
     assert strategy.ledger.epsilon_after_rounds(2.0, 0.1, 1, sampled_from=(11, 10)) == pytest.approx(8.118, abs=1e-3)
-    assert strategy.stop_reason == f"target epsilon {TARGET} reached: round 20 would spend more"
+    assert strategy.record.stop_reason == f"target epsilon {TARGET} reached: round 20 would spend more"
     train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
     assert len(train) == 19 * 10  # nothing of round 20 was sent
     assert strategy.ledger.fixed_rounds == [(1.0, 100, 10, 19)]
@@ -95,10 +95,10 @@ def test_a_shrinking_population_cannot_push_epsilon_past_the_target_through_the_
     dp = shrinking_strategy(grid)  # the same DP strategy, driven through Flower's legacy workflow
     legacy = LegacyDPFedAvg(dp)
     legacy.start(grid, model(), num_rounds=22)
-    printed = [r["epsilon"] for r in legacy.history]
+    printed = [r["epsilon"] for r in legacy.record.history]
     assert len(printed) == 19 and max(printed) <= TARGET
     assert printed[-1] == pytest.approx(5.935, abs=1e-3)
-    assert legacy.stop_reason == f"target epsilon {TARGET} reached: round 20 would spend more"
+    assert legacy.record.stop_reason == f"target epsilon {TARGET} reached: round 20 would spend more"
     assert len(grid.sent) == 19 * 10  # nothing of round 20 (nor of 21, 22) was sent
 
 
@@ -129,7 +129,7 @@ def test_a_growing_population_keeps_a_finite_epsilon_with_distributed_noise():
     truncation = 0.0
     for rnd, (n, n_s) in enumerate(zip(populations, shares), start=1):
         truncation += binom.sf(n_s - 1, n, q)
-        printed = strategy.history[rnd - 1]["epsilon"]
+        printed = strategy.record.history[rnd - 1]["epsilon"]
         assert math.isfinite(printed), (rnd, printed, strategy.ledger.truncation_delta)
         assert printed == pytest.approx(dp_accounting_epsilons(sigma, q, rnd, delta - truncation)[0], rel=1e-3)
     assert strategy.ledger.truncation_delta == pytest.approx(truncation, rel=1e-9)

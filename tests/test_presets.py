@@ -27,7 +27,7 @@ def test_the_presets_are_functions_that_return_the_wrapper_holding_their_part():
     assert isinstance(topk.strategy, FedAdam) and topk.codec in topk.parts
     assert isinstance(wavelet.mechanism, WaveletMechanism) and wavelet.mechanism.calibration == "paper"
     assert wavelet.mechanism in wavelet.parts
-    assert (topk.clipping_norm, topk.noise_multiplier, topk.sample_rate) == (1.5, 1.0, 0.5)
+    assert (topk.privacy.clipping_norm, topk.privacy.noise_multiplier, topk.population.sample_rate) == (1.5, 1.0, 0.5)
     assert (topk.name, wavelet.name, DPFedAvg(**COMMON).name) == (
         "DPFedSAMTopK",
         "DPFedAvgWavelet",
@@ -43,7 +43,11 @@ def test_a_preset_logs_its_own_name(caplog):
 
 def test_a_preset_passes_given_parts_and_flower_positional_arguments():
     topk = DPFedSAMTopK(None, 2.0, 0.5, 3, parts=[WaveletMechanism()], sparsity=0.5)
-    assert (topk.noise_multiplier, topk.clipping_norm, topk.num_sampled_clients) == (2.0, 0.5, 3)
+    assert (topk.privacy.noise_multiplier, topk.privacy.clipping_norm, topk.population.num_sampled_clients) == (
+        2.0,
+        0.5,
+        3,
+    )
     assert isinstance(topk.mechanism, WaveletMechanism) and isinstance(topk.codec, TopKCodec)
 
 

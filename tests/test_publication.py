@@ -21,7 +21,7 @@ from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import read_diagnostics, read_metrics
 from dpfl.fl_app.server_app import run_federated
 from dpfl.strategies.dp_fedavg import DPFedAvg
-from dpfl.strategies.loop.round_loop import PUBLISHED_KEYS
+from dpfl.strategies.loop.run_record import PUBLISHED_KEYS
 from dpfl_tools.inprocess import InProcessGrid
 from tests.stub_clients import stub_app, zero_update
 
@@ -45,7 +45,7 @@ def release_noise(arrived: int, trials: int = 3) -> np.ndarray:
         ]
         new, _ = strategy.aggregate_train(rnd, grid.send_and_receive(asked))  # `fail` decides who answers
         out.append(flatten(new.to_numpy_ndarrays()))
-    assert strategy.noise_shares == M + 1  # P(Binomial(10, 0.5) >= 11) = 0: n_s = M + 1
+    assert strategy.population.noise_shares == M + 1  # P(Binomial(10, 0.5) >= 11) = 0: n_s = M + 1
     return np.concatenate(out)
 
 
@@ -63,7 +63,7 @@ def test_the_release_variance_does_not_depend_on_the_number_of_participants():
 def test_an_oversized_poisson_sample_keeps_n_s_clients():
     strategy = DPFedAvg(sample_rate=0.9, clipping_norm=C, noise_multiplier=1.0, secure_rng=False)
     strategy.setup_population(20)
-    assert strategy.noise_shares == 21
+    assert strategy.population.noise_shares == 21
     grown = list(range(60))  # the pool tripled after the population was fixed: samples of ~54 > n_s
     selection = strategy.selection.select(strategy, 3, grown)  # the selection role at n_s = 21
     assert len(selection.nodes) == 21 and set(selection.nodes) <= set(grown)
@@ -76,7 +76,7 @@ def test_a_grown_poisson_pool_re_derives_n_s_before_it_samples():
     strategy = DPFedAvg(sample_rate=0.9, clipping_norm=C, noise_multiplier=1.0, secure_rng=False)
     strategy.setup_population(20)
     sampled = strategy.sample_clients(3, list(range(60)))
-    assert strategy.noise_shares == 61 and 40 < len(sampled) <= 60
+    assert strategy.population.noise_shares == 61 and 40 < len(sampled) <= 60
     assert strategy.round.truncation_probability == 0.0
     strategy.noisy_average_step(3, [np.zeros(4, np.float32)], np.zeros(4, np.float32), received=1)
     assert strategy.ledger.truncation_delta == 0.0 and math.isfinite(strategy.ledger.epsilon())

@@ -1,6 +1,7 @@
 """SecAgg+: the strategy sees only the sum, the arithmetic of sum/m and top-up, the ledger, accuracy."""
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -131,7 +132,7 @@ def test_dropout_under_secagg_is_topped_up_and_charged():
         lambda pid, rnd, size: np.zeros(size, np.float32),
         fail=lambda node, msg: node == dead and masked_vector_stage(msg),
     )
-    record = strategy.history[0]
+    record = strategy.record.history[0]
     assert record["clients"] == 4 and record["failures"] == 1
     assert "node 101 crashed" in record["failed_nodes"][0]
     # 4 noise shares in the sum, the server adds the other 2 of n_s = 6: the model still gets N(0, sigma^2 C^2) / m
@@ -152,7 +153,7 @@ def test_secagg_halts_when_too_few_finish():
     it releases the model with the full noise (sigma C / m) and is charged, like an empty round of DPFedAvg.start;
     the server saw no sum."""
     strategy, _, _, delta = run_secagg_round(5, signal, fail=lambda node, msg: node != 100 and masked_vector_stage(msg))
-    [record] = strategy.history
+    [record] = strategy.record.history
     assert record["clients"] == 0 and "no aggregate" in record["problems"][0]
     assert strategy.dp.round.server_noise_std == pytest.approx(SIGMA * C)
     assert abs(delta.std() / (SIGMA * C / 5) - 1) < 5 / math.sqrt(2 * delta.size)
@@ -168,7 +169,7 @@ def test_quantizer_clip_probability_is_reserved_out_of_delta_every_round():
     workflow = DPSecAggPlusWorkflow(failure_probability=1e-6)
     strategy, _, _, _ = run_secagg_round(5, signal, workflow=workflow, num_rounds=2)
     ledger = strategy.ledger
-    assert [r["clients"] for r in strategy.history] == [5, 5]
+    assert [r["clients"] for r in strategy.record.history] == [5, 5]
     assert ledger.truncation_delta == pytest.approx(2e-6, rel=1e-9)  # q = 1, n_s = 6 > 5 nodes: no truncation
     expected = epsilon_of([(SIGMA, 1.0, 2)], DELTA - 2e-6)
     assert ledger.epsilon() == pytest.approx(expected, rel=1e-9)
@@ -181,7 +182,7 @@ def test_quantizer_clip_probability_is_reserved_out_of_delta_every_round():
     dp = strategy.dp
     with_reserve = epsilon_of([(SIGMA, 1.0, 3)], DELTA - 3e-6 - 1e-12)
     without = epsilon_of([(SIGMA, 1.0, 3)], DELTA - 2e-6 - 1e-12)
-    dp.target_epsilon = (with_reserve + without) / 2
+    dp.privacy = replace(dp.privacy, target_epsilon=(with_reserve + without) / 2)
     assert failure_probability(dp.parts) == 1e-6 and dp.budget_exhausted()
     workflow_part = next(p for p in dp.parts if p.server_sees_only_the_sum)
     workflow_part.quantizer_clip_probability = 0.0

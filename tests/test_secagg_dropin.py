@@ -82,10 +82,10 @@ def test_flowers_secaggplus_arguments_as_written_and_rounds_from_the_server_conf
     with caplog.at_level("INFO", logger="flwr"):
         run_legacy_app(strategy, workflow)
     text = [r.getMessage() for r in caplog.records]
-    assert [r["round"] for r in strategy.history] == [1, 2]
+    assert [r["round"] for r in strategy.record.history] == [1, 2]
     assert sum(t.startswith("Round 1/2: ") for t in text) == 1 and sum(t.startswith("Round 2/2: ") for t in text) == 1
     assert not any(t.startswith("Round 1/0") for t in text)
-    assert strategy.dp.num_rounds == ROUNDS
+    assert strategy.dp.record.num_rounds == ROUNDS
     assert sum("max_weight=1000.0, clipping_range=8.0, quantization_range=4194304 replaced" in t for t in text) == 1
     assert text.count(SECAGG_FIT_METRICS_NOTE) == 1  # said once, not every round
     assert strategy.secagg_settings["num_shares"] == 4 and strategy.secagg_settings["max_weight"] == 1.0
@@ -104,7 +104,7 @@ def test_flowers_plain_secaggplus_workflow_is_refused_before_any_client_trains()
 
     with pytest.raises(ValueError, match=r"replace SecAggPlusWorkflow\(\.\.\.\) with DPSecAggPlusWorkflow"):
         server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    assert grid.sent == [] and strategy.history == []
+    assert grid.sent == [] and strategy.record.history == []
 
 
 def test_central_noise_under_flowers_plain_secaggplus_is_refused_at_round_1():
@@ -113,7 +113,7 @@ def test_central_noise_under_flowers_plain_secaggplus_is_refused_at_round_1():
     strategy = LegacyDPFedAvg(central, initial_parameters=ndarrays_to_parameters(initial_weights()))
     with pytest.raises(ValueError, match="one SecAgg\\+ sum .* DPSecAggPlusWorkflow in place of SecAggPlusWorkflow"):
         run_legacy_app(strategy, SecAggPlusWorkflow(1.0, 0.5))
-    assert strategy.history == [] and strategy.ledger is not None
+    assert strategy.record.history == [] and strategy.ledger is not None
 
 
 # ---------------------------------------------------------------- Flower's fl-dp-sa, only its imports changed
@@ -231,9 +231,9 @@ def test_fl_dp_sa_runs_with_only_its_imports_changed(make_strategy, caplog):
         strategy, history, grid = fl_dp_sa(
             OURS, DPSecAggPlusWorkflow, recording(dp_mod, uploads), make_strategy=spied(make_strategy, handed)
         )
-    assert [r["round"] for r in strategy.history] == list(range(1, ROUNDS + 1))
-    assert all(r["clients"] == M and r["rejected"] == 0 for r in strategy.history)
-    assert strategy.dp.client_sampling == "fixed" and strategy.dp.sample_rate == M / NODES
+    assert [r["round"] for r in strategy.record.history] == list(range(1, ROUNDS + 1))
+    assert all(r["clients"] == M and r["rejected"] == 0 for r in strategy.record.history)
+    assert strategy.dp.population.client_sampling == "fixed" and strategy.dp.population.sample_rate == M / NODES
     # the DP average is the decoded sum over m (every sampled client finished: no share to top up), within the
     # quantization error of SecAgg+ (at most one step per coordinate per client, over m)
     step = strategy.aggregation.settings["quantization_step"]
@@ -280,7 +280,9 @@ def test_fl_dp_sa_equals_secaggplus_dpfedavg_at_the_same_seed():
     random.seed(0)
     np.random.seed(0)
     run_legacy_app(reference, DPSecAggPlusWorkflow(SHARES, THRESHOLD))
-    assert [r["clients"] for r in ours.history] == [r["clients"] for r in reference.history] == [M] * ROUNDS
+    assert (
+        [r["clients"] for r in ours.record.history] == [r["clients"] for r in reference.record.history] == [M] * ROUNDS
+    )
     ours_model = flatten(ours.result.arrays.to_numpy_ndarrays())
     reference_model = flatten(reference.result.arrays.to_numpy_ndarrays())
     assert np.array_equal(ours_model, reference_model)  # the same seeds: bit for bit, SecAgg+'s quantization included
@@ -301,7 +303,7 @@ def test_fl_dp_sa_fit_metrics_stay_with_the_clients_by_default(caplog):
         strategy, history, _ = fl_dp_sa(OURS, DPSecAggPlusWorkflow, dp_mod, make_strategy=fedavg_with(counted_average))
     assert strategy.fit_metrics_aggregation_fn is counted_average and calls == []
     assert set(history.metrics_distributed_fit) == {"epsilon", "delta"}
-    assert not any("fit_metrics_aggregation_fn failed" in str(r.get("problems")) for r in strategy.history)
+    assert not any("fit_metrics_aggregation_fn failed" in str(r.get("problems")) for r in strategy.record.history)
     text = [r.getMessage() for r in caplog.records]
     assert text.count(SECAGG_APP_FIT_METRICS_NOTE) == 1
     assert "make_dp_privatize_mod(send_fit_metrics=True)" in SECAGG_APP_FIT_METRICS_NOTE

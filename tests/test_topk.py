@@ -289,7 +289,7 @@ def test_p1_is_exactly_dp_fedsam(tmp_path):
     dense, s_dense = final_arrays(tiny_config(tmp_path, "a", algorithm="dp-fedsam"))
     sparse, s_sparse = final_arrays(tiny_config(tmp_path, "b", algorithm="dp-fedsam-topk", sparsity=1.0))
     np.testing.assert_array_equal(dense, sparse)
-    assert [r["epsilon"] for r in s_dense.history] == [r["epsilon"] for r in s_sparse.history]
+    assert [r["epsilon"] for r in s_dense.record.history] == [r["epsilon"] for r in s_sparse.record.history]
     # p < 1 changes the result
     sparse04, _ = final_arrays(tiny_config(tmp_path, "c", algorithm="dp-fedsam-topk", sparsity=0.4))
     assert np.abs(sparse04 - dense).max() > 1e-4

@@ -177,7 +177,7 @@ def test_exact_noise_on_the_model_update():
     )
     arrays = ArrayRecord([np.zeros((10, 99), np.float32), np.zeros(10, np.float32)])
     result = s.start(grid, arrays, num_rounds=1)
-    assert s.mechanism.padded_size == 1024 and s.expected_clients == m
+    assert s.mechanism.padded_size == 1024 and s.population.expected_clients == m
     delta = flatten(result.arrays.to_numpy_ndarrays())
     per_coord = sigma * math.sqrt(1024) * clip * math.sqrt(1 / 1024**2 + sum(4.0**-l for l in range(1, 11))) / m
     # coordinates are correlated (the coarse levels have few coefficients): the ratio has standard deviation 0.025

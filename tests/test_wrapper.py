@@ -96,14 +96,14 @@ def test_distributed_noise_refuses_a_client_without_the_mod_and_takes_it_with_th
         clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
     )
     run(plain)
-    record = plain.history[-1]
+    record = plain.record.history[-1]
     assert record["clients"] == 0 and record["rejected"] == M
     assert all("not privatized" in p and "dp_privatize_mod" in p for p in record["problems"])
     with_mod = DifferentialPrivacy(
         clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, noise_placement="distributed"
     )
     result, _ = run(with_mod, weights_client([make_dp_privatize_mod(seed=3)]))
-    assert with_mod.history[-1]["clients"] == M and with_mod.history[-1]["rejected"] == 0
+    assert with_mod.record.history[-1]["clients"] == M and with_mod.record.history[-1]["rejected"] == 0
     assert int(result.arrays["bn.num_batches_tracked"].numpy()) == 5
 
 
@@ -307,7 +307,7 @@ def test_one_reply_without_num_examples_costs_only_its_own_metrics():
     assert metrics["clients"] == M  # its update is averaged in (the DP average is uniform)
     assert metrics["train_loss"] == pytest.approx(1.0)  # the mean of 0, 1, 2: the other three's average
     assert metrics["sample-epsilon-max"] == 4.0 and metrics[keys.SAMPLE_DELTA] == pytest.approx(1e-5)
-    problems = strategy.history[-1]["problems"]
+    problems = strategy.record.history[-1]["problems"]
     assert problems == [
         "metrics of node 103 not aggregated: metric 'num-examples' = None is not a positive finite number"
     ]
@@ -356,7 +356,7 @@ def test_a_budget_stop_before_round_1_returns_the_initial_model_and_no_privacy_s
         clipping_norm=1.0, noise_multiplier=0.5, sample_rate=1.0, min_available_nodes=M, target_epsilon=0.01
     )  # one round at sigma 0.5 spends far more than 0.01
     result, grid = run(strategy, rounds=3)
-    assert grid.sent == [] and strategy.history == []
+    assert grid.sent == [] and strategy.record.history == []
     assert list(result.arrays.keys()) == list(model().keys())
     for k in model().keys():
         np.testing.assert_array_equal(result.arrays[k].numpy(), model()[k].numpy())

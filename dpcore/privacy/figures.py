@@ -6,7 +6,7 @@ covered by epsilon); whether it is on the `Round r/R:` or `Finished:` log line; 
 and, for a privacy figure that may be no guarantee, the caveat: such a figure has a mark
 `<name>_is_guarantee`, a row of its own, which is False on every output that carries the figure when it
 is none. Everything that writes or shows figures draws from these rows: the round record's split
-(`strategies.loop.round_loop.PUBLISHED_KEYS`), the log lines (`LOG_KEYS`, `DIAGNOSTIC_LOG_KEYS`,
+(`strategies.loop.run_record.PUBLISHED_KEYS`), the log lines (`LOG_KEYS`, `DIAGNOSTIC_LOG_KEYS`,
 `fl_app.server_app.SUMMARY_LOG_KEYS`), the dashboards (`fl_app.dashboards.TAGS`) and the figure table of
 docs/running.md (`python -m dpfl.dpcore.privacy.figures --write` redraws it; a test keeps it current).
 """

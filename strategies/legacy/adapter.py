@@ -34,9 +34,10 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl.strategies.legacy.log import FlowerLegacyLog
-from dpfl.strategies.loop.round_loop import evaluation_due
-from dpfl.strategies.loop.run_record import bound_note
+from dpfl.strategies.loop.round_loop import ensure_population, evaluation_due
+from dpfl.strategies.loop.run_record import bound_note, split_record
 from dpfl.strategies.loop.wrapped import reply_message
+from dpfl.strategies.parts.part import arrays_key, fraction_evaluate
 
 LegacyEvaluateFn = Callable[[int, list, dict], "tuple[float, dict[str, Scalar]] | None"]
 
@@ -137,7 +138,7 @@ class SeparateUpdates:
         replies = [
             reply_message(proxy.node_id, error=Error(code=1, reason=f"node {proxy.node_id}: {problem}"))
             if (problem := fit_res_problem(res))
-            else reply_message(proxy.node_id, legacy_content(dp.arrayrecord_key, res))
+            else reply_message(proxy.node_id, legacy_content(arrays_key(dp), res))
             for proxy, res in results
         ]
         failed = [reply_message(0, error=Error(code=1, reason=failure_reason(f))) for f in failures]
@@ -185,11 +186,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
         aggregation=None,
     ) -> None:
         super().__init__(
-            fraction_fit=dp.sample_rate,
-            fraction_evaluate=dp.fraction_evaluate,
+            fraction_fit=dp.population.sample_rate,
+            fraction_evaluate=fraction_evaluate(dp),
             min_fit_clients=0,
             min_evaluate_clients=0,
-            min_available_clients=dp.min_available_nodes,
+            min_available_clients=dp.population.min_available_nodes,
             evaluate_fn=evaluate_fn,
             on_fit_config_fn=on_fit_config_fn,
             on_evaluate_config_fn=on_evaluate_config_fn,
@@ -200,8 +201,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self.dp = dp
         self.aggregation = aggregation or SeparateUpdates()
         self.flower_log = FlowerLegacyLog()  # a new one for each run (initialize_parameters)
-        self.dp.set_num_rounds(num_rounds)  # for target-epsilon-mode = calibrate
-        self.dp.stop_reason = "num-rounds reached"
+        self.dp.record.num_rounds = int(num_rounds)  # for target-epsilon-mode = calibrate
+        self.dp.record.stop_reason = "num-rounds reached"
         self.result = Result()
         self._global: list[np.ndarray] | None = None
         self._pending: dict | None = None  # the round's record until its evaluation is in
@@ -218,16 +219,13 @@ class LegacyDPFedAvg(LegacyFedAvg):
         return self.aggregation.secure
 
     @property
-    def history(self) -> list[dict]:
-        return self.dp.history
+    def record(self):
+        """The wrapper's record of the run (`strategies.loop.run_record.RunRecord`: history, stop_reason, ...)."""
+        return self.dp.record
 
     @property
     def ledger(self):
         return self.dp.ledger
-
-    @property
-    def stop_reason(self) -> str:
-        return self.dp.stop_reason
 
     def __repr__(self) -> str:
         return f"LegacyDPFedAvg({self.dp.name}, secure_aggregation={self.secure_aggregation})"
@@ -247,15 +245,15 @@ class LegacyDPFedAvg(LegacyFedAvg):
         """
         if (
             self.dp.ledger is None
-            and getattr(self.dp, "target_epsilon_mode", TargetEpsilonMode.STOP) == TargetEpsilonMode.CALIBRATE
-            and getattr(self.dp, "target_epsilon", 0) > 0
-            and self.dp.num_rounds <= 0
+            and self.dp.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE
+            and self.dp.privacy.target_epsilon > 0
+            and self.dp.record.num_rounds <= 0
         ):
             raise ValueError(
                 "target_epsilon_mode='calibrate' needs the number of rounds: pass num_rounds= (the "
                 "ServerConfig's num_rounds) to the legacy strategy, or use target_epsilon_mode='stop'"
             )
-        self.dp.ensure_population(self.node_counter(client_manager))
+        ensure_population(self.dp, self.node_counter(client_manager))
 
     def node_counter(self, client_manager: ClientManager) -> Callable[[], int]:
         """How the wrapped strategy counts the connected nodes before round 1."""
@@ -267,14 +265,14 @@ class LegacyDPFedAvg(LegacyFedAvg):
         epsilon does not cover, until its [SUMMARY] ends (`strategies.legacy.log`; all of it with
         publish_diagnostics), which closes with the bound the printed epsilon is where it is not the accountant's
         asked for."""
-        self.flower_log = FlowerLegacyLog(publish_all=self.dp.publish_diagnostics, closing=self.bound_line)
+        self.flower_log = FlowerLegacyLog(publish_all=self.dp.run.publish_diagnostics, closing=self.bound_line)
         self.flower_log.install()
         return super().initialize_parameters(client_manager)
 
     def bound_line(self) -> str:
         """The line that names the bound the printed epsilon is, where it is not the accountant's asked for ("" where
         it is, or before any round)."""
-        return (self.dp.ledger is not None and bound_note(self.dp.accountant, self.dp.ledger)) or ""
+        return (self.dp.ledger is not None and bound_note(self.dp.ledger.accountant, self.dp.ledger)) or ""
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
@@ -329,7 +327,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         self._pending = {"round": server_round, **metrics, **({"failed_nodes": reasons} if reasons else {})}
         self.result.arrays = ArrayRecord(new_global)
         self.result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
-        published, _ = self.dp.split_record({"round": server_round, **metrics})
+        published, _ = split_record(self.dp, {"round": server_round, **metrics})
         published.pop("round")
         return ndarrays_to_parameters(new_global), _numbers(published), accepted
 
@@ -351,7 +349,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
         try:
             return _numbers(self.fit_metrics_aggregation_fn(sent), finite=False)
         except Exception as exc:  # the app's function on what clients sent
-            self.dp.note_problem(server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})")
+            self.dp.gate.note(
+                self.dp.round, server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})"
+            )
             return {}
 
     # ------------------------------------------------------------------ evaluation and the round record
@@ -363,7 +363,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         the full noise, charged to the ledger (the sampling ran; an unchanged model would tell that it came up
         short). How it came up short is a diagnostic."""
         if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
-            self.dp.note_problem(
+            self.dp.gate.note(
+                self.dp.round,
                 server_round,
                 "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
                 "sampled or too few finished the protocol): the round releases noise only",
@@ -400,7 +401,9 @@ class LegacyDPFedAvg(LegacyFedAvg):
         try:
             loss, metrics = super().aggregate_evaluate(server_round, results, failures)
         except Exception as exc:  # the app's aggregation function on hostile metrics
-            self.dp.note_problem(server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
+            self.dp.gate.note(
+                self.dp.round, server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})"
+            )
             loss, metrics = None, {}
         if self.evaluate_metrics_aggregation_fn is None:
             metrics = weighted_numeric_mean(results)
@@ -430,7 +433,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         eval_every: int = 1,
     ) -> Result:
         """Run `num_rounds` with Flower's DefaultWorkflow (SecAgg+ when secure_aggregation), like DPFedAvg.start."""
-        self.dp.set_num_rounds(num_rounds)
+        self.dp.record.num_rounds = int(num_rounds)
         self.initial_parameters = ndarrays_to_parameters(initial_arrays.to_numpy_ndarrays())
         self.result.arrays = initial_arrays  # until a round changes them
         if evaluate_fn is not None:

@@ -41,6 +41,7 @@ from dpfl.strategies.dp_fedavg import DPFedAvg, extra_updates
 from dpfl.strategies.legacy.adapter import LegacyDPFedAvg, LegacyEvaluateFn
 from dpfl.strategies.legacy.wrapper import LegacyDifferentialPrivacy
 from dpfl.strategies.loop.reply_gate import node_problem
+from dpfl.strategies.parts.part import sees_only_the_sum
 from dpfl.strategies.parts.reply_rules import upload_norm_bound
 from dpfl.strategies.parts.secure_aggregation import SecureAggregation
 
@@ -124,7 +125,7 @@ class SecureSum:
         if problem is None and len(weights) > 1:
             problem = (
                 f"updates with different weights {sorted(weights)}: the sum of a weighted mean cannot be "
-                "recovered; clients must report num_examples = 1 (clients.mods.uniform_weight_mod and "
+                "recovered; clients must report num_examples = 1 (dpfl.uniform_weight_mod and "
                 "dp_privatize_mod do)"
             )
         if problem is None:
@@ -139,7 +140,7 @@ class SecureSum:
             if problem is None:
                 updates = [total]
         if problem:
-            dp.note_problem(server_round, f"rejected the secure sum of {k} updates: {problem}")
+            dp.gate.note(dp.round, server_round, f"rejected the secure sum of {k} updates: {problem}")
         extra = extra_updates(dp, server_round, sum(a.size for a in global_arrays))
         new_global = dp.noisy_average_step(
             server_round, updates + extra, flatten(global_arrays), received=k if updates else 0
@@ -173,11 +174,13 @@ class SecureSum:
         sqrt(k) s), plus SecAgg+'s quantization error (at most one step per coordinate per client)."""
         share_std = float(dp.client_train_config(0)[keys.NOISE_STD])
         step = float(self.settings.get("quantization_step", 0.0))
-        return upload_norm_bound(k * dp.clipping_norm, math.sqrt(k) * share_std, dim) + k * step * math.sqrt(dim)
+        return upload_norm_bound(k * dp.privacy.clipping_norm, math.sqrt(k) * share_std, dim) + k * step * math.sqrt(
+            dim
+        )
 
     def sum_problem(self, dp: DPFedAvg, total: np.ndarray, k: int) -> str | None:
         """Why an unmasked sum is refused: above what k honest clients can produce (`sum_bound`)."""
-        if dp.clipping_norm <= 0:
+        if dp.privacy.clipping_norm <= 0:
             return None
         bound, norm = self.sum_bound(dp, k, total.size), l2_norm(total)
         return f"sum norm {norm:.6g} above the bound {bound:.6g} of {k} honest noisy updates" if norm > bound else None
@@ -186,13 +189,13 @@ class SecureSum:
 def secure_sum_for(dp: DPFedAvg) -> SecureSum:
     """A SecureSum for `dp`, which must add its noise in client shares (distributed) with C > 0; `dp` is composed
     with `SecureAggregation` (the server sees only the sum) if it is not yet."""
-    check_secure_aggregation(dp.noise_placement, dp.clipping_norm)
-    if dp.ledger is not None and not dp.server_sees_only_the_sum:
+    check_secure_aggregation(dp.noise.name, dp.privacy.clipping_norm)
+    if dp.ledger is not None and not sees_only_the_sum(dp):
         raise ValueError(
             "build the strategy with secure_aggregation=True, or wrap it before the first round "
             "(its ledger already exists)"
         )
-    if not dp.server_sees_only_the_sum:  # the server-side figure: the server sees only the sum
+    if not sees_only_the_sum(dp):  # the server-side figure: the server sees only the sum
         dp.add_part(SecureAggregation())
     return SecureSum()
 
@@ -333,17 +336,19 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
         for part in dp.parts:  # the ledger reserves the quantizer's clip probability out of delta, every round
             if isinstance(part, SecureAggregation):
                 part.quantizer_clip_probability = self.failure_probability
-        if dp.num_rounds <= 0:  # the ServerConfig's, unless the strategy was given num_rounds
-            dp.set_num_rounds(context.config.num_rounds)
+        if dp.record.num_rounds <= 0:  # the ServerConfig's, unless the strategy was given num_rounds
+            dp.record.num_rounds = int(context.config.num_rounds)
         strategy.ensure_population(context.client_manager)
         if not self.metrics_said:
             self.metrics_said = True
             log(INFO, "%s", secagg_fit_metrics_note(strategy))
         parameters = compat.arrayrecord_to_parameters(context.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         dim = sum(a.size for a in parameters_to_ndarrays(parameters))
-        clients = max(2, dp.num_clients)
+        clients = max(2, dp.population.num_clients)
         noise_std = float(dp.client_train_config(0)[keys.NOISE_STD])
-        self.clipping_range = secagg_clipping_range(dp.clipping_norm, noise_std, dim, clients, self.failure_probability)
+        self.clipping_range = secagg_clipping_range(
+            dp.privacy.clipping_norm, noise_std, dim, clients, self.failure_probability
+        )
         self.quantization_range = secagg_quantization_range(clients, self.modulus_range)
         secure_sum.settings = {
             "num_shares": self.num_shares,

@@ -153,9 +153,9 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
 
         def count() -> int:
             available = client_manager.num_available()
-            if available >= self.dp.min_available_nodes:  # the population is fixed now (ensure_population)
-                refuse_more_than_connected(self.num_sampled_clients, available, self.dp.min_available_nodes)
-            self.dp.sample_rate = min(1.0, self.num_sampled_clients / max(1, available))
+            if available >= self.dp.population.min_available_nodes:  # the population is fixed now (ensure_population)
+                refuse_more_than_connected(self.num_sampled_clients, available, self.dp.population.min_available_nodes)
+            self.dp.population.sample_rate = min(1.0, self.num_sampled_clients / max(1, available))
             return available
 
         return count

@@ -3,7 +3,7 @@
 `FlowerLog` prints the lines that `flwr.serverapp.strategy.Strategy.start` prints without DP, in the same order
 and format (the banner through Flower's own `log_strategy_start_info`, the other formats copied from Flower
 1.41/1.42's strategy.py below), beside the round loop's own `Round r/R:` line. The metric records in them hold
-only what the ledger covers (`DPRoundLoop.published_keys`) unless `publish_diagnostics` is on: the train
+only what the ledger covers (`strategies.loop.run_record.published_keys`) unless `publish_diagnostics` is on: the train
 aggregate keeps the privacy figures, the clients' evaluation (computed on their own data, a diagnostic in the
 round record too) is left out, the server's evaluation is kept. What was left out is named once, at the end of
 the run; the returned Result keeps everything.
@@ -20,6 +20,8 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common import log
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
+
+from dpfl.strategies.loop.run_record import published_keys
 
 # Flower's formats (flwr/serverapp/strategy/strategy.py, Strategy.start)
 STARTING = "Starting %s strategy:"
@@ -103,15 +105,15 @@ class FlowerLog:
         for line in io.StringIO(str(shown)):
             log(INFO, "\t%s", line.strip("\n"))
         log(INFO, "")
-        if note := withheld_note(self.withheld, self.dp.publish_diagnostics):
+        if note := withheld_note(self.withheld, self.dp.run.publish_diagnostics):
             log(INFO, "%s", note)
 
     def covered(self, metrics: MetricRecord, kind: str) -> MetricRecord:
         """`metrics` less what the ledger does not cover (noted under `kind`); all of it with publish_diagnostics.
         The clients' evaluation is covered by nothing."""
-        if self.dp.publish_diagnostics:
+        if self.dp.run.publish_diagnostics:
             return metrics
-        published = self.dp.published_keys() if kind == "train" else frozenset()
+        published = published_keys(self.dp) if kind == "train" else frozenset()
         self.withheld[kind].update(dict.fromkeys(k for k in metrics.keys() if k not in published))
         return MetricRecord({k: v for k, v in metrics.items() if k in published})
 

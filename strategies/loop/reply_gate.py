@@ -75,7 +75,7 @@ class ReplyGate:
         if not is_update and self.marked_only():
             return None, (
                 "not privatized: under distributed noise the client adds its noise share; add "
-                "clients.mods.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
+                "dpfl.dp_privatize_mod to the ClientApp's train (a plain weights reply was sent)"
             )
         global_floats = [everything[i] for i in rnd.float_positions]
         floats = [np.asarray(arrays[i]) for i in rnd.float_positions]

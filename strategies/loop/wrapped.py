@@ -21,6 +21,7 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.figures import published_and_former_names
 from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
 from dpfl.strategies.loop.sample_epsilon import sample_epsilon_summary
+from dpfl.strategies.parts.part import arrays_key, config_key
 from dpfl.strategies.parts.reply_rules import METRICS_RECORD, metric_record
 
 PROTOCOL_NAMES = frozenset(v for k, v in vars(keys).items() if k.isupper() and isinstance(v, str))
@@ -62,14 +63,17 @@ def metric_replies(dp, server_round: int) -> list[RecordDict]:
     usable = []
     for reply in dp.round.accepted_replies:
         if problem := metric_problem(reply.content, weight_key):
-            dp.note_problem(server_round, f"metrics of node {reply.metadata.src_node_id} not aggregated: {problem}")
+            dp.gate.note(
+                dp.round, server_round, f"metrics of node {reply.metadata.src_node_id} not aggregated: {problem}"
+            )
         else:
             usable.append(reply)
     key_sets = [frozenset(next(iter(r.content.metric_records.values())).keys()) for r in usable]
     common = max(key_sets, key=key_sets.count, default=frozenset())
     for reply, key_set in zip(usable, key_sets):
         if key_set != common:
-            dp.note_problem(
+            dp.gate.note(
+                dp.round,
                 server_round,
                 f"metrics of node {reply.metadata.src_node_id} not aggregated: keys {sorted(key_set)} differ from "
                 f"the other replies' {sorted(common)}",
@@ -90,7 +94,7 @@ def wrapped_train_content(dp, server_round: int, arrays: ArrayRecord, config: Co
     with quiet_flower_info():
         messages = list(dp.strategy.configure_train(server_round, arrays, ConfigRecord(dict(config)), grid))
     if not messages:
-        return RecordDict({dp.arrayrecord_key: arrays, dp.configrecord_key: ConfigRecord(dict(config))})
+        return RecordDict({arrays_key(dp): arrays, config_key(dp): ConfigRecord(dict(config))})
     return RecordDict(dict(messages[0].content.items()))
 
 
@@ -106,7 +110,7 @@ def release(
     (`own_aggregate_train`) receives one reply per record instead, each holding w' and that client's metrics, as it
     would without DP (a weighted mean of copies of w' is w' up to rounding). Keys, order, shapes and dtypes are
     those the server sent; other arrays come back unchanged."""
-    assert dp.current_arrays is not None
+    assert dp.round.arrays is not None
     rnd = dp.round
     names = list(rnd.arrays.keys())
     proposal = conform(names, rnd.everything, rnd.float_positions, new_global)
@@ -116,7 +120,7 @@ def release(
         try:
             arrays, metrics = wrapped_aggregate(dp, server_round, proposal, metric_records)
         except Exception as exc:  # hostile metric values its own aggregation cannot read: they cost only themselves
-            dp.note_problem(server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
+            dp.gate.note(dp.round, server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
             arrays, metrics = wrapped_aggregate(dp, server_round, proposal, [weight_only])
     else:
         arrays, _ = wrapped_aggregate(dp, server_round, proposal, [weight_only])
@@ -157,14 +161,14 @@ def aggregated_metrics(dp, server_round: int, metric_records: list[RecordDict]) 
     try:
         return aggregate(list(metric_records), getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES))
     except Exception as exc:  # hostile values the function cannot read
-        dp.note_problem(server_round, f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
+        dp.gate.note(dp.round, server_round, f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
         return None
 
 
 def wrapped_aggregate(dp, server_round: int, proposal: ArrayRecord, metric_records: list[RecordDict]):
     """The wrapped strategy's aggregate_train over one reply per metric record, each holding `proposal`."""
     replies = [
-        reply_message(0, RecordDict({dp.arrayrecord_key: proposal, **dict(m.metric_records.items())}))
+        reply_message(0, RecordDict({arrays_key(dp): proposal, **dict(m.metric_records.items())}))
         for m in metric_records
     ]
     with quiet_flower_info():

@@ -100,7 +100,7 @@ class AdaptiveClipping(Part):
         """Noise in client shares: each client's share of the count noise."""
         if not dp.noise.noise_in_shares:
             return {}
-        return {keys.CLIP_COUNT_NOISE_STD: self.count_noise_multiplier / math.sqrt(max(1, dp.noise_shares))}
+        return {keys.CLIP_COUNT_NOISE_STD: self.count_noise_multiplier / math.sqrt(max(1, dp.population.noise_shares))}
 
     def reply_problem(self, dp, metrics: dict) -> str | None:
         """Noise in client shares: the noisy bit is present and within what an honest one reaches (p <= 1e-12)."""
@@ -109,9 +109,11 @@ class AdaptiveClipping(Part):
         if keys.CLIP_BIT not in metrics:
             return (
                 "no clipped bit: adaptive clipping under distributed noise needs "
-                "clients.adaptive_clipping.clip_bit_mod on the ClientApp's train"
+                "dpfl.clip_bit_mod on the ClientApp's train"
             )
-        bound = 0.5 + HONEST_BIT_BOUND_SIGMAS * self.count_noise_multiplier / math.sqrt(max(1, dp.noise_shares))
+        bound = 0.5 + HONEST_BIT_BOUND_SIGMAS * self.count_noise_multiplier / math.sqrt(
+            max(1, dp.population.noise_shares)
+        )
         if abs(metrics[keys.CLIP_BIT]) > bound:
             return f"clipped bit {metrics[keys.CLIP_BIT]:.6g} outside [-{bound:.6g}, {bound:.6g}]"
         return None
@@ -137,13 +139,15 @@ class AdaptiveClipping(Part):
     def after_round(self, dp, server_round: int, accepted: list[tuple[np.ndarray, dict]], norms: list) -> AfterRound:
         """C_{t+1} from the noised count (after this round's noise used C_t): the wrapper's next clipping norm, and
         the round record's entries (C_t and C_{t+1} are published)."""
-        used, in_shares = dp.clipping_norm, dp.noise.noise_in_shares
+        used, in_shares = dp.privacy.clipping_norm, dp.noise.noise_in_shares
         if in_shares:
             bits = [float(metrics[keys.CLIP_BIT]) for _, metrics in accepted]
         else:
             bits = [(1.0 if n <= used else 0.0) - 0.5 for n in norms]
-        count = self.noisy_count(server_round, in_shares, bits, dp.noise_shares, dp.seed, dp.secure_rng)
-        following, b_bar = self.next_clipping_norm(used, count, dp.expected_clients)
+        count = self.noisy_count(
+            server_round, in_shares, bits, dp.population.noise_shares, dp.run.seed, dp.run.secure_rng
+        )
+        following, b_bar = self.next_clipping_norm(used, count, dp.population.expected_clients)
         return AfterRound(
             record={"clipping_norm": used, "clipping_norm_next": following, "unclipped_fraction_noisy": b_bar},
             settings={"clipping_norm": following},

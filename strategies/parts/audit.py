@@ -54,17 +54,17 @@ class AuditCanaries(Part):
 
     def extra_updates(self, dp, server_round: int, dim: int) -> list[np.ndarray]:
         """C * u_i of the canaries sampled this round (each with probability q, like a client)."""
-        draws = make_rng(dp.seed, CANARY_STREAM, server_round, secure=dp.secure_rng).random(self.canaries)
+        draws = make_rng(dp.run.seed, CANARY_STREAM, server_round, secure=dp.run.secure_rng).random(self.canaries)
         return [
-            dp.clipping_norm * canary_direction(self.canary_seed, i, dim, self.kind)
-            for i in np.flatnonzero(draws < dp.sample_rate)
+            dp.privacy.clipping_norm * canary_direction(self.canary_seed, i, dim, self.kind)
+            for i in np.flatnonzero(draws < dp.population.sample_rate)
         ]
 
     def estimate(self, dp) -> dict | None:
         """The one-shot estimate from the model delta of the rounds run so far (None before a round)."""
-        if self.start is None or dp.latest_arrays is None:
+        if self.start is None or dp.record.latest_arrays is None:
             return None
-        final = flatten(dp.latest_arrays.to_numpy_ndarrays())
+        final = flatten(dp.record.latest_arrays.to_numpy_ndarrays())
         return audit_epsilon(
             final - self.start, self.canary_seed, self.canaries, self.canaries, dp.ledger.delta, self.kind
         )

@@ -85,9 +85,11 @@ class DPFTRL(Part):
     # ------------------------------------------------------------------ population, ledger
     def make_ledger(self, strategy, delta: float) -> TreeAggregationLedger:
         """Fix m and b from the population, and the ledger with one tree per epoch (the part's own state)."""
-        self.clients_per_round = max(1, round(strategy.sample_rate * strategy.num_clients))
-        self.epoch_rounds = self.requested_epoch_rounds or max(1, strategy.num_clients // self.clients_per_round)
-        return TreeAggregationLedger(delta, strategy.accountant, self.epoch_rounds)
+        self.clients_per_round = max(1, round(strategy.population.sample_rate * strategy.population.num_clients))
+        self.epoch_rounds = self.requested_epoch_rounds or max(
+            1, strategy.population.num_clients // self.clients_per_round
+        )
+        return TreeAggregationLedger(delta, strategy.privacy.accountant, self.epoch_rounds)
 
     def ledger_from_state(self, state: dict) -> TreeAggregationLedger:
         raise ValueError(
@@ -96,7 +98,7 @@ class DPFTRL(Part):
         )
 
     def accounted_noise_multiplier(self, strategy) -> float:
-        return strategy.noise_multiplier
+        return strategy.privacy.noise_multiplier
 
     def epoch(self, server_round: int) -> int:
         return (int(server_round) - 1) // self.epoch_rounds
@@ -132,14 +134,20 @@ class DPFTRL(Part):
             if self.tree is not None:
                 self.carried_noise += self.tree.prefix_noise()  # the completed epoch's released total
             self.tree_epoch = epoch
-            std = strategy.noise_multiplier * strategy.clipping_norm
+            std = strategy.privacy.noise_multiplier * strategy.privacy.clipping_norm
             self.tree = TreeNoise(
-                size, std, lambda t, e=epoch: make_rng(strategy.seed, NOISE_STREAM, e, t, secure=strategy.secure_rng)
+                size,
+                std,
+                lambda t, e=epoch: make_rng(strategy.run.seed, NOISE_STREAM, e, t, secure=strategy.run.secure_rng),
             )
         if updates:
             self.exact_sum += np.sum(updates, axis=0, dtype=np.float32)
         noise = self.tree.next_prefix_noise()
-        std = float(strategy.noise_multiplier * strategy.clipping_norm * np.sqrt(nodes_in_prefix(self.tree.steps)))
+        std = float(
+            strategy.privacy.noise_multiplier
+            * strategy.privacy.clipping_norm
+            * np.sqrt(nodes_in_prefix(self.tree.steps))
+        )
         prefix = self.exact_sum + self.carried_noise + noise
         if self.momentum > 0:
             gradient = prefix - (self.last_prefix if self.last_prefix is not None else 0.0)
@@ -147,7 +155,7 @@ class DPFTRL(Part):
             self.cumulative = self.velocity.copy() if self.cumulative is None else self.cumulative + self.velocity
             self.last_prefix = prefix
             prefix = self.cumulative
-        eta = np.float32(strategy.server_learning_rate)
+        eta = np.float32(strategy.run.server_learning_rate)
         return self.initial + eta * prefix / np.float32(self.clients_per_round), std
 
     def describe(self, strategy) -> dict:
@@ -166,7 +174,7 @@ class DPFTRL(Part):
 
 def choose(strategy, stream: int, server_round: int, eligible: list[int], m: int) -> list[int]:
     """Up to m of the eligible node ids, uniformly (seeded per round, or OS entropy), sorted."""
-    rng = make_rng(strategy.seed, stream, server_round, secure=strategy.secure_rng)
+    rng = make_rng(strategy.run.seed, stream, server_round, secure=strategy.run.secure_rng)
     picks = rng.choice(len(eligible), size=min(len(eligible), m), replace=False)
     return sorted(int(eligible[i]) for i in picks)  # indices: numpy would turn ids >= 2^63 into floats
 

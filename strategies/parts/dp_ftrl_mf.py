@@ -95,16 +95,16 @@ class MatrixFactorizationFTRL(Part):
     # ------------------------------------------------------------------ population, ledger
     def make_ledger(self, dp, delta: float) -> MatrixFactorizationLedger:
         """Fix m, b, k and the noise key from the population and the run, compute C (jax-privacy), the ledger."""
-        rounds = max(1, dp.num_rounds)
-        self.clients_per_round = max(1, round(dp.sample_rate * dp.num_clients))
-        self.min_sep = self.requested_min_sep or max(1, dp.num_clients // self.clients_per_round)
+        rounds = max(1, dp.record.num_rounds)
+        self.clients_per_round = max(1, round(dp.population.sample_rate * dp.population.num_clients))
+        self.min_sep = self.requested_min_sep or max(1, dp.population.num_clients // self.clients_per_round)
         self.max_participations = self.requested_participations or math.ceil(rounds / self.min_sep)
         if self.amplified:  # each node in one group of b, sampled with p = q b when its group's round comes
-            self.group_rate = dp.sample_rate * self.min_sep
+            self.group_rate = dp.population.sample_rate * self.min_sep
             require(
                 self.group_rate <= 1,
                 "sample_rate",
-                dp.sample_rate,
+                dp.population.sample_rate,
                 f"with ftrl-amplified each of the {self.min_sep} groups is sampled at sample-rate x {self.min_sep}, "
                 "which must be at most 1: lower sample-rate or ftrl-epoch-rounds",
             )
@@ -113,10 +113,12 @@ class MatrixFactorizationFTRL(Part):
             self.strategy = optimize_strategy(
                 self.kind, rounds, self.min_sep, self.max_participations, self.max_buffers
             )
-        self.key = secrets.randbits(128) if dp.secure_rng else int(make_rng(dp.seed, NOISE_STREAM).integers(2**63))
+        self.key = (
+            secrets.randbits(128) if dp.run.secure_rng else int(make_rng(dp.run.seed, NOISE_STREAM).integers(2**63))
+        )
         return MatrixFactorizationLedger(
             delta,
-            dp.accountant,
+            dp.privacy.accountant,
             self.strategy.as_dict(),
             self.min_sep,
             self.max_participations,
@@ -127,16 +129,18 @@ class MatrixFactorizationFTRL(Part):
     def calibrated_noise_multiplier(self, dp, ledger: MatrixFactorizationLedger) -> float:
         """sigma = sens_n x the multiplier whose eps(delta) is the target (n: the configured rounds): of one Gaussian
         release, or amplified, of ceil(n / b) Poisson-sampled ones at rate p."""
-        rounds = max(1, dp.num_rounds)
+        rounds = max(1, dp.record.num_rounds)
         releases, rate = (math.ceil(rounds / ledger.cycle), ledger.sample_rate) if ledger.cycle else (1, 1.0)
-        multiplier = calibrate_noise_multiplier(dp.target_epsilon, ledger.delta, rate, releases, dp.accountant)
+        multiplier = calibrate_noise_multiplier(
+            dp.privacy.target_epsilon, ledger.delta, rate, releases, dp.privacy.accountant
+        )
         return multiplier * ledger.sensitivity(rounds)
 
     def ledger_from_state(self, state: dict) -> MatrixFactorizationLedger:
         return MatrixFactorizationLedger.from_state_dict(state)
 
     def accounted_noise_multiplier(self, dp) -> float:
-        return dp.noise_multiplier
+        return dp.privacy.noise_multiplier
 
     def next_truncation_probability(self, dp) -> float:
         return 0.0
@@ -151,7 +155,7 @@ class MatrixFactorizationFTRL(Part):
         round's group (node id mod b = (t - 1) mod b) with probability p."""
         if self.amplified:
             group = [n for n in sorted(set(node_ids)) if n % self.min_sep == (server_round - 1) % self.min_sep]
-            rng = make_rng(dp.seed, SELECTION_STREAM, server_round, secure=dp.secure_rng)
+            rng = make_rng(dp.run.seed, SELECTION_STREAM, server_round, secure=dp.run.secure_rng)
             return Selection([n for n, u in zip(group, rng.random(len(group))) if u < self.group_rate])
         eligible = [n for n in sorted(set(node_ids)) if self.eligible(n, server_round)]
         chosen = choose(dp, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
@@ -173,7 +177,7 @@ class MatrixFactorizationFTRL(Part):
         if self.stream is None:  # a fresh run, or a resumed one: replay the rounds already charged
             self.stream = NoiseStream(self.strategy, size)
             self.stream.replay(rounds, lambda t: self.draw(size, t))
-        std = dp.noise_multiplier * dp.clipping_norm
+        std = dp.privacy.noise_multiplier * dp.privacy.clipping_norm
         noise = (self.stream.next(self.draw(size, rounds + 1)) * std).astype(np.float32)
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
         step = total + noise
@@ -181,7 +185,7 @@ class MatrixFactorizationFTRL(Part):
             velocity = self.velocity if self.velocity is not None else np.zeros(size, np.float32)
             self.velocity = np.float32(self.momentum) * velocity + step
             step = self.velocity
-        eta = np.float32(dp.server_learning_rate)
+        eta = np.float32(dp.run.server_learning_rate)
         prefix_std = std * float(prefix_noise_norms(self.strategy, rounds + 1)[-1])
         return global_vector + eta * step / np.float32(self.clients_per_round), prefix_std
 

@@ -14,7 +14,7 @@ import numpy as np
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
 from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
 from dpfl.strategies.parts.noise_placement import server_view
-from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.part import Part, sees_only_the_sum
 
 NOISE_STREAM = 2  # make_rng stream of the server's noise on the sum (seeded runs only)
 
@@ -27,15 +27,15 @@ class GaussianMechanism(Part):
     def make_ledger(self, dp, delta: float) -> ClientLevelLedger:
         """The client-level ledger of what the noise part says the server sees and the selection part says of its
         sampling."""
-        view, secure = dp.noise.server_view(), dp.server_sees_only_the_sum
-        return ClientLevelLedger(delta, dp.accountant, view, secure, sampling=dp.selection.sampling_form)
+        view, secure = dp.noise.server_view(), sees_only_the_sum(dp)
+        return ClientLevelLedger(delta, dp.privacy.accountant, view, secure, sampling=dp.selection.sampling_form)
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return ClientLevelLedger.from_state_dict(state, server_view(state["noise_placement"]))
 
     def accounted_noise_multiplier(self, dp) -> float:
         """The sigma the ledger charges per round."""
-        return dp.noise_multiplier
+        return dp.privacy.noise_multiplier
 
     def noisy_sum(
         self, dp, server_round: int, updates: list[np.ndarray], size: int, received: int
@@ -43,9 +43,11 @@ class GaussianMechanism(Part):
         """(sum of the updates plus the server's noise, its std): all of it (central) or the top-up (distributed)
         for the n_s - received noise shares that did not arrive."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        std = dp.noise.server_noise_std(dp.update_noise_multiplier(), dp.clipping_norm, dp.noise_shares, received)
+        std = dp.noise.server_noise_std(
+            dp.update_noise_multiplier(), dp.privacy.clipping_norm, dp.population.noise_shares, received
+        )
         return total + gaussian_noise(
-            size, std, make_rng(dp.seed, NOISE_STREAM, server_round, secure=dp.secure_rng)
+            size, std, make_rng(dp.run.seed, NOISE_STREAM, server_round, secure=dp.run.secure_rng)
         ), std
 
     def release(
@@ -53,5 +55,5 @@ class GaussianMechanism(Part):
     ) -> tuple[np.ndarray, float]:
         """(w + eta_s * (sum_i Delta_i + server noise) / m, the std of the server's noise)."""
         aggregate, std = self.noisy_sum(dp, server_round, updates, global_vector.size, received)
-        aggregate /= np.float32(dp.expected_clients)
-        return global_vector + np.float32(dp.server_learning_rate) * aggregate, std
+        aggregate /= np.float32(dp.population.expected_clients)
+        return global_vector + np.float32(dp.run.server_learning_rate) * aggregate, std

@@ -24,7 +24,7 @@ import numpy as np
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import clip_to_norm, distributed_noise_std, topup_noise_std
 from dpfl.dpcore.privacy.modes import ServerView
-from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.part import Part, fraction_evaluate, sees_only_the_sum
 from dpfl.strategies.parts.reply_rules import upload_norm_bound
 
 
@@ -64,7 +64,7 @@ class NoisePlacement(Part, ABC):
         """The norm an honest upload stays below (inf: no bound)."""
 
     def client_config(self, dp, server_round: int) -> dict:
-        return self.privatize_config(dp.update_noise_multiplier(), dp.clipping_norm, dp.noise_shares)
+        return self.privatize_config(dp.update_noise_multiplier(), dp.privacy.clipping_norm, dp.population.noise_shares)
 
     def server_caveats(self, dp) -> list[str]:
         """Clients that noise their own uploads, without SecAgg+: what reaches the server in the clear beside the
@@ -72,7 +72,7 @@ class NoisePlacement(Part, ABC):
         dp_privatize_mod send their update's norm before clipping (and TrainingClient its training loss and
         example count); either, with fraction_evaluate > 0, the clients' evaluate replies (loss, accuracy, example
         count). (Under SecAgg+ clients send weight 1 and no metrics, and the figure is a diagnostic.)"""
-        if not self.clients_add_noise or dp.server_sees_only_the_sum or dp.noise_multiplier <= 0:
+        if not self.clients_add_noise or sees_only_the_sum(dp) or dp.privacy.noise_multiplier <= 0:
             return []
         caveats = []
         if self.noise_in_shares:
@@ -80,7 +80,7 @@ class NoisePlacement(Part, ABC):
                 "clients send their update norm before clipping, training loss and example count in the clear "
                 "beside the noisy upload: epsilon_against_server covers the upload only, not those figures"
             )
-        if dp.fraction_evaluate > 0:
+        if fraction_evaluate(dp) > 0:
             caveats.append(
                 "clients' evaluate replies (loss, accuracy, example count; fraction-evaluate > 0) reach the server "
                 "in the clear: epsilon_against_server covers the noisy uploads only, not those replies"
@@ -183,12 +183,12 @@ class LocalNoise(NoisePlacement):
 
     def reply_problem(self, dp, metrics: dict) -> str | None:
         """Why an upload is not locally private enough (no local noise multiplier, or a smaller one), else None."""
-        noise_multiplier = dp.noise_multiplier
+        noise_multiplier = dp.privacy.noise_multiplier
         local = metrics.get(keys.LOCAL_NOISE_MULTIPLIER)
         if local is None:
             return (
                 "not locally privatized: under noise_placement = 'local' each client adds its own noise; add "
-                "clients.local_dp.make_local_dp_mod to the ClientApp's train"
+                "dpfl.make_local_dp_mod to the ClientApp's train"
             )
         if local < noise_multiplier * (1 - 1e-9):
             return f"local noise multiplier {local:g} below the configured {noise_multiplier:g}"

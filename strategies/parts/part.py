@@ -137,7 +137,7 @@ class DenseCodec(Part):
         is_update = any(
             record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE for record in content.metric_records.values()
         )
-        return content[dp.arrayrecord_key].to_numpy_ndarrays(), is_update
+        return content[arrays_key(dp)].to_numpy_ndarrays(), is_update
 
 
 def filling(parts: Sequence[Part], role: str, default: Part) -> Part:
@@ -150,6 +150,26 @@ def filling(parts: Sequence[Part], role: str, default: Part) -> Part:
 
 def keywords_of(parts: Iterable[Part]) -> frozenset[str]:
     return frozenset(p.keyword for p in parts if p.keyword)
+
+
+def arrays_key(dp) -> str:
+    """The key of the arrays in the messages of the strategy `dp` wraps (Flower's `arrayrecord_key`)."""
+    return getattr(dp.strategy, "arrayrecord_key", "arrays")
+
+
+def config_key(dp) -> str:
+    """The key of the config in its messages (Flower's `configrecord_key`)."""
+    return getattr(dp.strategy, "configrecord_key", "config")
+
+
+def fraction_evaluate(dp) -> float:
+    """The fraction of nodes the wrapped strategy evaluates on (the wrapper samples only the train rounds)."""
+    return float(getattr(dp.strategy, "fraction_evaluate", 0.0))
+
+
+def sees_only_the_sum(dp) -> bool:
+    """Whether the server of `dp` (the wrapper) never sees a single update: a part says so (secure aggregation)."""
+    return any(part.server_sees_only_the_sum for part in dp.parts)
 
 
 def failure_probability(parts: Iterable[Part]) -> float:

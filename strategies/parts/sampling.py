@@ -44,27 +44,27 @@ class ClientSampling(Part):
         """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson sample larger
         than n_s keeps a uniform n_s of it (probability <= 1e-12: n_s is re-derived for the round's population,
         `covering_noise_shares`; the ledger reserves the round's probability out of delta)."""
-        rng = make_rng(dp.seed, 1, server_round, secure=dp.secure_rng)
+        rng = make_rng(dp.run.seed, 1, server_round, secure=dp.run.secure_rng)
         nodes = sorted(node_ids)
         if self.sampling_form.fixed_size:
-            k = min(len(nodes), int(dp.expected_clients))
-            if k < dp.expected_clients:
+            k = min(len(nodes), int(dp.population.expected_clients))
+            if k < dp.population.expected_clients:
                 log(
                     WARNING,
                     "Round %d: %d nodes connected, fewer than the m = %d a round samples: all %d are sampled "
                     "(charged as %d of %d; the noise is topped up to m shares)",
                     server_round,
                     len(nodes),
-                    int(dp.expected_clients),
+                    int(dp.population.expected_clients),
                     k,
                     k,
                     len(nodes),
                 )
             return Selection(pick(rng, nodes, k), 0.0, (len(nodes), k))
-        truncation = truncation_probability(len(nodes), dp.sample_rate, dp.noise_shares)
-        sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < dp.sample_rate]
-        if len(sampled) > dp.noise_shares:
-            sampled = pick(rng, sampled, dp.noise_shares)
+        truncation = truncation_probability(len(nodes), dp.population.sample_rate, dp.population.noise_shares)
+        sampled = [n for n, u in zip(nodes, rng.random(len(nodes))) if u < dp.population.sample_rate]
+        if len(sampled) > dp.population.noise_shares:
+            sampled = pick(rng, sampled, dp.population.noise_shares)
         return Selection(sampled, truncation)
 
     def next_truncation_probability(self, dp) -> float:
@@ -78,16 +78,16 @@ def covering_noise_shares(dp, population: int) -> int:
     may draw whether the population grew or shrank; each client's share std sigma C / sqrt(n_s), the server's
     top-up and the ledger's truncation reserve follow it (logged when it changes). Fixed-size sampling keeps
     n_s = m (a smaller population's sample is topped up)."""
-    if dp.client_sampling != ClientSamplingMode.POISSON:
-        return dp.noise_shares
-    shares = noise_share_count(population, dp.sample_rate, "poisson")
-    if shares != dp.noise_shares:
+    if dp.population.client_sampling != ClientSamplingMode.POISSON:
+        return dp.population.noise_shares
+    shares = noise_share_count(population, dp.population.sample_rate, "poisson")
+    if shares != dp.population.noise_shares:
         log(
             INFO,
             "Population %d nodes: n_s re-derived for it, %d -> %d noise shares (each client's noise std "
             "sigma C / sqrt(n_s))",
             population,
-            dp.noise_shares,
+            dp.population.noise_shares,
             shares,
         )
     return shares

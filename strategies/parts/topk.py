@@ -20,7 +20,7 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_encode, topk_sparsify
 from dpfl.dpcore.privacy.settings import one_of, require
 from dpfl.strategies.parts.noise_placement import PLACEMENTS
-from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.part import Part, arrays_key
 from dpfl.strategies.parts.reply_rules import MetricRule
 
 
@@ -58,7 +58,7 @@ class TopKCodec(Part):
     def caveats(self, dp) -> list[str]:
         """Top-k of each client's noisy share (the paper's order, distributed noise) is not post-processing of
         the release: which coordinates of the sum are exactly zero depends on who took part."""
-        if dp.noise.noise_in_shares and dp.noise_multiplier > 0 and self.sparsity < 1:
+        if dp.noise.noise_in_shares and dp.privacy.noise_multiplier > 0 and self.sparsity < 1:
             return [
                 "top-k after distributed noise: the support of the released sum depends on who took "
                 "part (docs/topk-wavelet.md); noise-placement = 'central' gives the accounted epsilon"
@@ -71,21 +71,21 @@ class TopKCodec(Part):
     def decode(self, dp, content: RecordDict) -> tuple[list[np.ndarray], bool]:
         """Dense update from the sparse upload (always an update); raises (-> rejected) if it is malformed."""
         shapes = [a.shape for a in dp.round.everything]
-        encoded = content[dp.arrayrecord_key].to_numpy_ndarrays()
+        encoded = content[arrays_key(dp)].to_numpy_ndarrays()
         return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode), True
 
     def round_metrics(self, dp, server_round: int, replies: list) -> dict:
         """Bytes received and what dense uploads would have cost (totals over who arrived: diagnostics); the bytes
         of one honest upload (from the settings: published)."""
-        arrived = [m for m in replies if not m.has_error() and dp.arrayrecord_key in m.content.array_records]
-        upload = sum(payload_bytes(m.content[dp.arrayrecord_key]) for m in arrived)
-        dense = len(arrived) * payload_bytes(dp.current_arrays)
+        arrived = [m for m in replies if not m.has_error() and arrays_key(dp) in m.content.array_records]
+        upload = sum(payload_bytes(m.content[arrays_key(dp)]) for m in arrived)
+        dense = len(arrived) * payload_bytes(dp.round.arrays)
         self.upload_bytes_total += upload
         self.dense_bytes_total += dense
         metrics = {
             "upload_bytes": upload,
             "dense_bytes": dense,
-            "dense_bytes_per_client": payload_bytes(dp.current_arrays),
+            "dense_bytes_per_client": payload_bytes(dp.round.arrays),
         }
         if (honest := self.honest_upload_bytes(dp)) is not None:
             metrics["upload_bytes_per_client"] = honest
@@ -116,8 +116,8 @@ class TopKCodec(Part):
 
     def describe(self, dp) -> dict:
         per_client = {}
-        if dp.current_arrays is not None and (honest := self.honest_upload_bytes(dp)) is not None:
-            dense = payload_bytes(dp.current_arrays)
+        if dp.round.arrays is not None and (honest := self.honest_upload_bytes(dp)) is not None:
+            dense = payload_bytes(dp.round.arrays)
             per_client = {
                 "upload_bytes_per_client": honest,
                 "dense_bytes_per_client": dense,

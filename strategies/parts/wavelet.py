@@ -37,7 +37,7 @@ from dpfl.dpcore.privacy.mechanisms import (
 from dpfl.dpcore.privacy.settings import one_of, require
 from dpfl.strategies.parts.mechanism import NOISE_STREAM, GaussianMechanism
 from dpfl.strategies.parts.noise_placement import PLACEMENTS
-from dpfl.strategies.parts.part import AfterRound
+from dpfl.strategies.parts.part import AfterRound, Part
 
 
 class WaveletMechanism(GaussianMechanism):
@@ -77,17 +77,17 @@ class WaveletMechanism(GaussianMechanism):
         if not self.padded_size:
             raise RuntimeError("the model size is not known yet (see_model)")
         if self.calibration == "exact":
-            return dp.noise_multiplier * math.sqrt(self.padded_size)
-        return dp.noise_multiplier
+            return dp.privacy.noise_multiplier * math.sqrt(self.padded_size)
+        return dp.privacy.noise_multiplier
 
     def accounted_noise_multiplier(self, dp) -> float:
         """sigma_eff = sigma_H / sqrt(n) (= sigma under `exact`)."""
         if self.calibration == "exact":
-            return dp.noise_multiplier
+            return dp.privacy.noise_multiplier
         return wavelet_effective_noise_multiplier(self.sigma_h(dp), self.padded_size)
 
     def make_ledger(self, dp, delta: float) -> ClientLevelLedger:
-        self.claimed = PrivacyLedger(delta, dp.accountant)
+        self.claimed = PrivacyLedger(delta, dp.privacy.accountant)
         return super().make_ledger(dp, delta)
 
     def state_dict(self) -> dict:
@@ -101,9 +101,9 @@ class WaveletMechanism(GaussianMechanism):
         if self._warned or self.calibration != "paper" or dp.ledger is None:
             return
         self._warned = True
-        rounds = max(1, dp.num_rounds)
-        claimed = dp.ledger.epsilon_after_rounds(self.sigma_h(dp), dp.sample_rate, rounds)
-        true = dp.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(dp), dp.sample_rate, rounds)
+        rounds = max(1, dp.record.num_rounds)
+        claimed = dp.ledger.epsilon_after_rounds(self.sigma_h(dp), dp.population.sample_rate, rounds)
+        true = dp.ledger.epsilon_after_rounds(self.accounted_noise_multiplier(dp), dp.population.sample_rate, rounds)
         log(
             WARNING,
             "wavelet-calibration = 'paper': the paper accounts sigma_H = %.4g (epsilon %.4g after %d "
@@ -126,13 +126,13 @@ class WaveletMechanism(GaussianMechanism):
         """Sum of clipped updates + Haar-wavelet noise with scale sigma_H * C (all of it added here, so `received`
         does not change it)."""
         total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
-        scale = self.sigma_h(dp) * dp.clipping_norm
-        rng = make_rng(dp.seed, NOISE_STREAM, server_round, secure=dp.secure_rng)
+        scale = self.sigma_h(dp) * dp.privacy.clipping_norm
+        rng = make_rng(dp.run.seed, NOISE_STREAM, server_round, secure=dp.run.secure_rng)
         return haar_wavelet_noise(total, scale, rng), scale
 
     def after_round(self, dp, server_round: int, accepted: list, norms: list) -> AfterRound:
         assert self.claimed is not None
-        self.claimed.record(self.sigma_h(dp), dp.sample_rate)
+        self.claimed.record(self.sigma_h(dp), dp.population.sample_rate)
         return AfterRound(record={"claimed_epsilon": self.claimed.epsilon()})
 
     def summary(self) -> str:
@@ -152,3 +152,11 @@ class WaveletMechanism(GaussianMechanism):
                 "the paper's analysis prints (ledger at sigma_H)"
             ),
         }
+
+
+class PaperClaim(Part):
+    """ALI-DPFL's DP-SGD-WAV clients under `paper` calibration: the rounds publish the paper's claimed epsilon
+    beside the true one, a figure that is no guarantee, so every round record marks it
+    (`claimed_epsilon_is_guarantee`)."""
+
+    publishes_claimed_epsilon = True

@@ -45,8 +45,11 @@ from dpfl.dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
 from dpfl.dpcore.privacy.settings import check_dpsgd, require, require_a_step
 from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
 from dpfl.strategies.loop.round_loop import DPRoundLoop
+from dpfl.strategies.loop.run_record import describe_sampling
 from dpfl.strategies.loop.wrapped import release
+from dpfl.strategies.parts.part import config_key
 from dpfl.strategies.parts.reply_rules import MetricRule
+from dpfl.strategies.parts.wavelet import PaperClaim
 from dpfl.strategies.sample_level.ali_dpfl_clients import (
     claimed_epsilon,
     load_mirror_state,
@@ -102,21 +105,11 @@ class ALIDPFL(DPRoundLoop):
         require(
             dpsgd.num_partitions >= 0, "num_partitions", dpsgd.num_partitions, "must be >= 0 (0: the connected nodes)"
         )
-        super().__init__(
-            strategy, sampling=sampling, run=run or RunOptions(), delta=dpsgd.delta, accountant=dpsgd.accountant
-        )
-        self.batch_sample_rate = dpsgd.batch_sample_rate
-        self.sample_noise_multiplier = dpsgd.sample_noise_multiplier
-        self.sample_clipping_norm = dpsgd.sample_clipping_norm
-        self.sample_target_epsilon = dpsgd.target_epsilon
-        self.adaptive, self.gamma = dpsgd.adaptive, dpsgd.gamma
-        self.initial_local_steps = max(1, dpsgd.local_steps)
-        self.mu_source, self.mu_noise_multiplier, self.mu_max = dpsgd.mu_source, dpsgd.mu_noise_multiplier, dpsgd.mu_max
-        self.gradient_fn, self.partition_size = server_data.gradient_fn, server_data.partition_size
-        self.num_partitions = dpsgd.num_partitions
-        self.dpsgd_noise, self.wavelet_calibration = dpsgd.dpsgd_noise, dpsgd.wavelet_calibration
-        self.grad_sample_mode = dpsgd.grad_sample_mode
         self.noise = dpsgd_multipliers(dpsgd.sample_noise_multiplier, dpsgd.dpsgd_noise, dpsgd.wavelet_calibration)
+        claims = [PaperClaim()] if self.noise.claims_differ else []  # DP-SGD-WAV's claimed epsilon: no guarantee
+        super().__init__(strategy, sampling=sampling, run=run or RunOptions(), parts=claims)
+        self.dpsgd, self.server_data = dpsgd, server_data
+        self.initial_local_steps = max(1, dpsgd.local_steps)
         self.dimension = 0
         self.ledger: SampleLevelLedgers | None = None
         self.steps_budget = 0  # R_c
@@ -153,37 +146,42 @@ class ALIDPFL(DPRoundLoop):
         require_a_step(steps, d.target_epsilon, d.sample_noise_multiplier, d.batch_sample_rate, delta)
 
     # ------------------------------------------------------------------ set-up
-    def default_delta(self, num_clients: int) -> float:
-        return DEFAULT_SAMPLE_DELTA
-
-    def make_ledger(self, delta: float) -> SampleLevelLedgers:
-        """The per-client ledgers, R_c and the first tau."""
+    def make_ledger(self) -> SampleLevelLedgers:
+        """The per-client ledgers (at the configured delta, else DEFAULT_SAMPLE_DELTA), R_c and the first tau."""
+        delta = self.dpsgd.delta or DEFAULT_SAMPLE_DELTA
         self.steps_budget = max_local_steps(
-            self.sample_target_epsilon, delta, self.noise.budget, self.batch_sample_rate, self.accountant
+            self.dpsgd.target_epsilon, delta, self.noise.budget, self.dpsgd.batch_sample_rate, self.dpsgd.accountant
         )
         require_a_step(
-            self.steps_budget, self.sample_target_epsilon, self.sample_noise_multiplier, self.batch_sample_rate, delta
+            self.steps_budget,
+            self.dpsgd.target_epsilon,
+            self.dpsgd.sample_noise_multiplier,
+            self.dpsgd.batch_sample_rate,
+            delta,
         )
-        if self.adaptive and self.rounds_budget >= self.steps_budget:
+        if self.dpsgd.adaptive and self.rounds_budget >= self.steps_budget:
             self.tau = 1  # Lemma 1
         log(
             INFO,
             "ALI-DPFL: R_s = %d rounds, R_c = %d DP-SGD steps (epsilon %.3g, delta %.3g), first tau = %d",
             self.rounds_budget,
             self.steps_budget,
-            self.sample_target_epsilon,
+            self.dpsgd.target_epsilon,
             delta,
             self.tau,
         )
-        return SampleLevelLedgers(delta, self.accountant)
+        return SampleLevelLedgers(delta, self.dpsgd.accountant)
 
     def ledger_from_state(self, state: dict) -> SampleLevelLedgers:
         return SampleLevelLedgers.from_state_dict(state)
 
-    def extra_state(self) -> dict:
-        return {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list, **mirror_state(self)}
+    def state_dict(self) -> dict:
+        """The round loop's state with R_c, tau and the server's mirror of the clients' spending."""
+        own = {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list, **mirror_state(self)}
+        return {**super().state_dict(), **own}
 
-    def load_extra_state(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
         self.steps_budget, self.tau = int(state["steps_budget"]), int(state["tau"])
         self.tau_list = [int(t) for t in state["tau_list"]]
         load_mirror_state(self, state)
@@ -191,26 +189,26 @@ class ALIDPFL(DPRoundLoop):
     @property
     def rounds_budget(self) -> int:
         """R_s: the configured number of rounds."""
-        return self.num_rounds
+        return self.record.num_rounds
 
     def summary(self) -> None:
         log(INFO, "\t├──> Sample-level DP-SGD on every client (%s)", type(self).__name__)
         log(
             INFO,
             "\t│\t├── q_s=%.4g  C=%.4g  sigma=%.4g  target_epsilon=%.4g  accountant=%s",
-            self.batch_sample_rate,
-            self.sample_clipping_norm,
-            self.sample_noise_multiplier,
-            self.sample_target_epsilon,
-            self.accountant,
+            self.dpsgd.batch_sample_rate,
+            self.dpsgd.sample_clipping_norm,
+            self.dpsgd.sample_noise_multiplier,
+            self.dpsgd.target_epsilon,
+            self.dpsgd.accountant,
         )
         log(
             INFO,
             "\t│\t└── adaptive=%s  gamma=%.3g  mu_source=%s  client q=%.4g",
-            self.adaptive,
-            self.gamma,
-            self.mu_source,
-            self.sample_rate,
+            self.dpsgd.adaptive,
+            self.dpsgd.gamma,
+            self.dpsgd.mu_source,
+            self.population.sample_rate,
         )
 
     # ------------------------------------------------------------------ train
@@ -224,7 +222,7 @@ class ALIDPFL(DPRoundLoop):
         return max(1, min(self.tau, self.steps_budget - self.total_steps))
 
     def releases_mu(self) -> bool:
-        return self.adaptive and self.mu_source == "clients" and self.rounds_budget < self.steps_budget
+        return self.dpsgd.adaptive and self.dpsgd.mu_source == "clients" and self.rounds_budget < self.steps_budget
 
     def client_train_config(self, server_round: int) -> dict:
         """tau and whether to release mu (`configure_train` adds each node's own spent counts)."""
@@ -245,9 +243,9 @@ class ALIDPFL(DPRoundLoop):
 
     def tell_spent(self, message: Message) -> Message:
         node, content = message.metadata.dst_node_id, RecordDict(dict(message.content.items()))
-        content[self.configrecord_key] = ConfigRecord(
+        content[config_key(self)] = ConfigRecord(
             {
-                **dict(message.content[self.configrecord_key]),
+                **dict(message.content[config_key(self)]),
                 keys.SPENT_STEPS: self.steps_taken.get(node, 0),
                 keys.SPENT_MU_RELEASES: self.mu_releases.get(node, 0),
             }
@@ -257,7 +255,7 @@ class ALIDPFL(DPRoundLoop):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self.current_arrays is not None and self.ledger is not None
+        assert self.round.arrays is not None and self.ledger is not None
         tau = self.round_local_steps()
         self.tau_list.append(tau)
         global_arrays = self.round.global_arrays()
@@ -271,7 +269,8 @@ class ALIDPFL(DPRoundLoop):
             problem, weight = row_problem(self, metrics, tau)
             if problem:
                 rejected += 1
-                self.note_problem(
+                self.gate.note(
+                    self.round,
                     server_round,
                     f"rejected the reply of node {node} (partition {metrics.get(keys.PARTITION_ID)}): {problem}",
                 )
@@ -283,7 +282,7 @@ class ALIDPFL(DPRoundLoop):
         global_vector = flatten(global_arrays)
         if rows:
             average = np.sum([w * v for w, (v, _) in zip(weights / weights.sum(), rows)], axis=0, dtype=np.float64)
-            new_global = (global_vector + self.server_learning_rate * average).astype(np.float32)
+            new_global = (global_vector + self.run.server_learning_rate * average).astype(np.float32)
         else:
             new_global = global_vector
         update_ledgers(self, server_round, [m for _, m in rows], nodes)
@@ -314,7 +313,9 @@ class ALIDPFL(DPRoundLoop):
     def set_dimension(self, dim: int) -> None:
         """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
         first, self.dimension = self.dimension == 0, dim
-        self.noise = dpsgd_multipliers(self.sample_noise_multiplier, self.dpsgd_noise, self.wavelet_calibration, dim)
+        self.noise = dpsgd_multipliers(
+            self.dpsgd.sample_noise_multiplier, self.dpsgd.dpsgd_noise, self.dpsgd.wavelet_calibration, dim
+        )
         if first and self.noise.claims_differ:
             log(
                 WARNING,
@@ -324,26 +325,26 @@ class ALIDPFL(DPRoundLoop):
                 "configured guarantee.",
                 self.noise.accounted,
                 haar_padded_size(dim),
-                self.sample_noise_multiplier,
+                self.dpsgd.sample_noise_multiplier,
             )
 
     def needs_mu(self) -> bool:
-        return self.adaptive and self.rounds_budget < self.steps_budget
+        return self.dpsgd.adaptive and self.rounds_budget < self.steps_budget
 
     def next_tau(self, mu: float, dim: int) -> tuple[int, float]:
-        if not self.adaptive:
+        if not self.dpsgd.adaptive:
             return self.initial_local_steps, math.nan
-        batch = self.batch_sample_rate * min(self.dataset_sizes.values(), default=0)
+        batch = self.dpsgd.batch_sample_rate * min(self.dataset_sizes.values(), default=0)
         return next_local_steps(
             rounds_budget=self.rounds_budget,
             steps_budget=self.steps_budget,
             previous=self.tau,
             mu=mu,
-            clipping_norm=self.sample_clipping_norm,
-            noise_multiplier=self.sample_noise_multiplier,
+            clipping_norm=self.dpsgd.sample_clipping_norm,
+            noise_multiplier=self.dpsgd.sample_noise_multiplier,
             dim=dim,
             batch_size=batch,
-            gamma=self.gamma,
+            gamma=self.dpsgd.gamma,
         )
 
     def privacy_metrics(self) -> dict:
@@ -351,17 +352,11 @@ class ALIDPFL(DPRoundLoop):
         claimed = {"claimed_epsilon": claimed_epsilon(self)} if self.noise.claims_differ else {}
         return {"epsilon": self.ledger.epsilon(), "delta": self.ledger.delta, **claimed}
 
-    def publishes_claimed_epsilon(self) -> bool:
-        """DP-SGD-WAV under `paper` calibration publishes claimed_epsilon, the paper's figure: no guarantee."""
-        return self.noise.claims_differ
-
-    def round_details(self) -> dict:
-        """Each client's epsilon so far, for the round record (dashboards' rounds x clients heatmap)."""
+    def finish_round(self, record: dict, started: float, arrays: ArrayRecord) -> None:
+        """The round loop's record with each client's epsilon so far (dashboards' rounds x clients heatmap)."""
         assert self.ledger is not None
-        return {
-            **super().round_details(),
-            "epsilon_per_client": {str(c): e for c, e in self.ledger.epsilon_per_client().items()},
-        }
+        record["epsilon_per_client"] = {str(c): e for c, e in self.ledger.epsilon_per_client().items()}
+        super().finish_round(record, started, arrays)
 
     # ------------------------------------------------------------------ loop
     def budget_exhausted(self) -> bool:
@@ -373,10 +368,10 @@ class ALIDPFL(DPRoundLoop):
         if self.total_steps >= self.steps_budget:
             return (
                 f"clients reached R_c = {self.steps_budget} DP-SGD steps (target epsilon "
-                f"{self.sample_target_epsilon}) before round {server_round}"
+                f"{self.dpsgd.target_epsilon}) before round {server_round}"
             )
         return (
-            f"no client can take another DP-SGD step within target epsilon {self.sample_target_epsilon} "
+            f"no client can take another DP-SGD step within target epsilon {self.dpsgd.target_epsilon} "
             f"(before round {server_round})"
         )
 
@@ -384,19 +379,19 @@ class ALIDPFL(DPRoundLoop):
         assert self.ledger is not None
         return {
             "privacy_unit": "one training sample of a client (sample-level DP-SGD; each client's own ledger)",
-            "sample_noise_multiplier": self.sample_noise_multiplier,
-            "sample_clipping_norm": self.sample_clipping_norm,
-            "batch_sample_rate": self.batch_sample_rate,
-            **self.describe_sampling(),
-            "target_epsilon": self.sample_target_epsilon,
-            "adaptive": self.adaptive,
-            "gamma": self.gamma,
-            "mu_source": self.mu_source,
-            "mu_max": self.mu_max if self.releases_mu() else None,
-            "mu_noise_multiplier": self.mu_noise_multiplier if self.releases_mu() else None,
-            "dpsgd_noise": self.dpsgd_noise,
-            "grad_sample_mode": self.grad_sample_mode,
-            "wavelet_calibration": self.wavelet_calibration if self.dpsgd_noise == "wavelet" else None,
+            "sample_noise_multiplier": self.dpsgd.sample_noise_multiplier,
+            "sample_clipping_norm": self.dpsgd.sample_clipping_norm,
+            "batch_sample_rate": self.dpsgd.batch_sample_rate,
+            **describe_sampling(self),
+            "target_epsilon": self.dpsgd.target_epsilon,
+            "adaptive": self.dpsgd.adaptive,
+            "gamma": self.dpsgd.gamma,
+            "mu_source": self.dpsgd.mu_source,
+            "mu_max": self.dpsgd.mu_max if self.releases_mu() else None,
+            "mu_noise_multiplier": self.dpsgd.mu_noise_multiplier if self.releases_mu() else None,
+            "dpsgd_noise": self.dpsgd.dpsgd_noise,
+            "grad_sample_mode": self.dpsgd.grad_sample_mode,
+            "wavelet_calibration": self.dpsgd.wavelet_calibration if self.dpsgd.dpsgd_noise == "wavelet" else None,
             "accounted_noise_multiplier": self.noise.accounted,
             "rounds_budget": self.rounds_budget,
             "steps_budget": self.steps_budget,

@@ -30,9 +30,9 @@ def update_ledgers(ali, server_round: int, replies: list[dict], nodes: list[int]
         steps = min(max(int(m[keys.DPSGD_STEPS]), known_steps), asked_steps)
         releases = min(max(int(m.get(keys.MU_RELEASES, 0)), known_releases), ali.mu_rounds)
         if steps > known_steps:
-            ali.ledger.record(pid, ali.noise.accounted, ali.batch_sample_rate, steps - known_steps)
+            ali.ledger.record(pid, ali.noise.accounted, ali.dpsgd.batch_sample_rate, steps - known_steps)
         if releases > known_releases:
-            ali.ledger.record(pid, ali.mu_noise_multiplier, 1.0, releases - known_releases)
+            ali.ledger.record(pid, ali.dpsgd.mu_noise_multiplier, 1.0, releases - known_releases)
         ali.steps_taken[pid], ali.mu_releases[pid] = steps, releases
         mirrored = ali.ledger.clients[pid].epsilon() if pid in ali.ledger.clients else 0.0
         reported = float(m.get(keys.EPSILON, mirrored))
@@ -54,11 +54,11 @@ def claimed_epsilon(ali) -> float:
         (
             epsilon_of(
                 [
-                    (ali.sample_noise_multiplier, ali.batch_sample_rate, steps),
-                    (ali.mu_noise_multiplier, 1.0, ali.mu_releases.get(pid, 0)),
+                    (ali.dpsgd.sample_noise_multiplier, ali.dpsgd.batch_sample_rate, steps),
+                    (ali.dpsgd.mu_noise_multiplier, 1.0, ali.mu_releases.get(pid, 0)),
                 ],
                 ali.ledger.delta,
-                ali.accountant,
+                ali.dpsgd.accountant,
             )
             for pid, steps in ali.steps_taken.items()
         ),
@@ -100,17 +100,20 @@ def row_problem(ali, metrics: dict, tau: int) -> tuple[str | None, float]:
     problem = reply_metrics_problem(metrics)
     if problem is None and metrics[keys.LOCAL_STEPS] > tau:
         problem = f"{metrics[keys.LOCAL_STEPS]} local steps taken, {tau} asked"
-    if problem or ali.partition_size is None:
+    if problem or ali.server_data.partition_size is None:
         return problem, 0.0 if problem else 1.0
     pid, reported, partitions = (
         int(metrics[keys.PARTITION_ID]),
         metrics[keys.NUM_EXAMPLES],
         reply_partitions(ali, metrics),
     )
-    if partitions < ali.num_clients:
-        return f"num-partitions {partitions} is fewer than the {ali.num_clients} nodes connected at the start", 0.0
+    if partitions < ali.population.num_clients:
+        return (
+            f"num-partitions {partitions} is fewer than the {ali.population.num_clients} nodes connected at the start",
+            0.0,
+        )
     try:
-        public = int(ali.partition_size(pid, partitions))
+        public = int(ali.server_data.partition_size(pid, partitions))
     except Exception as exc:  # e.g. out of range: nothing a client sends may raise
         return f"partition id {pid} of {partitions}: {exc}", 0.0
     if reported != public:
@@ -121,4 +124,4 @@ def row_problem(ali, metrics: dict, tau: int) -> tuple[str | None, float]:
 def reply_partitions(ali, metrics: dict) -> int:
     """The number of partitions a reply's public size is looked up for: the run config's num-partitions, else the
     one the node reports from its node config, else the number of nodes connected at the start."""
-    return ali.num_partitions or int(metrics.get(keys.NUM_PARTITIONS, ali.num_clients))
+    return ali.dpsgd.num_partitions or int(metrics.get(keys.NUM_PARTITIONS, ali.population.num_clients))

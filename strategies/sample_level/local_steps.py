@@ -80,20 +80,20 @@ def estimate_mu(
 ) -> float:
     """sum_i p_i ratio_i over the clients with a ratio (p renormalised over them); nan if none."""
     ratios, used = [], []
-    if ali.mu_source == "clients":
+    if ali.dpsgd.mu_source == "clients":
         for (_, m), w in zip(rows, weights):
             if keys.MU in m:  # finite (reply gate); clipped here as the client should have
-                ratios.append(min(max(float(m[keys.MU]), 0.0), ali.mu_max))
+                ratios.append(min(max(float(m[keys.MU]), 0.0), ali.dpsgd.mu_max))
                 used.append(w)
     else:
-        assert ali.gradient_fn is not None
-        g_global = np.asarray(ali.gradient_fn(global_arrays), dtype=np.float64)
+        assert ali.server_data.gradient_fn is not None
+        g_global = np.asarray(ali.server_data.gradient_fn(global_arrays), dtype=np.float64)
         w_global = flatten(global_arrays)
         for (v, _), w in zip(rows, weights):
             distance = l2_norm(v)
             if distance == 0:
                 continue
-            g_local = np.asarray(ali.gradient_fn(unflatten(w_global + v, shapes)), dtype=np.float64)
+            g_local = np.asarray(ali.server_data.gradient_fn(unflatten(w_global + v, shapes)), dtype=np.float64)
             ratios.append(l2_norm(g_local - g_global) / distance)
             used.append(w)
     if not ratios:

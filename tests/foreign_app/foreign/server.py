@@ -31,7 +31,7 @@ def main(grid: Grid, context: Context) -> None:
         evaluate_fn=lambda rnd, arrays: MetricRecord({"accuracy": accuracy(arrays.to_numpy_ndarrays(), x, y)}),
     )
     final = result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]
-    summary = {"final_accuracy": final["accuracy"], "history": strategy.history, **strategy.describe()}
+    summary = {"final_accuracy": final["accuracy"], "history": strategy.record.history, **strategy.describe()}
     out = Path(str(cfg["results-dir"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, default=str, indent=1))

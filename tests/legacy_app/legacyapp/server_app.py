@@ -37,7 +37,7 @@ class RecordingServer(Server):
                     "metrics_distributed_fit": {k: v for k, v in history.metrics_distributed_fit.items()},
                     "epsilon": strategy.describe()["epsilon"],
                     "delta": strategy.describe()["delta"],
-                    "rounds": len(strategy.history),
+                    "rounds": len(strategy.record.history),
                 }
             )
         )
