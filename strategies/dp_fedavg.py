@@ -120,6 +120,13 @@ def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Seq
         filling(parts, role, None)
 
 
+REPLY_RULES = {  # what a client-level train reply may hold (each part adds its own)
+    keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
+    keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
+    keys.LOCAL_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e15),
+}
+
+
 class DifferentialPrivacy(DPRoundLoop):
     """Client-level DP around a Flower strategy: clipping, Gaussian noise (central, distributed or local),
     sampling with amplification, the privacy ledger, the budget stop or calibration, and whatever parts it is
@@ -146,12 +153,6 @@ class DifferentialPrivacy(DPRoundLoop):
     Fixed-size client sampling is charged as the Gaussian mechanism at sigma / 2 (replace-one), with the smaller
     of the bounds without amplification and with sampling without replacement (`dpcore.privacy.ledger.ClientLevelLedger`).
     """
-
-    reply_metric_rules = {
-        keys.UPDATE_NORM: MetricRule(low=0.0, high=1e15),
-        keys.TRAIN_LOSS: MetricRule(low=0.0, high=1e15),
-        keys.LOCAL_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e15),
-    }
 
     def __init__(
         self,
@@ -180,7 +181,7 @@ class DifferentialPrivacy(DPRoundLoop):
         self.noise = make_noise_placement(privacy.noise_placement, mechanism.clients_clip_under_central_noise)
         self.privacy = privacy  # C and sigma take new values (calibrated, adapted): `adjust`
         parts = [self.noise, *parts]
-        rules = {**self.reply_metric_rules, **{k: v for p in parts for k, v in p.reply_rules.items()}}
+        rules = {**REPLY_RULES, **{k: v for p in parts for k, v in p.reply_rules.items()}}
         gate = ReplyGate(  # distributed noise: a reply counts only if its client (or mod) added its noise (marked)
             rules,
             run.publish_diagnostics,

@@ -471,7 +471,7 @@ def test_a_client_cannot_buy_weight_by_reporting_a_huge_dataset():
 @pytest.mark.parametrize("lie", [{"dpsgd-steps": 10**15}, {"local-steps": 10**6, "dpsgd-steps": 10**6}])
 def test_reported_step_counts_never_exceed_what_the_server_asked(lie):
     strategy, _, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], lie))
-    assert strategy.total_steps <= 2  # tau = 2 asked in the only round
+    assert strategy.spent.total_steps <= 2  # tau = 2 asked in the only round
     assert metrics["epsilon"] <= epsilon_of([(1.0, 0.1, 2)], 1e-5) + 1e-12
 
 
@@ -495,7 +495,7 @@ def test_a_duplicate_partition_id_binds_nothing():
     """Client 0 names partition 2 (issue 35 item 5): a partition id is not authenticated, so it takes nobody's
     place; it is accepted and charged on its own node id (the baseline rejection of the stub stays the only one)."""
     strategy, _, metrics = run_one_round(hostile_stub_app([10, 30, 60, 99], {"partition-id": 2}))
-    assert metrics["rejected"] == 1 and metrics["clients"] == 3 and strategy.steps_taken[100] == 1
+    assert metrics["rejected"] == 1 and metrics["clients"] == 3 and strategy.spent.steps_taken[100] == 1
 
 
 def test_client_mu_is_clipped_on_the_server():

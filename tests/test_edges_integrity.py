@@ -81,7 +81,7 @@ def test_a_client_mu_that_underflows_does_not_crash_the_server_app():
     grid = InProcessGrid(app_with_liar({"mu": 1e-170, "mu-releases": 1}), 3, {})
     result = strategy.start(grid, initial(), num_rounds=2)
     first = result.train_metrics_clientapp[1]
-    assert first["mu"] == pytest.approx(1e-170 / 3) and first["tau_next"] == strategy.steps_budget
+    assert first["mu"] == pytest.approx(1e-170 / 3) and first["tau_next"] == strategy.schedule.steps_budget
     assert math.isinf(first["tau_star"]) and strategy.record.completed_rounds == 2
 
 
@@ -94,7 +94,7 @@ def test_a_client_lying_about_its_partition_id_charges_only_its_own_ledger():
     second = result.train_metrics_clientapp[2]
     assert second["clients"] == 3 and second["rejected"] == 0
     assert set(strategy.ledger.clients) == {100, 101, 102}
-    assert strategy.steps_taken == {100: 2, 101: 2, 102: 2}
+    assert strategy.spent.steps_taken == {100: 2, 101: 2, 102: 2}
     # round 2: weights 301 (the liar's claim), 301, 302 on the first entries 1, 2, 3
     assert flatten(result.arrays.to_numpy_ndarrays())[0] == pytest.approx((301 * 1 + 301 * 2 + 302 * 3) / 904, rel=1e-6)
 
@@ -107,13 +107,13 @@ def test_a_node_claiming_another_partition_first_does_not_lock_its_owner_out_and
     strategy, grid = ali(), InProcessGrid(app, 3, {})
     first = strategy.start(grid, initial(), num_rounds=1).train_metrics_clientapp[1]
     assert first["clients"] == 3 and first["rejected"] == 0
-    assert strategy.steps_taken == {100: 1, 101: 1, 102: 1}
+    assert strategy.spent.steps_taken == {100: 1, 101: 1, 102: 1}
     state = json.loads(json.dumps(strategy.state_dict()))
     resumed = ali()
     resumed.load_state_dict(state)
-    assert resumed.steps_taken == {100: 1, 101: 1, 102: 1}
+    assert resumed.spent.steps_taken == {100: 1, 101: 1, 102: 1}
     result = resumed.start(grid, initial(), num_rounds=2)  # the same SuperNodes (ServerApp restarted)
-    assert resumed.steps_taken == {100: 2, 101: 2, 102: 2} and result.train_metrics_clientapp[2]["rejected"] == 0
+    assert resumed.spent.steps_taken == {100: 2, 101: 2, 102: 2} and result.train_metrics_clientapp[2]["rejected"] == 0
 
 
 def test_a_node_charged_for_a_claimed_partition_is_told_only_its_own_spent_steps():
@@ -123,7 +123,7 @@ def test_a_node_charged_for_a_claimed_partition_is_told_only_its_own_spent_steps
     app = app_with_liar({"partition-id": 1, "num-examples": public_size(1, 3), "dpsgd-steps": 3, "local-steps": 3})
     strategy, grid = ali(local_steps=3), InProcessGrid(app, 3, {})
     strategy.start(grid, initial(), num_rounds=1)
-    assert strategy.steps_taken == {100: 3, 101: 1, 102: 1}
+    assert strategy.spent.steps_taken == {100: 3, 101: 1, 102: 1}
     messages = strategy.configure_train(2, initial(), ConfigRecord(), grid)
     told = {m.metadata.dst_node_id: int(m.content["config"]["spent-steps"]) for m in messages}
     assert told == {100: 3, 101: 1, 102: 1}

@@ -67,7 +67,6 @@ from dpfl.strategies.loop.wrapped import (
     wrapped_train_content,
 )
 from dpfl.strategies.parts.part import DenseCodec, Part, config_key, fraction_evaluate
-from dpfl.strategies.parts.reply_rules import MetricRule
 from dpfl.strategies.parts.sampling import ClientSampling, covering_noise_shares
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
@@ -88,16 +87,15 @@ class DPRoundLoop(Strategy):
     accountant : the ledger's accountant ("pld", the default, "rdp" or "prv").
     selection : who is sent the train message (the selection role); None: `sampling`'s Poisson or fixed-size.
 
-    gate : the reply gate (`strategies.loop.reply_gate.ReplyGate`); None: one with `reply_metric_rules`.
+    gate : the reply gate (`strategies.loop.reply_gate.ReplyGate`, built with the metrics a train reply must hold);
+        None: one that reads no metric.
 
     What it holds is objects built with what they read: the wrapped `strategy`, the `population` (M, m, q, n_s),
     the `run` options, the roles' parts, the `gate`, the `record` of the run (`strategies.loop.run_record`), the
     `round` in flight and the `ledger`. Subclasses implement `make_ledger`, `ledger_from_state`,
     `client_train_config`, `aggregate_train`, `privacy_metrics`, `budget_exhausted`, `budget_stop_reason` and
-    `describe`, and declare the metrics they read from a train reply in `reply_metric_rules`.
+    `describe`, and give the gate the metrics they read from a train reply.
     """
-
-    reply_metric_rules: dict[str, MetricRule] = {}  # the metrics a train reply must hold (each strategy's own)
 
     def __init__(
         self,
@@ -137,7 +135,7 @@ class DPRoundLoop(Strategy):
         self.codec = DenseCodec()
         self.parts = list(parts)  # the optional pieces of the round (strategies.parts.part), in the order they run
         self.run = run
-        self.gate = gate or ReplyGate(self.reply_metric_rules, run.publish_diagnostics)
+        self.gate = gate or ReplyGate({}, run.publish_diagnostics)
         self.record = RunRecord()
         self.round = DPRound()  # the round in flight (begin_round starts a new one)
         self.ledger = None

@@ -20,6 +20,7 @@ sigma_eff = sigma_H / sqrt(n), and that is what the ledger charges.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from logging import WARNING
 
 import numpy as np
@@ -157,6 +158,12 @@ class WaveletMechanism(GaussianMechanism):
 class PaperClaim(Part):
     """ALI-DPFL's DP-SGD-WAV clients under `paper` calibration: the rounds publish the paper's claimed epsilon
     beside the true one, a figure that is no guarantee, so every round record marks it
-    (`claimed_epsilon_is_guarantee`)."""
+    (`claimed_epsilon_is_guarantee`). `claims()`: whether the claimed and the true multiplier differ (they do once
+    the model's size is known)."""
 
-    publishes_claimed_epsilon = True
+    def __init__(self, claims: Callable[[], bool]) -> None:
+        self.claims = claims
+
+    @property
+    def publishes_claimed_epsilon(self) -> bool:
+        return self.claims()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -39,11 +39,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, dpsgd_multipliers, max_local_steps
+from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA, DPSGDNoise, dpsgd_multipliers, max_local_steps
 from dpfl.dpcore.privacy.ledger import SampleLevelLedgers
-from dpfl.dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm
+from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm
 from dpfl.dpcore.privacy.settings import check_dpsgd, require, require_a_step
 from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
+from dpfl.strategies.loop.reply_gate import ReplyGate
 from dpfl.strategies.loop.round_loop import DPRoundLoop
 from dpfl.strategies.loop.run_record import describe_sampling
 from dpfl.strategies.loop.wrapped import release
@@ -51,13 +52,32 @@ from dpfl.strategies.parts.part import config_key
 from dpfl.strategies.parts.reply_rules import MetricRule
 from dpfl.strategies.parts.wavelet import PaperClaim
 from dpfl.strategies.sample_level.ali_dpfl_clients import (
+    ClientSpending,
     claimed_epsilon,
-    load_mirror_state,
-    mirror_state,
     row_problem,
     update_ledgers,
 )
-from dpfl.strategies.sample_level.local_steps import estimate_mu, next_local_steps
+from dpfl.strategies.sample_level.local_steps import (
+    LocalIterations,
+    estimate_mu,
+    needs_mu,
+    next_tau,
+    releases_mu,
+    round_local_steps,
+    set_dimension,
+)
+
+REPLY_RULES = {  # what an ALI-DPFL train reply must hold
+    keys.NUM_EXAMPLES: MetricRule(required=True, low=1, high=2**31, integer=True),
+    keys.PARTITION_ID: MetricRule(required=True, low=0, high=2**31, integer=True),
+    keys.NUM_PARTITIONS: MetricRule(low=1, high=2**31, integer=True),
+    keys.LOCAL_STEPS: MetricRule(required=True, low=0, high=2**31, integer=True),
+    keys.DPSGD_STEPS: MetricRule(required=True, low=0, high=2**53, integer=True),
+    keys.MU_RELEASES: MetricRule(low=0, high=2**31, integer=True),
+    keys.MU: MetricRule(),
+    keys.EPSILON: MetricRule(low=0.0),
+    keys.BUDGET_LEFT: MetricRule(low=0, high=1, integer=True),
+}
 
 
 class ALIDPFL(DPRoundLoop):
@@ -72,18 +92,6 @@ class ALIDPFL(DPRoundLoop):
     run : eta_s, the randomness, the outputs and their hooks (`strategies.loop.options.RunOptions`).
     server_data : the server's gradient function (mu_source = server) and the public partition sizes.
     """
-
-    reply_metric_rules = {
-        keys.NUM_EXAMPLES: MetricRule(required=True, low=1, high=2**31, integer=True),
-        keys.PARTITION_ID: MetricRule(required=True, low=0, high=2**31, integer=True),
-        keys.NUM_PARTITIONS: MetricRule(low=1, high=2**31, integer=True),
-        keys.LOCAL_STEPS: MetricRule(required=True, low=0, high=2**31, integer=True),
-        keys.DPSGD_STEPS: MetricRule(required=True, low=0, high=2**53, integer=True),
-        keys.MU_RELEASES: MetricRule(low=0, high=2**31, integer=True),
-        keys.MU: MetricRule(),
-        keys.EPSILON: MetricRule(low=0.0),
-        keys.BUDGET_LEFT: MetricRule(low=0, high=1, integer=True),
-    }
 
     def __init__(
         self,
@@ -105,21 +113,13 @@ class ALIDPFL(DPRoundLoop):
         require(
             dpsgd.num_partitions >= 0, "num_partitions", dpsgd.num_partitions, "must be >= 0 (0: the connected nodes)"
         )
-        self.noise = dpsgd_multipliers(dpsgd.sample_noise_multiplier, dpsgd.dpsgd_noise, dpsgd.wavelet_calibration)
-        claims = [PaperClaim()] if self.noise.claims_differ else []  # DP-SGD-WAV's claimed epsilon: no guarantee
-        super().__init__(strategy, sampling=sampling, run=run or RunOptions(), parts=claims)
+        run = run or RunOptions()
+        claim = PaperClaim(lambda: self.noise.claims_differ)  # DP-SGD-WAV's claimed epsilon: no guarantee
+        gate = ReplyGate(REPLY_RULES, run.publish_diagnostics)
+        super().__init__(strategy, sampling=sampling, run=run, parts=[claim], gate=gate)
         self.dpsgd, self.server_data = dpsgd, server_data
-        self.initial_local_steps = max(1, dpsgd.local_steps)
-        self.dimension = 0
-        self.ledger: SampleLevelLedgers | None = None
-        self.steps_budget = 0  # R_c
-        self.tau = self.initial_local_steps
-        self.tau_list: list[int] = []
-        self.steps_taken: dict[int, int] = {}  # node id -> cumulative DP-SGD steps
-        self.mu_releases: dict[int, int] = {}  # node id -> cumulative mu releases
-        self.mu_rounds = 0  # rounds that asked for a mu release
-        self.dataset_sizes: dict[int, int] = {}  # node id -> |D_i|
-        self.clients_out_of_budget = False
+        self.schedule = LocalIterations(max(1, dpsgd.local_steps))  # R_c, tau, d
+        self.spent = ClientSpending()  # the server's mirror of each client's ledger
 
     @classmethod
     def check_settings(cls, *, dpsgd: DPSGDOptions, **_) -> None:
@@ -149,26 +149,26 @@ class ALIDPFL(DPRoundLoop):
     def make_ledger(self) -> SampleLevelLedgers:
         """The per-client ledgers (at the configured delta, else DEFAULT_SAMPLE_DELTA), R_c and the first tau."""
         delta = self.dpsgd.delta or DEFAULT_SAMPLE_DELTA
-        self.steps_budget = max_local_steps(
+        self.schedule.steps_budget = max_local_steps(
             self.dpsgd.target_epsilon, delta, self.noise.budget, self.dpsgd.batch_sample_rate, self.dpsgd.accountant
         )
         require_a_step(
-            self.steps_budget,
+            self.schedule.steps_budget,
             self.dpsgd.target_epsilon,
             self.dpsgd.sample_noise_multiplier,
             self.dpsgd.batch_sample_rate,
             delta,
         )
-        if self.dpsgd.adaptive and self.rounds_budget >= self.steps_budget:
-            self.tau = 1  # Lemma 1
+        if self.dpsgd.adaptive and self.record.num_rounds >= self.schedule.steps_budget:
+            self.schedule.tau = 1  # Lemma 1
         log(
             INFO,
             "ALI-DPFL: R_s = %d rounds, R_c = %d DP-SGD steps (epsilon %.3g, delta %.3g), first tau = %d",
-            self.rounds_budget,
-            self.steps_budget,
+            self.record.num_rounds,
+            self.schedule.steps_budget,
             self.dpsgd.target_epsilon,
             delta,
-            self.tau,
+            self.schedule.tau,
         )
         return SampleLevelLedgers(delta, self.dpsgd.accountant)
 
@@ -177,19 +177,20 @@ class ALIDPFL(DPRoundLoop):
 
     def state_dict(self) -> dict:
         """The round loop's state with R_c, tau and the server's mirror of the clients' spending."""
-        own = {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list, **mirror_state(self)}
-        return {**super().state_dict(), **own}
+        return {**super().state_dict(), **self.schedule.state_dict(), **self.spent.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.steps_budget, self.tau = int(state["steps_budget"]), int(state["tau"])
-        self.tau_list = [int(t) for t in state["tau_list"]]
-        load_mirror_state(self, state)
+        self.schedule.load_state_dict(state)
+        self.spent.load_state_dict(state)
 
     @property
-    def rounds_budget(self) -> int:
-        """R_s: the configured number of rounds."""
-        return self.record.num_rounds
+    def noise(self) -> DPSGDNoise:
+        """The DP-SGD multipliers at the model's size d (DP-SGD-WAV's true multiplier depends on it)."""
+        d = self.dpsgd
+        return dpsgd_multipliers(
+            d.sample_noise_multiplier, d.dpsgd_noise, d.wavelet_calibration, self.schedule.dimension or 1
+        )
 
     def summary(self) -> None:
         log(INFO, "\t├──> Sample-level DP-SGD on every client (%s)", type(self).__name__)
@@ -212,24 +213,12 @@ class ALIDPFL(DPRoundLoop):
         )
 
     # ------------------------------------------------------------------ train
-    @property
-    def total_steps(self) -> int:
-        """t of Algorithm 2: the most DP-SGD steps any client has taken."""
-        return max(self.steps_taken.values(), default=0)
-
-    def round_local_steps(self) -> int:
-        """tau for this round, never more than the steps left to R_c."""
-        return max(1, min(self.tau, self.steps_budget - self.total_steps))
-
-    def releases_mu(self) -> bool:
-        return self.dpsgd.adaptive and self.dpsgd.mu_source == "clients" and self.rounds_budget < self.steps_budget
-
     def client_train_config(self, server_round: int) -> dict:
         """tau and whether to release mu (`configure_train` adds each node's own spent counts)."""
         return {
             keys.SERVER_ROUND: server_round,
-            keys.LOCAL_STEPS: self.round_local_steps(),
-            keys.RELEASE_MU: self.releases_mu(),
+            keys.LOCAL_STEPS: round_local_steps(self),
+            keys.RELEASE_MU: releases_mu(self),
             keys.PRIVATIZE: False,
         }
 
@@ -246,8 +235,8 @@ class ALIDPFL(DPRoundLoop):
         content[config_key(self)] = ConfigRecord(
             {
                 **dict(message.content[config_key(self)]),
-                keys.SPENT_STEPS: self.steps_taken.get(node, 0),
-                keys.SPENT_MU_RELEASES: self.mu_releases.get(node, 0),
+                keys.SPENT_STEPS: self.spent.steps_taken.get(node, 0),
+                keys.SPENT_MU_RELEASES: self.spent.mu_releases.get(node, 0),
             }
         )
         return Message(content=content, dst_node_id=node, message_type=message.metadata.message_type)
@@ -256,13 +245,13 @@ class ALIDPFL(DPRoundLoop):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.round.arrays is not None and self.ledger is not None
-        tau = self.round_local_steps()
-        self.tau_list.append(tau)
+        tau = round_local_steps(self)
+        self.schedule.tau_list.append(tau)
         global_arrays = self.round.global_arrays()
-        self.set_dimension(sum(a.size for a in global_arrays))
+        set_dimension(self, sum(a.size for a in global_arrays))
         shapes = [a.shape for a in global_arrays]
-        if self.releases_mu():
-            self.mu_rounds += 1
+        if releases_mu(self):
+            self.spent.mu_rounds += 1
         accepted, failures, rejected = self.gate.accepted(self, server_round, replies)
         rows, weights, nodes = [], [], []
         for (vector, metrics), node in zip(accepted, self.round.accepted_nodes):
@@ -286,9 +275,9 @@ class ALIDPFL(DPRoundLoop):
         else:
             new_global = global_vector
         update_ledgers(self, server_round, [m for _, m in rows], nodes)
-        mu = estimate_mu(self, global_arrays, shapes, rows, weights) if self.needs_mu() else math.nan
-        self.tau, tau_star = self.next_tau(mu, global_vector.size)
-        self.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)
+        mu = estimate_mu(self, global_arrays, shapes, rows, weights) if needs_mu(self) else math.nan
+        self.schedule.tau, tau_star = next_tau(self, mu, global_vector.size)
+        self.spent.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)
         taken = [int(m[keys.LOCAL_STEPS]) for _, m in rows]
         norms = [l2_norm(v) for v, _ in rows]
         eps = self.ledger.epsilon_per_client()
@@ -298,54 +287,17 @@ class ALIDPFL(DPRoundLoop):
             "failures": failures,
             "tau": tau,
             "tau_star": tau_star,
-            "tau_next": self.tau,
+            "tau_next": self.schedule.tau,
             "mu": mu,
             "local_steps_max": max(taken, default=0),
-            "local_steps_total": self.total_steps,
-            "steps_budget": self.steps_budget,
+            "local_steps_total": self.spent.total_steps,
+            "steps_budget": self.schedule.steps_budget,
             "update_norm_mean": float(np.mean(norms)) if norms else 0.0,
             "epsilon_min": min(eps.values(), default=0.0),
             **self.privacy_metrics(),
         }
         arrays, _ = release(self, server_round, new_global)
         return arrays, MetricRecord(metrics)
-
-    def set_dimension(self, dim: int) -> None:
-        """The true DP-SGD multiplier depends on the model size for DP-SGD-WAV; warn under `paper`."""
-        first, self.dimension = self.dimension == 0, dim
-        self.noise = dpsgd_multipliers(
-            self.dpsgd.sample_noise_multiplier, self.dpsgd.dpsgd_noise, self.dpsgd.wavelet_calibration, dim
-        )
-        if first and self.noise.claims_differ:
-            log(
-                WARNING,
-                "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "
-                "true noise multiplier sigma_H / n = %.3g (n = %d), not %.3g; clients stop on the "
-                "paper's claimed epsilon, the run reports the TRUE epsilon. Use 'exact' for the "
-                "configured guarantee.",
-                self.noise.accounted,
-                haar_padded_size(dim),
-                self.dpsgd.sample_noise_multiplier,
-            )
-
-    def needs_mu(self) -> bool:
-        return self.dpsgd.adaptive and self.rounds_budget < self.steps_budget
-
-    def next_tau(self, mu: float, dim: int) -> tuple[int, float]:
-        if not self.dpsgd.adaptive:
-            return self.initial_local_steps, math.nan
-        batch = self.dpsgd.batch_sample_rate * min(self.dataset_sizes.values(), default=0)
-        return next_local_steps(
-            rounds_budget=self.rounds_budget,
-            steps_budget=self.steps_budget,
-            previous=self.tau,
-            mu=mu,
-            clipping_norm=self.dpsgd.sample_clipping_norm,
-            noise_multiplier=self.dpsgd.sample_noise_multiplier,
-            dim=dim,
-            batch_size=batch,
-            gamma=self.dpsgd.gamma,
-        )
 
     def privacy_metrics(self) -> dict:
         assert self.ledger is not None
@@ -362,12 +314,12 @@ class ALIDPFL(DPRoundLoop):
     def budget_exhausted(self) -> bool:
         if self.ledger is None:
             return False
-        return self.total_steps >= self.steps_budget or self.clients_out_of_budget
+        return self.spent.total_steps >= self.schedule.steps_budget or self.spent.clients_out_of_budget
 
     def budget_stop_reason(self, server_round: int) -> str:
-        if self.total_steps >= self.steps_budget:
+        if self.spent.total_steps >= self.schedule.steps_budget:
             return (
-                f"clients reached R_c = {self.steps_budget} DP-SGD steps (target epsilon "
+                f"clients reached R_c = {self.schedule.steps_budget} DP-SGD steps (target epsilon "
                 f"{self.dpsgd.target_epsilon}) before round {server_round}"
             )
         return (
@@ -387,16 +339,16 @@ class ALIDPFL(DPRoundLoop):
             "adaptive": self.dpsgd.adaptive,
             "gamma": self.dpsgd.gamma,
             "mu_source": self.dpsgd.mu_source,
-            "mu_max": self.dpsgd.mu_max if self.releases_mu() else None,
-            "mu_noise_multiplier": self.dpsgd.mu_noise_multiplier if self.releases_mu() else None,
+            "mu_max": self.dpsgd.mu_max if releases_mu(self) else None,
+            "mu_noise_multiplier": self.dpsgd.mu_noise_multiplier if releases_mu(self) else None,
             "dpsgd_noise": self.dpsgd.dpsgd_noise,
             "grad_sample_mode": self.dpsgd.grad_sample_mode,
             "wavelet_calibration": self.dpsgd.wavelet_calibration if self.dpsgd.dpsgd_noise == "wavelet" else None,
             "accounted_noise_multiplier": self.noise.accounted,
-            "rounds_budget": self.rounds_budget,
-            "steps_budget": self.steps_budget,
-            "tau_list": list(self.tau_list),
-            "local_steps_total": self.total_steps,
+            "rounds_budget": self.record.num_rounds,
+            "steps_budget": self.schedule.steps_budget,
+            "tau_list": list(self.schedule.tau_list),
+            "local_steps_total": self.spent.total_steps,
             "ledger": self.ledger.state_dict(),
             "epsilon_per_client": self.ledger.epsilon_per_client(),
             **self.privacy_metrics(),

@@ -6,6 +6,7 @@ state they read and update."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from logging import WARNING
 
 from flwr.common import log
@@ -23,17 +24,17 @@ def update_ledgers(ali, server_round: int, replies: list[dict], nodes: list[int]
     client computed itself must agree with the mirror; a mismatch is logged.
     """
     assert ali.ledger is not None
-    asked_steps = sum(ali.tau_list)
+    asked_steps = sum(ali.schedule.tau_list)
     for m, pid in zip(replies, nodes):  # pid: the node id the SuperLink gave the reply
-        ali.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
-        known_steps, known_releases = ali.steps_taken.get(pid, 0), ali.mu_releases.get(pid, 0)
+        ali.spent.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
+        known_steps, known_releases = ali.spent.steps_taken.get(pid, 0), ali.spent.mu_releases.get(pid, 0)
         steps = min(max(int(m[keys.DPSGD_STEPS]), known_steps), asked_steps)
-        releases = min(max(int(m.get(keys.MU_RELEASES, 0)), known_releases), ali.mu_rounds)
+        releases = min(max(int(m.get(keys.MU_RELEASES, 0)), known_releases), ali.spent.mu_rounds)
         if steps > known_steps:
             ali.ledger.record(pid, ali.noise.accounted, ali.dpsgd.batch_sample_rate, steps - known_steps)
         if releases > known_releases:
             ali.ledger.record(pid, ali.dpsgd.mu_noise_multiplier, 1.0, releases - known_releases)
-        ali.steps_taken[pid], ali.mu_releases[pid] = steps, releases
+        ali.spent.steps_taken[pid], ali.spent.mu_releases[pid] = steps, releases
         mirrored = ali.ledger.clients[pid].epsilon() if pid in ali.ledger.clients else 0.0
         reported = float(m.get(keys.EPSILON, mirrored))
         if not math.isclose(mirrored, reported, rel_tol=1e-6, abs_tol=1e-9):
@@ -55,39 +56,51 @@ def claimed_epsilon(ali) -> float:
             epsilon_of(
                 [
                     (ali.dpsgd.sample_noise_multiplier, ali.dpsgd.batch_sample_rate, steps),
-                    (ali.dpsgd.mu_noise_multiplier, 1.0, ali.mu_releases.get(pid, 0)),
+                    (ali.dpsgd.mu_noise_multiplier, 1.0, ali.spent.mu_releases.get(pid, 0)),
                 ],
                 ali.ledger.delta,
                 ali.dpsgd.accountant,
             )
-            for pid, steps in ali.steps_taken.items()
+            for pid, steps in ali.spent.steps_taken.items()
         ),
         default=0.0,
     )
 
 
-def mirror_state(ali) -> dict:
-    """The mirror's tables for the checkpoint (JSON keys are strings)."""
+@dataclass
+class ClientSpending:
+    """The server's mirror of each client's ledger, keyed by the node id the SuperLink gives its replies: DP-SGD
+    steps and mu releases charged, |D_i|, the rounds that asked for a mu release, and whether no client has a step
+    left."""
 
-    def by_pid(d: dict) -> dict:
-        return {str(k): v for k, v in d.items()}
+    steps_taken: dict[int, int] = field(default_factory=dict)  # node id -> cumulative DP-SGD steps
+    mu_releases: dict[int, int] = field(default_factory=dict)  # node id -> cumulative mu releases
+    dataset_sizes: dict[int, int] = field(default_factory=dict)  # node id -> |D_i|
+    mu_rounds: int = 0
+    clients_out_of_budget: bool = False
 
-    return {
-        "steps_taken": by_pid(ali.steps_taken),
-        "mu_releases": by_pid(ali.mu_releases),
-        "dataset_sizes": by_pid(ali.dataset_sizes),
-        "mu_rounds": ali.mu_rounds,
-        "clients_out_of_budget": ali.clients_out_of_budget,
-    }
+    @property
+    def total_steps(self) -> int:
+        """t of Algorithm 2: the most DP-SGD steps any client has taken."""
+        return max(self.steps_taken.values(), default=0)
 
+    def state_dict(self) -> dict:
+        """The tables for the checkpoint (JSON keys are strings)."""
+        return {
+            "steps_taken": {str(k): v for k, v in self.steps_taken.items()},
+            "mu_releases": {str(k): v for k, v in self.mu_releases.items()},
+            "dataset_sizes": {str(k): v for k, v in self.dataset_sizes.items()},
+            "mu_rounds": self.mu_rounds,
+            "clients_out_of_budget": self.clients_out_of_budget,
+        }
 
-def load_mirror_state(ali, state: dict) -> None:
-    def by_pid(d: dict) -> dict:
-        return {int(k): int(v) for k, v in d.items()}
+    def load_state_dict(self, state: dict) -> None:
+        def by_pid(d: dict) -> dict:
+            return {int(k): int(v) for k, v in d.items()}
 
-    ali.steps_taken, ali.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
-    ali.dataset_sizes, ali.mu_rounds = by_pid(state["dataset_sizes"]), int(state["mu_rounds"])
-    ali.clients_out_of_budget = bool(state["clients_out_of_budget"])
+        self.steps_taken, self.mu_releases = by_pid(state["steps_taken"]), by_pid(state["mu_releases"])
+        self.dataset_sizes, self.mu_rounds = by_pid(state["dataset_sizes"]), int(state["mu_rounds"])
+        self.clients_out_of_budget = bool(state["clients_out_of_budget"])
 
 
 def row_problem(ali, metrics: dict, tau: int) -> tuple[str | None, float]:

@@ -1,14 +1,90 @@
 """ALI-DPFL's choice of the local steps tau (the ALI-DPFL paper's Algorithm 2, eq. (9); docs/algorithms.md §5)
-and its strong-convexity estimate mu, as functions (the strategy, `strategies.sample_level.ali_dpfl.ALIDPFL`, calls them)."""
+and its strong-convexity estimate mu: the schedule the strategy holds (`LocalIterations`: R_c, tau, d) and functions
+of the strategy (`strategies.sample_level.ali_dpfl.ALIDPFL`) that read it with R_s, the options and what the clients
+have spent."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from logging import WARNING
 
 import numpy as np
+from flwr.common import log
 
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, unflatten
+from dpfl.dpcore.privacy.mechanisms import flatten, haar_padded_size, l2_norm, unflatten
+
+
+@dataclass
+class LocalIterations:
+    """The schedule of local DP-SGD steps: tau_0 (`initial`), R_c (`steps_budget`, set with the population), the
+    tau of the next round, the tau of every round so far, and d, the model's size (0 until the first round)."""
+
+    initial: int
+    steps_budget: int = 0
+    tau: int = 0
+    tau_list: list[int] = field(default_factory=list)
+    dimension: int = 0
+
+    def __post_init__(self) -> None:
+        self.tau = self.tau or self.initial
+
+    def state_dict(self) -> dict:
+        return {"steps_budget": self.steps_budget, "tau": self.tau, "tau_list": self.tau_list}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_budget, self.tau = int(state["steps_budget"]), int(state["tau"])
+        self.tau_list = [int(t) for t in state["tau_list"]]
+
+
+def round_local_steps(ali) -> int:
+    """tau for this round, never more than the steps left to R_c."""
+    return max(1, min(ali.schedule.tau, ali.schedule.steps_budget - ali.spent.total_steps))
+
+
+def needs_mu(ali) -> bool:
+    """Eq. (9) needs mu while R_s < R_c (else tau = 1, Lemma 1)."""
+    return ali.dpsgd.adaptive and ali.record.num_rounds < ali.schedule.steps_budget
+
+
+def releases_mu(ali) -> bool:
+    """Whether the clients release a noised mu this round (mu_source = clients)."""
+    return needs_mu(ali) and ali.dpsgd.mu_source == "clients"
+
+
+def next_tau(ali, mu: float, dim: int) -> tuple[int, float]:
+    """(tau of the next round, the real-valued tau*): eq. (9) when adaptive, else tau_0."""
+    d, schedule = ali.dpsgd, ali.schedule
+    if not d.adaptive:
+        return schedule.initial, math.nan
+    return next_local_steps(
+        rounds_budget=ali.record.num_rounds,
+        steps_budget=schedule.steps_budget,
+        previous=schedule.tau,
+        mu=mu,
+        clipping_norm=d.sample_clipping_norm,
+        noise_multiplier=d.sample_noise_multiplier,
+        dim=dim,
+        batch_size=d.batch_sample_rate * min(ali.spent.dataset_sizes.values(), default=0),
+        gamma=d.gamma,
+    )
+
+
+def set_dimension(ali, dim: int) -> None:
+    """d, on which DP-SGD-WAV's true multiplier depends; under `paper` calibration a warning the first time."""
+    first, ali.schedule.dimension = ali.schedule.dimension == 0, dim
+    if first and ali.noise.claims_differ:
+        log(
+            WARNING,
+            "DP-SGD-WAV with wavelet-calibration = 'paper': coefficient-domain clipping makes the "
+            "true noise multiplier sigma_H / n = %.3g (n = %d), not %.3g; clients stop on the "
+            "paper's claimed epsilon, the run reports the TRUE epsilon. Use 'exact' for the "
+            "configured guarantee.",
+            ali.noise.accounted,
+            haar_padded_size(dim),
+            ali.dpsgd.sample_noise_multiplier,
+        )
 
 
 def optimal_local_steps(
