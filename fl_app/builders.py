@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,13 @@ from dpfl.dpcore.privacy.dpsgd_noise import DEFAULT_SAMPLE_DELTA
 from dpfl.dpcore.privacy.matrix_factorization import require_jax_privacy
 from dpfl.dpcore.privacy.modes import NoisePlacementMode, TargetEpsilonMode
 from dpfl.fl_app.settings import Settings
-from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions
+from dpfl.strategies.loop.options import DPSGDOptions, PrivacyOptions, RunOptions, SamplingOptions
 from dpfl.strategies.parts.adaptive_clipping import AdaptiveClipping
+from dpfl.strategies.parts.audit import AuditCanaries
 from dpfl.strategies.parts.dp_ftrl import DPFTRL
 from dpfl.strategies.parts.dp_ftrl_mf import MatrixFactorizationFTRL
+from dpfl.strategies.parts.part import Part
+from dpfl.strategies.parts.secure_aggregation import SecureAggregation
 
 
 @dataclass(frozen=True)
@@ -129,39 +132,52 @@ def run_options(s: Settings, **hooks) -> RunOptions:
     )
 
 
+def privacy_options(s: Settings) -> PrivacyOptions:
+    """C, sigma, who adds the noise, the ledger's delta and accountant, the budget."""
+    p = s.privacy
+    return PrivacyOptions(
+        clipping_norm=p.clipping_norm,
+        noise_multiplier=p.noise_multiplier,
+        noise_placement=p.noise_placement,
+        delta=p.delta,
+        accountant=p.accountant,
+        target_epsilon=p.target_epsilon,
+        target_epsilon_mode=p.target_epsilon_mode,
+    )
+
+
+def client_parts(s: Settings, mechanism: Part | None = None) -> list[Part]:
+    """The parts the run config composes the wrapper with, in the order they run: SecAgg+ (its rules are checked
+    first), adaptive clipping, the algorithm's own `mechanism` (DP-FTRL's), the audit's canaries."""
+    canaries, kind = s.audit.canaries, s.audit.canary_kind  # the kind is read (and checked) without canaries too
+    audit = canaries and AuditCanaries(canaries, kind, seed=s.run.seed, secure_rng=s.privacy.secure_rng)
+    return [p for p in (s.secagg.enabled and SecureAggregation(), adaptive_clipping(s), mechanism, audit) if p]
+
+
 def client_level(s: Settings) -> dict:
-    return dict(
-        delta=s.privacy.delta,
-        accountant=s.privacy.accountant,
-        target_epsilon=s.privacy.target_epsilon,
-        clipping_norm=s.privacy.clipping_norm,
-        noise_multiplier=s.privacy.noise_multiplier,
-        noise_placement=s.privacy.noise_placement,
-        target_epsilon_mode=s.privacy.target_epsilon_mode,
-        secure_aggregation=s.secagg.enabled,
-        audit_canaries=s.audit.canaries,
-        audit_canary_kind=s.audit.canary_kind,
-        adaptive_clipping=adaptive_clipping(s),
+    """The client-level wrapper's option object and parts, made from the Settings."""
+    return {"privacy": privacy_options(s), "parts": client_parts(s)}
+
+
+def ftrl_part(s: Settings) -> Part:
+    """DP-FTRL's mechanism (docs/dp-toolbox.md §4): the DPFTRL part (tree) or MatrixFactorizationFTRL (blt,
+    banded)."""
+    if s.ftrl.strategy == "tree":
+        return DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum)
+    return MatrixFactorizationFTRL(
+        s.ftrl.strategy,
+        s.ftrl.epoch_rounds,
+        s.ftrl.max_participations,
+        momentum=s.ftrl.momentum,
+        amplified=s.ftrl.amplified,
     )
 
 
 def ftrl_settings(s: Settings) -> dict:
-    """DP-FTRL (docs/dp-toolbox.md §4): the wrapper with central noise (the noise-placement default, distributed,
-    does not apply: the noise is added at the server) and the DPFTRL part (tree) or MatrixFactorizationFTRL (blt,
-    banded)."""
-    return {
-        **client_level(s),
-        "noise_placement": "central",
-        "ftrl": DPFTRL(epoch_rounds=s.ftrl.epoch_rounds, momentum=s.ftrl.momentum)
-        if s.ftrl.strategy == "tree"
-        else MatrixFactorizationFTRL(
-            s.ftrl.strategy,
-            s.ftrl.epoch_rounds,
-            s.ftrl.max_participations,
-            momentum=s.ftrl.momentum,
-            amplified=s.ftrl.amplified,
-        ),
-    }
+    """DP-FTRL: the wrapper with central noise (the noise-placement default, distributed, does not apply: the noise
+    is added at the server) composed with its part (`client_parts`)."""
+    privacy = replace(privacy_options(s), noise_placement=NoisePlacementMode.CENTRAL)
+    return {"privacy": privacy, "parts": client_parts(s, ftrl_part(s))}
 
 
 def topk_settings(s: Settings) -> dict:
