@@ -49,7 +49,15 @@ from dpfl.strategies.loop.wrapped import metric_replies, own_metrics, release
 from dpfl.strategies.parts.audit import AuditCanaries
 from dpfl.strategies.parts.mechanism import GaussianMechanism
 from dpfl.strategies.parts.noise_placement import noise_placement as make_noise_placement
-from dpfl.strategies.parts.part import ROLES, Part, failure_probability, filling, keywords_of, sees_only_the_sum
+from dpfl.strategies.parts.part import (
+    ROLES,
+    Part,
+    PartView,
+    failure_probability,
+    filling,
+    keywords_of,
+    sees_only_the_sum,
+)
 from dpfl.strategies.parts.reply_rules import MetricRule
 from dpfl.strategies.parts.roles import check_roles
 from dpfl.strategies.parts.secure_aggregation import SecureAggregation
@@ -211,7 +219,7 @@ class DifferentialPrivacy(DPRoundLoop):
         the configured number of rounds too (the mechanism's own `calibrated_noise_multiplier` where it has one:
         DP-FTRL's matrix-factorization noise)."""
         delta = self.privacy.delta or default_client_delta(self.population.num_clients)
-        ledger = self.mechanism.make_ledger(self, delta)
+        ledger = self.mechanism.make_ledger(PartView(self), delta)
         if self.privacy.target_epsilon > 0 and self.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
             form, rounds = self.selection.sampling_form, max(1, self.record.num_rounds)  # the selection part's answer
             fixed = form is not None and form.fixed_size
@@ -222,7 +230,7 @@ class DifferentialPrivacy(DPRoundLoop):
             sigma = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
                 self.privacy.target_epsilon, delta - reserve, q, rounds, self.privacy.accountant
             )
-            self.privacy = replace(self.privacy, noise_multiplier=own(self, ledger) if own else sigma)
+            self.privacy = replace(self.privacy, noise_multiplier=own(PartView(self), ledger) if own else sigma)
             log(
                 INFO,
                 "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
@@ -278,12 +286,12 @@ class DifferentialPrivacy(DPRoundLoop):
         """What clients need to privatize their update this round."""
         config = {keys.SERVER_ROUND: server_round}
         for part in self.parts:
-            config.update(part.client_config(self, server_round))
+            config.update(part.client_config(PartView(self), server_round))
         return config
 
     def begin_round(self, arrays: ArrayRecord) -> None:
         for part in self.parts:
-            part.see_model(self, arrays)
+            part.see_model(PartView(self), arrays)
         super().begin_round(arrays)
         if not self.record.history and self.ledger is not None:  # warned once, at the first round
             dim = sum(a.size for a in self.round.global_arrays())
@@ -295,7 +303,9 @@ class DifferentialPrivacy(DPRoundLoop):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.round.arrays is not None and self.ledger is not None
         replies = list(replies)
-        measured = {k: v for part in self.parts for k, v in part.round_metrics(self, server_round, replies).items()}
+        measured = {
+            k: v for part in self.parts for k, v in part.round_metrics(PartView(self), server_round, replies).items()
+        }
         global_arrays = self.round.global_arrays()
         accepted, failures, rejected = self.gate.accepted(self, server_round, replies)
         updates, norms, losses = [], [], []
@@ -317,7 +327,7 @@ class DifferentialPrivacy(DPRoundLoop):
         }
         metrics.update({"server_noise_std": self.round.server_noise_std, **self.privacy_metrics()})
         for part in self.parts:  # e.g. C_{t+1} from the noised count (after this round's noise used C_t)
-            after = part.after_round(self, server_round, accepted, norms)
+            after = part.after_round(PartView(self), server_round, accepted, norms)
             metrics.update(after.record)
             for name, value in after.settings.items():
                 if name not in ADJUSTABLE:
@@ -328,7 +338,7 @@ class DifferentialPrivacy(DPRoundLoop):
     def upload_problem(self, vector: np.ndarray, metrics: dict) -> str | None:
         """What a part refuses, or an upload above the bound an honest one stays under (p <= 1e-12)."""
         for part in self.parts:
-            if problem := part.reply_problem(self, metrics):
+            if problem := part.reply_problem(PartView(self), metrics):
                 return problem
         bound = self.noise.upload_norm_bound(
             self.update_noise_multiplier(), self.privacy.clipping_norm, self.population.noise_shares, vector.size
@@ -347,7 +357,7 @@ class DifferentialPrivacy(DPRoundLoop):
     def accounted_noise_multiplier(self) -> float:
         """The sigma the ledger charges per round (the mechanism's: a noise that is not N(0, sigma^2 C^2 I)
         has its own)."""
-        return self.mechanism.accounted_noise_multiplier(self)
+        return self.mechanism.accounted_noise_multiplier(PartView(self))
 
     def noisy_average_step(
         self, server_round: int, updates: list[np.ndarray], global_vector: np.ndarray, received: int | None = None
@@ -362,7 +372,7 @@ class DifferentialPrivacy(DPRoundLoop):
         assert self.ledger is not None
         received = len(updates) if received is None else received
         new_global, self.round.server_noise_std = self.mechanism.release(
-            self, server_round, updates, global_vector, received
+            PartView(self), server_round, updates, global_vector, received
         )
         self.ledger.record_round(
             self.accounted_noise_multiplier(),
@@ -409,7 +419,7 @@ class DifferentialPrivacy(DPRoundLoop):
             self.accounted_noise_multiplier(),
             self.population.sample_rate,
             1,
-            self.selection.next_truncation_probability(self) + failure_probability(self.parts),
+            self.selection.next_truncation_probability(PartView(self)) + failure_probability(self.parts),
             sampled_from=self.round.sampled_from,
         )
         return epsilon > self.privacy.target_epsilon
@@ -422,7 +432,7 @@ class DifferentialPrivacy(DPRoundLoop):
     def guarantee_caveats(self) -> list[str]:
         """Seeded noise only matters when there is noise; and what the parts say."""
         caveats = super().guarantee_caveats() if self.privacy.noise_multiplier > 0 else []
-        return caveats + [c for part in self.parts for c in part.caveats(self)]
+        return caveats + [c for part in self.parts for c in part.caveats(PartView(self))]
 
     def describe(self) -> dict:
         """Settings and privacy figures for summary.json (what the ledger covers)."""
@@ -442,13 +452,13 @@ class DifferentialPrivacy(DPRoundLoop):
             **{k: v for k, v in privacy.items() if k in published},
         }
         for part in self.parts:
-            summary.update(part.describe(self))
+            summary.update(part.describe(PartView(self)))
         return summary
 
 
 def extra_updates(dp: DifferentialPrivacy, server_round: int, dim: int) -> list[np.ndarray]:
     """The vectors the parts add to the round's sum (the audit's canaries)."""
-    return [v for part in dp.parts for v in part.extra_updates(dp, server_round, dim)]
+    return [v for part in dp.parts for v in part.extra_updates(PartView(dp), server_round, dim)]
 
 
 def round_statistics(updates: list, rejected: int, failures: int, norms: list, losses: list, clip: float) -> dict:

@@ -106,6 +106,42 @@ def test_the_parts_reply_problem_and_rules_refuse_a_reply():
     assert any("echoed 1.25" in p for p in strategy.record.history[0]["problems"])
 
 
+class Spy(Part):
+    """Notes what each hook is handed as the wrapper, and tries to reach past the view."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+        self.refusals: list[str] = []
+
+    def client_config(self, dp, server_round: int) -> dict:
+        self.seen.append(dp)
+        for reach in (lambda: dp.aggregate_train, lambda: setattr(dp, "privacy", None)):
+            try:
+                reach()
+            except AttributeError as err:
+                self.refusals.append(str(err))
+        return {}
+
+    def after_round(self, dp, server_round: int, accepted: list, norms: list) -> AfterRound:
+        self.seen.append(dp)
+        return AfterRound(record={"spy_q": dp.population.sample_rate, "spy_sigma": dp.privacy.noise_multiplier})
+
+
+def test_a_part_is_handed_a_read_only_view_of_the_wrapper_not_the_wrapper():
+    """Issue 41 item 2: the hooks get a `PartView` (q, sigma, C, n_s, the seed, the round, the ledger, ...); a
+    part cannot call the wrapper's methods or set its attributes, and the error names what it may read."""
+    from dpfl.strategies.parts.part import PartView
+
+    spy = Spy()
+    strategy = toy_wrapper([])
+    strategy.add_part(spy)
+    strategy.start(InProcessGrid(shifting_app(), 4, {}), ArrayRecord([np.zeros(3, np.float32)]), num_rounds=1)
+    assert len(spy.seen) == 2 and all(type(v) is PartView for v in spy.seen)
+    assert strategy.record.history[0]["spy_q"] == 1.0 and strategy.record.history[0]["spy_sigma"] == 0.0
+    assert "not 'aggregate_train'" in spy.refusals[0] and "population, privacy" in spy.refusals[0]
+    assert "read-only: it cannot set 'privacy'" in spy.refusals[1] and strategy.privacy is not None
+
+
 def test_the_parts_settings_are_checked_when_the_wrapper_is_built():
     with pytest.raises(SettingError, match="toy_shift=-1.0"):
         toy_wrapper([], shift=-1.0)

@@ -27,6 +27,7 @@ from flwr.app import Message, RecordDict
 from flwr.common import log
 
 from dpfl.dpcore.privacy.mechanisms import flatten, update_problem
+from dpfl.strategies.parts.part import PartView
 from dpfl.strategies.parts.reply_rules import MetricRule, read_metrics
 
 
@@ -68,7 +69,7 @@ class ReplyGate:
         `UPLOAD_UPDATE`, else the client's new weights)."""
         rnd = dp.round
         assert rnd.arrays is not None
-        arrays, is_update = dp.codec.decode(dp, content)
+        arrays, is_update = dp.codec.decode(PartView(dp), content)
         everything = rnd.everything
         if len(arrays) != len(everything):
             return None, f"expected {len(everything)} arrays, got {len(arrays)}"

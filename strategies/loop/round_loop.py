@@ -66,7 +66,7 @@ from dpfl.strategies.loop.wrapped import (
     quiet_flower_info,
     wrapped_train_content,
 )
-from dpfl.strategies.parts.part import DenseCodec, Part, config_key, fraction_evaluate
+from dpfl.strategies.parts.part import DenseCodec, Part, PartView, config_key, fraction_evaluate
 from dpfl.strategies.parts.sampling import ClientSampling, covering_noise_shares
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
@@ -162,8 +162,8 @@ class DPRoundLoop(Strategy):
         budget allows is refused (`round.refused`, `stop_reason` says why) and no node is returned."""
         if self.ledger is None:  # sampling needs the population (n_s, delta)
             self.setup_population(len(node_ids))
-        self.population.noise_shares = covering_noise_shares(self, len(node_ids))
-        selection = self.selection.select(self, server_round, node_ids)
+        self.population.noise_shares = covering_noise_shares(PartView(self), len(node_ids))
+        selection = self.selection.select(PartView(self), server_round, node_ids)
         self.round.population = set(sorted(node_ids))
         self.round.truncation_probability, self.round.sampled_from = (
             selection.truncation_probability,
@@ -198,7 +198,7 @@ class DPRoundLoop(Strategy):
         wrapped_config = content.config_records.get(config_key(self), ConfigRecord())
         content[config_key(self)] = ConfigRecord({**dict(wrapped_config), **self.client_train_config(server_round)})
         for part in self.parts:
-            part.round_begun(self)
+            part.round_begun(PartView(self))
         return [Message(content=content, dst_node_id=int(node), message_type=MessageType.TRAIN) for node in node_ids]
 
     def configure_evaluate(
@@ -260,7 +260,7 @@ class DPRoundLoop(Strategy):
         rounds = [r for r in self.record.history if "problems" in r]
         diagnostics = {"rounds_with_failed_or_rejected_replies": [r["round"] for r in rounds]} if rounds else {}
         for part in self.parts:
-            diagnostics.update(part.describe_diagnostics(self))
+            diagnostics.update(part.describe_diagnostics(PartView(self)))
         return diagnostics
 
     def state_dict(self) -> dict:
@@ -324,7 +324,7 @@ class DPRoundLoop(Strategy):
         flower = FlowerLog(self)  # Flower's own lines, as Strategy.start prints them
         flower.start(num_rounds, initial_arrays, train_config, evaluate_config)
         for part in self.parts:
-            part.see_model(self, initial_arrays)
+            part.see_model(PartView(self), initial_arrays)
         train_config, evaluate_config = train_config or ConfigRecord(), evaluate_config or ConfigRecord()
         result, arrays = Result(arrays=initial_arrays), initial_arrays  # Flower 1.43: the initial model until a round
         if evaluate_fn and not self.record.completed_rounds:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from flwr.app import ArrayRecord
 
 from dpfl.dpcore.privacy import figures
+from dpfl.strategies.parts.part import PartView
 
 # The round-record keys the ledger covers: the released model's evaluation on server-held data, the privacy
 # figures, and what the server derives from public settings or DP outputs (ALI-DPFL's tau and mu). Every other
@@ -75,7 +76,7 @@ def split_record(dp, record: dict) -> tuple[dict, dict]:
 def server_guarantee_caveats(dp) -> list[str]:
     """Why `epsilon_against_server` is not a guarantee (empty: it is one, or there is no such figure): what the
     parts say."""
-    return [caveat for part in dp.parts for caveat in part.server_caveats(dp)]
+    return [caveat for part in dp.parts for caveat in part.server_caveats(PartView(dp))]
 
 
 def guarantee_marks(dp) -> dict:

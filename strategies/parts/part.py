@@ -152,6 +152,33 @@ def keywords_of(parts: Iterable[Part]) -> frozenset[str]:
     return frozenset(p.keyword for p in parts if p.keyword)
 
 
+class PartView:
+    """What a part reads of the wrapper it is composed into (the `dp` its hooks receive), read-only: the wrapped
+    `strategy` (its message keys), the `population` (M, q, m, n_s), the `privacy` options (C, sigma, delta, the
+    accountant, the budget), the `run` options (the seed and secure_rng its generators come from, eta_s), the
+    `record` (R_s, the arrays after the last round), the `round` in flight, the `ledger`, the `noise` and
+    `selection` parts and all `parts`, and `update_noise_multiplier()`. Not the wrapper: a part cannot call its
+    methods or set its attributes (an AttributeError names what it may read)."""
+
+    __slots__ = ("_dp",)
+    NAMES = ("strategy", "population", "privacy", "run", "record", "round", "ledger", "noise", "selection", "parts")
+
+    def __init__(self, dp) -> None:
+        object.__setattr__(self, "_dp", dp)
+
+    def __getattr__(self, name: str):
+        if name in PartView.NAMES:
+            return getattr(self._dp, name)
+        raise AttributeError(f"a part reads {', '.join(PartView.NAMES)} and update_noise_multiplier(), not {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"a part's view of the wrapper is read-only: it cannot set {name!r}")
+
+    def update_noise_multiplier(self) -> float:
+        """The multiplier of the noise on the update sum (sigma, or what the parts leave of it)."""
+        return self._dp.update_noise_multiplier()
+
+
 def arrays_key(dp) -> str:
     """The key of the arrays in the messages of the strategy `dp` wraps (Flower's `arrayrecord_key`)."""
     return getattr(dp.strategy, "arrayrecord_key", "arrays")
