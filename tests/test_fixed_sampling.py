@@ -106,3 +106,16 @@ def test_the_wrapper_records_each_rounds_population_and_sample():
     assert strategy.record.history[-1]["epsilon"] == pytest.approx(
         min(without_replacement(10, 2, 1.0, 3, 1e-5), unamplified(1.0, 3, 1e-5)), rel=0.01
     )
+
+
+def test_a_resumed_fixed_size_run_has_the_q_of_its_population():
+    """m given (Flower's num_sampled_clients): q = m / M is fixed with the population, and a run resumed from its
+    checkpoint has it again (summary.json's client_sampling_rate), not the constructor's placeholder 1.0."""
+    from dpfl import DifferentialPrivacy
+
+    first = DifferentialPrivacy(None, 1.0, 1.0, 3)
+    first.setup_population(10)
+    resumed = DifferentialPrivacy(None, 1.0, 1.0, 3)
+    resumed.load_state_dict(first.state_dict())
+    assert first.population.sample_rate == resumed.population.sample_rate == 0.3
+    assert resumed.population.expected_clients == 3.0 and resumed.population.num_clients == 10

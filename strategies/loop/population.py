@@ -77,5 +77,8 @@ class Population:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """M, m and n_s as saved; q again m / M where m was given (not saved: it follows from them)."""
         self.num_clients, self.expected_clients = int(state["num_clients"]), float(state["expected_clients"])
         self.noise_shares = int(state["noise_shares"])
+        if self.num_sampled_clients and self.num_clients:
+            self.sample_rate = self.num_sampled_clients / self.num_clients
