@@ -187,7 +187,7 @@ class DifferentialPrivacy(DPRoundLoop):
         check_options(privacy, sampling, parts)
         mechanism = filling(parts, "mechanism", GaussianMechanism())
         self.noise = make_noise_placement(privacy.noise_placement, mechanism.clients_clip_under_central_noise)
-        self.privacy = privacy  # C and sigma take new values (calibrated, adapted): `adjust`
+        self.privacy = privacy  # replaced when sigma is calibrated (make_ledger) or a part adapts C (after_round)
         parts = [self.noise, *parts]
         rules = {**REPLY_RULES, **{k: v for p in parts for k, v in p.reply_rules.items()}}
         gate = ReplyGate(  # distributed noise: a reply counts only if its client (or mod) added its noise (marked)

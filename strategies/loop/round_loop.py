@@ -124,12 +124,10 @@ class DPRoundLoop(Strategy):
             raise TypeError(
                 f"strategy = {strategy!r}: must be a Flower Message-API strategy "
                 "(flwr.serverapp.strategy.Strategy, e.g. FedAvg()); for a legacy flwr.server.strategy "
-                "use strategies.legacy.adapter.LegacyDPFedAvg"
+                "use dpfl.LegacyDifferentialPrivacy (or dpfl.LegacyDPFedAvg)"
             )
         self.strategy = strategy
-        self.name = type(
-            self
-        ).__name__  # in the log (a preset names itself: strategies.parts.topk, strategies.parts.wavelet)
+        self.name = type(self).__name__  # in the log (a preset names itself: strategies.presets)
         self.population = Population.of(sampling)
         self.selection = selection or ClientSampling(sampling.client_sampling)
         self.codec = DenseCodec()
