@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import make_rng
 from dpfl.strategies.dp_fedavg import DPFedAvg
+from dpfl.strategies.loop.reply_gate import note_problem
 from dpfl.strategies.parts.part import arrays_key, config_key, fraction_evaluate
 from dpfl.strategies.parts.reply_rules import MetricRule, read_metrics
 from dpfl.strategies.parts.sampling import pick
@@ -43,8 +44,8 @@ class PersonalizedDPFedAvg(DPFedAvg):
 
     def evaluation_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
         nodes = sorted(node_ids)
-        if 0 < fraction_evaluate(self) < 1:
-            k = max(1, round(fraction_evaluate(self) * len(nodes)))
+        if 0 < (fraction := fraction_evaluate(self)) < 1:
+            k = max(1, round(fraction * len(nodes)))
             rng = make_rng(self.run.seed, 6, server_round)
             nodes = pick(rng, nodes, k)
         return nodes
@@ -72,8 +73,8 @@ class PersonalizedDPFedAvg(DPFedAvg):
                 problem = "no accuracy (empty held-out split?)"
             if problem:
                 failures += 1
-                self.gate.note(
-                    self.round,
+                note_problem(
+                    self,
                     server_round,
                     f"no personalized evaluation from node {msg.metadata.src_node_id}: {problem}",
                 )

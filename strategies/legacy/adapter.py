@@ -34,6 +34,7 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl.strategies.legacy.log import FlowerLegacyLog
+from dpfl.strategies.loop.reply_gate import note_problem
 from dpfl.strategies.loop.round_loop import ensure_population, evaluation_due
 from dpfl.strategies.loop.run_record import bound_note, split_record
 from dpfl.strategies.loop.wrapped import reply_message
@@ -349,9 +350,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         try:
             return _numbers(self.fit_metrics_aggregation_fn(sent), finite=False)
         except Exception as exc:  # the app's function on what clients sent
-            self.dp.gate.note(
-                self.dp.round, server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})"
-            )
+            note_problem(self.dp, server_round, f"fit_metrics_aggregation_fn failed ({type(exc).__name__}: {exc})")
             return {}
 
     # ------------------------------------------------------------------ evaluation and the round record
@@ -363,8 +362,8 @@ class LegacyDPFedAvg(LegacyFedAvg):
         the full noise, charged to the ledger (the sampling ran; an unchanged model would tell that it came up
         short). How it came up short is a diagnostic."""
         if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
-            self.dp.gate.note(
-                self.dp.round,
+            note_problem(
+                self.dp,
                 server_round,
                 "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
                 "sampled or too few finished the protocol): the round releases noise only",
@@ -401,9 +400,7 @@ class LegacyDPFedAvg(LegacyFedAvg):
         try:
             loss, metrics = super().aggregate_evaluate(server_round, results, failures)
         except Exception as exc:  # the app's aggregation function on hostile metrics
-            self.dp.gate.note(
-                self.dp.round, server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})"
-            )
+            note_problem(self.dp, server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
             loss, metrics = None, {}
         if self.evaluate_metrics_aggregation_fn is None:
             metrics = weighted_numeric_mean(results)

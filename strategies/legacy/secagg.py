@@ -40,7 +40,7 @@ from dpfl.dpcore.privacy.settings import check_secure_aggregation
 from dpfl.strategies.dp_fedavg import DPFedAvg, extra_updates
 from dpfl.strategies.legacy.adapter import LegacyDPFedAvg, LegacyEvaluateFn
 from dpfl.strategies.legacy.wrapper import LegacyDifferentialPrivacy
-from dpfl.strategies.loop.reply_gate import node_problem
+from dpfl.strategies.loop.reply_gate import node_problem, note_problem
 from dpfl.strategies.parts.part import sees_only_the_sum
 from dpfl.strategies.parts.reply_rules import upload_norm_bound
 from dpfl.strategies.parts.secure_aggregation import SecureAggregation
@@ -140,7 +140,7 @@ class SecureSum:
             if problem is None:
                 updates = [total]
         if problem:
-            dp.gate.note(dp.round, server_round, f"rejected the secure sum of {k} updates: {problem}")
+            note_problem(dp, server_round, f"rejected the secure sum of {k} updates: {problem}")
         extra = extra_updates(dp, server_round, sum(a.size for a in global_arrays))
         new_global = dp.noisy_average_step(
             server_round, updates + extra, flatten(global_arrays), received=k if updates else 0
@@ -174,9 +174,8 @@ class SecureSum:
         sqrt(k) s), plus SecAgg+'s quantization error (at most one step per coordinate per client)."""
         share_std = float(dp.client_train_config(0)[keys.NOISE_STD])
         step = float(self.settings.get("quantization_step", 0.0))
-        return upload_norm_bound(k * dp.privacy.clipping_norm, math.sqrt(k) * share_std, dim) + k * step * math.sqrt(
-            dim
-        )
+        quantization = k * step * math.sqrt(dim)
+        return upload_norm_bound(k * dp.privacy.clipping_norm, math.sqrt(k) * share_std, dim) + quantization
 
     def sum_problem(self, dp: DPFedAvg, total: np.ndarray, k: int) -> str | None:
         """Why an unmasked sum is refused: above what k honest clients can produce (`sum_bound`)."""

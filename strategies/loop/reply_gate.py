@@ -42,6 +42,12 @@ def node_problem(rnd, node: int, seen: set[int]) -> str | None:
     return None
 
 
+def note_problem(dp, server_round: int, problem: str) -> None:
+    """A failed or rejected reply, or a client figure not aggregated, of the round `dp` has in flight: into its
+    diagnostics through the strategy's gate (`ReplyGate.note`)."""
+    dp.gate.note(dp.round, server_round, problem)
+
+
 class ReplyGate:
     """The round loop's reply path, an object the loop holds (`DPRoundLoop.gate`), not a base of it: every train
     reply decoded by the strategy's codec and checked before anything reads it.

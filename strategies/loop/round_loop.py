@@ -56,7 +56,7 @@ from dpfl.strategies.loop.flower_log import FlowerLog
 from dpfl.strategies.loop.log_line import DIAGNOSTIC_LOG_KEYS, DIAGNOSTICS_MARK, format_record
 from dpfl.strategies.loop.options import RunOptions, SamplingOptions
 from dpfl.strategies.loop.population import Population
-from dpfl.strategies.loop.reply_gate import ReplyGate
+from dpfl.strategies.loop.reply_gate import ReplyGate, note_problem
 from dpfl.strategies.loop.run_record import RunRecord, bound_note, guarantee_marks, split_record
 from dpfl.strategies.loop.wrapped import (
     OWN_AGGREGATE_TRAIN,
@@ -83,10 +83,8 @@ class DPRoundLoop(Strategy):
         optimizer act on the privatized model; its evaluation settings (fraction_evaluate) are its own.
     sampling : q, Poisson or fixed-size sampling, the nodes to wait for (`strategies.loop.options.SamplingOptions`).
     run : eta_s, the randomness, evaluation, outputs and hooks (`strategies.loop.options.RunOptions`).
-    delta : target delta; 0 means the strategy's default (`default_delta`).
-    accountant : the ledger's accountant ("pld", the default, "rdp" or "prv").
     selection : who is sent the train message (the selection role); None: `sampling`'s Poisson or fixed-size.
-
+    parts : the optional pieces of the round (`strategies.parts.part.Part`), in the order they run.
     gate : the reply gate (`strategies.loop.reply_gate.ReplyGate`, built with the metrics a train reply must hold);
         None: one that reads no metric.
 
@@ -193,8 +191,10 @@ class DPRoundLoop(Strategy):
         if self.round.refused:
             return []
         content = wrapped_train_content(self, server_round, arrays, config)
-        wrapped_config = content.config_records.get(config_key(self), ConfigRecord())
-        content[config_key(self)] = ConfigRecord({**dict(wrapped_config), **self.client_train_config(server_round)})
+        key = config_key(self)
+        content[key] = ConfigRecord(
+            {**dict(content.config_records.get(key, ConfigRecord())), **self.client_train_config(server_round)}
+        )
         for part in self.parts:
             part.round_begun(PartView(self))
         return [Message(content=content, dst_node_id=int(node), message_type=MessageType.TRAIN) for node in node_ids]
@@ -214,7 +214,7 @@ class DPRoundLoop(Strategy):
             with quiet_flower_info(not self.run.publish_diagnostics):
                 return self.strategy.aggregate_evaluate(server_round, replies)
         except Exception as exc:  # a hostile evaluation reply must not end the run
-            self.gate.note(self.round, server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
+            note_problem(self, server_round, f"client evaluation not aggregated ({type(exc).__name__}: {exc})")
             return None
 
     def summary(self) -> None:
@@ -292,9 +292,8 @@ class DPRoundLoop(Strategy):
         line = format_record(published)
         if self.run.publish_diagnostics:
             line += DIAGNOSTICS_MARK + format_record(diagnostics, DIAGNOSTIC_LOG_KEYS)
-        total = (
-            f"/{self.record.num_rounds}" if self.record.num_rounds > 0 else ""
-        )  # unknown to a legacy strategy without num_rounds
+        # R_s is unknown to a legacy strategy without num_rounds
+        total = f"/{self.record.num_rounds}" if self.record.num_rounds > 0 else ""
         log(INFO, "Round %d%s: %s", record["round"], total, line)
         self.gate.warn(self.round, record)
         if self.run.on_round_end:
@@ -348,7 +347,7 @@ class DPRoundLoop(Strategy):
             if missing := unanswered_nodes(replies, instructions):  # hung or gone at the timeout: failures too
                 record["failures"] = int(record.get("failures", 0)) + len(missing)
                 for node in missing:
-                    self.gate.note(self.round, rnd, f"node {node} failed: {NO_REPLY}")
+                    note_problem(self, rnd, f"node {node} failed: {NO_REPLY}")
             due = evaluation_due(self, rnd, eval_every, num_rounds)
             eval_msgs = self.configure_evaluate(rnd, arrays, evaluate_config, grid) if due else []
             if eval_msgs:

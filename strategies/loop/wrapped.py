@@ -20,6 +20,7 @@ from flwr.common import log
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.figures import published_and_former_names
 from dpfl.dpcore.privacy.mechanisms import flatten, unflatten
+from dpfl.strategies.loop.reply_gate import note_problem
 from dpfl.strategies.loop.sample_epsilon import sample_epsilon_summary
 from dpfl.strategies.parts.part import arrays_key, config_key
 from dpfl.strategies.parts.reply_rules import METRICS_RECORD, metric_record
@@ -63,17 +64,15 @@ def metric_replies(dp, server_round: int) -> list[RecordDict]:
     usable = []
     for reply in dp.round.accepted_replies:
         if problem := metric_problem(reply.content, weight_key):
-            dp.gate.note(
-                dp.round, server_round, f"metrics of node {reply.metadata.src_node_id} not aggregated: {problem}"
-            )
+            note_problem(dp, server_round, f"metrics of node {reply.metadata.src_node_id} not aggregated: {problem}")
         else:
             usable.append(reply)
     key_sets = [frozenset(next(iter(r.content.metric_records.values())).keys()) for r in usable]
     common = max(key_sets, key=key_sets.count, default=frozenset())
     for reply, key_set in zip(usable, key_sets):
         if key_set != common:
-            dp.gate.note(
-                dp.round,
+            note_problem(
+                dp,
                 server_round,
                 f"metrics of node {reply.metadata.src_node_id} not aggregated: keys {sorted(key_set)} differ from "
                 f"the other replies' {sorted(common)}",
@@ -120,7 +119,7 @@ def release(
         try:
             arrays, metrics = wrapped_aggregate(dp, server_round, proposal, metric_records)
         except Exception as exc:  # hostile metric values its own aggregation cannot read: they cost only themselves
-            dp.gate.note(dp.round, server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
+            note_problem(dp, server_round, f"clients' own metrics not aggregated ({type(exc).__name__}: {exc})")
             arrays, metrics = wrapped_aggregate(dp, server_round, proposal, [weight_only])
     else:
         arrays, _ = wrapped_aggregate(dp, server_round, proposal, [weight_only])
@@ -161,7 +160,7 @@ def aggregated_metrics(dp, server_round: int, metric_records: list[RecordDict]) 
     try:
         return aggregate(list(metric_records), getattr(dp.strategy, "weighted_by_key", keys.NUM_EXAMPLES))
     except Exception as exc:  # hostile values the function cannot read
-        dp.gate.note(dp.round, server_round, f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
+        note_problem(dp, server_round, f"clients' own train metrics not aggregated ({type(exc).__name__}: {exc})")
         return None
 
 

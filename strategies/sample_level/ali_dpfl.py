@@ -44,7 +44,7 @@ from dpfl.dpcore.privacy.ledger import SampleLevelLedgers
 from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm
 from dpfl.dpcore.privacy.settings import check_dpsgd, require, require_a_step
 from dpfl.strategies.loop.options import DPSGDOptions, RunOptions, SamplingOptions, ServerData
-from dpfl.strategies.loop.reply_gate import ReplyGate
+from dpfl.strategies.loop.reply_gate import ReplyGate, note_problem
 from dpfl.strategies.loop.round_loop import DPRoundLoop
 from dpfl.strategies.loop.run_record import describe_sampling
 from dpfl.strategies.loop.wrapped import release
@@ -258,8 +258,8 @@ class ALIDPFL(DPRoundLoop):
             problem, weight = row_problem(self, metrics, tau)
             if problem:
                 rejected += 1
-                self.gate.note(
-                    self.round,
+                note_problem(
+                    self,
                     server_round,
                     f"rejected the reply of node {node} (partition {metrics.get(keys.PARTITION_ID)}): {problem}",
                 )
