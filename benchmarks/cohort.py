@@ -4,6 +4,7 @@
     python -m benchmarks.cohort [--quick] [--device cpu|cuda|auto] [--out FILE.json]
     python -m benchmarks.cohort --models cnn-mnist --cohorts 100 --local-steps 8
     python -m benchmarks.cohort --algorithm ali-dpfl --models cnn-mnist --cohorts 10,100
+    python -m benchmarks.cohort --exchange evaluate --models cnn-mnist --cohorts 10,100
     python -m benchmarks.cohort --engines cohort,ray --models cnn-mnist,resnet18-gn --cohorts 100
 
 One round's train exchange (`grid.send_and_receive` of one train message per node, dp-fedsam, distributed noise:
@@ -15,7 +16,8 @@ CIFAR-10's for the others) and takes --local-steps steps of batch 32. torch runs
 (the ClientApp's setting). The sequential engine runs cohorts up to --sequential-max clients (its time grows
 linearly: 1,000 clients of resnet18-gn take minutes); the ratio line compares the cohort engine to it.
 `--algorithm ali-dpfl`: the round is ALI-DPFL's DP-SGD instead (--local-steps steps at Poisson rate
---sample-rate, Opacus one client after the other against dpfl_tools/cohort_dpsgd.py).
+--sample-rate, Opacus one client after the other against dpfl_tools/cohort_dpsgd.py). `--exchange evaluate`: an
+evaluate message per node instead (each client's loss and accuracy on its --samples / 4 held-out images).
 
 `--engines ...,ray`: the same round through Flower's Ray simulation as a user runs it, `python -m
 dpfl_tools.launch --clients N` (its own SuperLink and Ray head; one CPU per client and, on a GPU, the launcher's
@@ -47,7 +49,8 @@ SHAPES = {"mnist-embedded": (1, 28, 28), "cifar10": (3, 32, 32)}
 
 
 def synthetic_partitions(samples: int):
-    """load_client_partition's stand-in: `samples` Gaussian images of the dataset's shape per client, 10 labels."""
+    """load_client_partition's stand-in: `samples` Gaussian images of the dataset's shape per client, and a
+    quarter as many held out, 10 labels."""
     import numpy as np
 
     from dpfl.dpcore.task.catalogue import ArrayDataset
@@ -55,15 +58,23 @@ def synthetic_partitions(samples: int):
     def load(s, pid, n):
         rng = np.random.default_rng([pid, n])
         shape = SHAPES[s.data.dataset]
-        x = rng.standard_normal((samples, *shape), dtype=np.float32)
-        train = ArrayDataset(x, rng.integers(0, 10, samples).astype(np.int64), 10)
-        return train, ArrayDataset(x[:1], train.y[:1], 10)
+        x = rng.standard_normal((samples + samples // 4, *shape), dtype=np.float32)
+        y = rng.integers(0, 10, len(x)).astype(np.int64)
+        return ArrayDataset(x[:samples], y[:samples], 10), ArrayDataset(x[samples:], y[samples:], 10)
 
     return load
 
 
 def one(
-    model: str, clients: int, engine: str, device: str, steps: int, samples: int, algorithm: str = "dp-fedsam", q=0.25
+    model: str,
+    clients: int,
+    engine: str,
+    device: str,
+    steps: int,
+    samples: int,
+    algorithm: str = "dp-fedsam",
+    q=0.25,
+    exchange: str = "train",
 ) -> dict:
     """One measurement, in this process: a warm-up round on 2 clients, then the timed round on `clients`."""
     import torch
@@ -99,12 +110,8 @@ def one(
         config = {"server-round": 1, "privatize": True, "clipping-norm": 0.5, "noise-std": 0.1}
         if algorithm == "ali-dpfl":  # DP-SGD: the server sends the round's local steps
             config = {"server-round": 1, "local-steps": steps}
-        messages = [
-            grid.create_message(
-                RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord(config)}), "train", node, "1"
-            )
-            for node in grid.get_node_ids()
-        ]
+        content = RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord(config)})  # one for all, as
+        messages = [grid.create_message(content, exchange, node, "1") for node in grid.get_node_ids()]  # FedAvg's
         cuda = resolve_device(device).type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -116,7 +123,7 @@ def one(
         errors = [r.error.reason for r in replies if r.has_error()]
         if errors:
             raise RuntimeError(f"{len(errors)} replies failed: {errors[0]}")
-        if engine == "cohort" and grid.batched != n:
+        if engine == "cohort" and (grid.batched if exchange == "train" else grid.evaluated) != n:
             raise RuntimeError(f"only {grid.batched} of {n} replies were batched")
         return seconds
 
@@ -230,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--algorithm", default="dp-fedsam", choices=("dp-fedsam", "ali-dpfl"))
     parser.add_argument("--sample-rate", type=float, default=0.25, help="ali-dpfl: DP-SGD's Poisson rate q")
     parser.add_argument("--engines", default="inprocess,cohort", help="comma-separated: inprocess, cohort, ray")
+    parser.add_argument("--exchange", default="train", choices=("train", "evaluate"), help="the round's messages")
     parser.add_argument("--ray-rounds", type=int, default=3, help="ray: rounds per launch (at least 3)")
     parser.add_argument("--gpus-per-client", type=float, default=None, help="ray: the launcher's flag (default: its)")
     args = parser.parse_args(argv)
@@ -238,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     engines = args.engines.split(",")
     if unknown := set(engines) - {"inprocess", "cohort", "ray"}:
         parser.error(f"--engines {args.engines!r}: unknown {sorted(unknown)}; allowed: inprocess, cohort, ray")
-    if "ray" in engines and (args.algorithm != "dp-fedsam" or args.ray_rounds < 3):
-        parser.error("--engines with ray: only --algorithm dp-fedsam and --ray-rounds of at least 3")
+    if "ray" in engines and (args.algorithm != "dp-fedsam" or args.ray_rounds < 3 or args.exchange != "train"):
+        parser.error("--engines with ray: only --algorithm dp-fedsam, --exchange train and --ray-rounds of at least 3")
     import torch
 
     rows = []
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                 if engine == "ray":
                     row = ray_round(*one_args[:2], *one_args[3:], args.ray_rounds, args.gpus_per_client, args.timeout)
                 else:
-                    row = fresh([*one_args, args.algorithm, args.sample_rate], args.timeout)
+                    row = fresh([*one_args, args.algorithm, args.sample_rate, args.exchange], args.timeout)
                 if row is None:
                     row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
                 rows.append(row)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.client import NumPyClient
 
 from dpfl.dpcore.privacy import protocol as keys
@@ -28,8 +28,9 @@ def _metric_record(metrics: dict) -> MetricRecord:
 
 
 def config_of(msg: Message) -> dict:
-    records = msg.content.config_records
-    return dict(records["config"]) if "config" in records else {}
+    """The message's "config" ConfigRecord as a dict ({} where there is none, or it is not a ConfigRecord)."""
+    record = msg.content.get("config")
+    return dict(record) if isinstance(record, ConfigRecord) else {}
 
 
 def train_reply(client: NumPyClient, msg: Message) -> Message:
@@ -50,6 +51,11 @@ def fit_reply(msg: Message, fitted: tuple) -> Message:
 def evaluate_reply(client: NumPyClient, msg: Message) -> Message:
     """Call client.evaluate; reply with loss, accuracy and num-examples."""
     parameters = msg.content["arrays"].to_numpy_ndarrays()
-    loss, num_examples, metrics = client.evaluate(parameters, config_of(msg))
+    return evaluation_reply(msg, client.evaluate(parameters, config_of(msg)))
+
+
+def evaluation_reply(msg: Message, evaluated: tuple) -> Message:
+    """The evaluate reply to `msg` from a NumPyClient.evaluate result (loss, num_examples, metrics)."""
+    loss, num_examples, metrics = evaluated
     content = RecordDict({"metrics": _metric_record({keys.LOSS: loss, **metrics, keys.NUM_EXAMPLES: num_examples})})
     return Message(content, reply_to=msg)

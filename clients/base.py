@@ -195,5 +195,10 @@ class TrainingClient(NumPyClient):
 
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.model, parameters)
-        loss, acc = evaluate_model(self.model, self.testset)
-        return loss, len(self.testset), {keys.ACCURACY: acc, keys.LOSS: loss, keys.NUM_EXAMPLES: len(self.testset)}
+        return evaluation(*evaluate_model(self.model, self.testset), len(self.testset))
+
+
+def evaluation(loss: float, accuracy: float, n: int, extra: dict | None = None) -> tuple[float, int, dict]:
+    """NumPyClient.evaluate's result for (mean loss, accuracy) on n held-out samples, plus the `extra` metrics (also
+    what the cohort engine, dpfl_tools.cohort_evaluate, replies with)."""
+    return loss, n, {keys.ACCURACY: accuracy, keys.LOSS: loss, keys.NUM_EXAMPLES: n, **(extra or {})}

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 from torch import nn
@@ -30,9 +29,9 @@ from torch import nn
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import make_rng
 from dpfl.dpcore.task.atomic import atomic_write
-from dpfl.dpcore.task.torch_helpers import evaluate_model, set_weights
+from dpfl.dpcore.task.torch_helpers import evaluate_model, host_tensor, set_weights
 
-from .base import LocalSGD, TrainingClient, sgd_step
+from .base import LocalSGD, TrainingClient, evaluation, sgd_step
 from .sam import sam_step
 
 Head = dict[str, np.ndarray]
@@ -176,7 +175,7 @@ class PartialSharingClient(TrainingClient):
 
     def _load(self, arrays: dict[str, np.ndarray]) -> None:
         self._check_shapes(arrays)
-        self.model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in arrays.items()}, strict=False)
+        self.model.load_state_dict({k: host_tensor(a) for k, a in arrays.items()}, strict=False)
 
     # -- local training ----------------------------------------------------------
     def num_head_steps(self) -> int:
@@ -228,8 +227,7 @@ class PartialSharingClient(TrainingClient):
         """Accuracy of (global body, own head) on this client's held-out split; the head is not changed."""
         self.set_body(parameters)
         self.restore_head()
-        loss, acc = evaluate_model(self.model, self.testset)
-        return loss, len(self.testset), {keys.ACCURACY: acc, keys.LOSS: loss, keys.NUM_EXAMPLES: len(self.testset)}
+        return evaluation(*evaluate_model(self.model, self.testset), len(self.testset))
 
 
 class DP2FedSAMClient(PartialSharingClient):
@@ -257,10 +255,12 @@ class FineTuneClient(NumPyClient):
     def fit(self, parameters: list[np.ndarray], config: dict):
         return self.inner.fit(parameters, config)
 
+    def tune_config(self, config: dict) -> dict:
+        """The fine-tuning's train config: the evaluate config with `fine_tune_steps` local steps (0: as given)."""
+        return {**config, keys.LOCAL_STEPS: self.fine_tune_steps} if self.fine_tune_steps else dict(config)
+
     def evaluate(self, parameters: list[np.ndarray], config: dict):
         set_weights(self.inner.model, parameters)
-        tune_config = {**config, keys.LOCAL_STEPS: self.fine_tune_steps} if self.fine_tune_steps else dict(config)
-        _, steps = self.inner.train(tune_config)
+        _, steps = self.inner.train(self.tune_config(config))
         loss, acc = evaluate_model(self.inner.model, self.inner.testset)
-        n = len(self.inner.testset)
-        return loss, n, {keys.ACCURACY: acc, keys.LOSS: loss, keys.NUM_EXAMPLES: n, keys.FINE_TUNE_STEPS: steps}
+        return evaluation(loss, acc, len(self.inner.testset), {keys.FINE_TUNE_STEPS: steps})

@@ -2,95 +2,46 @@
 
 `CohortGrid` is an `InProcessGrid` (the same nodes, contexts, message copies and failure hook) whose
 `send_and_receive` takes the round's messages at once. The train messages of the project's own ClientApp
-(`fl_app.client_app.app`) whose client is a `TrainingClient` (local SGD), `SAMClient` or `TopKSAMClient`
-(local SAM) are trained in chunks of clients: the clients' parameters are stacked on a leading
-dimension and one step of every client is one call of `torch.func.vmap` over `grad` of the loss of
-`torch.func.functional_call(model, params_i, x_i)`. Per client i and step t (the rules of clients/base.py
-and clients/sam.py, re-expressed on stacked tensors and tested against them in tests/test_cohort.py):
-
-    g = grad F_i(w)                                    (SGD)
-    g = grad F_i(w + e), e = rho g0 / (||g0||_2 + 1e-12), g0 = grad F_i(w)   (SAM)
-    g <- g + lambda w;  b <- mu b + g (b = g at t = 0);  w <- w - eta_i b
-
-Each client keeps its own minibatches (its own generator, `TrainingClient.round_batches`) and its own number
-of steps: a chunk runs max_i steps_i steps, and a client past its last step is masked (its w and b kept); a
-client with fewer samples than a batch is padded and masked inside the loss (mean over its real samples).
-Nothing mixes clients: every operation is per client under vmap, and models with buffers (BatchNorm
-statistics) are not batched. The reply is the client's own `upload` (Delta, clip, noise share, metrics) and
-`clients.adapter.fit_reply`, so the ServerApp, the strategy and the ledger see what the ClientApp would send.
-
-DP2-FedSAM's and CENTAUR's clients (clients/personalized.py, `train_personal`) keep a personal head h_i per node:
-each client's stored head (its HeadStore: the node's Context.state, or its state-dir file; before the first save
-the model's initial head) is stacked beside the received body phi, and PartialSharingClient.fit's rule runs per
-client: tau_h SGD steps on h_i with phi frozen (lr round_lr(eta_h), batches from generator (seed, 5, round,
-partition-id)), then tau_phi SGD or SAM steps on phi with h_i frozen (the SAM norm over phi only). Only phi's
-update is replied (`upload_body`); h_i is saved to the node's HeadStore when the node answers, as the ClientApp
-saves it, so a later round, an evaluation and a node that fails (it keeps its previous head) read what the
-sequential path leaves. A stored head that does not fit the model runs through the ClientApp (its error).
+(`fl_app.client_app.app`) whose client's local rule is known are trained in chunks of clients, every client's
+step one call of `torch.func` over parameters stacked on a leading dimension (dpfl_tools/cohort_train.py: local
+SGD and SAM, personal heads; dpfl_tools/cohort_dpsgd.py: ALI-DPFL's DP-SGD). The replies are each client's own
+code (`upload`, `fit_reply`), so the ServerApp, the strategy and the ledger see what the ClientApp would send.
 
 The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
 (`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
 client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in dpfl_tools/cohort_dpsgd.py: per-sample gradients,
 clipping and noise inside the batch, the Poisson masks and the noise from each client's own generators in Opacus'
-order, each client's ledger charged by its own `finish_round` when the grid answers its node. Everything else
-(evaluate messages, a user's own ClientApp, Opacus' ghost clipping, SecAgg+, models with buffers,
-malformed messages) runs message by message through the ClientApp, with one log line per reason.
-Replies equal the sequential path's to float32 rounding (tests/test_cohort.py: 1e-5 relative).
+order, each client's ledger charged by its own `finish_round` when the grid answers its node. Evaluate messages of the
+same clients run together in dpfl_tools/cohort_evaluate.py. Everything else (a user's own ClientApp, Opacus'
+ghost clipping, SecAgg+, models with buffers, malformed messages) runs message by message through the ClientApp,
+with one log line per reason. Replies equal the sequential path's to float32 rounding (tests/test_cohort.py:
+1e-5 relative).
+
+The round's arrays are decoded once per record the server sent (`received_arrays`: a strategy sends one record to
+every node) and moved to the device once (`stacked`); the clients' uploads after a chunk (Delta, clip, noise
+share, reply) run on a pool of threads (`in_threads`): numpy's noise draws release the GIL, and on a large model
+they are most of a client's time outside the batch.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from logging import INFO
 
 import numpy as np
 import torch
 from flwr.app import Context, Message
 from flwr.common.logger import log
-from torch.func import functional_call, grad, grad_and_value, vmap
 
-from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.task.threads import limit_blas_threads
-from dpfl_tools.cohort_grouped import grouped_step
-from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
+from dpfl_tools.cohort_evaluate import evaluate_cohort
+from dpfl_tools.cohort_train import head_fits, local_rule, personal, train_cohort, trainer
 from dpfl_tools.inprocess import InProcessGrid
-
-CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
-CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
-
-
-def local_rule(client) -> str | None:
-    """'sgd', 'sam' or 'dpsgd' for the clients whose local rule is batched (exact types: a subclass changes the
-    rule)."""
-    from dpfl.clients.base import TrainingClient
-    from dpfl.clients.personalized import DP2FedSAMClient, PartialSharingClient
-    from dpfl.clients.sam import SAMClient
-    from dpfl.clients.topk import TopKSAMClient
-
-    dpsgd = sys.modules.get("dpfl.clients.dpsgd")  # imported where a client is one (not otherwise: it imports Opacus)
-    if dpsgd is not None and type(client) is dpsgd.DPSGDClient:
-        from dpfl_tools.cohort_dpsgd import batchable
-
-        return "dpsgd" if batchable(client) else None
-    rules = {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}
-    rules.update({PartialSharingClient: "sgd", DP2FedSAMClient: "sam"})  # the body's rule; heads: train_personal
-    return rules.get(type(client))
-
-
-def trainer(client):
-    """The client that trains: a -FT baseline's inner client (its fit is the inner client's fit)."""
-    from dpfl.clients.personalized import FineTuneClient
-
-    return client.inner if type(client) is FineTuneClient else client
 
 
 class CohortGrid(InProcessGrid):
     """InProcessGrid that trains a round's train messages for the project's ClientApp as one batched model.
 
-    memory_budget: bytes per chunk (default: CPU_BUDGET, or CUDA_BUDGET_SHARE of the free GPU memory);
+    memory_budget: bytes per chunk (default: cohort_train's CPU_BUDGET, or CUDA_BUDGET_SHARE of the free GPU memory);
     threads: torch threads while training a chunk (default: as set in the process; the ClientApp sets 1, one
     simulated client per CPU, and more threads than free cores cost far more than they gain)."""
 
@@ -99,6 +50,7 @@ class CohortGrid(InProcessGrid):
         self.memory_budget, self.threads = memory_budget, threads
         self.said: set[str] = set()
         self.batched = 0  # train replies computed in a batch (tests read it)
+        self.evaluated = 0  # evaluate replies computed in a batch
 
     def say(self, reason: str) -> None:
         if reason not in self.said:
@@ -106,26 +58,42 @@ class CohortGrid(InProcessGrid):
             log(INFO, "Cohort engine: %s", reason)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        delivered = [self.deliver(msg) for msg in messages]
+        sent = list(messages)
+        delivered = [self.deliver(msg) for msg in sent]
         clients = {id(m): c for m in delivered if (c := self.batchable(m)) is not None}
         trained: dict[int, Message] = {}
-        if clients:
-            cohort = [m for m in delivered if id(m) in clients]
+        received = [(m, arrays) for m, arrays in received_arrays(sent, delivered) if id(m) in clients]
+        for kind, run in (("train", train_cohort), ("evaluate", evaluate_cohort)):
+            cohort = [(m, arrays) for m, arrays in received if m.metadata.message_type == kind]
+            if not cohort:
+                continue
             try:
-                trained = train_cohort(cohort, [clients[id(m)] for m in cohort], self.memory_budget, self.threads)
+                done = run(
+                    [m for m, _ in cohort],
+                    [arrays for _, arrays in cohort],
+                    [clients[id(m)] for m, _ in cohort],
+                    self.memory_budget,
+                    self.threads,
+                )
             except Exception as exc:  # never a wrong reply: the ClientApp answers each of them instead
-                self.say(f"a batch failed ({type(exc).__name__}: {exc}); its messages run one by one")
-            self.batched += len(trained)
+                self.say(f"a batch of {kind} messages failed ({type(exc).__name__}: {exc}); they run one by one")
+                continue
+            trained.update(done)
+            self.batched += len(done) if kind == "train" else 0
+            self.evaluated += len(done) if kind == "evaluate" else 0
         return [self.answer(m, self.replier(trained[id(m)]) if id(m) in trained else None) for m in delivered]
 
     @staticmethod
     def replier(reply) -> Callable[[Message, Context], Message]:
-        """The ClientApp's train path (its mods: local DP, adaptive clipping's bit) around the batched reply (a
-        Message, or a handler run when the node answers: DP-SGD's charges the node's ledger, `train_personal`'s
-        writes its head)."""
+        """The ClientApp's path around the batched reply (a Message, or a handler run when the node answers:
+        DP-SGD's charges the node's ledger, `train_personal`'s writes its head): a train reply under the train mods
+        (local DP, adaptive clipping's bit), an evaluate reply as it is (the ClientApp's evaluate has no mods)."""
         from dpfl.fl_app.client_app import train_with
 
-        return lambda msg, context: train_with(reply if callable(reply) else lambda *_: reply, msg, context)
+        handler = reply if callable(reply) else lambda *_: reply
+        return lambda msg, context: (
+            train_with(handler, msg, context) if msg.metadata.message_type == "train" else handler(msg, context)
+        )
 
     def batchable(self, msg: Message):
         """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
@@ -134,7 +102,7 @@ class CohortGrid(InProcessGrid):
         if self.client_app is not project.app:
             self.say("a ClientApp other than the project's (fl_app.client_app.app): messages run one by one")
             return None
-        if msg.metadata.message_type != "train":
+        if msg.metadata.message_type not in ("train", "evaluate"):
             self.say(f"{msg.metadata.message_type} messages run one by one through the ClientApp")
             return None
         context = self.contexts[msg.metadata.dst_node_id]
@@ -142,20 +110,20 @@ class CohortGrid(InProcessGrid):
             if project.secure_aggregation(context):
                 self.say("secure aggregation (SecAgg+) runs one by one")
                 return None
-            client = trainer(project.build_client(context, model=self.shared_model(context)))
+            client = project.build_client(context, model=self.shared_model(context))
         except Exception as err:  # the ClientApp raises it again, as its reply
             self.say(f"building a client raised {type(err).__name__}: {err}; its messages run one by one")
             return None
-        rule = local_rule(client)
+        rule = local_rule(trainer(client))
         if rule is None:
             self.say(f"{type(client).__name__}'s local rule is not batched yet: its messages run one by one")
             return None
-        if any(True for _ in client.model.buffers()):
+        if any(True for _ in trainer(client).model.buffers()):
             self.say("the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one")
             return None
         if personal(client) and not head_fits(client):
             return None  # the ClientApp raises restore_head's error, as its reply
-        state = client.model.state_dict()
+        state = trainer(client).model.state_dict()
         shapes = [tuple(state[k].shape) for k in (client.body_keys if personal(client) else state)]
         arrays = msg.content.array_records.get("arrays")
         if arrays is None or [tuple(a.shape) for a in arrays.values()] != shapes:
@@ -171,213 +139,19 @@ class CohortGrid(InProcessGrid):
         return self._model
 
 
-@contextmanager
-def torch_threads(n: int | None):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def train_cohort(messages: list[Message], clients: list, budget: int | None, threads: int | None) -> dict[int, Message]:
-    """Train each message's client in chunks; {id(message): its train reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
-    from dpfl.clients.adapter import config_of, fit_reply
-
-    limit_blas_threads()  # the ClientApp's setting (its train calls it): numpy's BLAS on one thread for the uploads
-    if personal(clients[0]):
-        return train_personal(messages, clients, budget, threads)
-    if local_rule(clients[0]) == "dpsgd":
-        from dpfl_tools.cohort_dpsgd import poisson_rows, train_dpsgd_cohort
-
-        size = chunk_size(clients[0].model, clients[0], budget, poisson_rows(clients), per_sample=True)
-        with torch_threads(threads):
-            return train_dpsgd_cohort(messages, clients, size)
-
-    configs = [config_of(m) for m in messages]
-    plans = [(c.round_batches(cfg), cfg) for c, cfg in zip(clients, configs)]
-    order = sorted(range(len(messages)), key=lambda i: -plans[i][0][0])  # similar step counts share a chunk
-    model, device = clients[0].model, clients[0].device
-    size = chunk_size(model, clients[0], budget)
-    replies = {}
-    with torch_threads(threads):
-        for start in range(0, len(order), size):
-            chunk = order[start : start + size]
-            params = [messages[i].content["arrays"].to_numpy_ndarrays() for i in chunk]
-            new, losses = train_chunk(
-                model,
-                local_rule(clients[chunk[0]]),
-                [clients[i] for i in chunk],
-                [plans[i] for i in chunk],
-                params,
-                device,
-            )
-            for j, i in enumerate(chunk):
-                steps = plans[i][0][0]
-                loss = float(np.mean(losses[j])) if steps else math.nan
-                fitted = clients[i].upload(params[j], new[j], loss, steps, configs[i])
-                replies[id(messages[i])] = fit_reply(messages[i], fitted)
-    return replies
-
-
-def chunk_size(model: torch.nn.Module, client, budget: int | None, rows: int = 0, per_sample: bool = False) -> int:
-    """Clients per chunk: the budget over one client's bytes, 4 (6 P + 4 B A): P parameters (w, b, g, the
-    SAM point, the masked copies), B samples (`rows`, default the batch size) of A activation values (saved,
-    their gradients; SAM twice); `per_sample` (DP-SGD): plus 3 B P for the per-sample gradients."""
-    device = client.device
-    if budget is None:
-        budget = CPU_BUDGET if device.type != "cuda" else int(CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
-    p = sum(v.numel() for v in model.parameters())
-    sizes = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel())) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            x = torch.as_tensor(client.trainset.x[:1], dtype=torch.float32).to(device)
-            model.to(device)(x.contiguous())
-    finally:
-        for h in hooks:
-            h.remove()
-    rows = rows or client.batch_size
-    per_client = 4 * (6 * p + 4 * rows * sum(sizes) + (3 * rows * p if per_sample else 0))
-    return max(1, int(budget // per_client))
-
-
-def train_chunk(model, rule: str, clients: list, plans: list, params: list, device) -> tuple[list, list]:
-    """The local steps of `clients` at once; (each client's new weights as numpy arrays, its step losses)."""
-    names = list(model.state_dict())
-    w = stacked(names, [dict(zip(names, p)) for p in params], device)
-    lr = [c.round_lr(float(cfg.get(keys.LEARNING_RATE, c.lr)), cfg) for c, (_, cfg) in zip(clients, plans)]
-    w, losses = masked_steps(model, rule, w, {}, [plan for plan, _ in plans], lr, clients, device)
-    return unstacked(w), losses
-
-
-def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each client's minibatch (None: it took its last step) stacked as (x, y, mask) of `batch` rows per client:
-    a short or missing one padded with zeros and mask 0."""
-    if all(b is not None and len(b[1]) == batch for b in batches):  # the common case: one stack, no copies
-        x, y = torch.stack([b[0].contiguous() for b in batches]), torch.stack([b[1] for b in batches])
-        return x, y, torch.ones(y.shape, device=device)
-    n = len(batches)
-    x = torch.zeros((n, batch, *sample), device=device)
-    y = torch.zeros((n, batch), dtype=torch.long, device=device)
-    m = torch.zeros((n, batch), device=device)
-    for i, b in enumerate(batches):
-        if b is not None:
-            x[i, : len(b[1])], y[i, : len(b[1])], m[i, : len(b[1])] = b[0], b[1], 1.0
-    return x, y, m
+def received_arrays(sent: list[Message], delivered: list[Message]):
+    """(delivered message, its "arrays" as numpy) pairs, each ArrayRecord the server sent decoded once: a strategy
+    sends one record to every node (the node copies of one record are equal), so the clients of a round share one
+    set of read-only arrays and `stacked` moves them to the device once."""
+    decoded: dict[int, list[np.ndarray]] = {}
+    for original, msg in zip(sent, delivered):
+        record = original.content.get("arrays")
+        if id(record) not in decoded:
+            arrays = msg.content["arrays"].to_numpy_ndarrays() if record is not None else []
+            for a in arrays:
+                a.flags.writeable = False
+            decoded[id(record)] = arrays
+        yield msg, decoded[id(record)]
 
 
 # ---------------------------------------------------------------- personal heads (DP2-FedSAM, CENTAUR)
-
-
-def personal(client) -> bool:
-    """A client with a personal head kept in its node's HeadStore (clients.personalized.PartialSharingClient)."""
-    from dpfl.clients.personalized import PartialSharingClient
-
-    return isinstance(client, PartialSharingClient)
-
-
-def head_fits(client) -> bool:
-    """Whether the node's stored head (if any) is one the ClientApp's restore_head accepts."""
-    try:
-        client.stored_head()
-    except ValueError:
-        return False
-    return True
-
-
-def train_personal(
-    messages: list[Message], clients: list, budget: int | None, threads: int | None
-) -> dict[int, Callable[[Message, Context], Message]]:
-    """DP2-FedSAM / CENTAUR clients in chunks, each with its own rule of PartialSharingClient.fit: from its stored
-    head h_i (or the model's initial head), tau_h SGD steps on h_i with the received body phi frozen (lr
-    round_lr(eta_h), batches from generator (seed, 5, round, partition-id)), then tau_phi steps of its body rule
-    (SGD, or SAM with the perturbation over phi only) on phi with h_i frozen (generator (seed, 4, ...)). The reply
-    is the client's `upload_body` (phi's Delta only); h_i is saved to the node's HeadStore when the node answers,
-    as the ClientApp saves it, so a node that fails keeps its previous head. {id(message): that handler}."""
-    from dpfl.clients.adapter import config_of, fit_reply
-
-    configs = [config_of(m) for m in messages]
-    model, device, first = clients[0].model, clients[0].device, clients[0]
-    size = chunk_size(model, first, budget)
-    order = sorted(
-        range(len(messages)), key=lambda i: (-clients[i].num_head_steps(), -clients[i].num_steps(configs[i]))
-    )
-    handlers = {}
-    with torch_threads(threads):
-        for start in range(0, len(order), size):
-            chunk = order[start : start + size]
-            group, cfgs = [clients[i] for i in chunk], [configs[i] for i in chunk]
-            bodies = [messages[i].content["arrays"].to_numpy_ndarrays() for i in chunk]
-            heads = [c.stored_head() or c.head_arrays() for c in group]
-            body = stacked(first.body_keys, [dict(zip(first.body_keys, b)) for b in bodies], device)
-            head = stacked(first.head_keys, heads, device)
-            head_plans = [c.head_batches(cfg) for c, cfg in zip(group, cfgs)]
-            head_lr = [c.round_lr(c.head_lr, cfg) for c, cfg in zip(group, cfgs)]
-            head, head_losses = masked_steps(model, "sgd", head, body, head_plans, head_lr, group, device)
-            body_plans = [c.round_batches(cfg) for c, cfg in zip(group, cfgs)]
-            body_lr = [c.round_lr(float(cfg.get(keys.LEARNING_RATE, c.lr)), cfg) for c, cfg in zip(group, cfgs)]
-            body, losses = masked_steps(model, local_rule(first), body, head, body_plans, body_lr, group, device)
-            new_body, new_head = unstacked(body), unstacked(head)
-            for j, i in enumerate(chunk):
-                c = clients[i]
-                trained = (mean_or_nan(losses[j]), body_plans[j][0])
-                head_trained = (mean_or_nan(head_losses[j]), head_plans[j][0])
-                reply = fit_reply(messages[i], c.upload_body(bodies[j], new_body[j], trained, head_trained, cfgs[j]))
-                handlers[id(messages[i])] = keeping(c.head_store, dict(zip(first.head_keys, new_head[j])), reply)
-    return handlers
-
-
-def keeping(store, head: dict, reply: Message) -> Callable[[Message, Context], Message]:
-    """The node's train handler: save its trained head (as PartialSharingClient.fit does), then reply."""
-
-    def handler(_msg: Message, _context: Context) -> Message:
-        store.save(head)
-        return reply
-
-    return handler
-
-
-def mean_or_nan(losses: list[float]) -> float:
-    return float(np.mean(losses)) if losses else math.nan
-
-
-def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list, clients: list, device) -> tuple:
-    """Each client's (steps, minibatches) `plans` on its stacked trainable tensors `w`, its `frozen` ones held
-    (none: the whole model, trained by `cohort_grouped`'s step on the CPU, by vmap elsewhere):
-    the rule of `sgd_step` / `sam_step` on the parameters that require grad (the SAM radius and norm over `w`
-    only), LocalSGD's update g <- g + lambda w, b <- mu b + g, w <- w - eta_i b; a client past its last step
-    masked. Returns (the new `w`, each client's step losses)."""
-    mu, wd, rho = clients[0].momentum, clients[0].weight_decay, getattr(clients[0], "rho", 0.0)
-    batch, sample = clients[0].batch_size, tuple(clients[0].trainset.x.shape[1:])
-    model.train()
-
-    def loss_of(p, q, x, y, m):
-        out = functional_call(model, {**q, **p}, (x,))
-        ce = torch.nn.functional.cross_entropy(out, y, reduction="none")
-        return (ce * m).sum() / m.sum().clamp(min=1)
-
-    def sam_grad(p, q, x, y, m):
-        g0, loss = grad_and_value(loss_of)(p, q, x, y, m)
-        scale = rho / (torch.sqrt(sum((g * g).sum() for g in g0.values())) + 1e-12)
-        return grad(loss_of)({k: p[k] + g0[k] * scale for k in p}, q, x, y, m), loss
-
-    grouped = not frozen and device.type == "cpu" and grouped_step(model, rule, rho, sample)  # the CPU's step
-    step_fn = (
-        (lambda p, _q, x, y, m: grouped(p, x, y, m))
-        if grouped
-        else vmap(sam_grad if rule == "sam" else grad_and_value(loss_of))
-    )
-    counts, iters = [plan[0] for plan in plans], [plan[1] for plan in plans]
-    steps, eta = torch.tensor(counts, device=device), torch.tensor(lr, device=device)
-    b: dict[str, torch.Tensor] = {}
-    history = []
-    for t in range(max(counts, default=0)):
-        active = steps > t
-        x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
-        g, loss = step_fn(w, frozen, x, y, m)
-        w, b = sgd_update(w, b, g, t, active, eta, mu, wd)
-        history.append(torch.where(active, loss.detach(), torch.nan))
-    table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in counts]
-    return w, [[v for v in row if not math.isnan(v)] for row in table]

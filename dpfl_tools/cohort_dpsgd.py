@@ -40,13 +40,12 @@ def batchable(client) -> bool:
     return client.grad_sample_mode != "ghost"
 
 
-def train_dpsgd_cohort(messages: list[Message], clients: list, size: int) -> dict:
-    """{id(message): handler(msg, context) -> its train reply}: the DP-SGD steps in chunks of `size` clients run
-    now, each client's `finish_round` (ledger, metrics) when the handler runs."""
+def train_dpsgd_cohort(messages: list[Message], params: list, clients: list, size: int) -> dict:
+    """{id(message): handler(msg, context) -> its train reply}: the DP-SGD steps from each message's `params` in
+    chunks of `size` clients run now, each client's `finish_round` (ledger, metrics) when the handler runs."""
     from dpfl.clients.adapter import config_of, fit_reply
 
     plans = [c.plan_round(config_of(m)) for c, m in zip(clients, messages)]
-    params = [m.content["arrays"].to_numpy_ndarrays() for m in messages]
     order = sorted(range(len(messages)), key=lambda i: -plans[i].steps)  # similar step counts share a chunk
     new: dict[int, list[np.ndarray]] = {}
     for start in range(0, len(order), size):
@@ -70,7 +69,7 @@ def train_dpsgd_cohort(messages: list[Message], clients: list, size: int) -> dic
 
 def poisson_rows(clients: list) -> int:
     """Rows of a step's padded batch to plan memory for: the largest expected Poisson batch q |D_i| plus four
-    standard deviations (the chunk size: `dpfl_tools.cohort.chunk_size`)."""
+    standard deviations (the chunk size: `dpfl_tools.cohort_train.chunk_size`)."""
     mean = max(c.sample_rate * len(c.trainset) for c in clients)
     return math.ceil(mean + 4 * math.sqrt(mean) + 1)
 

@@ -8,17 +8,26 @@ import torch
 
 
 def stacked(names: list[str], arrays: list[dict], device) -> dict[str, torch.Tensor]:
-    """{name: the clients' arrays of that name stacked on a leading dimension, float32 on `device`}."""
-    return {
-        k: torch.stack([torch.from_numpy(np.asarray(a[k], dtype=np.float32)) for a in arrays]).to(device) for k in names
-    }
+    """{name: the clients' arrays of that name stacked on a leading dimension, float32 on `device`}; an array that
+    every client shares (one object: the round's global model) is moved to `device` once and repeated there."""
+    out = {}
+    for k in names:
+        column = [np.asarray(a[k], dtype=np.float32) for a in arrays]
+        if all(c is column[0] for c in column):
+            one = torch.tensor(column[0], device=device)
+            out[k] = one.expand(len(column), *one.shape).contiguous()
+        else:
+            out[k] = torch.from_numpy(np.stack(column)).to(device)
+    return out
 
 
 def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
-    """Each client's arrays (in `w`'s order) as numpy copies."""
+    """Each client's arrays (in `w`'s order): views of one host copy of each stacked tensor (read, never written)."""
     out = {k: v.detach().cpu().numpy() for k, v in w.items()}
+    for a in out.values():
+        a.flags.writeable = False  # a client writing into its arrays would write into its neighbours' memory
     n = len(next(iter(out.values())))
-    return [[out[k][i].copy() for k in out] for i in range(n)]
+    return [[out[k][i] for k in out] for i in range(n)]
 
 
 def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):

@@ -18,7 +18,7 @@ from dpfl.dpcore.task.threads import one_thread_per_client
 from dpfl.fl_app import SPEED_PATCHES_ENV, speed_patches
 from dpfl.fl_app.algorithms import algorithm
 from dpfl.fl_app.builders import ClientSetup, load_client_partition
-from dpfl.fl_app.config import validate
+from dpfl.fl_app.config import client_settings
 
 app = ClientApp()
 
@@ -57,7 +57,7 @@ def partition_of(context: Context) -> tuple[int, int]:
 def build_client(context: Context, model=None) -> NumPyClient:
     """The NumPyClient of the run's algorithm (from the registry) on this node's partition; its model is built
     from the run's seed unless `model` is given (the cohort engine's one module for all its clients)."""
-    settings = validate(context.run_config)
+    settings = client_settings(context.run_config)
     pid, n = partition_of(context)
     trainset, testset = load_client_partition(settings, pid, n)
     if model is None:
@@ -87,7 +87,7 @@ def train_mods(context: Context) -> list:
     from dpfl.clients.local_dp import make_local_dp_mod
     from dpfl.dpcore.privacy.calibration import default_client_delta
 
-    s = validate(context.run_config)
+    s = client_settings(context.run_config)
     privacy, seed = s.privacy, None if s.privacy.secure_rng else s.run.seed
     mods = []
     if privacy.noise_placement == NoisePlacementMode.LOCAL:  # delta 0: min(1e-5, 0.01 / num-partitions)

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import fields, replace
+from functools import lru_cache
 from typing import Any
 
 from dpfl.dpcore.task.device import device_problem
@@ -145,6 +146,23 @@ def validate(run_config: Mapping[str, Any]) -> Settings:
     _check_paths(settings)
     _check_combinations(settings)
     return settings
+
+
+def client_settings(run_config: Mapping[str, Any]) -> Settings:
+    """`validate` for a ClientApp, which validates the same run config for every message it answers: the last
+    run configs' Settings (frozen) are remembered, so a round of 100 clients validates once; an invalid config
+    raises on every call."""
+    try:
+        key = tuple(sorted(run_config.items()))
+        hash(key)
+    except TypeError:  # a value that cannot be a key (not a scalar): validate names it
+        return validate(run_config)
+    return _validated(key)
+
+
+@lru_cache(maxsize=8)
+def _validated(items: tuple) -> Settings:
+    return validate(dict(items))
 
 
 def _check_paths(s: Settings) -> None:

@@ -40,9 +40,19 @@ BASE = {
 }
 
 
+def in_node_order(replies: list[Message]) -> list[Message]:
+    """Each exchange's replies (a run of one message type) by node: Flower's FedAvg samples its evaluation nodes
+    in an order of its own (unseeded), so two runs ask the same nodes in different orders."""
+    blocks, block = [], 0
+    for i, m in enumerate(replies):
+        block += i > 0 and m.metadata.message_type != replies[i - 1].metadata.message_type
+        blocks.append((block, m.metadata.src_node_id))
+    return [m for _, m in sorted(zip(blocks, replies), key=lambda pair: pair[0])]
+
+
 def assert_replies_close(seq: list[Message], coh: list[Message]) -> None:
     assert len(seq) == len(coh)
-    for a, b in zip(seq, coh):
+    for a, b in zip(in_node_order(seq), in_node_order(coh)):
         assert not a.has_error() and not b.has_error()
         assert a.metadata.message_type == b.metadata.message_type
         assert a.content.keys() == b.content.keys()
@@ -69,7 +79,10 @@ def run(grid_class, overrides: dict, tmp_path):
     "overrides",
     [
         pytest.param({"algorithm": "dp-fedsam"}, id="dp-fedsam", marks=pytest.mark.slow),
-        pytest.param({"algorithm": "dp-fedavg", "noise-placement": "distributed"}, id="dp-fedavg-distributed"),
+        pytest.param(  # every node evaluates too: the evaluate messages go through the batch as well
+            {"algorithm": "dp-fedavg", "noise-placement": "distributed", "fraction-evaluate": 1.0},
+            id="dp-fedavg-distributed",
+        ),
         pytest.param(
             {"algorithm": "dp-fedavg", "noise-placement": "central"}, id="dp-fedavg-central", marks=pytest.mark.slow
         ),
@@ -103,6 +116,7 @@ def test_replies_and_epsilon_equal_sequential(overrides, tmp_path):
     coh, s2 = run(CohortGrid, overrides, tmp_path)
     trains = [m for m in seq.received if m.metadata.message_type == "train"]
     assert coh.batched == len(trains) > 0  # every train message went through the batch
+    assert coh.evaluated == sum(m.metadata.message_type == "evaluate" for m in seq.received)  # and every evaluate
     if "partitioner" not in overrides and "local-steps" in trains[0].content["metrics"]:
         assert len({m.content["metrics"]["local-steps"] for m in trains}) > 1  # ragged clients
     assert_replies_close(seq.received, coh.received)
@@ -162,6 +176,40 @@ def test_no_client_leaks_into_another(monkeypatch):
         for changed, index in ((noisier, 2), (other, 4)):
             same = all(np.array_equal(a, b) for a, b in zip(base[i], changed[i]))
             assert same == (i != index), (i, index)
+
+
+def evaluate_messages(grid) -> list[Message]:
+    weights = [v.detach().cpu().numpy() for v in build_client(grid.contexts[100]).model.state_dict().values()]
+    content = RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord({"server-round": 1})})
+    return [grid.create_message(content, "evaluate", node, "1") for node in grid.get_node_ids()]
+
+
+def test_evaluation_in_the_batch_equals_the_clientapps_and_does_not_leak(monkeypatch):
+    """Evaluate messages in the batch: each node's loss and accuracy equal the ClientApp's on its own held-out
+    split (padded to the longest: the splits differ in size); one node's split changed moves only its reply."""
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    one_by_one = InProcessGrid(client_app, NODES, cfg)
+    seq = one_by_one.send_and_receive(evaluate_messages(one_by_one))
+    grid = CohortGrid(client_app, NODES, cfg)
+    base = grid.send_and_receive(evaluate_messages(grid))
+    assert grid.evaluated == NODES and grid.batched == 0
+    assert len({m.content["metrics"]["num-examples"] for m in base}) > 1  # ragged splits
+    assert_replies_close(seq, base)
+
+    import dpfl.fl_app.client_app as project
+
+    load = project.load_client_partition
+
+    def other_test(s, pid, n):
+        train, test = load(s, pid, n)
+        return train, (dataclasses.replace(test, x=np.ascontiguousarray(np.flip(test.x, -1))) if pid == 3 else test)
+
+    monkeypatch.setattr(project, "load_client_partition", other_test)
+    grid = CohortGrid(client_app, NODES, cfg)
+    other = grid.send_and_receive(evaluate_messages(grid))
+    for i in range(NODES):
+        same = dict(base[i].content["metrics"]) == dict(other[i].content["metrics"])
+        assert same == (i != 3), i
 
 
 def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path, monkeypatch):
@@ -340,7 +388,7 @@ def test_personal_heads_replies_and_state_equal_sequential(overrides, tmp_path):
             if m.metadata.message_type == "train":
                 rounds.setdefault(m.metadata.dst_node_id, []).append(m.content["config"]["server-round"])
         assert any(r[0] > 1 for r in rounds.values()) and any(len(r) > 1 for r in rounds.values())
-    assert any(m.metadata.message_type == "evaluate" for m in seq.received)
+    assert coh.evaluated == sum(m.metadata.message_type == "evaluate" for m in seq.received) > 0
     assert_replies_close(seq.received, coh.received)
     assert_heads_close(stored_heads(seq), stored_heads(coh))
     assert s2["epsilon"] == s1["epsilon"] and s2["delta"] == s1["delta"]

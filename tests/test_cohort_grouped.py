@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import dpfl_tools.cohort as cohort
+import dpfl_tools.cohort_train as cohort
 import dpfl_tools.cohort_grouped as grouped
 from dpfl.dpcore.task.models import build_model
 from dpfl.fl_app.client_app import app as client_app

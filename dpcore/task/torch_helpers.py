@@ -27,16 +27,18 @@ def set_weights(model: nn.Module, arrays: list[np.ndarray]) -> None:
     keys = list(model.state_dict().keys())
     if len(keys) != len(arrays):
         raise ValueError(f"model has {len(keys)} tensors, received {len(arrays)} arrays")
-    model.load_state_dict({k: torch.from_numpy(np.asarray(a)) for k, a in zip(keys, arrays)}, strict=True)
+    model.load_state_dict({k: host_tensor(a) for k, a in zip(keys, arrays)}, strict=True)
 
 
 def as_tensors(dataset, index: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of `dataset[index]` as float32 and int64 CPU tensors; they share memory with writable arrays (a
     read-only, memory-mapped array is copied: only the slice asked for)."""
-    return _tensor(dataset.x[index], np.float32), _tensor(dataset.y[index], np.int64)
+    return host_tensor(dataset.x[index], np.float32), host_tensor(dataset.y[index], np.int64)
 
 
-def _tensor(array: np.ndarray, dtype) -> torch.Tensor:
+def host_tensor(array: np.ndarray, dtype=None) -> torch.Tensor:
+    """A CPU tensor of `array` (as `dtype`): its memory where writable, a copy of a read-only array (torch does not
+    support read-only memory; the cohort engine's shared arrays and memory-mapped data are read-only)."""
     array = np.asarray(array, dtype=dtype)
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
