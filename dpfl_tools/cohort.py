@@ -12,8 +12,8 @@ The ClientApp's train mods (local DP, adaptive clipping's bit) run around each b
 client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in dpfl_tools/cohort_dpsgd.py: per-sample gradients,
 clipping and noise inside the batch, the Poisson masks and the noise from each client's own generators in Opacus'
 order, each client's ledger charged by its own `finish_round` when the grid answers its node. Evaluate messages of the
-same clients run together in dpfl_tools/cohort_evaluate.py. Everything else (a user's own ClientApp, Opacus'
-ghost clipping, SecAgg+, models with buffers, malformed messages) runs message by message through the ClientApp,
+same clients run together in dpfl_tools/cohort_evaluate.py. Everything else (a user's own ClientApp,
+SecAgg+, models with buffers, malformed messages) runs message by message through the ClientApp,
 with one log line per reason. Replies equal the sequential path's to float32 rounding (tests/test_cohort.py:
 1e-5 relative).
 

@@ -1,7 +1,8 @@
 """The cohort engine's DP-SGD: a round of ALI-DPFL's clients (clients/dpsgd.py `DPSGDClient`) trained together.
 
 `dpfl_tools.cohort.CohortGrid` hands this module the train messages whose client is a `DPSGDClient` (Opacus'
-ew, hooks or functorch per-sample gradients; ghost clipping runs one by one). Each client plans its round as
+ew, hooks, functorch or ghost clipping: the clipped sum below is what each of them computes; ghost clipping gets
+there without per-sample gradients, which the batch holds within its memory budget). Each client plans its round as
 `DPSGDClient.fit` does (`plan_round`: its ledger from Context.state, the steps its budget allows, its learning
 rate and its generators), the chunk of clients takes its steps at once, and each reply is the client's own
 `finish_round` (ledger charged with the steps taken, saved to Context.state, mu release, metrics), run when the
@@ -33,11 +34,6 @@ from torch.func import functional_call, grad, vmap
 from dpfl.dpcore.privacy.mechanisms import haar_coefficient_norms, haar_wavelet_noise
 from dpfl.dpcore.task.torch_helpers import as_tensors
 from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
-
-
-def batchable(client) -> bool:
-    """Whether a DPSGDClient's steps run in the batch (ghost clipping's two-pass rule is not re-expressed)."""
-    return client.grad_sample_mode != "ghost"
 
 
 def train_dpsgd_cohort(messages: list[Message], params: list, clients: list, size: int) -> dict:

@@ -63,9 +63,7 @@ def local_rule(client) -> str | None:
 
     dpsgd = sys.modules.get("dpfl.clients.dpsgd")  # imported where a client is one (not otherwise: it imports Opacus)
     if dpsgd is not None and type(client) is dpsgd.DPSGDClient:
-        from dpfl_tools.cohort_dpsgd import batchable
-
-        return "dpsgd" if batchable(client) else None
+        return "dpsgd"
     rules = {TrainingClient: "sgd", SAMClient: "sam", TopKSAMClient: "sam"}
     rules.update({PartialSharingClient: "sgd", DP2FedSAMClient: "sam"})  # the body's rule; heads: train_personal
     return rules.get(type(client))

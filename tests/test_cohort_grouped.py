@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-import dpfl_tools.cohort_train as cohort
 import dpfl_tools.cohort_grouped as grouped
+import dpfl_tools.cohort_train as cohort
 from dpfl.dpcore.task.models import build_model
 from dpfl.fl_app.client_app import app as client_app
 from dpfl.fl_app.config import validate
