@@ -19,8 +19,8 @@ with one log line per reason. Replies equal the sequential path's to float32 rou
 
 The round's arrays are decoded once per record the server sent (`received_arrays`: a strategy sends one record to
 every node) and moved to the device once (`stacked`); the clients' uploads after a chunk (Delta, clip, noise
-share, reply) run on a pool of threads (`in_threads`): numpy's noise draws release the GIL, and on a large model
-they are most of a client's time outside the batch.
+share, reply) of a model of 100,000 parameters or more run on a pool of threads (`in_threads`): numpy's noise
+draws release the GIL, and on a large model they are most of a client's time outside the batch.
 """
 
 from __future__ import annotations

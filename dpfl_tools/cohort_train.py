@@ -51,6 +51,9 @@ from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
 CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
+# uploads on threads from this model size: on 2 cores 100 uploads of cnn-mnist (26,010 parameters) took 1.1x as
+# long on two threads as on one, of cnn-cifar10 (550,570) 0.68x, of resnet18-gn (11.2 M) 0.8x (docs/performance.md)
+THREADED_UPLOAD_PARAMS = 100_000
 
 
 def local_rule(client) -> str | None:
@@ -76,12 +79,14 @@ def trainer(client):
     return client.inner if type(client) is FineTuneClient else client
 
 
-def in_threads(fn: Callable, items: list) -> list:
-    """[fn(*item) for item in items] on a pool of the process's cores: the clients' uploads (Delta, clip norm,
-    noise share) are numpy work that releases the GIL, each client's from its own generator, so the replies are
-    the ones computed one after the other."""
+def in_threads(fn: Callable, items: list, model: torch.nn.Module) -> list:
+    """[fn(*item) for item in items], on a pool of the process's cores where `model` has THREADED_UPLOAD_PARAMS
+    parameters or more: the clients' uploads (Delta, clip norm, noise share) are numpy work that releases the GIL,
+    each client's from its own generator, so the replies are the ones computed one after the other. Below that,
+    Python's share of an upload (the reply Message) dominates and threads only add switching."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = min(len(items), cores)
+    large = sum(p.numel() for p in model.parameters()) >= THREADED_UPLOAD_PARAMS
+    workers = min(len(items), cores) if large else 1
     if workers <= 1:
         return [fn(*item) for item in items]
     with ThreadPoolExecutor(workers) as pool:
@@ -134,7 +139,7 @@ def train_cohort(
                 loss = float(np.mean(losses[j])) if steps else math.nan
                 return fit_reply(messages[i], clients[i].upload(given[j], new[j], loss, steps, configs[i]))
 
-            replies.update(zip((id(messages[i]) for i in chunk), in_threads(reply, list(enumerate(chunk)))))
+            replies.update(zip((id(messages[i]) for i in chunk), in_threads(reply, list(enumerate(chunk)), model)))
     return replies
 
 
@@ -242,7 +247,7 @@ def train_personal(
                 reply = fit_reply(messages[i], c.upload_body(bodies[j], new_body[j], trained, head_trained, cfgs[j]))
                 return keeping(c.head_store, dict(zip(first.head_keys, new_head[j])), reply)
 
-            handlers.update(zip((id(messages[i]) for i in chunk), in_threads(handler, list(enumerate(chunk)))))
+            handlers.update(zip((id(messages[i]) for i in chunk), in_threads(handler, list(enumerate(chunk)), model)))
     return handlers
 
 

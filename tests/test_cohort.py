@@ -212,6 +212,25 @@ def test_evaluation_in_the_batch_equals_the_clientapps_and_does_not_leak(monkeyp
         assert same == (i != 3), i
 
 
+def test_uploads_on_threads_are_the_uploads_one_after_the_other(monkeypatch):
+    """A large model's uploads run on a pool of threads (here forced for the small one): every reply bit for bit
+    the one computed on one thread, each client's noise from its own generator."""
+    import dpfl_tools.cohort_train as cohort_train
+
+    cfg = validate({**BASE, "algorithm": "dp-fedsam"})
+    grid = CohortGrid(client_app, NODES, cfg)
+    one_thread = arrays(grid.send_and_receive(train_messages(grid)))
+    pools = []
+    monkeypatch.setattr(cohort_train, "THREADED_UPLOAD_PARAMS", 0)
+    monkeypatch.setattr(cohort_train.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
+    real_pool = cohort_train.ThreadPoolExecutor
+    monkeypatch.setattr(cohort_train, "ThreadPoolExecutor", lambda n: pools.append(n) or real_pool(n))
+    grid = CohortGrid(client_app, NODES, cfg)
+    threaded = arrays(grid.send_and_receive(train_messages(grid)))
+    assert pools == [4] and grid.batched == NODES
+    assert all(np.array_equal(a, b) for x, y in zip(one_thread, threaded) for a, b in zip(x, y))
+
+
 def test_unbatched_algorithm_and_own_clientapp_run_one_by_one(caplog, tmp_path, monkeypatch):
     """A client whose local rule the engine does not know (a subclass of SAMClient: local_rule takes exact types, as
     a subclass may change the rule) and a user's own ClientApp: message by message, one log line each, the
