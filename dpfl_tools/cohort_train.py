@@ -7,7 +7,6 @@ x_i)` (on the CPU, dpfl_tools/cohort_grouped.py's grouped model where the layers
 (the rules of clients/base.py and clients/sam.py, re-expressed on stacked tensors and tested against them in
 tests/test_cohort.py):
 
-
     g = grad F_i(w)                                    (SGD)
     g = grad F_i(w + e), e = rho g0 / (||g0||_2 + 1e-12), g0 = grad F_i(w)   (SAM)
     g <- g + lambda w;  b <- mu b + g (b = g at t = 0);  w <- w - eta_i b
@@ -27,7 +26,6 @@ partition-id)), then tau_phi SGD or SAM steps on phi with h_i frozen (the SAM no
 update is replied (`upload_body`); h_i is saved to the node's HeadStore when the node answers, as the ClientApp
 saves it, so a later round, an evaluation and a node that fails (it keeps its previous head) read what the
 sequential path leaves. A stored head that does not fit the model runs through the ClientApp (its error).
-
 """
 
 from __future__ import annotations
@@ -188,6 +186,9 @@ def minibatches(batches: list, batch: int, sample: tuple, device) -> tuple[torch
         if b is not None:
             x[i, : len(b[1])], y[i, : len(b[1])], m[i, : len(b[1])] = b[0], b[1], 1.0
     return x, y, m
+
+
+# ---------------------------------------------------------------- personal heads (DP2-FedSAM, CENTAUR)
 
 
 def personal(client) -> bool:
