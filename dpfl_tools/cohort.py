@@ -41,7 +41,8 @@ from dpfl_tools.inprocess import InProcessGrid
 class CohortGrid(InProcessGrid):
     """InProcessGrid that trains a round's train messages for the project's ClientApp as one batched model.
 
-    memory_budget: bytes per chunk (default: cohort_train's CPU_BUDGET, or CUDA_BUDGET_SHARE of the free GPU memory);
+    memory_budget: bytes per chunk (default: cohort_train's CPU_BUDGET, or its CUDA_BUDGET_SHARE of the free GPU
+    memory);
     threads: torch threads while training a chunk (default: as set in the process; the ClientApp sets 1, one
     simulated client per CPU, and more threads than free cores cost far more than they gain)."""
 
@@ -62,7 +63,7 @@ class CohortGrid(InProcessGrid):
         delivered = [self.deliver(msg) for msg in sent]
         clients = {id(m): c for m in delivered if (c := self.batchable(m)) is not None}
         trained: dict[int, Message] = {}
-        received = [(m, arrays) for m, arrays in received_arrays(sent, delivered) if id(m) in clients]
+        received = received_arrays([(s, d) for s, d in zip(sent, delivered) if id(d) in clients])
         for kind, run in (("train", train_cohort), ("evaluate", evaluate_cohort)):
             cohort = [(m, arrays) for m, arrays in received if m.metadata.message_type == kind]
             if not cohort:
@@ -139,19 +140,16 @@ class CohortGrid(InProcessGrid):
         return self._model
 
 
-def received_arrays(sent: list[Message], delivered: list[Message]):
-    """(delivered message, its "arrays" as numpy) pairs, each ArrayRecord the server sent decoded once: a strategy
-    sends one record to every node (the node copies of one record are equal), so the clients of a round share one
-    set of read-only arrays and `stacked` moves them to the device once."""
+def received_arrays(pairs: list[tuple[Message, Message]]) -> list[tuple[Message, list[np.ndarray]]]:
+    """(delivered message, its "arrays" as read-only numpy) for each (message sent, its delivered copy), each
+    ArrayRecord the server sent decoded once: a strategy sends one record to every node (the node copies of one
+    record are equal), so the clients of a round share one set of arrays and `stacked` moves them to the device
+    once."""
     decoded: dict[int, list[np.ndarray]] = {}
-    for original, msg in zip(sent, delivered):
+    for original, _ in pairs:
         record = original.content.get("arrays")
         if id(record) not in decoded:
-            arrays = msg.content["arrays"].to_numpy_ndarrays() if record is not None else []
-            for a in arrays:
+            decoded[id(record)] = record.to_numpy_ndarrays() if record is not None else []
+            for a in decoded[id(record)]:
                 a.flags.writeable = False
-            decoded[id(record)] = arrays
-        yield msg, decoded[id(record)]
-
-
-# ---------------------------------------------------------------- personal heads (DP2-FedSAM, CENTAUR)
+    return [(msg, decoded[id(original.content.get("arrays"))]) for original, msg in pairs]
