@@ -152,8 +152,8 @@ def client_settings(run_config: Mapping[str, Any]) -> Settings:
     """`validate` for a ClientApp, which validates the same run config for every message it answers: the last
     run configs' Settings (frozen) are remembered, so a round of 100 clients validates once; an invalid config
     raises on every call."""
-    try:
-        key = tuple(sorted(run_config.items()))
+    try:  # each value with its type: True == 1 == 1.0 as keys, but validate tells a bool from an int from a float
+        key = tuple(sorted((k, type(v).__name__, v) for k, v in run_config.items()))
         hash(key)
     except TypeError:  # a value that cannot be a key (not a scalar): validate names it
         return validate(run_config)
@@ -162,7 +162,7 @@ def client_settings(run_config: Mapping[str, Any]) -> Settings:
 
 @lru_cache(maxsize=8)
 def _validated(items: tuple) -> Settings:
-    return validate(dict(items))
+    return validate({k: v for k, _, v in items})
 
 
 def _check_paths(s: Settings) -> None:

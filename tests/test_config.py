@@ -447,3 +447,16 @@ def test_the_reference_run_drops_the_keys_its_algorithm_does_not_read():
     assert reference["algorithm"] == "dp-fedavg" and reference["local-steps"] == 3
     assert "num-partitions" not in reference and "gamma" not in reference
     validate(reference)
+
+
+def test_client_settings_remembers_a_valid_config_and_still_refuses_its_lookalikes():
+    """The ClientApp's remembered `validate`: the same Settings object for the same run config, and a config that
+    differs only by a value's type (0 == False, 1.0 == 1 as dictionary keys) validated on its own, so refused."""
+    from dpfl.fl_app.config import client_settings
+
+    first = client_settings({"secure-rng": False, "num-rounds": 3})
+    assert client_settings({"num-rounds": 3, "secure-rng": False}) is first
+    with pytest.raises(ConfigError, match="'secure-rng' = 0: must be true or false"):
+        client_settings({"secure-rng": 0, "num-rounds": 3})
+    with pytest.raises(ConfigError, match="'num-rounds'"):
+        client_settings({"secure-rng": False, "num-rounds": 3.0})
