@@ -123,8 +123,8 @@ def one(
         errors = [r.error.reason for r in replies if r.has_error()]
         if errors:
             raise RuntimeError(f"{len(errors)} replies failed: {errors[0]}")
-        if engine == "cohort" and (grid.batched if exchange == "train" else grid.evaluated) != n:
-            raise RuntimeError(f"only {grid.batched} of {n} replies were batched")
+        if engine == "cohort" and (batched := grid.batched if exchange == "train" else grid.evaluated) != n:
+            raise RuntimeError(f"only {batched} of {n} {exchange} replies were batched")
         return seconds
 
     round_seconds(2)

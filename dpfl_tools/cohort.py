@@ -97,7 +97,8 @@ class CohortGrid(InProcessGrid):
         )
 
     def batchable(self, msg: Message):
-        """The node's client when `msg` can be trained in the batch, else None (the reason logged once)."""
+        """The node's client when `msg` can be trained or evaluated in the batch, else None (the reason logged
+        once)."""
         from dpfl.fl_app import client_app as project
 
         if self.client_app is not project.app:
@@ -115,16 +116,16 @@ class CohortGrid(InProcessGrid):
         except Exception as err:  # the ClientApp raises it again, as its reply
             self.say(f"building a client raised {type(err).__name__}: {err}; its messages run one by one")
             return None
-        rule = local_rule(trainer(client))
-        if rule is None:
-            self.say(f"{type(client).__name__}'s local rule is not batched yet: its messages run one by one")
+        inner = trainer(client)
+        if local_rule(inner) is None:
+            self.say(f"{type(inner).__name__}'s local rule is not batched yet: its messages run one by one")
             return None
-        if any(True for _ in trainer(client).model.buffers()):
+        if any(True for _ in inner.model.buffers()):
             self.say("the model has buffers (e.g. BatchNorm statistics), which would mix clients: one by one")
             return None
         if personal(client) and not head_fits(client):
             return None  # the ClientApp raises restore_head's error, as its reply
-        state = trainer(client).model.state_dict()
+        state = inner.model.state_dict()
         shapes = [tuple(state[k].shape) for k in (client.body_keys if personal(client) else state)]
         arrays = msg.content.array_records.get("arrays")
         if arrays is None or [tuple(a.shape) for a in arrays.values()] != shapes:
