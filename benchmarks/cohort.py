@@ -48,6 +48,13 @@ DATASETS = {"cnn-mnist": "mnist-embedded", "cnn-cifar10": "cifar10", "resnet18-g
 SHAPES = {"mnist-embedded": (1, 28, 28), "cifar10": (3, 32, 32)}
 
 
+def use_synthetic_partitions(samples: int) -> None:
+    """The ClientApp loads `synthetic_partitions(samples)` (a ProcessGrid's worker calls it first)."""
+    import dpfl.fl_app.client_app as project
+
+    project.load_client_partition = synthetic_partitions(samples)
+
+
 def synthetic_partitions(samples: int):
     """load_client_partition's stand-in: `samples` Gaussian images of the dataset's shape per client, and a
     quarter as many held out, 10 labels."""
@@ -75,8 +82,10 @@ def one(
     algorithm: str = "dp-fedsam",
     q=0.25,
     exchange: str = "train",
+    processes: int = 1,
 ) -> dict:
-    """One measurement, in this process: a warm-up round on 2 clients, then the timed round on `clients`."""
+    """One measurement, in this process: a warm-up round on the first max(2, `processes`) clients, then the timed
+    round on all `clients` (the cohort engine with `processes` > 1: a ProcessGrid of that many CohortGrids)."""
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
@@ -85,10 +94,10 @@ def one(
     from dpfl.fl_app.config import validate
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
+    from dpfl_tools.process_grid import ProcessGrid
 
     torch.set_num_threads(1)
-    project.load_client_partition = synthetic_partitions(samples)
-    grid_class = CohortGrid if engine == "cohort" else InProcessGrid
+    use_synthetic_partitions(samples)
     cfg = validate(
         {
             "model": model,
@@ -102,8 +111,15 @@ def one(
         }
     )
 
+    if engine == "inprocess":
+        grid = InProcessGrid(project.app, clients, cfg, keep_messages=False)
+    elif processes == 1:
+        grid = CohortGrid(project.app, clients, cfg, keep_messages=False)
+    else:
+        synthetic = {"initializer": use_synthetic_partitions, "initargs": (samples,)}
+        grid = ProcessGrid(project.app, clients, cfg, processes=processes, keep_messages=False, **synthetic)
+
     def round_seconds(n: int) -> float:
-        grid = grid_class(project.app, n, cfg)
         weights = [
             v.detach().cpu().numpy() for v in project.build_client(grid.contexts[100]).model.state_dict().values()
         ]
@@ -111,7 +127,7 @@ def one(
         if algorithm == "ali-dpfl":  # DP-SGD: the server sends the round's local steps
             config = {"server-round": 1, "local-steps": steps}
         content = RecordDict({"arrays": ArrayRecord(weights), "config": ConfigRecord(config)})  # one for all, as
-        messages = [grid.create_message(content, exchange, node, "1") for node in grid.get_node_ids()]  # FedAvg's
+        messages = [grid.create_message(content, exchange, node, "1") for node in list(grid.get_node_ids())[:n]]
         cuda = resolve_device(device).type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -123,21 +139,31 @@ def one(
         errors = [r.error.reason for r in replies if r.has_error()]
         if errors:
             raise RuntimeError(f"{len(errors)} replies failed: {errors[0]}")
-        if engine == "cohort" and (batched := grid.batched if exchange == "train" else grid.evaluated) != n:
+        batched = getattr(grid, "batched" if exchange == "train" else "evaluated", n)  # a ProcessGrid's: its workers'
+        if engine == "cohort" and batched != n:
             raise RuntimeError(f"only {batched} of {n} {exchange} replies were batched")
         return seconds
 
-    round_seconds(2)
+    warm = min(max(2, processes), clients)
+    round_seconds(warm)
+    if isinstance(grid, CohortGrid):
+        grid.batched = grid.evaluated = 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     seconds = round_seconds(clients)
+    if isinstance(grid, ProcessGrid):
+        grid.close()  # its workers' peak RSS counts once they are waited for (RUSAGE_CHILDREN)
+    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return {
         "model": model,
         "clients": clients,
         "engine": engine,
+        **({"processes": processes} if engine == "cohort" else {}),
         "seconds": seconds,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "cuda_max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "peak_rss_mib": rss / 1024,  # a ProcessGrid's: its largest process's
+        "cuda_max_allocated_mib": (  # not a ProcessGrid's: its workers allocate
+            torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and processes == 1 else None
+        ),
     }
 
 
@@ -223,6 +249,17 @@ def fresh(args: list[str], timeout: float) -> dict | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def print_ratios(rows: list[dict]) -> None:
+    """Each cohort row's seconds over the sequential and the Ray round's, of one model and cohort size."""
+    other = {r["engine"]: r["seconds"] for r in rows if r["engine"] != "cohort"}
+    for row in rows:
+        for engine, name in (("inprocess", "sequential"), ("ray", "ray")):
+            if row["engine"] == "cohort" and row["seconds"] and other.get(engine):
+                processes = f" in {row['processes']} processes" if row["processes"] > 1 else ""
+                ratio = row["seconds"] / other[engine]
+                print(f"{row['model']} {row['clients']} clients: cohort{processes} / {name} round = {ratio:.3f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="cnn-mnist,cnn-cifar10,resnet18-gn")
@@ -237,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--algorithm", default="dp-fedsam", choices=("dp-fedsam", "ali-dpfl"))
     parser.add_argument("--sample-rate", type=float, default=0.25, help="ali-dpfl: DP-SGD's Poisson rate q")
     parser.add_argument("--engines", default="inprocess,cohort", help="comma-separated: inprocess, cohort, ray")
+    parser.add_argument(
+        "--processes", default="1", help="comma-separated: the cohort engine in each of these many processes"
+    )
     parser.add_argument("--exchange", default="train", choices=("train", "evaluate"), help="the round's messages")
     parser.add_argument("--ray-rounds", type=int, default=3, help="ray: rounds per launch (at least 3)")
     parser.add_argument("--gpus-per-client", type=float, default=None, help="ray: the launcher's flag (default: its)")
@@ -244,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.models, args.cohorts = "cnn-mnist", "10,100"
     engines = args.engines.split(",")
+    processes_list = [int(p) for p in args.processes.split(",")]
     if unknown := set(engines) - {"inprocess", "cohort", "ray"}:
         parser.error(f"--engines {args.engines!r}: unknown {sorted(unknown)}; allowed: inprocess, cohort, ray")
     if "ray" in engines and (args.algorithm != "dp-fedsam" or args.ray_rounds < 3 or args.exchange != "train"):
@@ -257,19 +298,20 @@ def main(argv: list[str] | None = None) -> None:
                 if engine == "inprocess" and clients > args.sequential_max:
                     continue
                 one_args = [model, clients, engine, args.device, args.local_steps, args.samples]
-                if engine == "ray":
-                    row = ray_round(*one_args[:2], *one_args[3:], args.ray_rounds, args.gpus_per_client, args.timeout)
-                else:
-                    row = fresh([*one_args, args.algorithm, args.sample_rate, args.exchange], args.timeout)
-                if row is None:
-                    row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            pair = {r["engine"]: r["seconds"] for r in rows if r["model"] == model and r["clients"] == clients}
-            for other, name in (("inprocess", "sequential"), ("ray", "ray")):
-                if pair.get(other) and pair.get("cohort"):
-                    ratio = pair["cohort"] / pair[other]
-                    print(f"{model} {clients} clients: cohort / {name} round = {ratio:.3f}x", flush=True)
+                for processes in processes_list if engine == "cohort" else [1]:
+                    if engine == "ray":
+                        row = ray_round(
+                            *one_args[:2], *one_args[3:], args.ray_rounds, args.gpus_per_client, args.timeout
+                        )
+                    else:
+                        extra = [args.algorithm, args.sample_rate, args.exchange, processes]
+                        row = fresh([*one_args, *extra], args.timeout)
+                    if row is None:
+                        row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
+                        row.update({"processes": processes} if engine == "cohort" else {})
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            print_ratios([r for r in rows if r["model"] == model and r["clients"] == clients])
     result = {
         "machine": {
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

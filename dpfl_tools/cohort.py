@@ -42,7 +42,7 @@ class CohortGrid(InProcessGrid):
     """InProcessGrid that trains a round's train messages for the project's ClientApp as one batched model.
 
     memory_budget: bytes per chunk (default: cohort_train's CPU_BUDGET, or its CUDA_BUDGET_SHARE of the free GPU
-    memory);
+    memory; a ProcessGrid's worker takes its PROCESS_SHARE of either);
     threads: torch threads while training a chunk (default: as set in the process; the ClientApp sets 1, one
     simulated client per CPU, and more threads than free cores cost far more than they gain)."""
 

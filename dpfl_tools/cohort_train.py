@@ -49,6 +49,7 @@ from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
 CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
+PROCESS_SHARE = 1.0  # of either budget this process takes: a ProcessGrid's worker, 1 / its processes
 # uploads on threads from this model size: on 2 cores 100 uploads of cnn-mnist (26,010 parameters) took 1.1x as
 # long on two threads as on one, of cnn-cifar10 (550,570) 0.68x, of resnet18-gn (11.2 M) 0.8x (docs/performance.md)
 THREADED_UPLOAD_PARAMS = 100_000
@@ -147,7 +148,8 @@ def chunk_size(model: torch.nn.Module, client, budget: int | None, rows: int = 0
     their gradients; SAM twice); `per_sample` (DP-SGD): plus 3 B P for the per-sample gradients."""
     device = client.device
     if budget is None:
-        budget = CPU_BUDGET if device.type != "cuda" else int(CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0])
+        default = CPU_BUDGET if device.type != "cuda" else CUDA_BUDGET_SHARE * torch.cuda.mem_get_info(device)[0]
+        budget = int(PROCESS_SHARE * default)
     p = sum(v.numel() for v in model.parameters())
     sizes = []
     hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel())) for m in model.modules()]

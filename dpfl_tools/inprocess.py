@@ -25,7 +25,8 @@ SERVER_NODE_ID = 1
 
 class InProcessGrid(Grid):
     """Nodes 100..100+N-1, each with node config partition-id / num-partitions, and the run config (a dict, or
-    the Settings of one)."""
+    the Settings of one). `keep_messages`: every message sent and received stays in `sent` and `received` (tests
+    read them; a long run of the launcher keeps none: a round's replies are the cohort's models)."""
 
     def __init__(
         self,
@@ -34,12 +35,14 @@ class InProcessGrid(Grid):
         run_config: Mapping[str, Any] | Settings,
         *,
         fail: Callable[[int, Message], bool] | None = None,
+        keep_messages: bool = True,
     ) -> None:
         if isinstance(run_config, Settings):
             run_config = run_config.run_config()
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1
         self.client_app = client_app
         self.fail = fail  # fail(node_id, msg) -> True: the node "crashes" on this message
+        self.keep_messages = keep_messages
         self.contexts = {
             100 + i: Context(
                 run_id=1,
@@ -78,11 +81,18 @@ class InProcessGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return [self.answer(self.deliver(msg)) for msg in messages]
 
+    def stamp(self, msg: Message) -> Message:
+        """`msg` with the id the SuperLink would set (one it has is kept: a ProcessGrid stamps its workers')."""
+        if not msg.metadata.message_id:
+            msg.metadata.__dict__["_message_id"] = str(next(self._ids))
+        return msg
+
     def deliver(self, msg: Message) -> Message:
         """The copy of `msg` its node sees, as it would over the network, with the id the SuperLink would set."""
-        msg.metadata.__dict__["_message_id"] = str(next(self._ids))
+        self.stamp(msg)
         delivered = Message(content=deepcopy(msg.content), metadata=deepcopy(msg.metadata))
-        self.sent.append(delivered)
+        if self.keep_messages:
+            self.sent.append(delivered)
         return delivered
 
     def answer(self, delivered: Message, run: Callable[[Message, Context], Message] | None = None) -> Message:
@@ -95,5 +105,6 @@ class InProcessGrid(Grid):
             reply = (run or self.client_app)(delivered, self.contexts[node])
         except Exception as exc:
             reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=delivered)
-        self.received.append(reply)
+        if self.keep_messages:
+            self.received.append(reply)
         return reply

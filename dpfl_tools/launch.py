@@ -2,12 +2,13 @@
 
     python -m dpfl_tools.launch [--clients N] [--reference] [-c "key=value ..."] [--sweep "key=v1,v2,..."]
     python -m dpfl_tools.launch --resume RUN_DIR [--clients N] [-c "num-rounds=..."]
-    python -m dpfl_tools.launch --engine cohort [--clients N] [-c ...]   (in this process, no flwr run)
+    python -m dpfl_tools.launch --engine cohort [--processes P] [--clients N] [-c ...]   (no flwr run)
 
 --engine inprocess runs each run's ServerApp code in this process on `dpfl_tools.inprocess.InProcessGrid` (the
 clients one after the other); --engine cohort on `dpfl_tools.cohort.CohortGrid` (a round's clients trained
 together as one batched model, on device = auto: CUDA where torch sees it). Same run folders, no SuperLink, Ray
-or network namespace. The default, --engine flwr:
+or network namespace. --processes P: the nodes split over P worker processes (`dpfl_tools.process_grid`), each
+such a grid for its share, side by side on the cores and one GPU. The default, --engine flwr:
 
 What it does, so that nothing is left behind:
 0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will), --clients
@@ -209,7 +210,19 @@ def main(argv: list[str] | None = None) -> int:
         help="flwr (default): `flwr run` with Ray; inprocess: in this process, clients one by one; cohort: in this "
         "process, a round's clients trained together as one batched model (dpfl_tools.cohort)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="--engine inprocess / cohort: split the nodes over this many worker processes, each a grid for its "
+        "share, training side by side (default 1: this process)",
+    )
     args = parser.parse_args(argv)
+    if args.processes < 1 or (args.processes > 1 and args.engine == "flwr"):
+        parser.error(
+            f"--processes {args.processes}: allowed are 1 or more, and more than 1 only with --engine inprocess or "
+            "cohort (with flwr, Flower's Ray simulation runs its own actors: --cpus-per-client)"
+        )
     if args.engine != "flwr":
         return run_in_process(args)
     user_namespace = own_user_namespace(args.network_isolation)  # first: the process must be single-threaded
@@ -270,18 +283,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_in_process(args: argparse.Namespace) -> int:
     """--engine inprocess / cohort: each planned run through the ServerApp's `run_federated` on a Grid in this
-    process, with --clients nodes."""
+    process with --clients nodes (--processes P > 1: a ProcessGrid of P such grids)."""
     from dpfl.fl_app.client_app import app as client_app
     from dpfl.fl_app.results import read_status
     from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
+    from dpfl_tools.process_grid import ProcessGrid
 
     grid_class = CohortGrid if args.engine == "cohort" else InProcessGrid
     stamp = run_stamp()
     run_dirs = []
     for run in plan_runs(args, stamp):
-        run_federated(grid_class(client_app, args.clients, run.settings), run.settings)
+        grid_args = (client_app, args.clients, run.settings)
+        if args.processes == 1:
+            run_federated(grid_class(*grid_args, keep_messages=False), run.settings)
+        else:
+            with ProcessGrid(*grid_args, processes=args.processes, grid_class=grid_class, keep_messages=False) as grid:
+                run_federated(grid, run.settings)
         status = read_status(run.folder).get("status", "missing")
         if status != "completed":
             print(f"Run '{run.name}' did not complete (run folder status {status!r})", file=sys.stderr)

@@ -303,11 +303,12 @@ def test_a_client_that_cannot_be_built_is_logged_and_gets_the_clientapps_error(c
     ]
 
 
-def launch(engine: str, tmp_path, run_config: str, clients: int) -> dict:
+def launch(engine: str, tmp_path, run_config: str, clients: int, *flags: str) -> dict:
     from dpfl_tools.launch import main
 
     folder = tmp_path / engine
-    assert main(["--engine", engine, "--clients", str(clients), "-c", f'{run_config} results-dir="{folder}"']) == 0
+    argv = ["--engine", engine, "--clients", str(clients), *flags, "-c", f'{run_config} results-dir="{folder}"']
+    assert main(argv) == 0
     return json.loads((folder / "summary.json").read_text())
 
 

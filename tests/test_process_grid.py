@@ -1,0 +1,135 @@
+"""ProcessGrid (dpfl_tools/process_grid.py): a round's nodes over worker processes, each a grid for its share.
+
+The replies equal one grid's (CohortGrid's within tests/test_cohort.py's tolerance: a share is a smaller batch;
+InProcessGrid's bit for bit), each node's Context stays in its worker across rounds, the ledger and the epsilon are
+identical, and a worker that dies stops the run after its last completed round, from which it resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from dpfl.fl_app.client_app import app as client_app
+from dpfl.fl_app.config import validate
+from dpfl.fl_app.results import read_status
+from dpfl.fl_app.server_app import run_federated
+from dpfl_tools.cohort import CohortGrid
+from dpfl_tools.inprocess import InProcessGrid
+from dpfl_tools.process_grid import ProcessGrid
+from tests.test_cohort import BASE, NODES, assert_replies_close, launch, train_messages
+
+
+def config(tmp_path, name: str, **overrides):
+    return validate({**BASE, **overrides, "results-dir": str(tmp_path / name)})
+
+
+def test_personal_heads_evaluations_and_epsilon_equal_one_cohort_grid(tmp_path):
+    """DP2-FedSAM over 2 rounds, every node evaluated: each node's head lives in its worker's Context across
+    rounds (a node answered by another worker would start again from the initial head, and its replies differ)."""
+    torch.set_num_threads(1)
+    overrides = {"algorithm": "dp2-fedsam", "num-rounds": 2, "fraction-evaluate": 1.0}
+    one = CohortGrid(client_app, NODES, config(tmp_path, "one", **overrides))
+    s1 = run_federated(one, config(tmp_path, "one", **overrides))
+    with ProcessGrid(client_app, NODES, config(tmp_path, "two", **overrides), processes=2) as two:
+        s2 = run_federated(two, config(tmp_path, "two", **overrides))
+        assert len(two.workers) == 2
+    assert len(two.received) == len(one.received) > 2 * NODES
+    assert {m.metadata.message_type for m in two.received} == {"train", "evaluate"}
+    assert_replies_close(one.received, two.received)
+    assert s2["epsilon"] == s1["epsilon"] > 0
+    ledgers = [
+        [json.loads(line)["epsilon"] for line in (tmp_path / n / "metrics.jsonl").open()] for n in ("one", "two")
+    ]
+    assert ledgers[0] == ledgers[1] and len(ledgers[0]) == 2
+
+
+def test_inprocess_grids_in_processes_reply_bit_for_bit(tmp_path):
+    """InProcessGrid's in 3 workers: the replies of InProcessGrid itself, bit for bit; a simulated crash (`fail`)
+    costs that node's reply only."""
+    cfg = config(tmp_path, "x", algorithm="dp-fedavg", **{"noise-placement": "distributed"})
+    one = InProcessGrid(client_app, NODES, cfg)
+    expected = one.send_and_receive(train_messages(one))
+    crash = lambda node, _msg: node == 102  # noqa: E731
+    with ProcessGrid(client_app, NODES, cfg, processes=3, grid_class=InProcessGrid, fail=crash) as grid:
+        replies = grid.send_and_receive(train_messages(grid))
+    assert [r.metadata.src_node_id for r in replies] == list(range(100, 100 + NODES))
+    assert [r.has_error() for r in replies] == [n == 102 for n in range(100, 100 + NODES)]
+    assert "node 102 crashed" in replies[2].error.reason
+    for got, want in zip(replies, expected):
+        if not got.has_error():
+            for x, y in zip(got.content["arrays"].to_numpy_ndarrays(), want.content["arrays"].to_numpy_ndarrays()):
+                assert np.array_equal(x, y)
+            assert dict(got.content["metrics"]) == dict(want.content["metrics"])
+
+
+def test_refusals():
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"processes = {bad!r}: an integer of at least 1"):
+            ProcessGrid(client_app, NODES, cfg, processes=bad)
+    with pytest.raises(ValueError, match="does not pickle.*module's top level"):
+        ProcessGrid(lambda msg, context: msg, NODES, cfg, processes=2)
+
+
+def test_launcher_refuses_processes_with_flwr(capsys):
+    from dpfl_tools.launch import main
+
+    with pytest.raises(SystemExit):
+        main(["--processes", "2"])  # the default engine, flwr: Ray runs its own actors
+    assert "--processes 2: allowed are 1 or more, and more than 1 only with --engine inprocess or cohort" in (
+        capsys.readouterr().err
+    )
+
+
+class KillAtRound:
+    """`fail` hook that kills worker 1 (node 101's) when round `at` is sent, and fails no node."""
+
+    def __init__(self, at: int):
+        self.at, self.grid = at, None
+
+    def __call__(self, node: int, msg) -> bool:
+        if node == 101 and msg.content["config"]["server-round"] == self.at:
+            proc = self.grid.workers[self.grid.worker_of(node)][0]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+        return False
+
+
+@pytest.mark.slow
+def test_a_dead_worker_stops_the_run_which_resumes_to_the_same_epsilon(tmp_path):
+    overrides = {"algorithm": "dp-fedavg", "num-rounds": 3}
+    whole = run_federated(
+        InProcessGrid(client_app, NODES, config(tmp_path, "whole", **overrides)), config(tmp_path, "whole", **overrides)
+    )
+    cfg = config(tmp_path, "cut", **overrides)
+    kill = KillAtRound(2)
+    with ProcessGrid(client_app, NODES, cfg, processes=2, fail=kill) as grid:
+        kill.grid = grid
+        with pytest.raises(RuntimeError, match=r"worker process 1 \(pid \d+, exit code -9\) of the ProcessGrid died .*--resume"):
+            run_federated(grid, cfg)
+    status = read_status(tmp_path / "cut")
+    assert status["status"] == "failed" and status["completed_rounds"] == 1
+    resumed = config(tmp_path, "cut", **overrides, resume=True)
+    with ProcessGrid(client_app, NODES, resumed, processes=2) as grid:
+        summary = run_federated(grid, resumed)
+    assert summary["rounds_completed"] == 3 and summary["resumed_after_round"] == 1
+    assert summary["epsilon"] == whole["epsilon"] > 0
+
+
+@pytest.mark.slow
+def test_launch_cohort_in_two_processes_same_accuracy_and_epsilon(tmp_path, capsys):
+    """`python -m dpfl_tools.launch --engine cohort --processes 2`: the accuracy and epsilon of one process."""
+    run_config = (
+        'dataset="digits" model="mlp" num-rounds=3 sample-rate=1.0 noise-multiplier=0.1 clipping-norm=1.0 '
+        "secure-rng=false tensorboard=false"
+    )
+    one = launch("cohort", tmp_path, run_config, 6)
+    two = launch("cohort", tmp_path / "p", run_config, 6, "--processes", "2")
+    assert two["epsilon"] == one["epsilon"] > 0 and two["rounds_completed"] == 3
+    assert two["final_accuracy"] == pytest.approx(one["final_accuracy"], abs=0.01) and two["final_accuracy"] > 0.15
