@@ -56,24 +56,28 @@ class ProcessGrid(InProcessGrid):
             from dpfl_tools.cohort import CohortGrid
 
             grid_class = CohortGrid
-        spawn = multiprocessing.get_context("spawn")  # CUDA cannot be forked; a fresh interpreter each
         config = self.contexts[100].run_config if self.contexts else {}
         processes = min(processes, max(num_nodes, 1))
         spec = (grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes)
         self.workers: list[tuple[Any, Connection]] = []
         for _ in range(processes):
-            mine, theirs = spawn.Pipe()
-            proc = spawn.Process(target=serve, args=(theirs, spec), daemon=True)
-            try:
-                proc.start()  # pickles spec
-            except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                self.close()
-                raise ValueError(
-                    f"client_app = {client_app!r} (or grid_kwargs / initializer) does not pickle ({exc}); a "
-                    "ProcessGrid's workers need one defined at a module's top level, as fl_app.client_app.app"
-                ) from None
-            theirs.close()
-            self.workers.append((proc, mine))
+            self.workers.append(self.start_worker(spec))
+
+    def start_worker(self, spec: tuple) -> tuple[Any, Connection]:
+        """(process, this end of its pipe) of a fresh interpreter (spawn: CUDA cannot be forked) running `serve`."""
+        spawn = multiprocessing.get_context("spawn")
+        mine, theirs = spawn.Pipe()
+        proc = spawn.Process(target=serve, args=(theirs, spec), daemon=True)
+        try:
+            proc.start()  # pickles spec
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            self.close()
+            raise ValueError(
+                f"client_app = {spec[1]!r} (or grid_kwargs / initializer) does not pickle ({exc}); a ProcessGrid's "
+                "workers need one defined at a module's top level, as fl_app.client_app.app"
+            ) from None
+        theirs.close()
+        return proc, mine
 
     def worker_of(self, node_id: int) -> int:
         return (node_id - 100) % len(self.workers)
@@ -157,9 +161,13 @@ def serve(conn: Connection, spec: tuple) -> None:
     if initializer is not None:
         initializer(*initargs)
     grid = grid_class(client_app, num_nodes, run_config, keep_messages=False, **grid_kwargs)
-    while (share := conn.recv()) is not None:
-        try:
-            conn.send(list(grid.send_and_receive(share)))
-        except Exception as exc:  # a grid's own failure (a node's is its Error reply): the ServerApp sees it
-            conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
+    try:
+        while (share := conn.recv()) is not None:
+            try:
+                replies = list(grid.send_and_receive(share))
+            except Exception as exc:  # a grid's own failure (a node's is its Error reply): the ServerApp sees it
+                replies = RuntimeError(f"{type(exc).__name__}: {exc}")
+            conn.send(replies)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the ProcessGrid's process ended or was interrupted (Ctrl-C reaches every worker): end quietly
     conn.close()
