@@ -111,7 +111,9 @@ def test_a_dead_worker_stops_the_run_which_resumes_to_the_same_epsilon(tmp_path)
     kill = KillAtRound(2)
     with ProcessGrid(client_app, NODES, cfg, processes=2, fail=kill) as grid:
         kill.grid = grid
-        with pytest.raises(RuntimeError, match=r"worker process 1 \(pid \d+, exit code -9\) of the ProcessGrid died .*--resume"):
+        with pytest.raises(
+            RuntimeError, match=r"worker process 1 \(pid \d+, exit code -9\) of the ProcessGrid died .*--resume"
+        ):
             run_federated(grid, cfg)
     status = read_status(tmp_path / "cut")
     assert status["status"] == "failed" and status["completed_rounds"] == 1
