@@ -284,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.models, args.cohorts = "cnn-mnist", "10,100"
     engines = args.engines.split(",")
-    processes_list = [int(p) for p in args.processes.split(",")]
+    processes_list = [int(p) for p in args.processes.split(",") if p.isdigit() and int(p) >= 1]
+    if len(processes_list) != len(args.processes.split(",")):
+        parser.error(f"--processes {args.processes!r}: allowed are integers of at least 1, comma-separated")
     if unknown := set(engines) - {"inprocess", "cohort", "ray"}:
         parser.error(f"--engines {args.engines!r}: unknown {sorted(unknown)}; allowed: inprocess, cohort, ray")
     if "ray" in engines and (args.algorithm != "dp-fedsam" or args.ray_rounds < 3 or args.exchange != "train"):

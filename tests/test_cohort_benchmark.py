@@ -20,3 +20,20 @@ def test_unknown_engine_is_refused_with_the_allowed_ones(capsys):
     with pytest.raises(SystemExit):
         main(["--engines", "cohort,rays"])
     assert "unknown ['rays']; allowed: inprocess, cohort, ray" in capsys.readouterr().err
+
+
+def test_bad_processes_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["--processes", "1,0"])
+    assert "--processes '1,0': allowed are integers of at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cohort_in_two_processes_trains_on_the_stand_in_data():
+    """The workers load the benchmark's synthetic CIFAR-10-shaped data (its initializer): no CIFAR-10 is offline
+    here, so a worker that loaded the real dataset would fail its replies, which `one` raises."""
+    from benchmarks.cohort import one
+
+    row = one("cnn-cifar10", 3, "cohort", "cpu", 1, 8, processes=2)
+    assert row["processes"] == 2 and row["seconds"] > 0 and row["cuda_max_allocated_mib"] is None
+    assert row["peak_rss_mib"] > 100  # a worker's, torch loaded
