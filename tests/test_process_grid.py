@@ -135,3 +135,22 @@ def test_launch_cohort_in_two_processes_same_accuracy_and_epsilon(tmp_path, caps
     two = launch("cohort", tmp_path / "p", run_config, 6, "--processes", "2")
     assert two["epsilon"] == one["epsilon"] > 0 and two["rounds_completed"] == 3
     assert two["final_accuracy"] == pytest.approx(one["final_accuracy"], abs=0.01) and two["final_accuracy"] > 0.15
+
+
+@pytest.mark.slow
+def test_dpsgd_clients_in_processes_reply_and_account_as_one_grid(tmp_path):
+    """ALI-DPFL's DP-SGD clients over 3 rounds in 2 workers: the replies (each with its client's sample-level
+    epsilon after the round, from the ledger in its node's Context.state) and the run's epsilon equal one grid's.
+    (A ledger lost with its worker would be charged again from the server's counts, `adopt_server_counts`: the
+    personal-heads test above is the one that shows a node's state staying in its worker.)"""
+    torch.set_num_threads(1)
+    overrides = {"algorithm": "ali-dpfl", "num-rounds": 3, "target-epsilon": 20.0, "local-steps": 4}
+    one = CohortGrid(client_app, NODES, config(tmp_path, "one", **overrides))
+    s1 = run_federated(one, config(tmp_path, "one", **overrides))
+    with ProcessGrid(client_app, NODES, config(tmp_path, "two", **overrides), processes=2) as two:
+        s2 = run_federated(two, config(tmp_path, "two", **overrides))
+    assert_replies_close(one.received, two.received)
+    last = [m.content["metrics"]["epsilon"] for m in two.received[-NODES:] if m.metadata.message_type == "train"]
+    first = [m.content["metrics"]["epsilon"] for m in two.received[:NODES]]
+    assert len(last) == NODES and all(b > a > 0 for a, b in zip(first, last))  # each ledger grew across rounds
+    assert s2["epsilon"] == s1["epsilon"] > 0
