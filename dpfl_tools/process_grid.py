@@ -62,6 +62,15 @@ class ProcessGrid(InProcessGrid):
         self.workers: list[tuple[Any, Connection]] = []
         for _ in range(processes):
             self.workers.append(self.start_worker(spec))
+        for k, (proc, conn) in enumerate(self.workers):  # each has built its grid, or the error is raised here
+            try:
+                started = conn.recv()
+            except (EOFError, OSError):
+                proc.join(5)
+                started = RuntimeError(f"it died (exit code {proc.exitcode})")
+            if isinstance(started, BaseException):
+                self.close()
+                raise RuntimeError(f"worker process {k} of the ProcessGrid could not build its grid: {started}")
 
     def start_worker(self, spec: tuple) -> tuple[Any, Connection]:
         """(process, this end of its pipe) of a fresh interpreter (spawn: CUDA cannot be forked) running `serve`."""
@@ -155,12 +164,18 @@ class ProcessGrid(InProcessGrid):
 
 
 def serve(conn: Connection, spec: tuple) -> None:
-    """A worker's loop: build its grid once, then answer each share of messages sent until None."""
+    """A worker's loop: build its grid once (then say "ready", or send the error), then answer each share of
+    messages sent until None."""
     grid_class, client_app, num_nodes, run_config, grid_kwargs, initializer, initargs, processes = spec
     cohort_train.PROCESS_SHARE = 1 / processes  # the workers train at once: each its share of the memory budget
-    if initializer is not None:
-        initializer(*initargs)
-    grid = grid_class(client_app, num_nodes, run_config, keep_messages=False, **grid_kwargs)
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+        grid = grid_class(client_app, num_nodes, run_config, keep_messages=False, **grid_kwargs)
+    except Exception as exc:  # the ProcessGrid raises it before any round
+        conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send("ready")
     try:
         while (share := conn.recv()) is not None:
             try:

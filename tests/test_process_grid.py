@@ -154,3 +154,15 @@ def test_dpsgd_clients_in_processes_reply_and_account_as_one_grid(tmp_path):
     first = [m.content["metrics"]["epsilon"] for m in two.received[:NODES]]
     assert len(last) == NODES and all(b > a > 0 for a, b in zip(first, last))  # each ledger grew across rounds
     assert s2["epsilon"] == s1["epsilon"] > 0
+
+
+def refuse_to_start(reason: str) -> None:
+    raise ValueError(reason)
+
+
+def test_a_worker_that_cannot_start_raises_before_any_round():
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    with pytest.raises(
+        RuntimeError, match="worker process 0 of the ProcessGrid could not build its grid: ValueError: no"
+    ):
+        ProcessGrid(client_app, NODES, cfg, processes=2, initializer=refuse_to_start, initargs=("no data here",))
