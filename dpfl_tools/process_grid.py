@@ -7,7 +7,8 @@ sends each worker its share of a round's messages at once, so the shares train s
 and on one GPU, as the actors of Flower's Ray simulation do. A node's Context (its state: personal heads, a
 DP-SGD client's ledger) lives in its worker for the whole run. The ServerApp, the strategy and the privacy
 ledger stay in this process and get the replies the one grid would send (each node trains from its own
-generators, so only the float rounding of a batch can differ: tests/test_process_grid.py).
+generators, so only the float rounding of a batch can differ: tests/test_process_grid.py); the replies' arrays
+come back through shared memory (dpfl_tools/shared_arrays.py).
 
 A worker that dies (killed, out of memory) took its nodes' Contexts with it: the round raises, the run folder
 says "failed" after its last completed round, and `python -m dpfl_tools.launch --resume RUN_DIR` continues from
@@ -26,6 +27,7 @@ from flwr.app import Error, Message
 
 from dpfl_tools import cohort_train
 from dpfl_tools.inprocess import InProcessGrid
+from dpfl_tools.shared_arrays import ReplyBlock
 
 
 class ProcessGrid(InProcessGrid):
@@ -60,6 +62,7 @@ class ProcessGrid(InProcessGrid):
         processes = min(processes, max(num_nodes, 1))
         spec = (grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes)
         self.workers: list[tuple[Any, Connection]] = []
+        self.blocks = [ReplyBlock() for _ in range(processes)]  # where each worker's replies' arrays come back
         for _ in range(processes):
             self.workers.append(self.start_worker(spec))
         for k, (proc, conn) in enumerate(self.workers):  # each has built its grid, or the error is raised here
@@ -108,9 +111,9 @@ class ProcessGrid(InProcessGrid):
             for (_, conn), share in zip(self.workers, shares):
                 if share:
                     conn.send(share)  # pickled once: the messages of a round share one record of arrays
-            for (_, conn), share in zip(self.workers, shares):
+            for (_, conn), block, share in zip(self.workers, self.blocks, shares):
                 if share:
-                    replies.update(zip(map(id, share), self.receive(conn)))
+                    replies.update(zip(map(id, share), self.receive(conn, block)))
         except (EOFError, OSError):
             raise self.lost() from None
         answered = [replies[id(msg)] for msg in sent]
@@ -120,12 +123,13 @@ class ProcessGrid(InProcessGrid):
         return answered
 
     @staticmethod
-    def receive(conn: Connection) -> list[Message]:
-        """A worker's replies, in the order of its share; RuntimeError if its grid raised."""
-        replies = conn.recv()
-        if isinstance(replies, BaseException):
-            raise RuntimeError(f"a worker process of the ProcessGrid raised {type(replies).__name__}: {replies}")
-        return replies
+    def receive(conn: Connection, block: ReplyBlock) -> list[Message]:
+        """A worker's replies, in the order of its share (their arrays out of its `block`); RuntimeError if its
+        grid raised."""
+        answer = conn.recv()
+        if isinstance(answer, BaseException):
+            raise RuntimeError(f"a worker process of the ProcessGrid raised {type(answer).__name__}: {answer}")
+        return block.unpack(*answer)
 
     def lost(self) -> RuntimeError:
         """The error of a round a worker died in: the others are ended too (the run stops), the dead named."""
@@ -134,6 +138,8 @@ class ProcessGrid(InProcessGrid):
             proc.terminate()
             proc.join()
             conn.close()
+        for block in self.blocks:
+            block.close(unlink=True)  # a killed worker cannot free its own
         self.workers = []
         named = ", ".join(f"{k} (pid {proc.pid}, exit code {proc.exitcode})" for k, proc in dead)
         return RuntimeError(
@@ -148,12 +154,13 @@ class ProcessGrid(InProcessGrid):
                 conn.send(None)
             except OSError:
                 pass
-        for proc, conn in self.workers:
+        for (proc, conn), block in zip(self.workers, self.blocks):
             proc.join(10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
             conn.close()
+            block.close(unlink=proc.exitcode != 0)  # a worker that ended well freed its own
         self.workers = []
 
     def __enter__(self) -> ProcessGrid:
@@ -176,13 +183,15 @@ def serve(conn: Connection, spec: tuple) -> None:
         conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
         return
     conn.send("ready")
+    block = ReplyBlock(processes)
     try:
         while (share := conn.recv()) is not None:
             try:
-                replies = list(grid.send_and_receive(share))
+                conn.send(block.pack(list(grid.send_and_receive(share))))
             except Exception as exc:  # a grid's own failure (a node's is its Error reply): the ServerApp sees it
-                replies = RuntimeError(f"{type(exc).__name__}: {exc}")
-            conn.send(replies)
+                conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the ProcessGrid's process ended or was interrupted (Ctrl-C reaches every worker): end quietly
-    conn.close()
+    finally:
+        block.close(unlink=True)
+        conn.close()
