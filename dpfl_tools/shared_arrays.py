@@ -1,9 +1,9 @@
 """A worker's replies to the ProcessGrid's process with their arrays in shared memory instead of the pipe.
 
 Through a pipe a reply's bytes are copied four times (into the pickle, into and out of the kernel, into the
-unpickled bytes): 1.0 to 2.9 s here for ten resnet18-gn replies (45 MB each), against 0.4 to 0.5 s through a
-block of shared memory that the worker keeps across rounds (`python -m benchmarks.reply_transfer`; a fresh block
-each round costs a page fault per 4 KB page and gained far less). Each side holds a `ReplyBlock`: the worker's
+unpickled bytes): 1.0 to 2.1 s here for ten resnet18-gn replies (45 MB each), against 0.2 s through a block of
+shared memory that the worker keeps across rounds (`python -m benchmarks.reply_transfer`, docs/performance.md; a
+fresh block each round costs a page fault per 4 KB page and gained far less). Each side holds a `ReplyBlock`: the worker's
 `pack` copies every array of its replies into its block (created, or grown, as a round needs) and leaves an empty
 Array of the same dtype and shape in its place; the ProcessGrid's `unpack` copies them back out into the replies.
 A block that would take more than 1 / (2 P) of the space free in /dev/shm (a container's is often 64 MB) is not
