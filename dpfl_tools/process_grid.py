@@ -114,8 +114,8 @@ class ProcessGrid(InProcessGrid):
             for (_, conn), block, share in zip(self.workers, self.blocks, shares):
                 if share:
                     replies.update(zip(map(id, share), self.receive(conn, block)))
-        except (EOFError, OSError):
-            raise self.lost() from None
+        except (EOFError, OSError) as exc:
+            raise self.lost(exc) from None
         answered = [replies[id(msg)] for msg in sent]
         if self.keep_messages:
             self.sent.extend(sent)
@@ -131,8 +131,9 @@ class ProcessGrid(InProcessGrid):
             raise RuntimeError(f"a worker process of the ProcessGrid raised {type(answer).__name__}: {answer}")
         return block.unpack(*answer)
 
-    def lost(self) -> RuntimeError:
-        """The error of a round a worker died in: the others are ended too (the run stops), the dead named."""
+    def lost(self, exc: BaseException) -> RuntimeError:
+        """The error of a round a worker died in (`exc`: what this side saw): the others are ended too (the run
+        stops), the dead named."""
         dead = [(k, proc) for k, (proc, _) in enumerate(self.workers) if not proc.is_alive()]
         for proc, conn in self.workers:
             proc.terminate()
@@ -142,9 +143,10 @@ class ProcessGrid(InProcessGrid):
             block.close(unlink=True)  # a killed worker cannot free its own
         self.workers = []
         named = ", ".join(f"{k} (pid {proc.pid}, exit code {proc.exitcode})" for k, proc in dead)
+        what = f"worker process {named} of the ProcessGrid died" if dead else f"the ProcessGrid lost a worker ({exc})"
         return RuntimeError(
-            f"worker process {named} of the ProcessGrid died and took its nodes' Contexts with it; the run stops "
-            "after its last completed round: resume it with `python -m dpfl_tools.launch --resume RUN_DIR`"
+            f"{what} and took its nodes' Contexts with it; the run stops after its last completed round: resume it "
+            "with `python -m dpfl_tools.launch --resume RUN_DIR`"
         )
 
     def close(self) -> None:

@@ -38,7 +38,10 @@ class ReplyBlock:
             if sum(sizes) > shm_room() / (2 * self.processes):
                 return replies, None, []
             self.close(unlink=True)
-            self.block = SharedMemory(create=True, size=sum(sizes))
+            try:
+                self.block = SharedMemory(create=True, size=sum(sizes))
+            except OSError:  # e.g. no shared memory here at all: the pipe
+                return replies, None, []
         offset = 0
         for (record, key, array), size in zip(items, sizes):
             self.block.buf[offset : offset + size] = array.data
