@@ -29,11 +29,14 @@ def test_bad_processes_are_refused(capsys):
 
 
 @pytest.mark.slow
-def test_cohort_in_two_processes_trains_on_the_stand_in_data():
+def test_cohort_in_two_processes_trains_on_the_stand_in_data(monkeypatch):
     """The workers load the benchmark's synthetic CIFAR-10-shaped data (its initializer): no CIFAR-10 is offline
     here, so a worker that loaded the real dataset would fail its replies, which `one` raises."""
+    import dpfl.fl_app.client_app as project
     from benchmarks.cohort import one
 
+    # `one` swaps the ClientApp's loader in this process too (as in its own): put the real one back afterwards
+    monkeypatch.setattr(project, "load_client_partition", project.load_client_partition)
     row = one("cnn-cifar10", 3, "cohort", "cpu", 1, 8, processes=2)
     assert row["processes"] == 2 and row["seconds"] > 0 and row["cuda_max_allocated_mib"] is None
     assert row["peak_rss_mib"] > 100  # a worker's, torch loaded
