@@ -95,16 +95,29 @@ class InProcessGrid(Grid):
             self.sent.append(delivered)
         return delivered
 
+    def crashes(self, msg: Message) -> bool:
+        """Whether the `fail` hook crashes `msg`'s node on it."""
+        return bool(self.fail and self.fail(msg.metadata.dst_node_id, msg))
+
     def answer(self, delivered: Message, run: Callable[[Message, Context], Message] | None = None) -> Message:
         """The node's reply to `delivered` from `run` (default: the ClientApp); a failing node costs only its
         reply (an Error)."""
         node = delivered.metadata.dst_node_id
         try:
-            if self.fail and self.fail(node, delivered):
-                raise RuntimeError(f"node {node} crashed (simulated)")
+            if self.crashes(delivered):
+                raise simulated_crash(node)
             reply = (run or self.client_app)(delivered, self.contexts[node])
         except Exception as exc:
-            reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=delivered)
+            reply = error_reply(delivered, exc)
         if self.keep_messages:
             self.received.append(reply)
         return reply
+
+
+def simulated_crash(node: int) -> RuntimeError:
+    return RuntimeError(f"node {node} crashed (simulated)")
+
+
+def error_reply(msg: Message, exc: BaseException) -> Message:
+    """A failing node's reply to `msg`: an Error that names `exc`."""
+    return Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from flwr.app import Error, Message
+from flwr.app import Message
 
 from dpfl_tools import cohort_train
-from dpfl_tools.inprocess import InProcessGrid
+from dpfl_tools.inprocess import InProcessGrid, error_reply, simulated_crash
 from dpfl_tools.shared_arrays import ReplyBlock
 
 
@@ -102,9 +102,8 @@ class ProcessGrid(InProcessGrid):
         shares: list[list[Message]] = [[] for _ in self.workers]
         for msg in sent:
             node = msg.metadata.dst_node_id
-            if self.fail and self.fail(node, msg):
-                crash = f"RuntimeError: node {node} crashed (simulated)"  # InProcessGrid.answer's reply
-                replies[id(msg)] = Message(Error(code=1, reason=crash), reply_to=msg)
+            if self.crashes(msg):
+                replies[id(msg)] = error_reply(msg, simulated_crash(node))
             else:
                 shares[self.worker_of(node)].append(msg)
         try:
