@@ -32,14 +32,15 @@ class ReplyBlock:
         None, []) as they are where there is nothing to move or the block would not fit (see above)."""
         items = list(arrays_of(replies))
         sizes = [len(array.data) for _, _, array in items]
-        if not sum(sizes):
+        total = sum(sizes)
+        if not total:
             return replies, None, []
-        if self.block is None or self.block.size < sum(sizes):
-            if sum(sizes) > shm_room() / (2 * self.processes):
+        if self.block is None or self.block.size < total:
+            if total > shm_room() / (2 * self.processes):
                 return replies, None, []
             self.close(unlink=True)
             try:
-                self.block = SharedMemory(create=True, size=sum(sizes))
+                self.block = SharedMemory(create=True, size=total)
             except OSError:  # e.g. no shared memory here at all: the pipe
                 return replies, None, []
         offset = 0
