@@ -11,7 +11,7 @@ One round's train exchange (`grid.send_and_receive` of one train message per nod
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
 cnn-cifar10, resnet18-gn), cohort size (10, 100, 1000) and engine, each in a fresh process after one warm-up
 round of the same engine on 2 clients: the round's seconds, the process's peak RSS (CPU) and the peak CUDA memory
-allocated. Every client holds --samples synthetic images of the model's input shape (MNIST's for cnn-mnist,
+allocated (with --processes P > 1: the sum of each process's peak, an upper bound of what they held at once). Every client holds --samples synthetic images of the model's input shape (MNIST's for cnn-mnist,
 CIFAR-10's for the others) and takes --local-steps steps of batch 32. torch runs on one thread in both engines
 (the ClientApp's setting). The sequential engine runs cohorts up to --sequential-max clients (its time grows
 linearly: 1,000 clients of resnet18-gn take minutes); the ratio line compares the cohort engine to it.
@@ -36,7 +36,6 @@ import io
 import json
 import os
 import platform
-import resource
 import signal
 import subprocess
 import sys
@@ -94,7 +93,7 @@ def one(
     from dpfl.fl_app.config import validate
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
-    from dpfl_tools.process_grid import ProcessGrid
+    from dpfl_tools.process_grid import ProcessGrid, peak_memory
 
     torch.set_num_threads(1)
     use_synthetic_partitions(samples)
@@ -148,22 +147,21 @@ def one(
     round_seconds(warm)
     if isinstance(grid, CohortGrid):
         grid.batched = grid.evaluated = 0
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
     seconds = round_seconds(clients)
+    peaks = [peak_memory(), *getattr(grid, "worker_peaks", [])]  # a ProcessGrid's: each process's, summed
     if isinstance(grid, ProcessGrid):
-        grid.close()  # its workers' peak RSS counts once they are waited for (RUSAGE_CHILDREN)
-    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        grid.close()
+    cuda = [p["cuda_max_allocated_mib"] for p in peaks if p["cuda_max_allocated_mib"] is not None]
     return {
         "model": model,
         "clients": clients,
         "engine": engine,
         **({"processes": processes} if engine == "cohort" else {}),
         "seconds": seconds,
-        "peak_rss_mib": rss / 1024,  # a ProcessGrid's: its largest process's
-        "cuda_max_allocated_mib": (  # not a ProcessGrid's: its workers allocate
-            torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and processes == 1 else None
-        ),
+        "peak_rss_mib": sum(p["rss_mib"] for p in peaks),
+        "cuda_max_allocated_mib": sum(cuda) if cuda else None,
     }
 
 

@@ -8,7 +8,8 @@ and on one GPU, as the actors of Flower's Ray simulation do. A node's Context (i
 DP-SGD client's ledger) lives in its worker for the whole run. The ServerApp, the strategy and the privacy
 ledger stay in this process and get the replies the one grid would send (each node trains from its own
 generators, so only the float rounding of a batch can differ: tests/test_process_grid.py); the replies' arrays
-come back through shared memory (dpfl_tools/shared_arrays.py).
+come back through shared memory (dpfl_tools/shared_arrays.py). Where torch sees several GPUs and the run config's
+`device` is `auto` or `cuda`, worker k trains on GPU k % G (`placement`).
 
 A worker that dies (killed, out of memory) took its nodes' Contexts with it: the round raises, the run folder
 says "failed" after its last completed round, and `python -m dpfl_tools.launch --resume RUN_DIR` continues from
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -63,8 +65,9 @@ class ProcessGrid(InProcessGrid):
         spec = (grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes)
         self.workers: list[tuple[Any, Connection]] = []
         self.blocks = [ReplyBlock() for _ in range(processes)]  # where each worker's replies' arrays come back
-        for _ in range(processes):
-            self.workers.append(self.start_worker(spec))
+        self.worker_peaks: list[dict] = [{} for _ in range(processes)]  # each worker's `peak_memory()`, last round
+        for k in range(processes):
+            self.workers.append(self.start_worker(k, spec))
         for k, (proc, conn) in enumerate(self.workers):  # each has built its grid, or the error is raised here
             try:
                 started = conn.recv()
@@ -75,11 +78,12 @@ class ProcessGrid(InProcessGrid):
                 self.close()
                 raise RuntimeError(f"worker process {k} of the ProcessGrid could not build its grid: {started}")
 
-    def start_worker(self, spec: tuple) -> tuple[Any, Connection]:
-        """(process, this end of its pipe) of a fresh interpreter (spawn: CUDA cannot be forked) running `serve`."""
+    def start_worker(self, k: int, spec: tuple) -> tuple[Any, Connection]:
+        """(process, this end of its pipe) of a fresh interpreter (spawn: CUDA cannot be forked) running `serve`
+        as worker k."""
         spawn = multiprocessing.get_context("spawn")
         mine, theirs = spawn.Pipe()
-        proc = spawn.Process(target=serve, args=(theirs, spec), daemon=True)
+        proc = spawn.Process(target=serve, args=(theirs, k, spec), daemon=True)
         try:
             proc.start()  # pickles spec
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -110,9 +114,9 @@ class ProcessGrid(InProcessGrid):
             for (_, conn), share in zip(self.workers, shares):
                 if share:
                     conn.send(share)  # pickled once: the messages of a round share one record of arrays
-            for (_, conn), block, share in zip(self.workers, self.blocks, shares):
+            for k, share in enumerate(shares):
                 if share:
-                    replies.update(zip(map(id, share), self.receive(conn, block)))
+                    replies.update(zip(map(id, share), self.receive(k)))
         except (EOFError, OSError) as exc:
             raise self.lost(exc) from None
         answered = [replies[id(msg)] for msg in sent]
@@ -121,14 +125,14 @@ class ProcessGrid(InProcessGrid):
             self.received.extend(answered)
         return answered
 
-    @staticmethod
-    def receive(conn: Connection, block: ReplyBlock) -> list[Message]:
-        """A worker's replies, in the order of its share (their arrays out of its `block`); RuntimeError if its
-        grid raised."""
-        answer = conn.recv()
+    def receive(self, k: int) -> list[Message]:
+        """Worker k's replies, in the order of its share (their arrays out of its block), its peak memory kept in
+        `worker_peaks`; RuntimeError if its grid raised."""
+        answer = self.workers[k][1].recv()
         if isinstance(answer, BaseException):
             raise RuntimeError(f"a worker process of the ProcessGrid raised {type(answer).__name__}: {answer}")
-        return block.unpack(*answer)
+        *packed, self.worker_peaks[k] = answer
+        return self.blocks[k].unpack(*packed)
 
     def lost(self, exc: BaseException) -> RuntimeError:
         """The error of a round a worker died in (`exc`: what this side saw): the others are ended too (the run
@@ -171,11 +175,37 @@ class ProcessGrid(InProcessGrid):
         self.close()
 
 
-def serve(conn: Connection, spec: tuple) -> None:
-    """A worker's loop: build its grid once (then say "ready", or send the error), then answer each share of
-    messages sent until None."""
+def placement(k: int, processes: int, device: str, gpus: int) -> tuple[int | None, int]:
+    """(the GPU worker k makes torch's current one, or None to leave it; how many workers share its memory
+    budget). With `device` (the run config's) `auto` or `cuda` and `gpus` > 1, worker k trains on GPU k % gpus,
+    beside the workers j with j % gpus == k % gpus; otherwise all `processes` share the CPU, one GPU or `cuda:N`."""
+    if device not in ("auto", "cuda") or gpus < 2:
+        return None, processes
+    return k % gpus, len(range(k % gpus, processes, gpus))
+
+
+def peak_memory() -> dict[str, float | None]:
+    """This process's peak RSS and peak CUDA memory allocated by torch (None where it used no CUDA), in MiB."""
+    import resource
+
+    import torch
+
+    cuda = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    return {"rss_mib": rss, "cuda_max_allocated_mib": cuda}
+
+
+def serve(conn: Connection, k: int, spec: tuple) -> None:
+    """Worker k's loop: build its grid once (then say "ready", or send the error), then answer each share of
+    messages sent until None: (its `ReplyBlock.pack`ed replies, its `peak_memory()`)."""
+    import torch
+
     grid_class, client_app, num_nodes, run_config, grid_kwargs, initializer, initargs, processes = spec
-    cohort_train.PROCESS_SHARE = 1 / processes  # the workers train at once: each its share of the memory budget
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu, sharing = placement(k, processes, str(run_config.get("device", "auto")), gpus)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)  # `cuda` (and `auto`) is torch's current device
+    cohort_train.PROCESS_SHARE = 1 / sharing  # the workers train at once: each its share of the memory budget
     try:
         if initializer is not None:
             initializer(*initargs)
@@ -188,7 +218,7 @@ def serve(conn: Connection, spec: tuple) -> None:
     try:
         while (share := conn.recv()) is not None:
             try:
-                conn.send(block.pack(list(grid.send_and_receive(share))))
+                conn.send((*block.pack(list(grid.send_and_receive(share))), peak_memory()))
             except Exception as exc:  # a grid's own failure (a node's is its Error reply): the ServerApp sees it
                 conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

@@ -21,7 +21,7 @@ from dpfl.fl_app.results import read_status
 from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.cohort import CohortGrid
 from dpfl_tools.inprocess import InProcessGrid
-from dpfl_tools.process_grid import ProcessGrid
+from dpfl_tools.process_grid import ProcessGrid, placement
 from tests.test_cohort import BASE, NODES, assert_replies_close, launch, train_messages
 
 
@@ -66,6 +66,34 @@ def test_inprocess_grids_in_processes_reply_bit_for_bit(tmp_path):
             for x, y in zip(got.content["arrays"].to_numpy_ndarrays(), want.content["arrays"].to_numpy_ndarrays()):
                 assert np.array_equal(x, y)
             assert dict(got.content["metrics"]) == dict(want.content["metrics"])
+    for peak in grid.worker_peaks:  # each worker's own, torch loaded; CUDA memory where it trained there
+        assert peak["rss_mib"] > 100
+        assert (peak["cuda_max_allocated_mib"] is None) == (not torch.cuda.is_available())
+
+
+@pytest.mark.parametrize(
+    ("k", "processes", "device", "gpus", "expected"),
+    [
+        (3, 8, "auto", 0, (None, 8)),  # the CPU: all share its budget
+        (3, 8, "cuda", 1, (None, 8)),  # one GPU: all share it
+        (3, 8, "auto", 4, (3, 2)),  # 8 workers on 4 GPUs: workers 3 and 7 on GPU 3
+        (4, 5, "cuda", 2, (0, 3)),  # workers 0, 2, 4 on GPU 0
+        (1, 5, "cuda", 2, (1, 2)),  # workers 1, 3 on GPU 1
+        (2, 3, "auto", 8, (2, 1)),  # more GPUs than workers: one each
+        (1, 4, "cuda:1", 4, (None, 4)),  # the run config names one GPU: all on it
+        (1, 4, "cpu", 4, (None, 4)),
+    ],
+)
+def test_placement_spreads_workers_over_the_gpus(k, processes, device, gpus, expected):
+    assert placement(k, processes, device, gpus) == expected
+
+
+def test_placement_shares_each_gpu_among_exactly_the_workers_on_it():
+    for gpus in range(2, 5):
+        for processes in range(1, 10):
+            placed = [placement(k, processes, "auto", gpus) for k in range(processes)]
+            for gpu, sharing in placed:
+                assert sharing == sum(other == gpu for other, _ in placed)
 
 
 def test_refusals():
