@@ -9,7 +9,7 @@ DP-SGD client's ledger) lives in its worker for the whole run. The ServerApp, th
 ledger stay in this process and get the replies the one grid would send (each node trains from its own
 generators, so only the float rounding of a batch can differ: tests/test_process_grid.py); the replies' arrays
 come back through shared memory (dpfl_tools/shared_arrays.py). Where torch sees several GPUs and the run config's
-`device` is `auto` or `cuda`, worker k trains on GPU k % G (`placement`).
+`device` setting is `auto` or `cuda`, worker k trains on GPU k % G (`placement`).
 
 A worker that dies (killed, out of memory) took its nodes' Contexts with it: the round raises, the run folder
 says "failed" after its last completed round, and `python -m dpfl_tools.launch --resume RUN_DIR` continues from
@@ -27,6 +27,7 @@ from typing import Any
 
 from flwr.app import Message
 
+from dpfl.fl_app.settings import Settings
 from dpfl_tools import cohort_train
 from dpfl_tools.inprocess import InProcessGrid, error_reply, simulated_crash
 from dpfl_tools.shared_arrays import ReplyBlock
@@ -62,7 +63,8 @@ class ProcessGrid(InProcessGrid):
             grid_class = CohortGrid
         config = self.contexts[100].run_config if self.contexts else {}
         processes = min(processes, max(num_nodes, 1))
-        spec = (grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes)
+        device = run_config.training.device if isinstance(run_config, Settings) else None  # else the app's own
+        spec = (grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes, device)
         self.workers: list[tuple[Any, Connection]] = []
         self.blocks = [ReplyBlock() for _ in range(processes)]  # where each worker's replies' arrays come back
         self.worker_peaks: list[dict] = [{} for _ in range(processes)]  # each worker's `peak_memory()`, last round
@@ -175,10 +177,11 @@ class ProcessGrid(InProcessGrid):
         self.close()
 
 
-def placement(k: int, processes: int, device: str, gpus: int) -> tuple[int | None, int]:
+def placement(k: int, processes: int, device: str | None, gpus: int) -> tuple[int | None, int]:
     """(the GPU worker k makes torch's current one, or None to leave it; how many workers share its memory
-    budget). With `device` (the run config's) `auto` or `cuda` and `gpus` > 1, worker k trains on GPU k % gpus,
-    beside the workers j with j % gpus == k % gpus; otherwise all `processes` share the CPU, one GPU or `cuda:N`."""
+    budget). With `device` (the run's setting) `auto` or `cuda` and `gpus` > 1, worker k trains on GPU k % gpus,
+    beside the workers j with j % gpus == k % gpus; otherwise (None: a ClientApp of one's own, whose run config
+    is not the project's) all `processes` share the CPU, one GPU or `cuda:N`."""
     if device not in ("auto", "cuda") or gpus < 2:
         return None, processes
     return k % gpus, len(range(k % gpus, processes, gpus))
@@ -200,9 +203,9 @@ def serve(conn: Connection, k: int, spec: tuple) -> None:
     messages sent until None: (its `ReplyBlock.pack`ed replies, its `peak_memory()`)."""
     import torch
 
-    grid_class, client_app, num_nodes, run_config, grid_kwargs, initializer, initargs, processes = spec
+    grid_class, client_app, num_nodes, run_config, grid_kwargs, initializer, initargs, processes, device = spec
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu, sharing = placement(k, processes, str(run_config.get("device", "auto")), gpus)
+    gpu, sharing = placement(k, processes, device, gpus)
     if gpu is not None:
         torch.cuda.set_device(gpu)  # `cuda` (and `auto`) is torch's current device
     cohort_train.PROCESS_SHARE = 1 / sharing  # the workers train at once: each its share of the memory budget

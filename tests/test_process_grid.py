@@ -82,6 +82,7 @@ def test_inprocess_grids_in_processes_reply_bit_for_bit(tmp_path):
         (2, 3, "auto", 8, (2, 1)),  # more GPUs than workers: one each
         (1, 4, "cuda:1", 4, (None, 4)),  # the run config names one GPU: all on it
         (1, 4, "cpu", 4, (None, 4)),
+        (1, 4, None, 4, (None, 4)),  # a ClientApp of one's own: its own choice of device
     ],
 )
 def test_placement_spreads_workers_over_the_gpus(k, processes, device, gpus, expected):
