@@ -11,8 +11,9 @@ One round's train exchange (`grid.send_and_receive` of one train message per nod
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
 cnn-cifar10, resnet18-gn), cohort size (10, 100, 1000) and engine, each in a fresh process after one warm-up
 round of the same engine on 2 clients: the round's seconds, the process's peak RSS (CPU) and the peak CUDA memory
-allocated (with --processes P > 1: the sum of each process's peak, an upper bound of what they held at once). Every client holds --samples synthetic images of the model's input shape (MNIST's for cnn-mnist,
-CIFAR-10's for the others) and takes --local-steps steps of batch 32. torch runs on one thread in both engines
+allocated (with --processes P > 1: the sum of each process's peak, an upper bound of what they held at once).
+Every client holds --samples synthetic images of the model's input shape (MNIST's for cnn-mnist, CIFAR-10's for
+the others) and takes --local-steps steps of batch 32. torch runs on one thread in both engines
 (the ClientApp's setting). The sequential engine runs cohorts up to --sequential-max clients (its time grows
 linearly: 1,000 clients of resnet18-gn take minutes); the ratio line compares the cohort engine to it.
 `--algorithm ali-dpfl`: the round is ALI-DPFL's DP-SGD instead (--local-steps steps at Poisson rate
