@@ -2,6 +2,7 @@
 
 import math
 
+import dp_accounting
 import pytest
 
 from dpfl.dpcore.privacy import accountants
@@ -14,7 +15,7 @@ from dpfl.dpcore.privacy.calibration import (
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger, PrivacyLedger
 from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, noise_share_count, truncation_probability
 from dpfl.strategies.parts.noise_placement import server_view
-from tests.independent_accountant import dp_accounting_epsilons
+from tests.independent_accountant import dp_accounting_epsilons, gaussian_delta
 
 # (sigma, q, rounds, delta): epsilons from about 0.5 to 20
 SETTINGS = [
@@ -185,6 +186,42 @@ def test_small_sigma_unsampled_is_pld_above_and_within_2_percent_of_the_exact_ga
     assert exact.get_delta_for_epsilon(eps) <= 1e-5 < exact.get_delta_for_epsilon(eps / 1.02)
     assert accountants.accountant_used([(sigma, 1.0, steps)], 1e-5, "pld") == "pld"
     assert epsilon_of([(sigma, 1.0, steps)], 1e-5, "rdp") > eps * 1.03
+
+
+@pytest.mark.parametrize(
+    "events",
+    [[(1.0, 1.0, 1)], [(0.5, 1.0, 10)], [(0.19, 1.0, 30)], [(2.0, 1.0, 5), (1.0, 1.0, 3)], [(10.0, 1.0, 1)]],
+)
+@pytest.mark.parametrize("delta", [1e-5, 1e-3])
+def test_unsampled_events_get_the_exact_gaussian_epsilon_from_above(events, delta):
+    """q = 1 (the server's view of distributed noise, local noise, fixed-size sampling): the composition is one
+    Gaussian at (sum k / sigma^2)^(-1/2), and the ledger prints its exact epsilon: delta there is at most `delta`
+    and 1e-6 below it more (the closed form evaluated independently), and dp-accounting's PLD on the ledger's
+    former 1e-3 grid is at most 2e-3 above it."""
+    mu = math.sqrt(sum(k / sigma**2 for sigma, _, k in events))
+    eps = epsilon_of(events, delta)
+    assert gaussian_delta(mu, eps) <= delta < gaussian_delta(mu, eps * (1 - 1e-6))
+    grid = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    for sigma, _, k in events:
+        grid.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), k))
+    # pessimistic: above the exact epsilon, by less than the interval for each of the (at most 2) PLDs composed
+    assert eps * (1 - 1e-8) <= grid.get_epsilon(delta) <= eps + 2e-3
+    assert accountants.accountant_used(events, delta, "pld") == "pld"
+
+
+def test_the_exact_gaussian_stands_down_where_float64_cannot_hold_it(monkeypatch):
+    """Below a composed multiplier of 1e-3 (epsilon above 5e5) and where any event is sampled, the grid gives the
+    number, as before; at 1e-3 the closed form still does."""
+    assert accountants.composed_sigma([(0.9e-3, 1.0, 1)]) < accountants.EXACT_GAUSSIAN_MIN_SIGMA
+    at_the_edge = accountants.gaussian_epsilon([(1e-3, 1.0, 1)], 1e-5)
+    assert gaussian_delta(1e3, at_the_edge) <= 1e-5 < gaussian_delta(1e3, at_the_edge * (1 - 1e-6))
+
+    def refused(events, delta):
+        raise AssertionError(f"the closed form was used for {events}")
+
+    monkeypatch.setattr(accountants, "gaussian_epsilon", refused)
+    for events in ([(0.9e-3, 1.0, 1)], [(1.0, 1.0, 10), (1.0, 0.5, 10)]):
+        assert math.isfinite(accountants._pld_epsilon(events, 1e-5))
 
 
 def test_pld_grid_is_the_fine_one_from_sigma_0_2_and_coarser_below():
