@@ -6,6 +6,7 @@
     python -m benchmarks.cohort --algorithm ali-dpfl --models cnn-mnist --cohorts 10,100
     python -m benchmarks.cohort --exchange evaluate --models cnn-mnist --cohorts 10,100
     python -m benchmarks.cohort --engines cohort,ray --models cnn-mnist,resnet18-gn --cohorts 100
+    python -m benchmarks.cohort --engines ray,cohort-run --processes 1,8 --models cnn-mnist --cohorts 100
 
 One round's train exchange (`grid.send_and_receive` of one train message per node, dp-fedsam, distributed noise:
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
@@ -27,7 +28,9 @@ sampled (sample-rate 1), iid partitions of synthetic PNG images written as a Hug
 (`data-dir`; dataset mnist for cnn-mnist, cifar10 for the others), --samples training images per client. Its
 seconds are the run folder's `seconds` of the last round before the final one (round 1 pays Ray's actor
 start-up, the final round the server's evaluation); its memory is not measured (many processes). The ratio line
-compares the cohort engine to it.
+compares the cohort engine to it. `--engines ...,cohort-run`: the same launch with `--engine cohort --processes
+P` (each of --processes), timed the same way, so that its ratio to Ray's compares whole rounds, the server's
+aggregation, accounting and checkpoint included in both.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+LAUNCHED = ("ray", "cohort-run")  # engines timed through `python -m dpfl_tools.launch`, whole rounds
 DATASETS = {"cnn-mnist": "mnist-embedded", "cnn-cifar10": "cifar10", "resnet18-gn": "cifar10"}
 SHAPES = {"mnist-embedded": (1, 28, 28), "cifar10": (3, 32, 32)}
 
@@ -188,16 +192,27 @@ def write_parquet_export(folder: Path, dataset: str, train: int, test: int = 64)
         pq.write_table(table, folder / f"{split}-00000.parquet")
 
 
-def ray_round(
-    model: str, clients: int, device: str, steps: int, samples: int, rounds: int, gpus: float | None, timeout: float
+def launched_round(
+    engine: str,
+    model: str,
+    clients: int,
+    device: str,
+    steps: int,
+    samples: int,
+    rounds: int,
+    gpus: float | None,
+    timeout: float,
+    processes: int = 1,
 ) -> dict:
-    """The dp-fedsam round through `python -m dpfl_tools.launch` (Flower's Ray simulation): `rounds` rounds, the
-    seconds of round rounds - 1 from the run folder (None where the launch ran out of time or failed)."""
+    """The dp-fedsam round through `python -m dpfl_tools.launch`: Flower's Ray simulation (`engine` ray) or the
+    cohort engine in `processes` processes (cohort-run); `rounds` rounds, the seconds of round rounds - 1 from the
+    run folder, the server's part included (None where the launch ran out of time or failed)."""
     from dpfl.fl_app.results import read_rounds
     from dpfl_tools import ROOT
 
     dataset = "mnist" if model == "cnn-mnist" else "cifar10"
-    row = {"model": model, "clients": clients, "engine": "ray", "seconds": None}
+    row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
+    row.update({"processes": processes} if engine == "cohort-run" else {})
     with tempfile.TemporaryDirectory(prefix="cohort-ray-") as tmp:
         data = Path(tmp, "data")
         write_parquet_export(data, dataset, -(-samples * clients * 10 // 9) + clients)  # 90/10 split per client
@@ -207,7 +222,8 @@ def ray_round(
             "sample-rate=1.0 partitioner='iid'"
         )
         cmd = [sys.executable, "-m", "dpfl_tools.launch", "--clients", str(clients), "--results", str(Path(tmp, "r"))]
-        cmd += ["-c", overrides] + (["--gpus-per-client", str(gpus)] if gpus is not None else [])
+        cmd += ["-c", overrides] + (["--gpus-per-client", str(gpus)] if gpus is not None and engine == "ray" else [])
+        cmd += ["--engine", "cohort", "--processes", str(processes)] if engine == "cohort-run" else []
         env = {**os.environ, "DPFL_CACHE_DIR": str(Path(tmp, "cache"))}
         log = Path(tmp, "launch.log")
         with log.open("w") as out:
@@ -221,12 +237,12 @@ def ray_round(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-                print(f"ray engine: {model} {clients} clients ran out of {timeout:.0f} s", file=sys.stderr)
+                print(f"{engine} engine: {model} {clients} clients ran out of {timeout:.0f} s", file=sys.stderr)
                 return row
         runs = [p.parent for p in Path(tmp, "r").glob("*/summary.json")]
         if proc.returncode != 0 or len(runs) != 1:
             tail = log.read_text()[-3000:]
-            print(f"ray engine: launch exit code {proc.returncode}, run folders {runs}:\n{tail}", file=sys.stderr)
+            print(f"{engine} engine: launch exit code {proc.returncode}, run folders {runs}:\n{tail}", file=sys.stderr)
             return row
         rounds = read_rounds(runs[0])
     seconds = [r["seconds"] for r in rounds]
@@ -249,14 +265,19 @@ def fresh(args: list[str], timeout: float) -> dict | None:
 
 
 def print_ratios(rows: list[dict]) -> None:
-    """Each cohort row's seconds over the sequential and the Ray round's, of one model and cohort size."""
-    other = {r["engine"]: r["seconds"] for r in rows if r["engine"] != "cohort"}
+    """Each cohort row's seconds over the sequential and the Ray round's, of one model and cohort size (a
+    cohort-run row, whole rounds through the launcher, over Ray's only: like for like)."""
+    other = {r["engine"]: r["seconds"] for r in rows if not r["engine"].startswith("cohort")}
     for row in rows:
         for engine, name in (("inprocess", "sequential"), ("ray", "ray")):
-            if row["engine"] == "cohort" and row["seconds"] and other.get(engine):
+            if row["engine"] == "cohort-run" and engine == "inprocess":
+                continue
+            if row["engine"].startswith("cohort") and row["seconds"] and other.get(engine):
                 processes = f" in {row['processes']} processes" if row["processes"] > 1 else ""
                 ratio = row["seconds"] / other[engine]
-                print(f"{row['model']} {row['clients']} clients: cohort{processes} / {name} round = {ratio:.3f}x")
+                print(
+                    f"{row['model']} {row['clients']} clients: {row['engine']}{processes} / {name} round = {ratio:.3f}x"
+                )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,12 +293,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="", help="also write the rows as JSON to this file")
     parser.add_argument("--algorithm", default="dp-fedsam", choices=("dp-fedsam", "ali-dpfl"))
     parser.add_argument("--sample-rate", type=float, default=0.25, help="ali-dpfl: DP-SGD's Poisson rate q")
-    parser.add_argument("--engines", default="inprocess,cohort", help="comma-separated: inprocess, cohort, ray")
+    parser.add_argument(
+        "--engines", default="inprocess,cohort", help="comma-separated: inprocess, cohort, ray, cohort-run"
+    )
     parser.add_argument(
         "--processes", default="1", help="comma-separated: the cohort engine in each of these many processes"
     )
     parser.add_argument("--exchange", default="train", choices=("train", "evaluate"), help="the round's messages")
-    parser.add_argument("--ray-rounds", type=int, default=3, help="ray: rounds per launch (at least 3)")
+    parser.add_argument("--ray-rounds", type=int, default=3, help="ray, cohort-run: rounds per launch (at least 3)")
     parser.add_argument("--gpus-per-client", type=float, default=None, help="ray: the launcher's flag (default: its)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -286,10 +309,17 @@ def main(argv: list[str] | None = None) -> None:
     processes_list = [int(p) for p in args.processes.split(",") if p.isdigit() and int(p) >= 1]
     if len(processes_list) != len(args.processes.split(",")):
         parser.error(f"--processes {args.processes!r}: allowed are integers of at least 1, comma-separated")
-    if unknown := set(engines) - {"inprocess", "cohort", "ray"}:
-        parser.error(f"--engines {args.engines!r}: unknown {sorted(unknown)}; allowed: inprocess, cohort, ray")
-    if "ray" in engines and (args.algorithm != "dp-fedsam" or args.ray_rounds < 3 or args.exchange != "train"):
-        parser.error("--engines with ray: only --algorithm dp-fedsam, --exchange train and --ray-rounds of at least 3")
+    if unknown := set(engines) - {"inprocess", "cohort", *LAUNCHED}:
+        parser.error(
+            f"--engines {args.engines!r}: unknown {sorted(unknown)}; allowed: inprocess, cohort, ray, cohort-run"
+        )
+    if set(LAUNCHED) & set(engines) and (
+        args.algorithm != "dp-fedsam" or args.ray_rounds < 3 or args.exchange != "train"
+    ):
+        parser.error(
+            "--engines with ray or cohort-run: only --algorithm dp-fedsam, --exchange train and --ray-rounds of at "
+            "least 3"
+        )
     import torch
 
     rows = []
@@ -299,17 +329,16 @@ def main(argv: list[str] | None = None) -> None:
                 if engine == "inprocess" and clients > args.sequential_max:
                     continue
                 one_args = [model, clients, engine, args.device, args.local_steps, args.samples]
-                for processes in processes_list if engine == "cohort" else [1]:
-                    if engine == "ray":
-                        row = ray_round(
-                            *one_args[:2], *one_args[3:], args.ray_rounds, args.gpus_per_client, args.timeout
-                        )
+                for processes in processes_list if engine.startswith("cohort") else [1]:
+                    if engine in LAUNCHED:
+                        launch_args = [*one_args[:2], *one_args[3:], args.ray_rounds, args.gpus_per_client]
+                        row = launched_round(engine, *launch_args, args.timeout, processes)
                     else:
                         extra = [args.algorithm, args.sample_rate, args.exchange, processes]
                         row = fresh([*one_args, *extra], args.timeout)
                     if row is None:
                         row = {"model": model, "clients": clients, "engine": engine, "seconds": None}
-                        row.update({"processes": processes} if engine == "cohort" else {})
+                        row.update({"processes": processes} if engine.startswith("cohort") else {})
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             print_ratios([r for r in rows if r["model"] == model and r["clients"] == clients])

@@ -40,3 +40,15 @@ def test_cohort_in_two_processes_trains_on_the_stand_in_data(monkeypatch):
     row = one("cnn-cifar10", 3, "cohort", "cpu", 1, 8, processes=2)
     assert row["processes"] == 2 and row["seconds"] > 0 and row["cuda_max_allocated_mib"] is None
     assert row["peak_rss_mib"] > 3 * 100  # the sum of three processes, each with torch loaded
+
+
+@pytest.mark.slow
+def test_cohort_run_times_whole_rounds_through_the_launcher():
+    """`--engines cohort-run`: the launcher's cohort engine on the synthetic parquet export, every node in every
+    round, the seconds of round rounds - 1 read from its run folder (as Ray's are)."""
+    from benchmarks.cohort import launched_round
+
+    row = launched_round("cohort-run", "cnn-mnist", 4, "cpu", 1, 8, 3, None, 300, processes=2)
+    assert row["engine"] == "cohort-run" and row["processes"] == 2
+    assert row["trained"] == [4, 4, 4] and len(row["round_seconds"]) == 3
+    assert row["seconds"] == row["round_seconds"][1] > 0
