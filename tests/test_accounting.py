@@ -165,11 +165,13 @@ SMALL_SIGMA = [(0.05, 1.0, 1), (0.15, 1 / 8, 24), (0.15, 0.1, 100), (0.1, 0.01, 
 def test_small_sigma_is_accounted_by_pld_within_2_percent_of_its_fine_grid(sigma, q, steps):
     """Below sigma 0.2 the ledger prints PLD's bound on a coarser grid (`pld_intervals`), not RDP's: within 2% of
     dp-accounting's PLDAccountant on its 1e-4 grid, never below it; RDP's bound is 3.7% to 687% above (the
-    fine references take 20-110 s each on 2 shared cores, the ledger a few seconds)."""
+    fine references take 20-110 s each on 2 shared cores, the ledger a few seconds). Unsampled (q = 1), the
+    ledger prints the exact Gaussian epsilon (`gaussian_epsilon`), which the fine grid, pessimistic, exceeds by
+    about 1e-10 relative."""
     events = [(sigma, q, steps)]
     eps = epsilon_of(events, 1e-5)
     fine_pld, rdp_bound = dp_accounting_epsilons(sigma, q, steps, 1e-5)
-    assert fine_pld <= eps <= fine_pld * 1.02, (eps, fine_pld)
+    assert fine_pld * (1 - 1e-8 if q >= 1 else 1) <= eps <= fine_pld * 1.02, (eps, fine_pld)
     assert accountants.accountant_used(events, 1e-5, "pld") == "pld"
     assert rdp_bound > eps * 1.03  # what the RDP fallback printed was looser: 294.86, 282.12, 702.9, 9405
 
