@@ -23,7 +23,7 @@ import pickle
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from flwr.app import Message
 
@@ -31,6 +31,20 @@ from dpfl.fl_app.settings import Settings
 from dpfl_tools import cohort_train
 from dpfl_tools.inprocess import InProcessGrid, error_reply, simulated_crash
 from dpfl_tools.shared_arrays import ReplyBlock
+
+
+class WorkerSpec(NamedTuple):
+    """What each worker process is started with (pickled once per worker)."""
+
+    grid_class: type[InProcessGrid]
+    client_app: Any
+    num_nodes: int
+    run_config: dict
+    grid_kwargs: dict
+    initializer: Callable[..., None] | None
+    initargs: tuple
+    processes: int
+    device: str | None  # the run's device setting; None: a ClientApp of one's own chooses
 
 
 class ProcessGrid(InProcessGrid):
@@ -63,8 +77,10 @@ class ProcessGrid(InProcessGrid):
             grid_class = CohortGrid
         config = self.contexts[100].run_config if self.contexts else {}
         processes = min(processes, max(num_nodes, 1))
-        device = run_config.training.device if isinstance(run_config, Settings) else None  # else the app's own
-        spec = (grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes, device)
+        device = run_config.training.device if isinstance(run_config, Settings) else None
+        spec = WorkerSpec(
+            grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes, device
+        )
         self.workers: list[tuple[Any, Connection]] = []
         self.blocks = [ReplyBlock() for _ in range(processes)]  # where each worker's replies' arrays come back
         self.worker_peaks: list[dict] = [{} for _ in range(processes)]  # each worker's `peak_memory()`, last round
@@ -80,7 +96,7 @@ class ProcessGrid(InProcessGrid):
                 self.close()
                 raise RuntimeError(f"worker process {k} of the ProcessGrid could not build its grid: {started}")
 
-    def start_worker(self, k: int, spec: tuple) -> tuple[Any, Connection]:
+    def start_worker(self, k: int, spec: WorkerSpec) -> tuple[Any, Connection]:
         """(process, this end of its pipe) of a fresh interpreter (spawn: CUDA cannot be forked) running `serve`
         as worker k."""
         spawn = multiprocessing.get_context("spawn")
@@ -91,7 +107,7 @@ class ProcessGrid(InProcessGrid):
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self.close()
             raise ValueError(
-                f"client_app = {spec[1]!r} (or grid_kwargs / initializer) does not pickle ({exc}); a ProcessGrid's "
+                f"client_app = {spec.client_app!r} (or grid_kwargs / initializer) does not pickle ({exc}); a ProcessGrid's "
                 "workers need one defined at a module's top level, as fl_app.client_app.app"
             ) from None
         theirs.close()
@@ -198,26 +214,27 @@ def peak_memory() -> dict[str, float | None]:
     return {"rss_mib": rss, "cuda_max_allocated_mib": cuda}
 
 
-def serve(conn: Connection, k: int, spec: tuple) -> None:
+def serve(conn: Connection, k: int, spec: WorkerSpec) -> None:
     """Worker k's loop: build its grid once (then say "ready", or send the error), then answer each share of
     messages sent until None: (its `ReplyBlock.pack`ed replies, its `peak_memory()`)."""
     import torch
 
-    grid_class, client_app, num_nodes, run_config, grid_kwargs, initializer, initargs, processes, device = spec
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu, sharing = placement(k, processes, device, gpus)
+    gpu, sharing = placement(k, spec.processes, spec.device, gpus)
     if gpu is not None:
         torch.cuda.set_device(gpu)  # `cuda` (and `auto`) is torch's current device
     cohort_train.PROCESS_SHARE = 1 / sharing  # the workers train at once: each its share of the memory budget
     try:
-        if initializer is not None:
-            initializer(*initargs)
-        grid = grid_class(client_app, num_nodes, run_config, keep_messages=False, **grid_kwargs)
+        if spec.initializer is not None:
+            spec.initializer(*spec.initargs)
+        grid = spec.grid_class(
+            spec.client_app, spec.num_nodes, spec.run_config, keep_messages=False, **spec.grid_kwargs
+        )
     except Exception as exc:  # the ProcessGrid raises it before any round
         conn.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
         return
     conn.send("ready")
-    block = ReplyBlock(processes)
+    block = ReplyBlock(spec.processes)
     try:
         while (share := conn.recv()) is not None:
             try:
