@@ -264,15 +264,17 @@ def fresh(args: list[str], timeout: float) -> dict | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+BASELINES = {"cohort": (("inprocess", "sequential"), ("ray", "ray")), "cohort-run": (("ray", "ray"),)}
+
+
 def print_ratios(rows: list[dict]) -> None:
-    """Each cohort row's seconds over the sequential and the Ray round's, of one model and cohort size (a
-    cohort-run row, whole rounds through the launcher, over Ray's only: like for like)."""
-    other = {r["engine"]: r["seconds"] for r in rows if not r["engine"].startswith("cohort")}
+    """Each cohort row's seconds over its baselines' (`BASELINES`), of one model and cohort size: the exchange
+    over the sequential and the Ray round's, a cohort-run row (whole rounds through the launcher) over Ray's only,
+    like for like."""
+    other = {r["engine"]: r["seconds"] for r in rows if r["engine"] not in BASELINES}
     for row in rows:
-        for engine, name in (("inprocess", "sequential"), ("ray", "ray")):
-            if row["engine"] == "cohort-run" and engine == "inprocess":
-                continue
-            if row["engine"].startswith("cohort") and row["seconds"] and other.get(engine):
+        for engine, name in BASELINES.get(row["engine"], ()):
+            if row["seconds"] and other.get(engine):
                 processes = f" in {row['processes']} processes" if row["processes"] > 1 else ""
                 ratio = row["seconds"] / other[engine]
                 print(
