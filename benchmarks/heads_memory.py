@@ -14,7 +14,6 @@ so the numbers are the clients' state plus one model, not the message log.
 from __future__ import annotations
 
 import argparse
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from dpfl.fl_app.config import validate
 from dpfl.fl_app.results import read_summary
 from dpfl.fl_app.server_app import run_federated
 from dpfl_tools.inprocess import InProcessGrid
+from dpfl_tools.process_grid import peak_memory
 
 
 def rss_mib() -> float:
@@ -36,10 +36,6 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class _Discard(list):
@@ -87,7 +83,7 @@ def main() -> None:
     print(f"heads in Context.state: {head_bytes / 2**20:.2f} MiB")
     print(
         f"RSS before the run: {before:.0f} MiB  after: {after:.0f} MiB  (+{after - before:.0f} MiB)  "
-        f"peak: {peak_rss_mib():.0f} MiB  (target: < 4096 MiB)"
+        f"peak: {peak_memory()['rss_mib']:.0f} MiB  (target: < 4096 MiB)"
     )
     print(
         f"round + evaluation of all clients: {seconds:.1f} s; personalized accuracy "
