@@ -61,16 +61,25 @@ def use_synthetic_partitions(samples: int) -> None:
 
 def synthetic_partitions(samples: int):
     """load_client_partition's stand-in: `samples` Gaussian images of the dataset's shape per client, and a
-    quarter as many held out, 10 labels."""
+    quarter as many held out, 10 labels. Each client's rows are copied from one pool of images drawn once per
+    shape (its own rows from its own generator), as the real loader copies its partition's rows from the
+    dataset: 0.05 ms a client, where drawing 64 MNIST-sized images anew every round took 0.6 ms."""
+    import functools
+
     import numpy as np
 
     from dpfl.dpcore.task.catalogue import ArrayDataset
 
+    @functools.cache
+    def pool(shape):
+        rows = 16 * (samples + samples // 4)
+        return np.random.default_rng(0).standard_normal((rows, *shape), dtype=np.float32)
+
     def load(s, pid, n):
+        images = pool(SHAPES[s.data.dataset])
         rng = np.random.default_rng([pid, n])
-        shape = SHAPES[s.data.dataset]
-        x = rng.standard_normal((samples + samples // 4, *shape), dtype=np.float32)
-        y = rng.integers(0, 10, len(x)).astype(np.int64)
+        idx = rng.integers(0, len(images), samples + samples // 4)
+        x, y = images[idx], rng.integers(0, 10, len(idx)).astype(np.int64)
         return ArrayDataset(x[:samples], y[:samples], 10), ArrayDataset(x[samples:], y[samples:], 10)
 
     return load
