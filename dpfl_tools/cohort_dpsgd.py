@@ -103,7 +103,8 @@ def dpsgd_chunk(model: torch.nn.Module, clients: list, plans: list, params: list
             summed = {k: torch.einsum("nb,nb...->n...", factor, g[k]) for k in names}
             summed = gaussian_noised(summed, std, [plan.noise_generator for plan in plans], active, first.secure_rng)
         noisy_mean = {k: v / expected.view(-1, *[1] * (v.dim() - 1)) for k, v in summed.items()}  # / (q |D_i|)
-        w, b = sgd_update(w, b, noisy_mean, t, active, lr, mu, wd)
+        ragged = t >= min(plan.steps for plan in plans)
+        w, b = sgd_update(w, b, noisy_mean, t, active if ragged else None, lr, mu, wd)
     return unstacked(w)
 
 

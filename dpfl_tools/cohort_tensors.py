@@ -30,14 +30,15 @@ def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
     return [[out[k][i] for k in out] for i in range(n)]
 
 
-def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor, eta: torch.Tensor, mu: float, wd: float):
-    """LocalSGD's step t on stacked tensors: g <- g + lambda w; b <- mu b + g (b = g at t = 0); w <- w - eta_i b;
-    a client not `active` keeps its w and b. Returns (w, b)."""
-    new_w, new_b = {}, {}
+def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor | None, eta: torch.Tensor, mu: float, wd: float):
+    """LocalSGD's step t on stacked tensors, with torch.optim.SGD's operations: g <- g + lambda w; b <- mu b + g
+    (b = g at t = 0); w <- w - eta_i b. In place on the caller's own g, b and w (a round of 100 MNIST CNNs moved
+    10 MB a tensor through eight fresh allocations before). A client not `active` (None: every client is) keeps
+    its w; its b changes but is never read again, as a client's steps are t = 0 .. steps_i - 1. Returns (w, b)."""
     for k in w:
-        keep = active.view(-1, *[1] * (w[k].dim() - 1))
-        gk = g[k] + wd * w[k] if wd else g[k]
-        bk = gk if t == 0 or not mu else b[k] * mu + gk
-        new_b[k] = torch.where(keep, bk, b[k]) if t else bk
-        new_w[k] = torch.where(keep, w[k] - eta.view_as(keep) * bk, w[k])
-    return new_w, new_b
+        per_client = (-1, *[1] * (w[k].dim() - 1))
+        gk = g[k].add_(w[k], alpha=wd) if wd else g[k]
+        b[k] = gk if t == 0 or not mu else b[k].mul_(mu).add_(gk)
+        step = eta.view(per_client) * b[k]
+        w[k] = w[k].sub_(step) if active is None else torch.where(active.view(per_client), w[k] - step, w[k])
+    return w, b

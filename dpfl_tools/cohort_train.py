@@ -302,7 +302,7 @@ def masked_steps(model, rule: str, w: dict, frozen: dict, plans: list, lr: list,
         active = steps > t
         x, y, m = minibatches([next(it) if c > t else None for it, c in zip(iters, counts)], batch, sample, device)
         g, loss = step_fn(w, frozen, x, y, m)
-        w, b = sgd_update(w, b, g, t, active, eta, mu, wd)
+        w, b = sgd_update(w, b, g, t, active if t >= min(counts) else None, eta, mu, wd)
         history.append(torch.where(active, loss.detach(), torch.nan))
     table = torch.stack(history).T.cpu().tolist() if history else [[] for _ in counts]
     return w, [[v for v in row if not math.isnan(v)] for row in table]
