@@ -11,7 +11,8 @@
 One round's train exchange (`grid.send_and_receive` of one train message per node, dp-fedsam, distributed noise:
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
 cnn-cifar10, resnet18-gn), cohort size (10, 100, 1000) and engine, each in a fresh process after one warm-up
-round of the same engine on 2 clients: the round's seconds, the process's peak RSS (CPU) and the peak CUDA memory
+round of the same engine on the same clients (a steady round: a sweep's rounds after its first one; the first
+round of a cohort pays its first allocations, and on CUDA its kernels' first launches): the round's seconds, the process's peak RSS (CPU) and the peak CUDA memory
 allocated (with --processes P > 1: the sum of each process's peak, an upper bound of what they held at once).
 Every client holds --samples synthetic images of the model's input shape (MNIST's for cnn-mnist, CIFAR-10's for
 the others) and takes --local-steps steps of batch 32. torch runs on one thread in both engines
@@ -97,8 +98,8 @@ def one(
     exchange: str = "train",
     processes: int = 1,
 ) -> dict:
-    """One measurement, in this process: a warm-up round on the first max(2, `processes`) clients, then the timed
-    round on all `clients` (the cohort engine with `processes` > 1: a ProcessGrid of that many CohortGrids)."""
+    """One measurement, in this process: a warm-up round, then the timed round, each on all `clients` (the cohort
+    engine with `processes` > 1: a ProcessGrid of that many CohortGrids)."""
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
@@ -157,8 +158,7 @@ def one(
             raise RuntimeError(f"only {batched} of {n} {exchange} replies were batched")
         return seconds
 
-    warm = min(max(2, processes), clients)
-    round_seconds(warm)
+    round_seconds(clients)
     if isinstance(grid, CohortGrid):
         grid.batched = grid.evaluated = 0
     if torch.cuda.is_initialized():
