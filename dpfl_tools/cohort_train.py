@@ -49,7 +49,8 @@ from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
 CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
-PROCESS_SHARE = 1.0  # of either budget this process takes: a ProcessGrid's worker, 1 / its processes
+PROCESS_SHARE = 1.0  # of either budget this process takes: a ProcessGrid's worker, 1 / the workers on its device
+PROCESSES = 1  # processes training side by side on this host (a ProcessGrid's workers), sharing its cores
 # uploads on threads from this model size: on 2 cores 100 uploads of cnn-mnist (26,010 parameters) took 1.1x as
 # long on two threads as on one, of cnn-cifar10 (550,570) 0.68x, of resnet18-gn (11.2 M) 0.8x (docs/performance.md)
 THREADED_UPLOAD_PARAMS = 100_000
@@ -79,17 +80,22 @@ def trainer(client):
 
 
 def in_threads(fn: Callable, items: list, model: torch.nn.Module) -> list:
-    """[fn(*item) for item in items], on a pool of the process's cores where `model` has THREADED_UPLOAD_PARAMS
+    """[fn(*item) for item in items], on a pool of the process's `cores()` where `model` has THREADED_UPLOAD_PARAMS
     parameters or more: the clients' uploads (Delta, clip norm, noise share) are numpy work that releases the GIL,
     each client's from its own generator, so the replies are the ones computed one after the other. Below that,
     Python's share of an upload (the reply Message) dominates and threads only add switching."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     large = sum(p.numel() for p in model.parameters()) >= THREADED_UPLOAD_PARAMS
-    workers = min(len(items), cores) if large else 1
+    workers = min(len(items), cores()) if large else 1
     if workers <= 1:
         return [fn(*item) for item in items]
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(lambda item: fn(*item), items))
+
+
+def cores() -> int:
+    """This process's share of the cores it may run on: all of them, or a ProcessGrid worker's 1 / PROCESSES."""
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, available // PROCESSES)
 
 
 @contextmanager

@@ -8,8 +8,10 @@ and on one GPU, as the actors of Flower's Ray simulation do. A node's Context (i
 DP-SGD client's ledger) lives in its worker for the whole run. The ServerApp, the strategy and the privacy
 ledger stay in this process and get the replies the one grid would send (each node trains from its own
 generators, so only the float rounding of a batch can differ: tests/test_process_grid.py); the replies' arrays
-come back through shared memory (dpfl_tools/shared_arrays.py). Where torch sees several GPUs and the run config's
-`device` setting is `auto` or `cuda`, worker k trains on GPU k % G (`placement`).
+come back through shared memory (dpfl_tools/shared_arrays.py). Each worker takes its share of the host's cores
+(`cohort_train.cores()`: torch's threads and the uploads' pool, cores // P; P workers of all the cores each would
+run P times more threads than cores) and of its device's memory budget. Where torch sees several GPUs and the run
+config's `device` setting is `auto` or `cuda`, worker k trains on GPU k % G (`placement`).
 
 A worker that dies (killed, out of memory) took its nodes' Contexts with it: the round raises, the run folder
 says "failed" after its last completed round, and `python -m dpfl_tools.launch --resume RUN_DIR` continues from
@@ -224,6 +226,8 @@ def serve(conn: Connection, k: int, spec: WorkerSpec) -> None:
     if gpu is not None:
         torch.cuda.set_device(gpu)  # `cuda` (and `auto`) is torch's current device
     cohort_train.PROCESS_SHARE = 1 / sharing  # the workers train at once: each its share of the memory budget
+    cohort_train.PROCESSES = spec.processes  # and of the cores: its torch threads and its upload threads
+    torch.set_num_threads(cohort_train.cores())
     try:
         if spec.initializer is not None:
             spec.initializer(*spec.initargs)

@@ -195,3 +195,23 @@ def test_a_worker_that_cannot_start_raises_before_any_round():
         RuntimeError, match="worker process 0 of the ProcessGrid could not build its grid: ValueError: no"
     ):
         ProcessGrid(client_app, NODES, cfg, processes=2, initializer=refuse_to_start, initargs=("no data here",))
+
+
+def threads_app(msg, _context):
+    """A ClientApp of one's own that answers with its process's torch threads and its cohort_train.cores()."""
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    from dpfl_tools import cohort_train
+
+    threads = {"torch-threads": torch.get_num_threads(), "cores": cohort_train.cores()}
+    return Message(RecordDict({"metrics": MetricRecord(threads)}), reply_to=msg)
+
+
+def test_workers_share_the_cores_instead_of_each_taking_all():
+    """P workers side by side take cores // P threads each (torch's and the uploads' pool), not P x cores."""
+    cfg = validate({**BASE, "algorithm": "dp-fedavg"})
+    available = len(os.sched_getaffinity(0))
+    with ProcessGrid(threads_app, NODES, cfg, processes=2, grid_class=InProcessGrid) as grid:
+        replies = grid.send_and_receive(train_messages(grid))
+    shares = {(r.content["metrics"]["torch-threads"], r.content["metrics"]["cores"]) for r in replies}
+    assert shares == {(max(1, available // 2), max(1, available // 2))}
