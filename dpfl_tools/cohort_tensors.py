@@ -32,9 +32,10 @@ def unstacked(w: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
 
 def sgd_update(w: dict, b: dict, g: dict, t: int, active: torch.Tensor | None, eta: torch.Tensor, mu: float, wd: float):
     """LocalSGD's step t on stacked tensors, with torch.optim.SGD's operations: g <- g + lambda w; b <- mu b + g
-    (b = g at t = 0); w <- w - eta_i b. In place on the caller's own g, b and w (a round of 100 MNIST CNNs moved
-    10 MB a tensor through eight fresh allocations before). A client not `active` (None: every client is) keeps
-    its w; its b changes but is never read again, as a client's steps are t = 0 .. steps_i - 1. Returns (w, b)."""
+    (b = g at t = 0); w <- w - eta_i b. In place on the caller's own g, b and w (each tensor went through eight
+    fresh allocations a step before: 4.5x the time for 100 MNIST CNNs, 10 MB of stacked weights). A client not
+    `active` (None: every client is) keeps its w; its b changes but is never read again, as a client's steps are
+    t = 0 .. steps_i - 1. Returns (w, b)."""
     for k in w:
         per_client = (-1, *[1] * (w[k].dim() - 1))
         gk = g[k].add_(w[k], alpha=wd) if wd else g[k]
