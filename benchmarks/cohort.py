@@ -12,8 +12,9 @@ One round's train exchange (`grid.send_and_receive` of one train message per nod
 each client clips and adds its noise share), through the project's own ClientApp, for each model (cnn-mnist,
 cnn-cifar10, resnet18-gn), cohort size (10, 100, 1000) and engine, each in a fresh process after one warm-up
 round of the same engine on the same clients (a steady round: a sweep's rounds after its first one; the first
-round of a cohort pays its first allocations, and on CUDA its kernels' first launches): the round's seconds, the process's peak RSS (CPU) and the peak CUDA memory
-allocated (with --processes P > 1: the sum of each process's peak, an upper bound of what they held at once).
+round of a cohort pays its first allocations, and on CUDA its kernels' first launches): the round's seconds, the
+process's peak RSS (CPU) and the peak CUDA memory allocated (with --processes P > 1: the sum of each process's
+peak, an upper bound of what they held at once).
 Every client holds --samples synthetic images of the model's input shape (MNIST's for cnn-mnist, CIFAR-10's for
 the others) and takes --local-steps steps of batch 32. torch runs on one thread in both engines
 (the ClientApp's setting). The sequential engine runs cohorts up to --sequential-max clients (its time grows

@@ -109,8 +109,8 @@ class ProcessGrid(InProcessGrid):
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self.close()
             raise ValueError(
-                f"client_app = {spec.client_app!r} (or grid_kwargs / initializer) does not pickle ({exc}); a ProcessGrid's "
-                "workers need one defined at a module's top level, as fl_app.client_app.app"
+                f"client_app = {spec.client_app!r} (or grid_kwargs / initializer) does not pickle ({exc}); a "
+                "ProcessGrid's workers need one defined at a module's top level, as fl_app.client_app.app"
             ) from None
         theirs.close()
         return proc, mine
