@@ -8,11 +8,12 @@ weigh (C when the server clips; the honest-noise bound under distributed noise, 
 so that the bound is exact). The counts are printed (docs/privacy.md, "Threat model and failure behaviour").
 """
 
+import io
 import random
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Error, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Error, MetricRecord, RecordDict
 from flwr.common import Code, EvaluateRes, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.strategy import FedAvg
@@ -45,9 +46,21 @@ def honest_update(rng: np.random.Generator) -> list[np.ndarray]:
     return [v[:12].reshape(4, 3), v[12:]]
 
 
-def hostile_arrays(rng: random.Random, nprng: np.random.Generator) -> tuple[str, list[np.ndarray] | None]:
-    """(kind, arrays) of one malformed or oversized upload."""
+def npy_bytes(array: np.ndarray, allow_pickle: bool = False) -> bytes:
+    stream = io.BytesIO()
+    np.save(stream, array, allow_pickle=allow_pickle)
+    return stream.getvalue()
+
+
+def forged(array: np.ndarray, data: bytes, stype: str = "numpy.ndarray") -> Array:
+    """An Array that names `array`'s dtype and shape but carries `data`: what a client's own encoder may send."""
+    return Array(dtype=str(array.dtype), shape=tuple(array.shape), stype=stype, data=data)
+
+
+def hostile_arrays(rng: random.Random, nprng: np.random.Generator) -> tuple[str, list | None]:
+    """(kind, arrays) of one malformed or oversized upload: numpy arrays, or Arrays whose bytes are forged."""
     good = honest_update(nprng)
+    honest = npy_bytes(good[0])
     kinds = {
         "huge-finite": lambda: [a * np.float32(1e6 / C) for a in good],
         "float64-1e300": lambda: [good[0].astype(np.float64) * 1e300, good[1]],
@@ -62,6 +75,12 @@ def hostile_arrays(rng: random.Random, nprng: np.random.Generator) -> tuple[str,
         "scalar": lambda: [np.float32(1.0), good[1]],
         "empty": lambda: [],
         "missing": lambda: None,
+        "bytes-truncated": lambda: [forged(good[0], honest[:-5]), good[1]],
+        "bytes-garbage": lambda: [forged(good[0], bytes(nprng.integers(0, 256, 80, dtype=np.uint8))), good[1]],
+        "bytes-pickled-objects": lambda: [forged(good[0], npy_bytes(good[0].astype(object), True)), good[1]],
+        "bytes-other-shape": lambda: [forged(good[0], npy_bytes(good[0].reshape(3, 4))), good[1]],
+        "bytes-huge-under-honest-header": lambda: [forged(good[0], npy_bytes(good[0] * np.float32(1e6))), good[1]],
+        "bytes-torch-stype": lambda: [forged(good[0], honest, stype="torch.Tensor"), good[1]],
     }
     kind = rng.choice(sorted(kinds))
     return kind, kinds[kind]()
@@ -91,7 +110,9 @@ def hostile_metrics(rng: random.Random) -> tuple[str, dict | list]:
 def reply(node: int, arrays, metrics: dict, extra_records: int = 0):
     content = RecordDict()
     if arrays is not None:
-        content["arrays"] = ArrayRecord([np.asarray(a) for a in arrays])
+        content["arrays"] = ArrayRecord(
+            {str(i): a if isinstance(a, Array) else Array(np.asarray(a)) for i, a in enumerate(arrays)}
+        )
     for i in range(extra_records):  # a junk record before the real one
         content[f"junk{i}"] = MetricRecord({"x": float("nan")})
     content["metrics"] = MetricRecord(metrics)

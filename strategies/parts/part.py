@@ -30,7 +30,7 @@ import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.strategies.parts.reply_rules import MetricRule
+from dpfl.strategies.parts.reply_rules import MetricRule, reply_arrays
 
 ROLES = ("selection", "mechanism", "codec", "noise")  # strategies.parts.roles declares each
 
@@ -128,8 +128,8 @@ class Part:
 
 
 class DenseCodec(Part):
-    """The codec of a dense reply: the arrays as sent, the update itself when the reply is marked
-    `UPLOAD_UPDATE` (this project's clients and mod), else the client's new weights."""
+    """The codec of a dense reply: the arrays as sent (read in place, `reply_arrays`), the update itself when the
+    reply is marked `UPLOAD_UPDATE` (this project's clients and mod), else the client's new weights."""
 
     roles = ("codec",)
 
@@ -137,7 +137,7 @@ class DenseCodec(Part):
         is_update = any(
             record.get(keys.UPLOAD_KIND) == keys.UPLOAD_UPDATE for record in content.metric_records.values()
         )
-        return content[arrays_key(dp)].to_numpy_ndarrays(), is_update
+        return reply_arrays(content[arrays_key(dp)]), is_update
 
 
 def filling(parts: Sequence[Part], role: str, default: Part) -> Part:

@@ -21,7 +21,7 @@ from dpfl.dpcore.privacy.mechanisms import TOPK_MODES, sparse_decode, sparse_enc
 from dpfl.dpcore.privacy.settings import one_of, require
 from dpfl.strategies.parts.noise_placement import PLACEMENTS
 from dpfl.strategies.parts.part import Part, arrays_key
-from dpfl.strategies.parts.reply_rules import MetricRule
+from dpfl.strategies.parts.reply_rules import MetricRule, reply_arrays
 
 
 def payload_bytes(record: ArrayRecord) -> int:
@@ -71,7 +71,7 @@ class TopKCodec(Part):
     def decode(self, dp, content: RecordDict) -> tuple[list[np.ndarray], bool]:
         """Dense update from the sparse upload (always an update); raises (-> rejected) if it is malformed."""
         shapes = [a.shape for a in dp.round.everything]
-        encoded = content[arrays_key(dp)].to_numpy_ndarrays()
+        encoded = reply_arrays(content[arrays_key(dp)])
         return sparse_decode(encoded, shapes, self.sparsity, self.topk_mode), True
 
     def round_metrics(self, dp, server_round: int, replies: list) -> dict:
