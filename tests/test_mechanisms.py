@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dpfl.dpcore.privacy.mechanisms import (
+    NORM_CHUNK,
     clip_and_noise,
     clip_to_norm,
     distributed_noise_std,
@@ -11,6 +12,7 @@ from dpfl.dpcore.privacy.mechanisms import (
     gaussian_noise,
     l2_norm,
     make_rng,
+    sum_updates,
     topup_noise_std,
     unflatten,
     update_problem,
@@ -40,6 +42,26 @@ def test_clip_bounds_norm_and_keeps_direction(scale):
 def test_no_clipping_when_clip_norm_is_zero():
     v = np.full(100, 7.0, np.float32)
     assert np.array_equal(clip_to_norm(v, 0.0)[0], v)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, NORM_CHUNK, NORM_CHUNK + 1, 2 * NORM_CHUNK + 37])
+def test_l2_norm_by_chunks_is_the_float64_norm(size):
+    v = np.random.default_rng(size).standard_normal(size).astype(np.float32) * np.float32(1e-3)
+    exact = np.sqrt(np.sum(v.astype(np.float64) ** 2))
+    assert l2_norm(v) == pytest.approx(exact, rel=1e-12, abs=0.0)
+    assert l2_norm(v.reshape(-1, 1)) == l2_norm(v)  # any shape: its entries
+    if size <= NORM_CHUNK:  # one chunk: the float64 dot product, to the last bit
+        assert l2_norm(v) == float(np.sqrt(np.dot(v.astype(np.float64), v.astype(np.float64))))
+
+
+def test_sum_updates_is_numpys_sum_bit_for_bit():
+    rng = np.random.default_rng(3)
+    updates = [
+        rng.standard_normal(5000).astype(np.float32) * np.float32(10.0**k) for k in range(-3, 4) for _ in range(5)
+    ]
+    assert np.array_equal(sum_updates(updates, 5000), np.sum(updates, axis=0, dtype=np.float32))
+    assert sum_updates(updates, 5000).dtype == np.float32
+    assert np.array_equal(sum_updates([], 7), np.zeros(7, np.float32))
 
 
 def test_flatten_roundtrip():

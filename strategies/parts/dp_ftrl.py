@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpfl.dpcore.privacy.ledger import TreeAggregationLedger
-from dpfl.dpcore.privacy.mechanisms import make_rng
+from dpfl.dpcore.privacy.mechanisms import make_rng, sum_updates
 from dpfl.dpcore.privacy.settings import require
 from dpfl.dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 from dpfl.strategies.parts.noise_placement import PLACEMENTS
@@ -141,7 +141,7 @@ class DPFTRL(Part):
                 lambda t, e=epoch: make_rng(strategy.run.seed, NOISE_STREAM, e, t, secure=strategy.run.secure_rng),
             )
         if updates:
-            self.exact_sum += np.sum(updates, axis=0, dtype=np.float32)
+            self.exact_sum += sum_updates(updates, size)
         noise = self.tree.next_prefix_noise()
         std = float(
             strategy.privacy.noise_multiplier

@@ -30,7 +30,7 @@ import numpy as np
 
 from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
 from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy, optimize_strategy
-from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
+from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng, sum_updates
 from dpfl.dpcore.privacy.settings import one_of, require
 from dpfl.strategies.parts.dp_ftrl import check_ftrl, choose
 from dpfl.strategies.parts.part import Part
@@ -179,7 +179,7 @@ class MatrixFactorizationFTRL(Part):
             self.stream.replay(rounds, lambda t: self.draw(size, t))
         std = dp.privacy.noise_multiplier * dp.privacy.clipping_norm
         noise = (self.stream.next(self.draw(size, rounds + 1)) * std).astype(np.float32)
-        total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
+        total = sum_updates(updates, size)
         step = total + noise
         if self.momentum > 0:
             velocity = self.velocity if self.velocity is not None else np.zeros(size, np.float32)

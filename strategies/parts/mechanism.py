@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
-from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng
+from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng, sum_updates
 from dpfl.strategies.parts.noise_placement import server_view
 from dpfl.strategies.parts.part import Part, sees_only_the_sum
 
@@ -42,7 +42,7 @@ class GaussianMechanism(Part):
     ) -> tuple[np.ndarray, float]:
         """(sum of the updates plus the server's noise, its std): all of it (central) or the top-up (distributed)
         for the n_s - received noise shares that did not arrive."""
-        total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
+        total = sum_updates(updates, size)
         std = dp.noise.server_noise_std(
             dp.update_noise_multiplier(), dp.privacy.clipping_norm, dp.population.noise_shares, received
         )

@@ -33,6 +33,7 @@ from dpfl.dpcore.privacy.mechanisms import (
     haar_padded_size,
     haar_wavelet_noise,
     make_rng,
+    sum_updates,
     wavelet_effective_noise_multiplier,
 )
 from dpfl.dpcore.privacy.settings import one_of, require
@@ -126,7 +127,7 @@ class WaveletMechanism(GaussianMechanism):
     ) -> tuple[np.ndarray, float]:
         """Sum of clipped updates + Haar-wavelet noise with scale sigma_H * C (all of it added here, so `received`
         does not change it)."""
-        total = np.sum(updates, axis=0, dtype=np.float32) if updates else np.zeros(size, np.float32)
+        total = sum_updates(updates, size)
         scale = self.sigma_h(dp) * dp.privacy.clipping_norm
         rng = make_rng(dp.run.seed, NOISE_STREAM, server_round, secure=dp.run.secure_rng)
         return haar_wavelet_noise(total, scale, rng), scale
