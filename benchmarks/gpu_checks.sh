@@ -8,7 +8,8 @@
 # 2. issue 40's two GPU targets, whole rounds through the launcher (round 2 of 3, the server's work included in
 #    both): 100 cnn-mnist clients under Flower's Ray simulation against the cohort engine in 1 and 8 processes
 #    (target: 10x faster than Ray), and the exchange alone;
-# 3. 100 resnet18-gn clients, Ray against the cohort engine in 8 processes (target: 3x faster than Ray).
+# 3. 100 resnet18-gn clients, Ray against the cohort engine in 8 processes (target: 3x faster than Ray);
+# 4. the server's own work on 100 replies on that host's CPU (the floor of any engine's round).
 # Each step writes its JSON rows and its log under OUT_DIR and the next one runs even if it fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,3 +36,4 @@ step cnn-mnist $py -m benchmarks.cohort --engines ray,cohort,cohort-run --proces
   --cohorts 100 --device auto --timeout 150 --out "$out/cnn-mnist.json"
 step resnet18-gn $py -m benchmarks.cohort --engines ray,cohort-run --processes 8 --models resnet18-gn \
   --cohorts 100 --device auto --timeout 200 --out "$out/resnet18-gn.json"
+step server-replies $py -m benchmarks.server_replies --replies 100 --models cnn-mnist,resnet18-gn
