@@ -39,7 +39,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from dpfl_tools.plan import format_run_config
-from dpfl_tools.processes import BIN
+from dpfl_tools.processes import command
 from dpfl_tools.superlink import own_simulation_superlink
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def flwr_run(env: dict, app: Path, out: Path, nodes: int, config: dict, timeout:
     as it arrives (round 1 holds the ClientApps' start-up)."""
     values = {**config, "final-model": str(out.with_suffix(".pt"))}
     run_config = format_run_config(values)
-    cmd = [str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", run_config]
+    cmd = [command("flwr"), "run", str(app), "--stream", "--run-config", run_config]
     cmd += ["--federation-config", f"num-supernodes={nodes} client-resources-num-cpus=1"]
     proc = subprocess.Popen(
         cmd,

@@ -9,7 +9,7 @@ Run it here, where the package registry is reachable; both folders must be ignor
 travel with the command (`carry`), 64 MiB in all. There, before anything else:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whlray/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH   # flwr, flower-superlink and ray are there
 
 (docs/gpu.md, "The prepared checks"). A requirement is followed through its wheel's Requires-Dist, with the
 markers evaluated for that machine and only the extras asked for; one version of each package is kept.

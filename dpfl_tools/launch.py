@@ -56,7 +56,7 @@ from dpfl.fl_app.plain_output import call_plain_when_piped
 from dpfl_tools import ROOT
 from dpfl_tools.netns import isolate, own_user_namespace
 from dpfl_tools.plan import plan_runs, run_stamp
-from dpfl_tools.processes import BIN, FLOWER_QUIET_ENV, die_with_launcher, end_processes_with_home
+from dpfl_tools.processes import FLOWER_QUIET_ENV, command, die_with_launcher, end_processes_with_home
 from dpfl_tools.ray_head import ray_token_auth, start_ray_head, stop_ray_head, wait_ray_head
 from dpfl_tools.simulation_resources import federation_config, gpus_per_client
 from dpfl_tools.superlink import own_superlink_env, start_local_superlink, stop, superlink_hint
@@ -134,7 +134,7 @@ def check_run_folders(folders: list[Path]) -> None:
 
 def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:
     cmd = [
-        str(BIN / "flwr"),
+        command("flwr"),
         "run",
         str(ROOT),
         "--stream",

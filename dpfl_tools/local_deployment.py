@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from dpfl_tools import ROOT
-from dpfl_tools.processes import BIN, FLOWER_QUIET_ENV, alive, descendants, end_process_tree, free_port
+from dpfl_tools.processes import BIN, FLOWER_QUIET_ENV, alive, command, descendants, end_process_tree, free_port
 from dpfl_tools.superlink import SuperLinkFailed, superlink_command, wait_ready
 
 
@@ -184,7 +184,7 @@ class Deployment:
         insecure = (not self.tls) if insecure is None else insecure
         runtime_port = free_port(self.ports)
         node = (
-            [str(BIN / "flower-supernode")]
+            [command("flower-supernode")]
             if idle_poll is None
             else [sys.executable, "-m", node_module, "--idle-poll", str(idle_poll)]
         )
@@ -255,7 +255,7 @@ class Deployment:
         """`flwr supernode register <key> test` in the background (output in register-<name>.log)."""
         return self._spawn(
             f"register-{public_key.stem}",
-            [str(BIN / "flwr"), "supernode", "register", str(public_key), "test"],
+            [command("flwr"), "supernode", "register", str(public_key), "test"],
             self.env("cli"),
         )
 
@@ -266,7 +266,7 @@ class Deployment:
         self.write_cli_config(insecure=insecure)
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in run_config.items())
         return self._spawn(
-            log, [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", overrides], self.env("cli")
+            log, [command("flwr"), "run", str(app), "test", "--stream", "--run-config", overrides], self.env("cli")
         )
 
     def close(self) -> None:

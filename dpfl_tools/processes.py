@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,13 +18,20 @@ import sys
 import time
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
+BIN = Path(sys.executable).parent  # this Python's environment's commands
 FLOWER_QUIET_ENV = {  # every Flower process this tooling starts
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
 }
 PORT_RANGE = (19000, 19999)
+
+
+def command(name: str) -> str:
+    """The path of the Flower or Ray command `name`: beside this Python (its environment's bin), else the one on
+    PATH, where `pip install --user` or `--target` puts it; BIN's where there is neither (its error names that)."""
+    beside = BIN / name
+    return str(beside) if beside.exists() else shutil.which(name) or str(beside)
 
 
 def free_port(taken: set[int]) -> int:

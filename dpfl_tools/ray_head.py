@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dpfl.dpcore.task.atomic import lock_held
-from dpfl_tools.processes import BIN, die_with_launcher, end_process_tree, free_port
+from dpfl_tools.processes import command, die_with_launcher, end_process_tree, free_port
 
 RAY_READY = "Ray runtime started"  # what `ray start --block` prints once its head node is up
 
@@ -81,7 +81,7 @@ def start_ray_head(env: dict, log_file: Path, taken: set[int] = frozenset()) -> 
     port = free_port(taken)
     auth = ray_token_auth()
     cmd = [
-        str(BIN / "ray"),
+        command("ray"),
         "start",
         "--head",
         "--block",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from dpfl_tools.processes import BIN, die_with_launcher, end_process_tree, end_processes_with_home, free_port
+from dpfl_tools.processes import BIN, command, die_with_launcher, end_process_tree, end_processes_with_home, free_port
 
 
 class SuperLinkFailed(RuntimeError):
@@ -43,7 +43,7 @@ def superlink_command(
     port, state database, log file) of a simulation SuperLink that runs each ServerApp in a subprocess;
     `database`: the state file (registered SuperNodes, runs, messages) that a restarted SuperLink reopens
     (Flower's default: state in memory, gone with the process)."""
-    cmd = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [command("flower-superlink"), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--disable-runtime-dependency-installation"]
     if certificates:
         cmd += ["--ssl-ca-certfile", str(certificates["ca"]), "--ssl-certfile", str(certificates["cert"])]
@@ -113,7 +113,7 @@ def superlink_hint(env: dict, http_port: int, control_port: int, enter: list[str
         f"{key}={shlex.quote(env[key])}"
         for key in ("FLWR_HOME", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT")
     )
-    flwr = " ".join(shlex.quote(c) for c in [*(enter or []), str(BIN / "flwr")])
+    flwr = " ".join(shlex.quote(c) for c in [*(enter or []), command("flwr")])
     where = (
         " in the launcher's private network namespace (no other local account can reach it; the commands "
         "enter it with nsenter)"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfl_tools import launch
+from dpfl_tools import launch, processes
 from dpfl_tools.launch import QUIET_ENV, flwr_run
 from dpfl_tools.plan import format_run_config, reference_run_config, sweep_runs
 from dpfl_tools.ray_head import start_ray_head, stop_ray_head, wait_ray_head
@@ -86,11 +86,27 @@ def test_flwr_run_output_to_a_pipe_or_file_has_no_colour_codes(tmp_path, monkeyp
     flwr = tmp_path / "flwr"
     flwr.write_text(FAKE_FLWR)
     flwr.chmod(0o755)
-    monkeypatch.setattr(launch, "BIN", tmp_path)
+    monkeypatch.setattr(processes, "BIN", tmp_path)
     assert flwr_run(dict(os.environ), "num-rounds=2", 2) == 3  # the exit code comes through
     out, err = capsys.readouterr()
     assert out.splitlines()[-1] == "INFO :      Round 1/2: accuracy=0.5"
     assert err == "WARNING :   on stderr\n"
+
+
+def test_a_command_not_beside_this_python_is_taken_from_the_path(tmp_path, monkeypatch):
+    """`pip install --user` or `--target` puts Flower's and Ray's commands in a bin of their own, not beside the
+    Python that runs the launcher."""
+    here, elsewhere = tmp_path / "venv-bin", tmp_path / "target-bin"
+    for folder in (here, elsewhere):
+        folder.mkdir()
+        (folder / "flwr").write_text("#!/bin/sh\n")
+        (folder / "flwr").chmod(0o755)
+    monkeypatch.setattr(processes, "BIN", here)
+    monkeypatch.setenv("PATH", str(elsewhere))
+    assert processes.command("flwr") == str(here / "flwr")  # beside this Python first
+    (here / "flwr").unlink()
+    assert processes.command("flwr") == str(elsewhere / "flwr")  # else on PATH
+    assert processes.command("flower-superlink") == str(here / "flower-superlink")  # nowhere: the error names BIN's
 
 
 def hint_commands(text: str) -> dict[str, str]:
