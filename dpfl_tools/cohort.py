@@ -25,7 +25,7 @@ draws release the GIL, and on a large model they are most of a client's time out
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from logging import INFO
 
 import numpy as np
@@ -58,7 +58,7 @@ class CohortGrid(InProcessGrid):
             self.said.add(reason)
             log(INFO, "Cohort engine: %s", reason)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def exchange(self, messages: list[Message]) -> list[Message]:
         sent = list(messages)
         delivered = [self.deliver(msg) for msg in sent]
         clients = {id(m): c for m in delivered if (c := self.batchable(m)) is not None}

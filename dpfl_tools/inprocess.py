@@ -3,6 +3,12 @@
 For tests and benchmarks: the same ServerApp code path (strategy.start on a Grid) and
 the same ClientApp code path (Message in, Message out, Context.state kept per node),
 without a SuperLink. `flwr run` is the way to run the app for real.
+
+One exchange at a time: Flower's legacy server (`flwr.server.Server`) asks its clients from a pool of threads,
+one `send_and_receive` each. In one process their ClientApps would then run at once, and CPython 3.11 can raise
+"SystemError: AST constructor recursion depth mismatch" where two threads parse at once (np.load parses each
+array's header with `ast.literal_eval`): a client failed so in CI. The grids here run one exchange after the
+other (`send_and_receive` holds `exchange_lock` around `exchange`), as their nodes share one interpreter.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from itertools import count
+from threading import RLock
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -54,6 +61,7 @@ class InProcessGrid(Grid):
             for i in range(num_nodes)
         }
         self._ids = count(1)
+        self.exchange_lock = RLock()  # one exchange at a time (module docstring)
         self.sent: list[Message] = []
         self.received: list[Message] = []
 
@@ -79,6 +87,11 @@ class InProcessGrid(Grid):
         raise NotImplementedError("use send_and_receive")
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        with self.exchange_lock:
+            return self.exchange(list(messages))
+
+    def exchange(self, messages: list[Message]) -> list[Message]:
+        """The replies to `messages` (a subclass's way of running them: here one by one)."""
         return [self.answer(self.deliver(msg)) for msg in messages]
 
     def stamp(self, msg: Message) -> Message:

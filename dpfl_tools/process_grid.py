@@ -23,7 +23,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -118,7 +118,7 @@ class ProcessGrid(InProcessGrid):
     def worker_of(self, node_id: int) -> int:
         return (node_id - 100) % len(self.workers)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def exchange(self, messages: list[Message]) -> list[Message]:
         if not self.workers:
             raise RuntimeError("the ProcessGrid is closed (its workers ended)")
         sent = [self.stamp(msg) for msg in messages]

@@ -5,10 +5,13 @@ is kept less what epsilon does not cover (`strategies.legacy.log`)."""
 
 import logging
 import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import Server, ServerApp, ServerAppComponents, ServerConfig
@@ -57,6 +60,29 @@ def serve(strategy, rounds: int, caplog) -> KeepHistory:
         grid = InProcessGrid(ClientApp(client_fn=legacy_client_fn), NODES, {})
         server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     return server
+
+
+def test_flowers_legacy_server_threads_get_one_exchange_at_a_time():
+    """Flower's legacy Server asks each client from a thread of its pool; in one process their ClientApps run one
+    after the other (dpfl_tools.inprocess: two threads parsing at once can make CPython 3.11 raise a SystemError)."""
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def app(msg, context):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return Message(RecordDict({"metrics": MetricRecord({"x": 1.0})}), reply_to=msg)
+
+    grid = InProcessGrid(app, 8, {})
+    message = lambda node: grid.create_message(RecordDict(), "train", node, "1")  # noqa: E731
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda node: grid.send_and_receive([message(node)]), grid.get_node_ids()))
+    assert [len(r) for r in replies] == [1] * 8 and not any(r[0].has_error() for r in replies)
+    assert most[0] == 1
 
 
 def shown(caplog) -> list[str]:
