@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
+from benchmarks.mechanisms_bench import timed
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.task.models import build_model
 from dpfl.strategies.dp_fedavg import DPFedAvg
@@ -43,15 +42,6 @@ def replies(shapes: list[tuple], count: int, noise_shares: float, rng: np.random
         metrics = {keys.UPLOAD_KIND: keys.UPLOAD_UPDATE, keys.NUM_EXAMPLES: 64, keys.UPDATE_NORM: 1.0}
         contents.append(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}))
     return [reply_message(node + 1, contents[node % len(contents)]) for node in range(count)]
-
-
-def seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -77,9 +67,9 @@ def main() -> None:
             assert metrics["clients"] == args.replies, dict(metrics)
 
         records = [m.content["arrays"] for m in messages]
-        whole = seconds(aggregate, args.repeats)
-        flower = seconds(lambda: [r.to_numpy_ndarrays() for r in records], args.repeats)
-        ours = seconds(lambda: [reply_arrays(r) for r in records], args.repeats)
+        whole, _ = timed(aggregate, args.repeats)
+        flower, _ = timed(lambda: [r.to_numpy_ndarrays() for r in records], args.repeats)
+        ours, _ = timed(lambda: [reply_arrays(r) for r in records], args.repeats)
         per = 1e3 / args.replies
         print(
             f"{name:12s} {sum(int(np.prod(s)) for s in shapes):>10,}  {whole * per:>24.3f}  {flower * per:>24.3f}"

@@ -59,11 +59,10 @@ class CohortGrid(InProcessGrid):
             log(INFO, "Cohort engine: %s", reason)
 
     def exchange(self, messages: list[Message]) -> list[Message]:
-        sent = list(messages)
-        delivered = [self.deliver(msg) for msg in sent]
+        delivered = [self.deliver(msg) for msg in messages]
         clients = {id(m): c for m in delivered if (c := self.batchable(m)) is not None}
         trained: dict[int, Message] = {}
-        received = received_arrays([(s, d) for s, d in zip(sent, delivered) if id(d) in clients])
+        received = received_arrays([(s, d) for s, d in zip(messages, delivered) if id(d) in clients])
         for kind, run in (("train", train_cohort), ("evaluate", evaluate_cohort)):
             cohort = [(m, arrays) for m, arrays in received if m.metadata.message_type == kind]
             if not cohort:
