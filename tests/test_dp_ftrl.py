@@ -254,6 +254,7 @@ def test_the_app_learns_under_dp_ftrl_and_prints_the_ledgers_epsilon(tmp_path):
             "sample-rate": 0.25,
             "min-nodes": clients,
             "algorithm": "dp-ftrl",
+            "noise-multiplier": 0.6,  # the default 1.0 ended at or below 0.3 in 2 of 200 runs (noise from OS entropy)
             "results-dir": str(tmp_path),
         }
     )
@@ -261,7 +262,7 @@ def test_the_app_learns_under_dp_ftrl_and_prints_the_ledgers_epsilon(tmp_path):
     rounds_published = read_metrics(tmp_path)
     assert len(rounds_published) == rounds
     assert summary["ftrl"]["clients_per_round"] == 5 and summary["ftrl"]["epoch_rounds"] == 4  # 20 // 5
-    assert summary["final_accuracy"] > 0.3  # chance: 0.1 (measured 0.59 and 0.64 with these settings)
+    assert summary["final_accuracy"] > 0.3  # chance: 0.1; 150 runs: 0.77 +- 0.05, lowest 0.61
     rdp_eps, gaussian_eps = dp_accounting_tree_epsilons(cfg.privacy.noise_multiplier, [4, 4, 2], summary["delta"])
     assert summary["epsilon"] == pytest.approx(min(rdp_eps, gaussian_eps), rel=0.01)
     assert summary["ledger"]["rdp_tree_epsilon"] == pytest.approx(rdp_eps, rel=1e-9)
