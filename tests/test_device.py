@@ -19,7 +19,14 @@ from dpfl.clients.personalized import ContextHeadStore, DP2FedSAMClient
 from dpfl.clients.sam import SAMClient
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import flatten, make_rng
-from dpfl.dpcore.task.device import CHANNELS_LAST_MODELS, device_problem, resolve_device, use_channels_last
+from dpfl.dpcore.task.device import (
+    CHANNELS_LAST_MODELS,
+    device_problem,
+    is_placed,
+    place_model,
+    resolve_device,
+    use_channels_last,
+)
 from dpfl.dpcore.task.models import build_model, split_state_keys
 from dpfl.dpcore.task.partitions import load_partition
 from dpfl.dpcore.task.torch_helpers import get_weights
@@ -89,6 +96,26 @@ def test_channels_last_only_for_measured_models_on_the_cpu():
     assert {"cnn-mnist", "cnn-emnist"} <= CHANNELS_LAST_MODELS and "mlp" not in CHANNELS_LAST_MODELS
     assert use_channels_last("cnn-mnist", cpu) and not use_channels_last("cnn-mnist", cuda)
     assert not use_channels_last("mlp", cpu)
+
+
+def test_a_placed_model_is_returned_without_a_walk_and_any_other_is_moved(monkeypatch):
+    """place_model skips Module.to's walk over the modules only where it would change nothing."""
+    walks = []
+    apply = torch.nn.Module._apply
+    monkeypatch.setattr(torch.nn.Module, "_apply", lambda self, *a, **k: walks.append(self) or apply(self, *a, **k))
+    cpu, m = torch.device("cpu"), model()
+    assert is_placed(m, cpu) and not is_placed(m, cpu, channels_last=True)
+    assert place_model(m, cpu) is m and walks == []
+    assert place_model(m, cpu, channels_last=True) is m and walks  # laid out anew
+    assert m.features[0].weight.is_contiguous(memory_format=torch.channels_last) and is_placed(m, cpu, True)
+    walks.clear()
+    assert place_model(m, cpu, channels_last=True) is m and walks == []
+    m.register_buffer("elsewhere", torch.zeros(2, device="meta"))
+    assert not is_placed(m, cpu)  # one tensor off the device: Module.to moves it
+    if CUDA:
+        on_cuda = place_model(model(), torch.device("cuda"))
+        assert is_placed(on_cuda, torch.device("cuda")) and is_placed(on_cuda, torch.device("cuda", 0))
+        assert not is_placed(on_cuda, cpu)
 
 
 # ---------------------------------------------------------------- the clients get it from the run config

@@ -69,9 +69,25 @@ def use_channels_last(model_name: str, device: torch.device) -> bool:
 
 
 def place_model(model: nn.Module, device: torch.device, channels_last: bool = False) -> nn.Module:
-    """`model` moved to `device`, its 4-d parameters in channels_last when asked (in place; returned)."""
+    """`model` moved to `device`, its 4-d parameters in channels_last when asked (in place; returned). A model
+    already placed so is returned as it is, without the walk over its modules that `Module.to` takes even then
+    (the cohort engine builds each client around one module: 0.3 ms a client for cnn-mnist here)."""
+    if is_placed(model, device, channels_last):
+        return model
     model = model.to(device)
     return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def is_placed(model: nn.Module, device: torch.device, channels_last: bool = False) -> bool:
+    """Whether every parameter and buffer of `model` is on `device` (plain "cuda": the current CUDA device, as
+    `Module.to` reads it) and, with `channels_last`, every 4-d one in that layout (none 5-d: `Module.to` decides)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    laid_out = not channels_last or all(
+        t.dim() < 4 or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) for t in tensors
+    )
+    return laid_out and all(t.device == device for t in tensors)
 
 
 def place_input(x: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
