@@ -71,7 +71,7 @@ def use_channels_last(model_name: str, device: torch.device) -> bool:
 def place_model(model: nn.Module, device: torch.device, channels_last: bool = False) -> nn.Module:
     """`model` moved to `device`, its 4-d parameters in channels_last when asked (in place; returned). A model
     already placed so is returned as it is, without the walk over its modules that `Module.to` takes even then
-    (the cohort engine builds each client around one module: 0.3 ms a client for cnn-mnist here)."""
+    (the cohort engine builds each client around one module: 0.16 ms against 0.04 ms a client, cnn-mnist)."""
     if is_placed(model, device, channels_last):
         return model
     model = model.to(device)
