@@ -4,7 +4,7 @@ numpy.
 
 The prefix sums S = A x of the rounds' sums of clipped updates x_1, x_2, ... (A: the lower-triangular all-ones
 matrix) are released as A (x + C^-1 z), z_t ~ N(0, sigma^2 Cl^2 I) (Cl: the clipping norm), for a lower-triangular
-Toeplitz strategy C with C[0, 0] = 1 (McKenna, "Scaling up the Banded Matrix Factorization Mechanism for
+Toeplitz strategy C (BLT c_0 = 1; banded ||c|| = 1) (McKenna, "Scaling up the Banded Matrix Factorization Mechanism for
 Differentially Private ML", arXiv 2405.15913; Choquette-Choo et al., "(Amplified) Banded Matrix Factorization: A
 unified approach to private training", arXiv 2306.08153). The release is the Gaussian mechanism C x + z with
 sensitivity sens(C) Cl, where sens(C) is the largest ||C u|| over the participation patterns u allowed:
