@@ -12,11 +12,12 @@ such a grid for its share, side by side on the cores and one GPU. The default, -
 
 What it does, so that nothing is left behind:
 0. checks every run's config (pyproject's defaults and the overrides, as the ServerApp will), --clients
-   against min-nodes and the status.json a run folder already holds (damaged: refused; a dead run's `running`:
-   rewritten `interrupted`), and exits with the one-line reason before it starts anything; then moves itself into a
-   private network namespace (`--network-isolation`, dpfl_tools.netns), so that what it starts listens on a
-   loopback no other local account can reach (Flower's SuperLink takes runs from anyone who reaches it),
-   after downloading the runs' datasets into the cache;
+   against min-nodes and what a run folder already holds (a damaged status.json or metrics.jsonl, a directory
+   where a run file belongs, a previous run in a fresh run's folder: refused; a dead run's `running`: rewritten
+   `interrupted`), and exits with the one-line reason before it starts anything (every engine); then moves
+   itself into a private network namespace (`--network-isolation`, dpfl_tools.netns), so that what it starts
+   listens on a loopback no other local account can reach (Flower's SuperLink takes runs from anyone who
+   reaches it), after downloading the runs' datasets into the cache;
 1. starts its own local simulation SuperLink on free ports with a private FLWR_HOME (never one
    that is already running: `flwr run` is pointed at this one), with runtime dependency
    installation and telemetry off, and remembers its PID; next to it, a Ray head of its own that every
@@ -55,7 +56,7 @@ from dpfl.fl_app import SPEED_PATCHES_ENV
 from dpfl.fl_app.plain_output import call_plain_when_piped
 from dpfl_tools import ROOT
 from dpfl_tools.netns import isolate, own_user_namespace
-from dpfl_tools.plan import plan_runs, run_stamp
+from dpfl_tools.plan import PlannedRun, plan_runs, run_stamp
 from dpfl_tools.processes import FLOWER_QUIET_ENV, command, die_with_launcher, end_processes_with_home
 from dpfl_tools.ray_head import ray_token_auth, start_ray_head, stop_ray_head, wait_ray_head
 from dpfl_tools.simulation_resources import federation_config, gpus_per_client
@@ -119,17 +120,23 @@ def run_status(run_dir: Path, since: float = 0.0) -> str:
     return record.get("status", "missing") if record.get("time", since) >= since else "stale"
 
 
-def check_run_folders(folders: list[Path]) -> None:
-    """Before anything starts: exit with the one-line reason where a run's folder holds a damaged status.json
-    (`read_status` names the file); a dead run's `running` status is rewritten `interrupted` on the way."""
-    from dpfl.fl_app.results import read_status
+def checked_runs(args: argparse.Namespace, stamp: str) -> list[PlannedRun]:
+    """This launch's runs (`plan_runs`), each run's folder checked as the run will read it (`check_run_folder`:
+    a directory where a run file belongs, a damaged status.json or metrics.jsonl, a previous run in a fresh run's
+    folder), for every engine before anything starts: SystemExit with the one line that names the file and what
+    to do. A dead run's `running` status is rewritten `interrupted` on the way."""
+    from dpfl.fl_app.results import PreviousRunError, check_run_files, check_run_folder
     from dpfl.fl_app.run_files import RunFileError
 
-    for folder in folders:
-        try:
-            read_status(folder)
-        except RunFileError as exc:
-            raise SystemExit(str(exc)) from None
+    try:
+        if args.resume:  # before plan_runs reads the folder's config.json and checkpoint.npz
+            check_run_files(Path(args.resume).resolve())
+        runs = plan_runs(args, stamp)  # every run's config checked
+        for run in runs:
+            check_run_folder(run.folder, run.settings.output.resume)
+    except (RunFileError, PreviousRunError) as exc:
+        raise SystemExit(str(exc)) from None
+    return runs
 
 
 def flwr_run(env: dict, run_config: str, clients: int, gpus_per_client: float = 0.0, cpus_per_client: int = 1) -> int:
@@ -234,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = {**os.environ, **QUIET_ENV}
     stamp = run_stamp()
-    runs = plan_runs(args, stamp)  # every run's config checked before anything starts
-    check_run_folders([run.folder for run in runs])
+    runs = checked_runs(args, stamp)  # every run's config and folder checked before anything starts
     if any(run.settings.federation.flower_speed_patches for run in runs):
         base[SPEED_PATCHES_ENV] = "1"  # the simulation's opt-in patches (dpfl_tools.simulation_pickup)
     enter = isolate(args.network_isolation, runs, base, user_namespace)  # before anything starts
@@ -285,7 +291,8 @@ def run_in_process(args: argparse.Namespace) -> int:
     """--engine inprocess / cohort: each planned run through the ServerApp's `run_federated` on a Grid in this
     process with --clients nodes (--processes P > 1: a ProcessGrid of P such grids)."""
     from dpfl.fl_app.client_app import app as client_app
-    from dpfl.fl_app.results import read_status
+    from dpfl.fl_app.results import PreviousRunError, read_status
+    from dpfl.fl_app.run_files import RunFileError
     from dpfl.fl_app.server_app import run_federated
     from dpfl_tools.cohort import CohortGrid
     from dpfl_tools.inprocess import InProcessGrid
@@ -294,13 +301,18 @@ def run_in_process(args: argparse.Namespace) -> int:
     grid_class = CohortGrid if args.engine == "cohort" else InProcessGrid
     stamp = run_stamp()
     run_dirs = []
-    for run in plan_runs(args, stamp):
+    for run in checked_runs(args, stamp):
         grid_args = (client_app, args.clients, run.settings)
-        if args.processes == 1:
-            run_federated(grid_class(*grid_args, keep_messages=False), run.settings)
-        else:
-            with ProcessGrid(*grid_args, processes=args.processes, grid_class=grid_class, keep_messages=False) as grid:
-                run_federated(grid, run.settings)
+        try:  # what the folder check cannot see (a checkpoint whose state does not fit): one line, as there
+            if args.processes == 1:
+                run_federated(grid_class(*grid_args, keep_messages=False), run.settings)
+            else:
+                with ProcessGrid(
+                    *grid_args, processes=args.processes, grid_class=grid_class, keep_messages=False
+                ) as grid:
+                    run_federated(grid, run.settings)
+        except (RunFileError, PreviousRunError) as exc:
+            raise SystemExit(str(exc)) from None
         status = read_status(run.folder).get("status", "missing")
         if status != "completed":
             print(f"Run '{run.name}' did not complete (run folder status {status!r})", file=sys.stderr)

@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:  # a run folder without summary.json: what its status says (a damaged status.json: named in one line)
-        missing = [unfinished(r) for r in args.runs if not Path(r, "summary.json").is_file()]
+        missing = [unfinished(r) for r in args.runs if not Path(r, "summary.json").exists()]
     except RunFileError as exc:
         parser.exit(2, f"dpfl_tools.report: {exc}\n")
     if missing:

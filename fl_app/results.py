@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dpfl.dpcore.task.atomic import atomic_write, lock_held
-from dpfl.fl_app.run_files import RunFileError, read_diagnostics, read_metrics
+from dpfl.fl_app.run_files import RunFileError, not_a_file_error, read_diagnostics, read_metrics, read_run_file
 
 if TYPE_CHECKING:
     from dpfl.fl_app.settings import Settings
@@ -89,6 +89,22 @@ RESUMABLE_KEYS = ("resume", "num-rounds")  # what may change between a run and i
 LOCK_FILE = ".dpfl-run.lock"  # held (flock) by the run's one writer
 RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoint.npz", LOCK_FILE)  # any: a dpfl run folder
 TERMINAL_STATUSES = ("completed", "failed")  # written last: the lock is released with them
+WRITTEN_FILES = (  # every file a run writes into its folder (RunDirectory, plot_runs): a directory there is refused
+    *RUN_FILES,
+    "diagnostics.jsonl",
+    "summary.json",
+    "diagnostics-summary.json",
+    "plot.png",
+)
+
+
+def check_run_files(path: Path) -> None:
+    """RunFileError naming the first of the run's files (WRITTEN_FILES) in `path` that is a directory (or another
+    non-file): a run would fail on it, a resume at its start, a fresh run at its end (summary.json)."""
+    for name in WRITTEN_FILES:
+        file = path / name
+        if file.exists() and not file.is_file():
+            raise not_a_file_error(file)
 
 
 def unreadable_checkpoint_error(file: Path, why: str) -> PreviousRunError:
@@ -145,6 +161,7 @@ def config_differences(path: Path, s: Settings) -> list[str]:
 def check_resumable(path: Path, s: Settings) -> None:
     """Can the run in `path` be continued with settings `s` (a checkpoint, the same settings)? PreviousRunError
     if not; the launcher asks before it starts anything."""
+    check_run_files(path)
     if not (path / "checkpoint.npz").is_file():
         raise no_checkpoint_error(path)
     read_checkpoint(path / "checkpoint.npz")
@@ -178,9 +195,8 @@ def read_status_file(path: Path) -> dict | None:
     """status.json of the run folder `path` as written (None without it); RunFileError naming the file where it is
     not a JSON object with a known `status`."""
     file = path / "status.json"
-    try:
-        text = file.read_bytes()
-    except FileNotFoundError:
+    text = read_run_file(file)
+    if text is None:
         return None
     try:
         record = json.loads(text)
@@ -217,6 +233,27 @@ def read_status(path: Path | str, lock_held: bool = False) -> dict:
         return mark_interrupted(path, record) if record["status"] == "running" else record
     finally:
         os.close(fd)
+
+
+def check_run_folder(path: Path | str, resume: bool, lock_held: bool = False) -> str:
+    """What a run reads of its folder `path` before it writes anything, checked in one place (RunDirectory, and
+    the launcher for every engine before anything starts): no directory where a run file belongs, a readable
+    status.json and metrics.jsonl (RunFileError naming the file, and what to do), a checkpoint to resume from
+    (`resume`) or no previous run to overwrite (PreviousRunError). The previous run's status ("missing": none)."""
+    path = Path(path)
+    check_run_files(path)
+    has_checkpoint = (path / "checkpoint.npz").exists()
+    if resume and not has_checkpoint:
+        raise no_checkpoint_error(path)
+    previous_rounds = len(read_metrics(path))
+    previous_status = read_status(path, lock_held=lock_held)["status"]
+    if not resume and (has_checkpoint or previous_rounds):
+        raise PreviousRunError(
+            f"results-dir {path} holds a previous run ({previous_status}, {previous_rounds} rounds in "
+            f"metrics.jsonl{', a checkpoint' if has_checkpoint else ''}): set resume = true to "
+            "continue it, or choose another results-dir or run-name"
+        )
+    return previous_status
 
 
 def lock_held_by_writer(path: Path) -> bool:
@@ -293,21 +330,13 @@ class RunDirectory:
         self.metrics_file = self.path / "metrics.jsonl"
         self.diagnostics_file = self.path / "diagnostics.jsonl"
         self.checkpoint_file = self.path / "checkpoint.npz"
+        check_run_files(self.path)  # before the lock: its file may be a directory too
         self._lock = lock_run_folder(self.path)
         self._release = weakref.finalize(self, os.close, self._lock)
         self.saved_rounds = 0  # rounds the checkpoint holds: what a resume continues from
         try:
-            self.checkpoint = self.read_checkpoint()
-            previous_rounds = len(read_metrics(self.path)) if self.metrics_file.exists() else 0
-            if resume and self.checkpoint is None:
-                raise no_checkpoint_error(self.path)
-            previous_status = read_status(self.path, lock_held=True)["status"]
-            if not resume and (self.checkpoint is not None or previous_rounds):
-                raise PreviousRunError(
-                    f"results-dir {self.path} holds a previous run ({previous_status}, {previous_rounds} rounds in "
-                    f"metrics.jsonl{', a checkpoint' if self.checkpoint is not None else ''}): set resume = true to "
-                    "continue it, or choose another results-dir or run-name"
-                )
+            previous_status = check_run_folder(self.path, resume, lock_held=True)
+            self.checkpoint = self.read_checkpoint() if resume else None
             self.resumed_status = previous_status if resume else None
         except BaseException:
             self.close()

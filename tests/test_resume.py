@@ -1,6 +1,7 @@
 """Checkpoint and resume: a ServerApp killed at the start of a round and resumed ends where the
 uninterrupted run ends (same model, same epsilon, same records), with exactly one ledger event per
-completed round, for every algorithm family; a folder holding a previous run is never overwritten."""
+completed round, for every algorithm family; a folder holding a previous run is never overwritten, and a
+half-written metrics line is refused with what to do."""
 
 import json
 
@@ -140,3 +141,26 @@ def test_a_folder_with_a_previous_run_is_refused_before_anything_trains(tmp_path
     assert grid.sent == []
     more = run(validate({**SMALL, "num-rounds": 2, "results-dir": str(tmp_path), "resume": True}), grid)
     assert more["rounds_completed"] == 2 and [r["round"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_a_half_written_metrics_line_is_refused_with_what_to_do_and_the_resume_then_continues(tmp_path):
+    from flwr.app import ArrayRecord
+
+    from dpfl.fl_app.run_files import RunFileError
+
+    run_dir = RunDirectory(tmp_path)  # a run killed while it wrote round 2's line: round 1 checkpointed
+    run_dir.write_checkpoint({"completed_rounds": 1}, ArrayRecord([np.ones(2)]))
+    run_dir.close()
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "epsilon": 0.5}\n{"round": 2, "epsil')
+    with pytest.raises(RunFileError) as err:
+        RunDirectory(tmp_path, resume=True)
+    assert str(err.value) == (
+        f"{tmp_path / 'metrics.jsonl'}, line 2: not JSON (Unterminated string starting at: line 1 column 14 "
+        "(char 13)); the line is cut short (a run killed while writing it, a full disk) or was not written by this "
+        "program: remove line 2 and resume (resume = true writes metrics.jsonl anew from checkpoint.npz), or start "
+        "a new run with another results-dir or run-name"
+    )
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "epsilon": 0.5}\n')  # what the refusal says to do
+    resumed = RunDirectory(tmp_path, resume=True)
+    assert resumed.saved_rounds == 1 and resumed.checkpoint[1][0].tolist() == [1.0, 1.0]
+    resumed.close()

@@ -1,6 +1,8 @@
 """Faults at a run's edges: bad config keys and strings are refused as config errors, a damaged checkpoint is
-refused in one line naming the file, a full disk names the file and leaves a true status, and TensorBoard's
-event files are the owner's only, as every other run file."""
+refused in one line naming the file, a damaged run folder (status.json, a half-written metrics line, a directory
+where a run file belongs) in one line naming the file and what to do on every engine of the launcher and in the
+report, a full disk names the file and leaves a true status, and TensorBoard's event files are the owner's only,
+as every other run file."""
 
 import errno
 import json
@@ -106,7 +108,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(how, tmp_pa
     RunDirectory(tmp_path / "other").close()  # nothing was left locked or half-made
 
 
-def test_a_checkpoint_whose_state_does_not_fit_is_refused_before_any_round(tmp_path):
+def test_a_checkpoint_whose_state_does_not_fit_is_refused_before_any_round(tmp_path, capfd):
     cfg = validate({**SMALL, "num-rounds": 1, "results-dir": str(tmp_path / "run")})
     run_federated(InProcessGrid(client_app, 3, cfg), cfg)
     file = tmp_path / "run" / "checkpoint.npz"
@@ -119,12 +121,16 @@ def test_a_checkpoint_whose_state_does_not_fit_is_refused_before_any_round(tmp_p
     with pytest.raises(PreviousRunError, match="its state does not fit this run") as err:
         run_federated(InProcessGrid(client_app, 3, resumed), resumed)
     assert str(file) in str(err.value)
+    for engine in ("inprocess", "cohort"):  # the launcher's in-process engines: the same line, no traceback
+        argv = ["--resume", str(tmp_path / "run"), "--engine", engine, "--clients", "3", "-c", "num-rounds=2"]
+        assert launcher_refusal(argv, capfd) == str(err.value)
 
 
 # ---------------------------------------------------------------- a damaged status.json
 DAMAGED_STATUS = {
     "cut short": b'{"status": "runn',
     "garbage": bytes(range(256)),
+    "binary": b"\x89PNG\r\n\x1a\n\x00",
     "empty": b"",
     "a list": b'["running"]',
     "an unknown status": b'{"status": "paused", "pid": 1}',
@@ -182,6 +188,138 @@ def test_the_launcher_refuses_a_damaged_status_before_it_starts_anything(tmp_pat
         with pytest.raises(SystemExit) as err:
             launch.main([*argv, "--clients", "3", "--results", str(tmp_path / "results")])
         assert one_line_naming(str(err.value.code), folder / "status.json"), err.value.code
+
+
+# ---------------------------------------------------------------- every run-folder fault: one line, every engine
+ENGINES = ("flwr", "inprocess", "cohort")  # dpfl_tools.launch --engine's choices
+DAMAGED_STATUS_WHY = {  # what the refusal says is wrong with each DAMAGED_STATUS
+    "cut short": "not JSON (Unterminated string starting at: line 1 column 12 (char 11))",
+    "garbage": "not JSON (Expecting value: line 1 column 1 (char 0))",
+    "binary": "not JSON ('utf-8' codec can't decode byte 0x89 in position 0: invalid start byte)",
+    "empty": "not JSON (Expecting value: line 1 column 1 (char 0))",
+    "a list": "a JSON list, not an object",
+    "an unknown status": "'status' = 'paused', not one of running, interrupted, completed, failed",
+}
+NOT_FILES = ("status.json", "metrics.jsonl", "diagnostics.jsonl", "summary.json", "checkpoint.npz", "config.json")
+HALF_LINE = '{"round": 1, "epsilon": 0.5}\n{"round": 2, "epsil'  # a run killed while it wrote round 2
+FOLDER_FAULTS = [f"status: {how}" for how in DAMAGED_STATUS_WHY] + [f"{name} a directory" for name in NOT_FILES]
+
+
+def faulty_run(folder: Path, fault: str) -> Path:
+    """damaged_run's folder (a checkpoint of round 1, its config.json) with `fault`."""
+    if fault.startswith("status: "):
+        return damaged_run(folder, fault.removeprefix("status: "))
+    write_good_checkpoint(folder)
+    (folder / "config.json").write_text(json.dumps(validate({**SMALL, "results-dir": str(folder)}).run_config()))
+    if fault == "half-written metrics line":
+        (folder / "metrics.jsonl").write_text(HALF_LINE)
+    else:
+        name = fault.removesuffix(" a directory")
+        (folder / name).unlink(missing_ok=True)
+        (folder / name / "inside").mkdir(parents=True)
+    return folder
+
+
+def expected_refusal(folder: Path, fault: str) -> str:
+    """The one line every engine, the ServerApp and the report print for `fault` (written out here, not taken
+    from the code under test)."""
+    if fault.startswith("status: "):
+        return (
+            f"{folder / 'status.json'}: {DAMAGED_STATUS_WHY[fault.removeprefix('status: ')]}; the file is damaged "
+            "(cut short, a full disk, or not written by this program): the run's rounds stand in metrics.jsonl and "
+            "checkpoint.npz, so delete status.json and resume (resume = true), or choose another results-dir or "
+            "run-name"
+        )
+    if fault == "half-written metrics line":
+        return (
+            f"{folder / 'metrics.jsonl'}, line 2: not JSON (Unterminated string starting at: line 1 column 14 "
+            "(char 13)); the line is cut short (a run killed while writing it, a full disk) or was not written by "
+            "this program: remove line 2 and resume (resume = true writes metrics.jsonl anew from checkpoint.npz), "
+            "or start a new run with another results-dir or run-name"
+        )
+    name = fault.removesuffix(" a directory")
+    return (
+        f"{folder / name}: a directory where the run keeps its {name} file; move it out of {folder} (or remove it) "
+        "and run again, or choose another results-dir or run-name"
+    )
+
+
+def launcher_refusal(argv: list[str], capfd) -> str:
+    """The launcher's refusal: a SystemExit whose code is the one line (Python prints it alone, exit status 1),
+    and nothing printed before it."""
+    import dpfl_tools.launch as launch
+
+    with pytest.raises(SystemExit) as err:
+        launch.main(argv)
+    printed = capfd.readouterr()
+    assert isinstance(err.value.code, str) and "Traceback" not in printed.out + printed.err, printed
+    return err.value.code
+
+
+@pytest.mark.parametrize("fault", [*FOLDER_FAULTS, "half-written metrics line"])
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "fresh run"])
+def test_every_run_folder_fault_is_one_line_on_every_engine(tmp_path, monkeypatch, capfd, fault, resume):
+    import dpfl.fl_app.server_app as server_app
+    import dpfl_tools.launch as launch
+
+    monkeypatch.setattr(launch, "isolate", lambda *a: pytest.fail("the flwr engine went on"))
+    monkeypatch.setattr(server_app, "run_federated", lambda *a: pytest.fail("an in-process engine went on"))
+    folder = faulty_run(tmp_path / "run", fault)
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    expected = expected_refusal(folder, fault)
+    given = ["--resume", str(folder)] if resume else ["-c", f"results-dir='{folder}'"]
+    for engine in ENGINES:
+        argv = [*given, "--engine", engine, "--clients", "3", "--network-isolation", "off"]
+        assert launcher_refusal([*argv, "--results", str(tmp_path / "results")], capfd) == expected, engine
+    assert {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("fault", [f for f in FOLDER_FAULTS if f != "config.json a directory"])
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "fresh run"])
+def test_the_server_app_refuses_a_faulty_folder_in_the_same_line(tmp_path, fault, resume):
+    folder = faulty_run(tmp_path / "run", fault)
+    cfg = validate({**SMALL, "num-rounds": 2, "resume": resume, "results-dir": str(folder)})
+    grid = InProcessGrid(client_app, 3, cfg)
+    with pytest.raises((RunFileError, PreviousRunError)) as err:
+        run_federated(grid, cfg)
+    assert str(err.value) == expected_refusal(folder, fault) and grid.sent == []
+
+
+@pytest.mark.slow
+def test_the_launcher_prints_a_folder_fault_as_one_line_on_every_engine(tmp_path):
+    folder = faulty_run(tmp_path / "run", "status.json a directory")
+    for engine in ENGINES:
+        done = subprocess.run(
+            [sys.executable, "-m", "dpfl_tools.launch", "--resume", str(folder), "--engine", engine, "--clients", "3"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (
+            1,
+            "",
+            expected_refusal(folder, "status.json a directory") + "\n",
+        )
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["status.json a directory", "summary.json a directory", "metrics.jsonl a directory", "half-written metrics line"],
+)
+def test_the_report_names_a_faulty_folder_in_one_line(tmp_path, capsys, fault):
+    from dpfl_tools.report import main
+
+    folder = faulty_run(tmp_path / "run", fault)
+    if fault != "status.json a directory":  # a finished run's, else the report asks its status
+        (folder / "status.json").write_text('{"status": "completed"}')
+        if not (folder / "summary.json").exists():
+            (folder / "summary.json").write_text('{"strategy": "dp-fedavg", "epsilon": 1.0}')
+    with pytest.raises(SystemExit) as err:
+        main([str(folder), "-o", str(tmp_path / "r.html")])
+    printed = capsys.readouterr()
+    assert err.value.code == 2 and printed.err == f"dpfl_tools.report: {expected_refusal(folder, fault)}\n", printed
+    assert not (tmp_path / "r.html").exists()
 
 
 def test_the_report_names_a_damaged_status_in_one_line(tmp_path, capsys):
