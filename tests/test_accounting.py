@@ -1,5 +1,7 @@
 """The ledger against independent accountants: Google dp-accounting's PLD and RDP, Opacus' PRV."""
 
+import functools
+import logging
 import math
 
 import dp_accounting
@@ -314,7 +316,9 @@ def test_an_overflowing_pld_conversion_falls_back_to_rdp(monkeypatch):
     accountants._bound.cache_clear()
     try:
         assert accountants.epsilon_of(events, 1e-5) == expected and math.isfinite(expected)
-        assert accountants.accountant_used(events, 1e-5, "pld") == "rdp (pld's epsilon-for-delta conversion overflowed)"
+        assert accountants.accountant_used(events, 1e-5, "pld") == (
+            "rdp (pld returned epsilon inf, not a bound, for (sigma=0.3, q=1, steps=40) at delta=1e-05)"
+        )
         state = PrivacyLedger(delta=1e-5, accountant="pld", history=events).state_dict()
         assert state["bound_by"].startswith("rdp (")  # the ledger's own state says which bound it printed
     finally:
@@ -345,6 +349,89 @@ def test_an_accountant_is_one_registered_class():
         assert accountants.accountant_used([(0.1, 0.3, 4)], 1e-5, "double-rdp").startswith("rdp (a noise")
     finally:
         accountants.ACCOUNTANT_REGISTRY.pop("double-rdp", None)
+
+
+# Issue 54 item 5: Opacus 1.6.0's RDP and PRV accountants return negative epsilons at a large delta and huge noise
+OPACUS_NEGATIVE = [("rdp", 10.0, 0.1, 1, 1e-2), ("prv", 50.0, 0.1, 10, 0.1)]
+
+
+@pytest.mark.parametrize("accountant,sigma,q,steps,delta", OPACUS_NEGATIVE)
+def test_a_negative_epsilon_from_opacus_is_refused_and_pld_stands_in(accountant, sigma, q, steps, delta, caplog):
+    """Opacus' own figure here is negative (RDP -0.0052, PRV -0.095): no bound. `checked_epsilon` refuses it naming
+    the accountant and the setting; the ledger prints PLD's figure (dp-accounting's, computed here: 0), logs a
+    warning and names PLD and why in `accountant_used` and its state's `bound_by`."""
+    events = ((sigma, q, steps),)
+    opacus = float(accountants.ACCOUNTANT_REGISTRY[accountant].epsilon(events, delta))  # Opacus' figure, unchecked
+    assert opacus < 0, f"Opacus no longer returns a negative epsilon here ({opacus}): find another setting"
+    refusal = f"{accountant} returned epsilon {opacus!r}, not a bound, for (sigma={sigma:g}, q={q:g}, steps={steps})"
+    refusal += f" at delta={delta:g}"
+    with pytest.raises(accountants.AccountantError) as refused:
+        accountants.checked_epsilon(accountant, events, delta)
+    assert str(refused.value) == refusal
+    accountants._bound.cache_clear()  # the warning is logged where the figure is computed, once per setting
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        ledger = PrivacyLedger(delta, accountant, history=list(events))
+        eps = ledger.epsilon()
+    assert eps == dp_accounting_epsilons(sigma, q, steps, delta)[0] == 0.0
+    assert ledger.state_dict()["bound_by"] == accountants.accountant_used(list(events), delta, accountant)
+    assert ledger.state_dict()["bound_by"] == f"pld ({refusal})"
+    assert [r.getMessage() for r in caplog.records] == [f"{refusal}: the epsilon printed is pld's bound instead"]
+
+
+@functools.cache
+def dp_accounting_pld(sigma: float, q: float, steps: int, delta: float) -> float:
+    """dp-accounting's PLDAccountant on the ledger's grid (1e-3), from its DpEvents: a fraction of a second where
+    the 1e-4 grid of `dp_accounting_epsilons` takes seconds."""
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=accountants.PLD_DISCRETIZATION)
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("returned", [-1.0, math.nan, math.inf])
+def test_an_accountant_returning_no_bound_gets_pld_s_figure_and_says_so(returned, monkeypatch, caplog):
+    """A registered accountant that returns -1, NaN or inf for a finite, positive sigma: the figure printed is
+    PLD's (next to dp-accounting's PLD, computed here), the warning and `accountant_used` name the accountant and
+    the setting; through the ledger too (the fake standing in for "rdp"). A zero sigma's infinite epsilon is still
+    infinite, the accountant's own; where no accountant gives a bound there is an error, no figure."""
+    events, delta = [(1.1, 0.3, 40)], 1e-5
+
+    class Broken:
+        name, min_sigma = "broken", accountants.MIN_SIGMA
+
+        def epsilon(self, events, delta):
+            return returned
+
+    accountants._bound.cache_clear()
+    monkeypatch.setitem(accountants.ACCOUNTANT_REGISTRY, "broken", Broken())
+    refusal = f"broken returned epsilon {returned!r}, not a bound, for (sigma=1.1, q=0.3, steps=40) at delta=1e-05"
+    try:
+        with caplog.at_level(logging.WARNING, logger="flwr"):
+            eps = epsilon_of(events, delta, "broken")
+        assert eps == epsilon_of(events, delta, "pld")
+        assert eps == pytest.approx(dp_accounting_pld(1.1, 0.3, 40, delta), rel=1e-9) and 11.5 < eps < 11.6
+        assert accountants.accountant_used(events, delta, "broken") == f"pld ({refusal})"
+        assert [r.getMessage() for r in caplog.records] == [f"{refusal}: the epsilon printed is pld's bound instead"]
+        assert epsilon_of([(0.0, 0.3, 1)], delta, "broken") == math.inf
+        assert accountants.accountant_used([(0.0, 0.3, 1)], delta, "broken") == "broken"
+
+        monkeypatch.setitem(accountants.ACCOUNTANT_REGISTRY, "rdp", Broken())  # the ledger's "rdp" is the fake now
+        ledger = PrivacyLedger(delta, "rdp", history=events)
+        assert ledger.epsilon() == eps and ledger.state_dict()["bound_by"] == f"pld ({refusal})".replace(
+            "broken returned", "rdp returned"
+        )
+        monkeypatch.setitem(accountants.ACCOUNTANT_REGISTRY, "pld", Broken())  # no accountant gives a bound
+        accountants._bound.cache_clear()
+        with pytest.raises(accountants.AccountantError, match="^no accountant gives a bound: ") as none:
+            epsilon_of(events, delta, "broken")
+        assert [m.split(" returned")[0] for m in str(none.value).split(": ", 1)[1].split("; ")] == [
+            "broken",
+            "pld",
+            "rdp",
+        ]
+    finally:
+        monkeypatch.undo()
+        accountants._bound.cache_clear()
 
 
 def test_the_ledger_asks_the_noise_placement_what_the_server_sees():

@@ -4,10 +4,12 @@
 registry: Google dp-accounting's privacy-loss-distribution (PLD) accountant by default (pessimistic
 discretisation, so its epsilon is an upper bound, on a grid coarsened for small multipliers: `pld_intervals`;
 unsampled events, q = 1, in closed form: `gaussian_epsilon`),
-Opacus' RDP or PRV selectable; RDP stands in where PRV (below sigma 0.2) or PLD (a failure, an overflow) gives
-no number. Beside them: the RDP bounds of sampling without replacement (`fixed_size_epsilon`) and of DP-FTRL's
-trees (`tree_aggregation_rdp_epsilon`). The ledgers (`dpcore.privacy.ledger`) keep the events; this module only
-composes them.
+Opacus' RDP or PRV selectable. Every figure passes one check, `checked_epsilon` (finite, >= 0): where the
+accountant gives no bound (it raises, or returns a negative, NaN or infinite epsilon, as Opacus 1.6's RDP and PRV
+do at a large delta and huge noise) PLD's stands in (RDP's for PLD's overflow), with a warning, and
+`accountant_used` names it and why; RDP's where PRV's multiplier is below 0.2. Beside them: the RDP bounds of
+sampling without replacement (`fixed_size_epsilon`) and of DP-FTRL's trees (`tree_aggregation_rdp_epsilon`). The
+ledgers (`dpcore.privacy.ledger`) keep the events; this module only composes them.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from logging import WARNING
 from typing import Protocol
 
 import numpy as np
+from flwr.common import log
 
 from dpfl.dpcore.task.opacus_import import import_opacus
 
@@ -117,13 +121,45 @@ class PRVAccountant:
 
 
 ACCOUNTANTS = tuple(ACCOUNTANT_REGISTRY)  # the names a setting may take
-FALLBACK_ACCOUNTANT = "rdp"  # valid and finite where PRV or PLD cannot give a number
+FALLBACK_ACCOUNTANT = "rdp"  # below an accountant's min_sigma, and where PLD gives no bound
+
+
+class AccountantError(ValueError):
+    """An accountant gave no bound for a setting: it raised, or returned a negative, NaN or infinite epsilon
+    for multipliers >= MIN_SIGMA. The message names the accountant and the setting."""
+
+
+def setting_text(events: tuple[Event, ...], delta: float) -> str:
+    """The setting an accountant was asked about, as its errors and warnings name it."""
+    return " + ".join(f"(sigma={s:.6g}, q={q:.6g}, steps={n})" for s, q, n in events) + f" at delta={delta:.6g}"
+
+
+def checked_epsilon(accountant: str, events: tuple[Event, ...], delta: float) -> float:
+    """The registered accountant's eps(delta), checked: the one place every accountant's figure passes before a
+    ledger prints it. It must be finite and >= 0 (the events asked about all have sigma >= MIN_SIGMA: no noise's
+    infinite epsilon is decided before any accountant is asked); else AccountantError. Opacus 1.6's RDP and PRV
+    return negative epsilons where delta is large and the noise huge (RDP -0.0052 at sigma 10, q 0.1, 1 step,
+    delta 0.01; PRV -0.095 at sigma 50, q 0.1, 10 steps, delta 0.1); dp-accounting's PLD conversion can overflow
+    to inf near eps ~ 700 (a run's log: epsilon_against_server 706, inf, inf, 727)."""
+    try:
+        eps = float(ACCOUNTANT_REGISTRY[accountant].epsilon(events, delta))
+    except (ArithmeticError, ValueError) as exc:  # e.g. dp-accounting's math range error at sigma 1e-6
+        lowest = min(sigma for sigma, _, _ in events)
+        raise AccountantError(
+            f"{accountant} failed at a noise multiplier of {lowest:.3g} charged: {type(exc).__name__}: {exc} "
+            f"({setting_text(events, delta)})"
+        ) from exc
+    if not (math.isfinite(eps) and eps >= 0):
+        raise AccountantError(f"{accountant} returned epsilon {eps!r}, not a bound, for {setting_text(events, delta)}")
+    return eps
 
 
 @functools.lru_cache(maxsize=4096)
 def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[float, str]:
-    """(eps(delta), the accountant that gave it). Memoised (PRV evaluations are slow and many ledgers share
-    histories). RDP stands in where PLD or PRV give no finite number; its bound is valid too."""
+    """(eps(delta), the accountant that gave it, and why where it is not the configured one). Memoised (PRV
+    evaluations are slow and many ledgers share histories). Where the configured accountant gives no bound
+    (`checked_epsilon`), PLD's stands in, else RDP's, with a warning each; below the accountant's min_sigma RDP's,
+    else PLD's. Each is a valid bound; AccountantError where none gives one."""
     if not events:
         return 0.0, accountant
     if any(sigma < MIN_SIGMA and q > 0 for sigma, q, _ in events):
@@ -136,24 +172,24 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
     if lowest < chosen.min_sigma:
         # PRV's discretisation grows without bound as sigma -> 0: such compositions get RDP's bound. The
         # multiplier named is the one charged (under fixed-size sampling's replace-one relation, sigma / 2).
-        return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
-            f"rdp (a noise multiplier of {lowest:.3g} charged, below {chosen.min_sigma}: {accountant} would need "
-            "minutes and gigabytes)"
-        )
-    try:
-        eps = chosen.epsilon(events, delta)
-    except (ArithmeticError, ValueError) as exc:  # e.g. dp-accounting's math range error at sigma 1e-6
-        return _bound(events, delta, FALLBACK_ACCOUNTANT)[0], (
-            f"rdp ({accountant} failed at a noise multiplier of {lowest:.3g} charged: {type(exc).__name__}: {exc})"
-        )
-    if not math.isfinite(eps) and accountant != FALLBACK_ACCOUNTANT:
-        # dp-accounting's PLD conversion can overflow near eps ~ 700 (seen in a log line as inf between 706 and
-        # 727): RDP's bound, valid, finite
-        return _bound(events, delta, FALLBACK_ACCOUNTANT)[
-            0
-        ], f"rdp ({accountant}'s epsilon-for-delta conversion overflowed)"
-    # Opacus' RDP conversion can return a slightly negative value when the noise is huge; eps >= 0
-    return max(0.0, float(eps)), accountant
+        why = [
+            f"a noise multiplier of {lowest:.3g} charged, below {chosen.min_sigma}: {accountant} would need minutes "
+            "and gigabytes"
+        ]
+        candidates = [FALLBACK_ACCOUNTANT, DEFAULT_ACCOUNTANT]
+    else:
+        why, candidates = [], [accountant, DEFAULT_ACCOUNTANT, FALLBACK_ACCOUNTANT]
+    failed = []
+    for name in dict.fromkeys(candidates):
+        try:
+            eps = checked_epsilon(name, events, delta)
+        except AccountantError as exc:
+            failed.append(str(exc))
+            continue
+        for reason in failed:
+            log(WARNING, "%s: the epsilon printed is %s's bound instead", reason, name)
+        return eps, name if name == accountant else f"{name} ({'; '.join(why + failed)})"
+    raise AccountantError(f"no accountant gives a bound: {'; '.join(why + failed)}")
 
 
 def pld_intervals(events: tuple[Event, ...]) -> list[float]:
