@@ -45,6 +45,7 @@ _HOMES = {  # name -> home module, imported on first access
     "dp_privatize_mod": "dpfl.clients.mods",
     "make_dp_privatize_mod": "dpfl.clients.mods",
     "uniform_weight_mod": "dpfl.clients.mods",
+    "answer_client_id": "dpfl.clients.identity",  # a ClientApp's answer to the server's identity query
     "epsilon_of": "dpfl.dpcore.privacy.accountants",
     "ClientLevelLedger": "dpfl.dpcore.privacy.ledger",
     "PrivacyLedger": "dpfl.dpcore.privacy.ledger",
@@ -108,6 +109,7 @@ _TORCH_HOMES = {  # the same, for the names that import torch (the Opacus ones O
     "FineTuneClient": "dpfl.clients.personalized",
     "DPSGDClient": "dpfl.clients.dpsgd",
     "PrivacyEngine": "dpfl.clients.opacus_ledger",
+    "SampleBudgetSpent": "dpfl.clients.opacus_ledger",  # a per-client target's refusal (make_private_with_epsilon)
     "sample_ledger_mod": "dpfl.clients.opacus_ledger",
     "make_sample_ledger_mod": "dpfl.clients.opacus_ledger",
 }
@@ -168,6 +170,7 @@ __all__ = [
     "make_clip_bit_mod",
     "make_local_dp_mod",
     "uniform_weight_mod",
+    "answer_client_id",
     # sample-level DP in your own Opacus client: its ledger across rounds, the largest epsilon on the server
     "max_sample_epsilon",
     "max_sample_epsilon_records",

@@ -104,7 +104,8 @@ class CohortGrid(InProcessGrid):
             self.say("a ClientApp other than the project's (fl_app.client_app.app): messages run one by one")
             return None
         if msg.metadata.message_type not in ("train", "evaluate"):
-            self.say(f"{msg.metadata.message_type} messages run one by one through the ClientApp")
+            if not msg.metadata.message_type.startswith("query"):  # a query (the identity's) has nothing to batch
+                self.say(f"{msg.metadata.message_type} messages run one by one through the ClientApp")
             return None
         context = self.contexts[msg.metadata.dst_node_id]
         try:

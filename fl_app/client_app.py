@@ -10,6 +10,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from dpfl.clients.adapter import evaluate_reply, train_reply
+from dpfl.clients.identity import answer_client_id
 from dpfl.clients.mods import uniform_weight_mod
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import NoisePlacementMode
@@ -21,6 +22,8 @@ from dpfl.fl_app.builders import ClientSetup, load_client_partition
 from dpfl.fl_app.config import client_settings
 
 app = ClientApp()
+# the server's identity query: this node's client id (node config client-id, else partition-id; clients.identity)
+app.query(keys.CLIENT_ID_ACTION)(answer_client_id)
 
 
 def install_speed_patches() -> bool:

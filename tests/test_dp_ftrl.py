@@ -16,6 +16,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
+from dpfl.clients.identity import answer_client_id
 from dpfl.dpcore.privacy.accountants import epsilon_of, tree_gaussian_multiplier
 from dpfl.dpcore.privacy.ledger import TreeAggregationLedger
 from dpfl.dpcore.privacy.mechanisms import make_rng
@@ -58,8 +59,10 @@ def test_each_prefix_sums_popcount_nodes_of_std_sigma_c_and_shares_them_with_lat
 
 
 def unchanged_weights_client() -> ClientApp:
-    """A client whose update is zero (it sends back the weights it got): the model moves by the noise alone."""
+    """A client whose update is zero (it sends back the weights it got): the model moves by the noise alone. It
+    answers the server's identity query (DP-FTRL keeps its records by client id)."""
     app = ClientApp()
+    app.query("client_id")(answer_client_id)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -68,6 +71,11 @@ def unchanged_weights_client() -> ClientApp:
         )
 
     return app
+
+
+def trains(msg: Message) -> bool:
+    """A train message (the grid also carries the identity queries)."""
+    return msg.metadata.message_type == "train"
 
 
 def test_the_released_model_carries_the_tree_noise_of_the_nodes_summed_across_epochs():
@@ -111,7 +119,7 @@ def test_a_node_takes_part_at_most_once_per_epoch_and_ineligible_replies_are_ref
     )
     grid = InProcessGrid(unchanged_weights_client(), nodes, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=8)
-    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent if trains(m)]
     # m = round(0.3 * 10) = 3 per round while 3 are eligible: 3, 3, 3, then the 1 left, per epoch of 4 rounds
     per_round = [sum(1 for r, _ in sent if r == rnd) for rnd in range(1, 9)]
     assert per_round == [3, 3, 3, 1, 3, 3, 3, 1]
@@ -279,6 +287,7 @@ def test_the_superlinks_64_bit_node_ids_are_kept_exactly():
     )
     part.make_ledger(strategy, 1e-5)
     ids = [2**64 - 1, 2**63 + 12345, 9876543210987654321, 17]
+    part.identities.claims, part.identities.started = {n: i for i, n in enumerate(ids)}, True  # clients 0-3
     first = part.select(strategy, 1, ids).nodes
     second = part.select(strategy, 2, ids).nodes
     assert len(first) == len(second) == 2 and sorted(first + second) == sorted(ids)
@@ -311,3 +320,107 @@ def test_the_budget_stop_uses_the_tree_ledger():
     )
     assert strategy.record.completed_rounds == 3 and "target epsilon" in strategy.record.stop_reason
     assert strategy.privacy_metrics()["epsilon"] == epsilons[2]
+
+
+# ---------------------------------------------------------------- whose record: the client's, not the node id's (issue 55)
+def restart(grid: InProcessGrid, node: int, new_node: int) -> None:
+    """The SuperNode of `node` restarts: it registers under `new_node` with the same node config and a fresh
+    Context (as stock flower-supernode does)."""
+    old = grid.contexts.pop(node)
+    grid.contexts[new_node] = Context(
+        run_id=old.run_id, node_id=new_node, node_config=old.node_config, state=RecordDict(), run_config=old.run_config
+    )
+
+
+def ftrl_strategy(nodes: int, sample_rate: float, epoch_rounds: int) -> DifferentialPrivacy:
+    return DifferentialPrivacy(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        sample_rate=sample_rate,
+        noise_placement="central",
+        min_available_nodes=nodes,
+        ftrl=DPFTRL(epoch_rounds=epoch_rounds),
+    )
+
+
+def test_a_restarted_supernode_keeps_its_clients_participation_record():
+    """Both nodes take part in round 1 of a 2-round epoch, then restart under new node ids. Before: the new node ids
+    were fresh records and both trained again in round 2 (each client twice in one epoch). Now round 2 asks the new
+    nodes who they are, finds clients 0 and 1 already in the epoch, and sends no train message; round 3 (epoch 2)
+    takes both again."""
+    strategy, grid = ftrl_strategy(2, 1.0, 2), InProcessGrid(unchanged_weights_client(), 2, {})
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    assert [m.metadata.dst_node_id for m in strategy.configure_train(1, arrays, ConfigRecord(), grid)] == [100, 101]
+    restart(grid, 100, 9_000_000_001)
+    restart(grid, 101, 2**63 + 5)
+    assert list(strategy.configure_train(2, arrays, ConfigRecord(), grid)) == []
+    assert strategy.mechanism.last_epoch == {0: 0, 1: 0}  # client id -> its last epoch
+    third = [m.metadata.dst_node_id for m in strategy.configure_train(3, arrays, ConfigRecord(), grid)]
+    assert third == [9_000_000_001, 2**63 + 5] and strategy.mechanism.last_epoch == {0: 1, 1: 1}
+    queries = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "query.client_id"]
+    assert queries == [100, 101, 9_000_000_001, 2**63 + 5]  # each node id asked once
+
+
+def test_dp_ftrl_refuses_to_start_where_nodes_offer_no_client_id():
+    """A ClientApp that does not answer the identity query, and a node config without client-id or partition-id:
+    refused before any train message, naming the node-config key (and the handler to register)."""
+    foreign = ClientApp()
+
+    @foreign.train()
+    def train(msg: Message, context: Context) -> Message:  # pragma: no cover - never reached
+        raise AssertionError("trained")
+
+    grid = InProcessGrid(foreign, 3, {})
+    with pytest.raises(ValueError) as refused:
+        ftrl_strategy(3, 1.0, 2).start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=1)
+    assert str(refused.value).startswith(
+        "no node answered the identity query (node 100: its identity query failed (ValueError: No query function "
+        "registered with name 'client_id'); node 101: "
+    )
+    assert (
+        "DP-FTRL keeps each client's participation record by its client id, and refuses to start where it cannot tell "
+        "a restarted SuperNode (a new node id) from a new client; a ClientApp of one's own answers it with "
+        "app.query('client_id')(answer_client_id) (from dpfl import answer_client_id), with node config 'client-id' "
+        "(or 'partition-id'), e.g. flower-supernode --node-config \"client-id=7\"" in str(refused.value)
+    )
+    assert all(m.metadata.message_type == "query.client_id" for m in grid.sent)
+
+    grid = InProcessGrid(unchanged_weights_client(), 3, {})
+    grid.contexts[101].node_config.clear()
+    with pytest.raises(ValueError) as refused:
+        ftrl_strategy(3, 1.0, 2).start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=1)
+    assert str(refused.value).startswith(
+        "1 of 3 nodes offer no client id (node 101: its node config names no client: set node config 'client-id' "
+        "(or 'partition-id')"
+    )
+    assert not [m for m in grid.sent if trains(m)]
+
+
+@pytest.mark.parametrize(
+    ("claim", "why"),
+    [
+        (0, "client id 0 is held by node 100, which claimed it first and is connected"),
+        ("seven", "its client id 'seven' is not an integer"),
+        (True, "its client id True is not an integer"),
+        (-1, "its client id -1 is outside [0, 2^53)"),
+        (2**53, f"its client id {2**53} is outside [0, 2^53)"),
+    ],
+)
+def test_a_node_claiming_a_taken_or_absurd_client_id_is_not_sampled(claim, why, caplog):
+    """Node 102's node config claims `claim` (client-id beats partition-id). A client id a connected node claimed
+    first, or one that is not an integer in [0, 2^53), keeps node 102 out of every round, logged once; the others
+    train. (At round 1 an absurd id refuses the run: here the claim comes from a node that joins at round 2.)"""
+    strategy, grid = ftrl_strategy(2, 1.0, 1), InProcessGrid(unchanged_weights_client(), 3, {})
+    joining = grid.contexts.pop(102)
+    arrays = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    assert len(list(strategy.configure_train(1, arrays, ConfigRecord(), grid))) == 2
+    grid.contexts[102] = joining
+    joining.node_config["client-id"] = claim
+    with caplog.at_level(logging.WARNING):
+        for rnd in (2, 3):
+            sent = [m.metadata.dst_node_id for m in strategy.configure_train(rnd, arrays, ConfigRecord(), grid)]
+            assert sent == [100, 101]
+    assert [r.getMessage() for r in caplog.records if "not sampled" in r.getMessage()] == [
+        f"Round 2: node 102 is not sampled: {why}"
+    ]

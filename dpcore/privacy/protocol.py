@@ -51,3 +51,9 @@ SAMPLE_EPSILON = "sample-epsilon"  # cumulative, at SAMPLE_DELTA
 SAMPLE_DELTA = "sample-delta"
 SAMPLE_STEPS = "sample-steps"  # DP-SGD steps charged so far
 SAMPLE_ACCOUNTANT = "sample-accountant"  # whose bound SAMPLE_EPSILON is (legacy replies only: a string)
+# The client's identity (strategies.parts.sampling.ClientIdentities asks, clients.identity answers): a message of
+# type CLIENT_ID_QUERY to each node the server has not seen, answered with CLIENT_ID in the CLIENT_IDENTITY record.
+CLIENT_ID_ACTION = "client_id"
+CLIENT_ID_QUERY = f"query.{CLIENT_ID_ACTION}"  # Flower's message type "<category>.<action>"
+CLIENT_IDENTITY = "client-identity"  # the reply's ConfigRecord
+CLIENT_ID = "client-id"  # its client id; also the node-config key that sets it (else the node's partition-id)

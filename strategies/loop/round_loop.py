@@ -67,7 +67,7 @@ from dpfl.strategies.loop.wrapped import (
     wrapped_train_content,
 )
 from dpfl.strategies.parts.part import DenseCodec, Part, PartView, config_key, fraction_evaluate
-from dpfl.strategies.parts.sampling import ClientSampling, covering_noise_shares
+from dpfl.strategies.parts.sampling import ClientSampling, covering_noise_shares, identified_nodes
 
 RoundCallback = Callable[[dict, dict], None]  # (published record, non-private diagnostics)
 CheckpointCallback = Callable[[dict, ArrayRecord], None]
@@ -187,7 +187,8 @@ class DPRoundLoop(Strategy):
         """The wrapped strategy's train content (its config, arrays) with the DP keys, to the nodes sampled here."""
         ensure_population(self, lambda: len(list(grid.get_node_ids())))
         self.begin_round(arrays)
-        node_ids = self.sample_clients(server_round, list(grid.get_node_ids()))  # how many: a diagnostic
+        # the connected nodes (those holding a client id, where the selection keys its records by client)
+        node_ids = self.sample_clients(server_round, identified_nodes(PartView(self), grid, server_round))
         if self.round.refused:
             return []
         content = wrapped_train_content(self, server_round, arrays, config)

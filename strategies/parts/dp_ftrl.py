@@ -8,12 +8,14 @@ the DP wrapper is composed with (docs/dp-toolbox.md §4):
 Real devices join when they can, so the server cannot promise the uniform sampling that amplification needs.
 DP-FTRL needs none; what it needs instead is a participation rule, which this part enforces:
 
-- the run is cut into epochs of b rounds (rounds (j-1)b+1 .. jb); a node (the SuperLink's node id: the ids the
-  wrapper sends to, `msg.metadata.src_node_id` of a reply, never an id a client sends) takes part in at most
-  one round per epoch. Each round the server sends the train message to m = max(1, round(q M)) of the nodes
-  that have not taken part in the epoch yet (fewer if fewer are eligible; which ones does not matter to the
-  guarantee) and marks them as having taken part; the round loop's reply gate refuses any reply from a node
-  it did not send this round's message to, and a second reply from one it did;
+- the run is cut into epochs of b rounds (rounds (j-1)b+1 .. jb); a client takes part in at most one round per
+  epoch. A client is its client id, which the server asks each node for once (`strategies.parts.sampling.
+  ClientIdentities`: node config `client-id`, else `partition-id`), so a SuperNode that restarts under a new node
+  id keeps its client's record; the run refuses to start where a node offers none. Each round the server sends
+  the train message to m = max(1, round(q M)) of the nodes whose clients have not taken part in the epoch yet
+  (fewer if fewer are eligible; which ones does not matter to the guarantee) and marks those clients as having
+  taken part; the round loop's reply gate refuses any reply from a node it did not send this round's message to
+  (the SuperLink's node id of the reply, never an id a client sends), and a second reply from one it did;
 - the server keeps the running sum of the rounds' sums of clipped updates (each client's update clipped to
   C), released through the binary-tree mechanism (`dpcore.privacy.tree_aggregation`), one tree per epoch,
   each node with noise N(0, sigma^2 C^2 I) from OS entropy; a completed epoch's noisy total is carried over;
@@ -36,7 +38,7 @@ from dpfl.dpcore.privacy.settings import require
 from dpfl.dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 from dpfl.strategies.parts.noise_placement import PLACEMENTS
 from dpfl.strategies.parts.part import Part
-from dpfl.strategies.parts.sampling import Selection
+from dpfl.strategies.parts.sampling import ClientIdentities, Selection
 
 NOISE_STREAM = 21  # make_rng stream of the tree nodes' noise (seeded runs only)
 SELECTION_STREAM = 22
@@ -46,8 +48,8 @@ class DPFTRL(Part):
     """The participation rule (the selection role), the tree-aggregated noise and the FTRL model (the mechanism
     role) of DP-FTRL (one run per instance).
 
-    epoch_rounds : b, rounds per epoch; a node takes part at most once per epoch (0: M // m, the longest epoch in
-        which every node can take part once with full rounds; b >= num-rounds: at most once in the run).
+    epoch_rounds : b, rounds per epoch; a client takes part at most once per epoch (0: M // m, the longest epoch in
+        which every client can take part once with full rounds; b >= num-rounds: at most once in the run).
     momentum : gamma of DP-FTRLM's server momentum (0: plain DP-FTRL).
     """
 
@@ -67,7 +69,8 @@ class DPFTRL(Part):
         self.momentum = float(momentum)
         self.epoch_rounds = 0  # b, fixed with the population
         self.clients_per_round = 0  # m
-        self.last_epoch: dict[int, int] = {}  # node id -> the last epoch it was sent a train message in
+        self.identities = ClientIdentities()  # node id -> client id (asked of the node)
+        self.last_epoch: dict[int, int] = {}  # client id -> the last epoch its node was sent a train message in
         self.initial: np.ndarray | None = None  # w_0
         self.exact_sum: np.ndarray | None = None  # sum of every round's sum of clipped updates
         self.carried_noise: np.ndarray | None = None  # the released noise of the completed epochs' totals
@@ -104,14 +107,20 @@ class DPFTRL(Part):
         return (int(server_round) - 1) // self.epoch_rounds
 
     # ------------------------------------------------------------------ the participation rule
+    def identify(self, strategy, grid, server_round: int, node_ids: list[int]) -> list[int]:
+        """The connected nodes that hold a client id (`ClientIdentities.resolve`; round 1 refuses to start where a
+        node offers none)."""
+        return self.identities.resolve(grid, server_round, node_ids)
+
     def select(self, strategy, server_round: int, node_ids: list[int]) -> Selection:
-        """Up to m of the nodes that have not taken part in this epoch, marked as having taken part (no sampling:
-        nothing truncated, no sampling-without-replacement bound)."""
+        """Up to m of the nodes whose clients have not taken part in this epoch, those clients marked as having taken
+        part (no sampling: nothing truncated, no sampling-without-replacement bound)."""
         epoch = self.epoch(server_round)
-        eligible = [n for n in sorted(set(node_ids)) if self.last_epoch.get(n) != epoch]
+        clients = client_ids(self.identities, node_ids)
+        eligible = [n for n in sorted(clients) if self.last_epoch.get(clients[n]) != epoch]
         chosen = choose(strategy, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
         for node in chosen:
-            self.last_epoch[node] = epoch
+            self.last_epoch[clients[node]] = epoch
         return Selection(chosen)
 
     def next_truncation_probability(self, strategy) -> float:
@@ -166,10 +175,21 @@ class DPFTRL(Part):
             "epoch_rounds": self.epoch_rounds,
             "clients_per_round": self.clients_per_round,
             "momentum": self.momentum,
-            "participation_rule": f"each node at most once per epoch of {self.epoch_rounds} rounds, "
-            "enforced by the server (ineligible nodes are not sent a train message "
-            "and their replies are refused)",
+            "participation_rule": f"each client (its client id, asked of its node) at most once per epoch of "
+            f"{self.epoch_rounds} rounds, enforced by the server (the nodes of ineligible clients are not sent a "
+            "train message and their replies are refused)",
         }
+
+
+def client_ids(identities: ClientIdentities, node_ids: list[int]) -> dict[int, int]:
+    """{node id: its client id} of the nodes that hold one (the round loop asked `identify` first; a node left out
+    there is not here)."""
+    if not identities.started:
+        raise RuntimeError(
+            "DP-FTRL keeps each client's participation record by client id: the selection's identify(dp, grid, "
+            "round, node_ids) must run before select (the round loop's configure_train does)"
+        )
+    return {int(n): identities.client_of(n) for n in node_ids if identities.by_node_id or int(n) in identities.claims}
 
 
 def choose(strategy, stream: int, server_round: int, eligible: list[int], m: int) -> list[int]:
