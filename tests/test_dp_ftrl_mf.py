@@ -1,5 +1,5 @@
 """DP-FTRL with matrix-factorization noise (issue 42): the streamed noise equals the dense C^-1 z, min-separation
-participation is enforced by node id, epsilon equals an independent recomputation (jax-privacy's sensitivity,
+participation is enforced by client id, epsilon equals an independent recomputation (jax-privacy's sensitivity,
 dp-accounting's PLD), calibration reaches the target, a resumed run equals an uninterrupted one, jax is imported
 only when asked for, and its absence is refused with the install command."""
 
@@ -26,7 +26,7 @@ from dpfl.strategies.loop.wrapped import reply_message
 from dpfl.strategies.parts.dp_ftrl_mf import MatrixFactorizationFTRL, prefix_noise_norms
 from dpfl_tools.inprocess import InProcessGrid
 from tests.independent_accountant import dp_accounting_epsilons
-from tests.test_dp_ftrl import rel_tolerance, unchanged_weights_client
+from tests.test_dp_ftrl import rel_tolerance, trains, unchanged_weights_client
 from tests.test_resume import CrashingGrid, KilledServerApp, records
 
 BLT = Strategy("blt", buf_decay=(0.9, 0.4), output_scale=(0.3, 0.15))  # c_k = 0.3 0.9^(k-1) + 0.15 0.4^(k-1)
@@ -129,7 +129,7 @@ def test_min_separation_and_the_participation_cap_are_enforced_and_other_replies
     strategy = mf_strategy(nodes, 1.0, min_sep=min_sep, max_participations=cap)
     grid = InProcessGrid(unchanged_weights_client(), nodes, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=rounds)
-    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent if trains(m)]
     per_node: dict[int, list[int]] = {}
     for rnd, node in sent:
         per_node.setdefault(node, []).append(rnd)
@@ -335,7 +335,7 @@ def test_the_model_steps_by_the_noisy_round_sum_and_its_momentum_form():
 
 
 def test_amplified_banded_samples_the_rounds_group_and_matches_jax_privacys_cyclic_poisson_accountant():
-    """Nodes in b = 2 groups by node id, round t's group sampled with p = q b = 0.5; epsilon: ceil(t / b)
+    """Clients in b = 2 groups by client id, round t's group sampled with p = q b = 0.5; epsilon: ceil(t / b)
     Poisson-sampled Gaussian releases at sigma / ||c|| (jax-privacy's DpsgdTrainingAccountant with cycle_length)."""
     from jax_privacy import accounting
 
@@ -352,8 +352,8 @@ def test_amplified_banded_samples_the_rounds_group_and_matches_jax_privacys_cycl
     )
     grid = InProcessGrid(unchanged_weights_client(), nodes, {})
     strategy.start(grid, ArrayRecord({"w": Array(np.zeros(3))}), rounds)
-    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent]
-    assert sent and all(node % b == (rnd - 1) % b for rnd, node in sent)
+    sent = [(int(m.content["config"]["server-round"]), m.metadata.dst_node_id) for m in grid.sent if trains(m)]
+    assert sent and all((node - 100) % b == (rnd - 1) % b for rnd, node in sent)  # node 100 + i is client i
     assert 0 < len(sent) < nodes * rounds / b  # sampled: not every node of each group, every round
     params = accounting.DpParams(
         noise_multipliers=sigma, num_samples=b * 1000, batch_size=500, delta=strategy.ledger.delta, cycle_length=b

@@ -4,9 +4,10 @@ the binary tree (`dpcore.privacy.matrix_factorization`), composed as the tree pa
     DifferentialPrivacy(FedAvg(), clipping_norm=Cl, noise_multiplier=sigma, sample_rate=q,
                         noise_placement="central", ftrl=MatrixFactorizationFTRL("blt", min_sep=b))
 
-- participation (min-separation): a node (the SuperLink's node id) is sent a train message only if it has not
+- participation (min-separation): a client (its client id, asked of its node: `strategies.parts.sampling.
+  ClientIdentities`, so a restarted SuperNode keeps its client's record) is sent a train message only if it has not
   taken part in the last b - 1 rounds and in fewer than k rounds so far; each round up to m = max(1, round(q M))
-  eligible nodes are chosen and marked; the reply gate refuses a reply from a node not sent this round's message
+  eligible clients are chosen and marked; the reply gate refuses a reply from a node not sent this round's message
   and a second reply;
 - the strategy C is optimized once at start by jax-privacy for the run's n rounds and (b, k) (or taken as given),
   and kept in the checkpoint and summary.json;
@@ -32,9 +33,9 @@ from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
 from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy, optimize_strategy
 from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng, sum_updates
 from dpfl.dpcore.privacy.settings import one_of, require
-from dpfl.strategies.parts.dp_ftrl import check_ftrl, choose
+from dpfl.strategies.parts.dp_ftrl import check_ftrl, choose, client_ids
 from dpfl.strategies.parts.part import Part
-from dpfl.strategies.parts.sampling import Selection
+from dpfl.strategies.parts.sampling import ClientIdentities, Selection
 
 NOISE_STREAM = 23  # make_rng stream of z_t (from the run's noise key)
 SELECTION_STREAM = 24
@@ -85,7 +86,8 @@ class MatrixFactorizationFTRL(Part):
         self.strategy = strategy
         self.min_sep = self.max_participations = self.clients_per_round = 0
         self.key = 0  # the noise key: z_t from make_rng(key, NOISE_STREAM, t)
-        self.taken: dict[int, list[int]] = {}  # node id -> [last round it was sent a train message, rounds]
+        self.identities = ClientIdentities()  # node id -> client id (asked of the node)
+        self.taken: dict[int, list[int]] = {}  # client id -> [last round its node was sent a train message, rounds]
         self.stream: NoiseStream | None = None
         self.velocity: np.ndarray | None = None
 
@@ -146,21 +148,29 @@ class MatrixFactorizationFTRL(Part):
         return 0.0
 
     # ------------------------------------------------------------------ the participation rule
-    def eligible(self, node: int, server_round: int) -> bool:
-        last, count = self.taken.get(node, (None, 0))
+    def identify(self, dp, grid, server_round: int, node_ids: list[int]) -> list[int]:
+        """The connected nodes that hold a client id (`ClientIdentities.resolve`; round 1 refuses to start where a
+        node offers none)."""
+        return self.identities.resolve(grid, server_round, node_ids)
+
+    def eligible(self, client: int, server_round: int) -> bool:
+        last, count = self.taken.get(client, (None, 0))
         return count < self.max_participations and (last is None or server_round - last >= self.min_sep)
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
-        """Up to m of the eligible nodes, marked as having taken part (no sampling); amplified: each node of the
-        round's group (node id mod b = (t - 1) mod b) with probability p."""
+        """Up to m of the nodes of eligible clients, those clients marked as having taken part (no sampling);
+        amplified: each node of the round's group (client id mod b = (t - 1) mod b) with probability p."""
+        clients = client_ids(self.identities, node_ids)
         if self.amplified:
-            group = [n for n in sorted(set(node_ids)) if n % self.min_sep == (server_round - 1) % self.min_sep]
+            turn = (server_round - 1) % self.min_sep
+            group = [n for n in sorted(clients) if clients[n] % self.min_sep == turn]
             rng = make_rng(dp.run.seed, SELECTION_STREAM, server_round, secure=dp.run.secure_rng)
             return Selection([n for n, u in zip(group, rng.random(len(group))) if u < self.group_rate])
-        eligible = [n for n in sorted(set(node_ids)) if self.eligible(n, server_round)]
+        eligible = [n for n in sorted(clients) if self.eligible(clients[n], server_round)]
         chosen = choose(dp, SELECTION_STREAM, server_round, eligible, self.clients_per_round)
         for node in chosen:
-            self.taken[node] = [int(server_round), self.taken.get(node, (None, 0))[1] + 1]
+            client = clients[node]
+            self.taken[client] = [int(server_round), self.taken.get(client, (None, 0))[1] + 1]
         return Selection(chosen)
 
     # ------------------------------------------------------------------ the noise and the model
@@ -229,10 +239,10 @@ class MatrixFactorizationFTRL(Part):
                 "sensitivity": ledger.sensitivity() if ledger.rounds else None,
                 "equivalent_noise_multiplier": ledger.equivalent_noise_multiplier() if ledger.rounds else None,
                 "participation_rule": (
-                    f"cyclic Poisson sampling: node id mod {self.min_sep} groups, round t's group sampled with "
+                    f"cyclic Poisson sampling: client id mod {self.min_sep} groups, round t's group sampled with "
                     f"probability {self.group_rate:g}"
                     if self.amplified
-                    else f"each node in rounds at least {self.min_sep} apart, at most {self.max_participations} times"
+                    else f"each client in rounds at least {self.min_sep} apart, at most {self.max_participations} times"
                 )
                 + ", enforced by the server (nodes not chosen are not sent a train message and their replies are "
                 "refused)",
@@ -244,7 +254,7 @@ class MatrixFactorizationFTRL(Part):
             return None
         return (
             f"\t│\t└── DP-FTRL {self.kind}: {self.strategy.memory()} model-sized noise buffers, min separation "
-            f"{self.min_sep}, at most {self.max_participations} rounds per node"
+            f"{self.min_sep}, at most {self.max_participations} rounds per client"
         )
 
 
