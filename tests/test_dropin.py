@@ -421,36 +421,3 @@ def test_flowers_accountant_keyword_sets_the_budget_and_the_ledger_computes_the_
     assert spent.epsilon == pytest.approx(after_2, rel=0.01)
     with pytest.raises(ValueError, match="delta=0.001 and Flower's accountant"):
         DifferentialPrivacy(FedAvg(), sigma, 1.0, nodes, accountant=config, delta=1e-3)
-
-
-def test_make_private_with_epsilon_is_refused_under_the_sample_ledger_mod():
-    """Issue 39 item 11: under the mod every round's engine is charged to one ledger, so Opacus' per-engine target
-    (e.g. epochs=1 each round) would be passed silently; it is refused with the remedy."""
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from tests.test_opacus_ledger import context, train_message
-
-    class TargetClient(NumPyClient):
-        def fit(self, parameters, config):
-            from dpfl import PrivacyEngine
-
-            model = torch.nn.Linear(5, 2)
-            PrivacyEngine(secure_mode=False).make_private_with_epsilon(
-                module=model,
-                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(TensorDataset(torch.randn(8, 5), torch.randint(0, 2, (8,))), 4),
-                target_epsilon=1.0,
-                target_delta=1e-5,
-                epochs=1,
-                max_grad_norm=1.0,
-            )
-            return parameters, 8, {}
-
-    from dpfl import sample_ledger_mod
-
-    app = ClientApp(client_fn=lambda ctx: TargetClient().to_client(), mods=[sample_ledger_mod])
-    with pytest.raises(
-        ValueError, match="make_private_with_epsilon under sample_ledger_mod.*make_private\\(noise_mult"
-    ):
-        app(train_message(100), context(100))

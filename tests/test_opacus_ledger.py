@@ -467,3 +467,78 @@ def test_a_step_outside_any_message_makes_the_ledger_unknown():
     metrics = fit_metrics(app(train_message(360), context(360)))
     assert metrics[keys.SAMPLE_EPSILON] == math.inf and metrics[keys.SAMPLE_STEPS] == 8
     assert "outside a message the mod handled" in metrics[keys.SAMPLE_ACCOUNTANT]
+
+
+TARGET, RUN_EPOCHS = 2.0, 3  # a per-client target over a run of 3 rounds of one local epoch: 3 x 8 = 24 steps
+
+
+class TargetClient(OpacusClient):
+    """Flower's Opacus example with a per-client target: a new engine every round, `make_private_with_epsilon` with
+    epochs = the node's epochs over the run; `local_epochs` a round (the steps taken and each round's sigma kept)."""
+
+    def __init__(self, seen: dict, local_epochs: int = 1) -> None:
+        super().__init__()
+        self.seen, self.local_epochs = seen, local_epochs
+
+    def fit(self, parameters, config):
+        for p, a in zip(self.model.parameters(), parameters):
+            p.data = torch.as_tensor(a)
+        model, optimizer, loader = PrivacyEngine(secure_mode=False).make_private_with_epsilon(
+            module=self.model,
+            optimizer=torch.optim.SGD(self.model.parameters(), lr=0.1),
+            data_loader=self.loader,
+            target_epsilon=TARGET,
+            target_delta=1e-5,
+            epochs=RUN_EPOCHS,
+            max_grad_norm=1.0,
+        )
+        self.seen.setdefault("sigmas", []).append(optimizer.noise_multiplier)
+        self.seen["model"] = self.model
+        for _ in range(self.local_epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                before = [p.detach().clone() for p in self.model.parameters()]
+                self.seen["weights"] = before  # what a refused step must leave as it was
+                optimizer.step()
+                self.seen["steps"] = self.seen.get("steps", 0) + 1
+        return [p.detach().numpy().copy() for p in self.model.parameters()], N, {}
+
+
+def test_make_private_with_epsilon_under_the_mod_keeps_the_nodes_run_at_its_target():
+    """Issue 55 item 4: `make_private_with_epsilon(..., epochs=3)` called every round under the mod calibrates sigma
+    once for the node's 24 steps (q = 16 / 128), the same each round; after 3 rounds the ledger's epsilon is
+    dp-accounting's PLD of 24 Poisson-sampled Gaussian steps at that sigma (our coarser grid: an upper bound, within
+    2%) and at most the target (within 0.5% of it); a 4th round is refused before it trains, naming the budget, and
+    a node that trains 2 epochs a round is stopped at its 24th step, in round 2, before the parameters move."""
+    seen = {}
+    app = ClientApp(client_fn=lambda ctx: TargetClient(seen).to_client(), mods=[sample_ledger_mod])
+    ctx = context(100)
+    replies = [fit_metrics(app(train_message(100), ctx)) for _ in range(3)]
+    assert [m[keys.SAMPLE_STEPS] for m in replies] == [8, 16, 24]
+    sigma = seen["sigmas"][0]
+    assert seen["sigmas"] == [sigma] * 3 and 1.5 < sigma < 1.8  # 1.634
+    final = replies[-1][keys.SAMPLE_EPSILON]
+    independent = dp_accounting_epsilons(sigma, BATCH / N, RUN_EPOCHS * N // BATCH, 1e-5)[0]
+    assert independent * (1 - 1e-3) <= final <= independent * 1.02
+    assert TARGET * 0.995 <= final <= TARGET
+    with pytest.raises(
+        opacus_ledger.SampleBudgetSpent,
+        match=(
+            r"node 100's budget is spent: target_epsilon=2 at target_delta=1e-05 over epochs=3 \(3 x 8 batches = 24 "
+            r"DP-SGD steps\); its ledger holds 24 steps, epsilon 2, so it trains no further"
+        ),
+    ):
+        app(train_message(100), ctx)
+    assert len(seen["sigmas"]) == 3  # refused before an engine was made
+    assert opacus_ledger.read_record(dict(ctx.state.config_records[opacus_ledger.STATE_KEY]))[0] == [(sigma, 1 / 8, 24)]
+
+    eager = {}
+    app = ClientApp(client_fn=lambda ctx: TargetClient(eager, local_epochs=2).to_client(), mods=[sample_ledger_mod])
+    ctx = context(101)
+    assert steps_of(app(train_message(101), ctx)) == 16
+    with pytest.raises(opacus_ledger.SampleBudgetSpent, match="node 101's .*this engine took the 8 steps left"):
+        app(train_message(101), ctx)
+    assert eager["steps"] == 24 and eager["sigmas"] == [sigma, sigma]
+    assert all(torch.equal(a, b) for a, b in zip(eager["weights"], eager["model"].parameters()))  # did not move
+    assert opacus_ledger.read_record(dict(ctx.state.config_records[opacus_ledger.STATE_KEY]))[0] == [(sigma, 1 / 8, 24)]

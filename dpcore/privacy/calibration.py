@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, epsilon_of
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, Event, epsilon_of
 
 
 def default_client_delta(num_clients: int) -> float:
@@ -30,12 +30,14 @@ def calibrate_noise_multiplier(
     accountant: str = DEFAULT_ACCOUNTANT,
     low: float = CALIBRATION_RANGE[0],
     high: float = CALIBRATION_RANGE[1],
+    spent: tuple[Event, ...] | list[Event] = (),
 ) -> float:
-    """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after `steps` (sigma, q) events:
-    bisection on the ledger's own epsilon_of, so the ledger charges exactly what was calibrated."""
+    """Smallest sigma in [low, high] (to 0.01%) with eps(delta) <= target after the events already `spent` and
+    `steps` (sigma, q) events: bisection on the ledger's own epsilon_of, so the ledger charges exactly what was
+    calibrated."""
 
     def eps(sigma: float) -> float:
-        return epsilon_of([(sigma, sample_rate, steps)], delta, accountant)
+        return epsilon_of([*spent, (sigma, sample_rate, steps)], delta, accountant)
 
     if eps(high) > target_epsilon:
         raise ValueError(
