@@ -1,8 +1,11 @@
 """Drop-in use: a foreign app (its own numpy model, data and clients; nothing from fl_app's model or
 client) gains DP through our mod and strategy, on both Flower APIs, in simulation (InProcessGrid)."""
 
+import logging
 import math
+import re
 
+import dp_accounting
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -421,3 +424,52 @@ def test_flowers_accountant_keyword_sets_the_budget_and_the_ledger_computes_the_
     assert spent.epsilon == pytest.approx(after_2, rel=0.01)
     with pytest.raises(ValueError, match="delta=0.001 and Flower's accountant"):
         DifferentialPrivacy(FedAvg(), sigma, 1.0, nodes, accountant=config, delta=1e-3)
+
+
+def test_flowers_accountant_keyword_is_said_to_differ_and_its_budget_held_under_the_ledgers_figure(caplog):
+    """Issue 55 item 3: Flower's `DifferentialPrivacyServerSideFixedClipping(FedAvg(), 1.0, C, m,
+    accountant=RdpAccountant(PrivacyConfig(max_epsilon=12, add-or-remove-one, no-amplification)))` with our class
+    swapped in. Flower's accountant charges the Gaussian at sigma = 1 a round (add/remove-one: 4.73 after round 1,
+    10.73 after 4); the ledger charges fixed-size sampling of all M = m = 4 nodes as replace-one, the Gaussian at
+    sigma / 2 (10.73 after round 1, 16.51 after 2). One warning at start names the relation and both round-1
+    figures (dp-accounting's RDP, computed here: the ledger's accountant is RDP, as the RdpAccountant asks), and the
+    run stops before round 2, which would pass max_epsilon under the ledger's figure."""
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
+    from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+    from dpfl import DifferentialPrivacy
+    from tests.test_wrapper import model, weights_client
+
+    sigma, nodes, delta = 1.0, 4, 1e-5
+
+    def rdp_epsilon(noise_multiplier: float, rounds: int) -> float:  # dp-accounting's RDP of the Gaussian, composed
+        accountant = dp_accounting.rdp.RdpAccountant()
+        accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier), rounds)
+        return accountant.get_epsilon(delta)
+
+    ours_1, ours_2, flowers_1 = rdp_epsilon(sigma / 2, 1), rdp_epsilon(sigma / 2, 2), rdp_epsilon(sigma, 1)
+    assert (round(ours_1, 2), round(ours_2, 2), round(flowers_1, 2)) == (10.73, 16.51, 4.73)
+    flower = RdpAccountant(
+        PrivacyConfig(delta, nodes, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION, 12.0)
+    )
+    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), sigma, 1.0, nodes, accountant=flower)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.start(InProcessGrid(weights_client(), nodes, {}), model(), num_rounds=5)
+    notes = [r.getMessage() for r in caplog.records if "Flower's accountant=" in r.getMessage()]
+    assert len(notes) == 1 and caplog.records[[r.getMessage() for r in caplog.records].index(notes[0])].levelno == 30
+    figures = re.fullmatch(
+        r"Flower's accountant= is read, not composed into: this wrapper charges replace-one, fixed-size sampling: "
+        r"Gaussian mechanism with sensitivity 2C; .* \(rdp accountant\), epsilon ([0-9.]+) at delta 1e-05 after round "
+        r"1, where Flower's RdpAccountant \(add-or-remove-one, no-amplification, population_size=4\) would report "
+        r"epsilon ([0-9.]+) at delta 1e-05; max_epsilon=12 is held under this wrapper's figure",
+        notes[0],
+    )
+    assert figures, notes[0]
+    assert float(figures[1]) == pytest.approx(ours_1, rel=1e-3) and float(figures[2]) == pytest.approx(
+        flowers_1, rel=1e-3
+    )
+    assert flower.num_releases == 0  # the user's object is read, not composed into
+    assert len(strategy.record.history) == 1 and strategy.record.stop_reason.startswith("target epsilon 12.0 reached")
+    spent = strategy.privacy_spent().epsilon
+    assert spent == pytest.approx(ours_1, rel=1e-3) and spent <= 12.0 < ours_2
