@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.mf_noise import tree_prefix_norms, tree_row
-from dpfl.dpcore.privacy.matrix_factorization import Strategy
+from dpfl.dpcore.privacy.matrix_factorization import ToeplitzStrategy
 from dpfl.strategies.parts.dp_ftrl_mf import prefix_noise_norms
 
 RESULTS = Path("results") / "mf_accuracy"  # git ignores results/
@@ -136,7 +136,7 @@ def prefix_norms(summary: dict, config: dict) -> np.ndarray:
         return np.sqrt(np.arange(1, n + 1))
     if summary["ftrl"].get("strategy", "tree") == "tree":
         return tree_prefix_norms(n, summary["ftrl"]["epoch_rounds"])
-    return prefix_noise_norms(Strategy.from_dict(summary["ftrl"]["coefficients"]), n)
+    return prefix_noise_norms(ToeplitzStrategy.from_dict(summary["ftrl"]["coefficients"]), n)
 
 
 def table(results: Path, deltas: list[float]) -> str:

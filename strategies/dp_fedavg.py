@@ -280,16 +280,9 @@ class DifferentialPrivacy(DPRoundLoop):
         delta = self.privacy.delta or default_client_delta(self.population.num_clients)
         ledger = self.mechanism.make_ledger(PartView(self), delta)
         if self.privacy.target_epsilon > 0 and self.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
-            form, rounds = self.selection.sampling_form, max(1, self.record.num_rounds)  # the selection part's answer
-            fixed = form is not None and form.fixed_size
-            # out of delta: sampling's truncation (none for fixed-size: sigma / 2 unamplified), the parts' (SecAgg+)
-            reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
             own = getattr(self.mechanism, "calibrated_noise_multiplier", None)
-            q = 1.0 if fixed else self.population.sample_rate
-            sigma = (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
-                self.privacy.target_epsilon, delta - reserve, q, rounds, self.privacy.accountant
-            )
-            self.privacy = replace(self.privacy, noise_multiplier=own(PartView(self), ledger) if own else sigma)
+            sigma = own(PartView(self), ledger) if own else self.gaussian_noise_multiplier(delta)
+            self.privacy = replace(self.privacy, noise_multiplier=sigma)
             log(
                 INFO,
                 "Calibrated noise multiplier %.4f for epsilon %.3g after %d rounds",
@@ -298,6 +291,18 @@ class DifferentialPrivacy(DPRoundLoop):
                 self.record.num_rounds,
             )
         return ledger
+
+    def gaussian_noise_multiplier(self, delta: float) -> float:
+        """sigma of the Gaussian mechanism meeting the target after the configured rounds at the selection's q
+        (fixed-size: 2 x the unamplified multiplier, replace-one), delta less what sampling's truncation and the
+        parts (SecAgg+) reserve each round."""
+        form, rounds = self.selection.sampling_form, max(1, self.record.num_rounds)  # the selection part's answer
+        fixed = form is not None and form.fixed_size
+        reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
+        q = 1.0 if fixed else self.population.sample_rate
+        return (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
+            self.privacy.target_epsilon, delta - reserve, q, rounds, self.privacy.accountant
+        )
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return self.mechanism.ledger_from_state(state)

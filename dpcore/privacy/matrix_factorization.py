@@ -11,7 +11,7 @@ sensitivity sens(C) Cl, where sens(C) is the largest ||C u|| over the participat
 min-separation b (a node in rounds i < j only if j - i >= b), at most k rounds (`minsep_sensitivity`). So it is
 one Gaussian release with noise multiplier sigma / sens(C).
 
-Strategies (`Strategy`):
+Strategies (`ToeplitzStrategy`):
 
 - `blt`: Buffered Linear Toeplitz (Dvijotham, McMahan, Pillutla, Steinke and Thakurta, "Efficient and
   Near-Optimal Noise Generation for Streaming Differential Privacy", arXiv 2404.16706; McMahan, Xu and Zhang,
@@ -62,8 +62,9 @@ def require_jax_privacy(key: str, value: str) -> None:
 
 
 @dataclass(frozen=True)
-class Strategy:
-    """A lower-triangular Toeplitz strategy C: `blt` (buf_decay theta, output_scale omega) or `banded` (the band
+class ToeplitzStrategy:
+    """A lower-triangular Toeplitz strategy C (the strategy matrix of the factorization A = (A C^-1) C, the
+    matrix-mechanism term; no Flower `Strategy`): `blt` (buf_decay theta, output_scale omega) or `banded` (the band
     coefficients c_0..c_{b-1}). JSON-safe through `as_dict` / `from_dict`."""
 
     kind: str
@@ -81,6 +82,21 @@ class Strategy:
         tail = (np.asarray(self.buf_decay) ** powers * np.asarray(self.output_scale)).sum(axis=1)
         return np.concatenate([[1.0], tail])[:n]
 
+    def check_coefficients(self, n: int) -> None:
+        """Refuse c_0..c_{n-1} unless non-negative and non-increasing: `minsep_sensitivity`'s worst case (k
+        participations exactly b apart) is tight only then. jax-privacy 2.0.0 refused other coefficients; its head
+        (2.3.0.dev0) projects them onto that set and returns an upper bound instead."""
+        coef = self.toeplitz_coefs(n)
+        negative = np.flatnonzero(coef < 0)
+        rising = np.flatnonzero(np.diff(coef) > 0)
+        if negative.size or rising.size:
+            bad = [f"c_{j} = {coef[j]:.6g}" for j in negative[:3]]
+            bad += [f"c_{j + 1} = {coef[j + 1]:.6g} > c_{j} = {coef[j]:.6g}" for j in rising[:3]]
+            raise ValueError(
+                f"the {self.kind} strategy's Toeplitz coefficients c_0..c_{n - 1} must be non-negative and "
+                f"non-increasing (c_0 >= c_1 >= ... >= 0) for the min-separation sensitivity: {'; '.join(bad)}"
+            )
+
     def dense(self, n: int) -> np.ndarray:
         """C as an n x n matrix (tests and the benchmark only)."""
         coef = self.toeplitz_coefs(n)
@@ -97,7 +113,7 @@ class Strategy:
         return {"kind": "blt", "buf_decay": list(self.buf_decay), "output_scale": list(self.output_scale)}
 
     @classmethod
-    def from_dict(cls, state: dict) -> "Strategy":
+    def from_dict(cls, state: dict) -> "ToeplitzStrategy":
         if state["kind"] == "banded":
             return cls("banded", bands=tuple(float(c) for c in state["bands"]))
         return cls(
@@ -108,36 +124,42 @@ class Strategy:
 
 
 @functools.lru_cache(maxsize=16)
-def optimize_strategy(kind: str, n: int, min_sep: int, max_participations: int, max_buffers: int = 6) -> Strategy:
+def optimize_strategy(
+    kind: str, n: int, min_sep: int, max_participations: int, max_buffers: int = 6
+) -> ToeplitzStrategy:
     """The strategy for n rounds under (b = min_sep, k = max_participations) participation, optimized by
     jax-privacy in float64 for the mean squared error of the prefix sums: `buffered_toeplitz.optimize` (blt),
     `toeplitz.optimize_banded_toeplitz` with min(b, n) bands (banded). Takes seconds to minutes, so it is kept per
     process, keyed by all five arguments (the runs of one launcher with --engine inprocess or cohort share it; a
-    `Strategy` is immutable)."""
+    `ToeplitzStrategy` is immutable)."""
     jax, mf = jax_privacy_modules()
     with jax.enable_x64(True):
         if kind == "blt":
             blt = mf.buffered_toeplitz.optimize(
                 n=n, min_sep=min_sep, max_participations=max_participations, error="mean", max_buffers=max_buffers
             )
-            return Strategy(
+            return ToeplitzStrategy(
                 "blt",
                 buf_decay=tuple(float(v) for v in np.asarray(blt.buf_decay)),
                 output_scale=tuple(float(v) for v in np.asarray(blt.output_scale)),
             )
         if kind == "banded":
-            coef = mf.toeplitz.optimize_banded_toeplitz(n, min(min_sep, n))
-            return Strategy("banded", bands=tuple(float(v) for v in np.asarray(coef)))
+            coef = mf.toeplitz.optimize_banded_toeplitz(n=n, bands=min(min_sep, n))
+            return ToeplitzStrategy("banded", bands=tuple(float(v) for v in np.asarray(coef)))
     raise ValueError(f"strategy {kind!r} is not one of: blt, banded")
 
 
-def minsep_sensitivity(strategy: Strategy, n: int, min_sep: int, max_participations: int | None) -> float:
+def minsep_sensitivity(strategy: ToeplitzStrategy, n: int, min_sep: int, max_participations: int | None) -> float:
     """sens(C) of C's leading n x n block: the largest ||C u|| over participation vectors u with at most k ones
-    separated by at least b (jax-privacy's `toeplitz.minsep_sensitivity_squared`, float64)."""
+    separated by at least b (jax-privacy's `toeplitz.minsep_sensitivity_squared`, float64), for non-negative,
+    non-increasing coefficients only (`ToeplitzStrategy.check_coefficients`)."""
+    strategy.check_coefficients(n)
     jax, mf = jax_privacy_modules()
     with jax.enable_x64(True):
         coef = jax.numpy.asarray(strategy.toeplitz_coefs(n), dtype=jax.numpy.float64)
-        squared = mf.toeplitz.minsep_sensitivity_squared(coef, int(min_sep), max_participations, int(n))
+        squared = mf.toeplitz.minsep_sensitivity_squared(
+            coef, min_sep=int(min_sep), n=int(n), max_participations=max_participations
+        )
     return math.sqrt(float(squared))
 
 
@@ -147,7 +169,7 @@ class NoiseStream:
     O(buffers x d) memory for blt, O((b - 1) x d) for banded.
     """
 
-    def __init__(self, strategy: Strategy, dim: int) -> None:
+    def __init__(self, strategy: ToeplitzStrategy, dim: int) -> None:
         self.strategy = strategy
         self.steps = 0
         self.state = np.zeros((strategy.memory(), int(dim)))  # blt: the buffers; banded: y_{t-1}, ..., y_{t-b+1}
@@ -182,7 +204,7 @@ class MatrixFactorizationLedger:
 
     delta: float
     accountant: str = DEFAULT_ACCOUNTANT
-    strategy: dict = field(default_factory=dict)  # `Strategy.as_dict()`
+    strategy: dict = field(default_factory=dict)  # `ToeplitzStrategy.as_dict()`
     min_sep: int = 1
     max_participations: int = 1
     rounds: int = 0
@@ -218,7 +240,7 @@ class MatrixFactorizationLedger:
         rounds = self.rounds if rounds is None else int(rounds)
         if rounds not in self._sensitivities:
             self._sensitivities[rounds] = minsep_sensitivity(
-                Strategy.from_dict(self.strategy), rounds, self.min_sep, self.max_participations
+                ToeplitzStrategy.from_dict(self.strategy), rounds, self.min_sep, self.max_participations
             )
         return self._sensitivities[rounds]
 

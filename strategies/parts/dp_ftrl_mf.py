@@ -30,7 +30,12 @@ import secrets
 import numpy as np
 
 from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
-from dpfl.dpcore.privacy.matrix_factorization import MatrixFactorizationLedger, NoiseStream, Strategy, optimize_strategy
+from dpfl.dpcore.privacy.matrix_factorization import (
+    MatrixFactorizationLedger,
+    NoiseStream,
+    ToeplitzStrategy,
+    optimize_strategy,
+)
 from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng, sum_updates
 from dpfl.dpcore.privacy.settings import one_of, require
 from dpfl.strategies.parts.dp_ftrl import check_ftrl, choose, client_ids
@@ -47,7 +52,7 @@ class MatrixFactorizationFTRL(Part):
 
     kind : 'blt' or 'banded'. min_sep : b (0: M // m). max_participations : k (0: ceil(n / b), no further limit).
     momentum : gamma of the server momentum. max_buffers : the most BLT buffers jax-privacy may choose.
-    strategy : a strategy already computed (`Strategy`), else it is optimized at start.
+    strategy : a strategy already computed (`ToeplitzStrategy`), else it is optimized at start.
     """
 
     roles = ("selection", "mechanism")
@@ -61,7 +66,7 @@ class MatrixFactorizationFTRL(Part):
         max_participations: int = 0,
         momentum: float = 0.0,
         max_buffers: int = 6,
-        strategy: Strategy | None = None,
+        strategy: ToeplitzStrategy | None = None,
         amplified: bool = False,
     ) -> None:
         one_of("ftrl_strategy", kind, ("blt", "banded"))
@@ -115,6 +120,7 @@ class MatrixFactorizationFTRL(Part):
             self.strategy = optimize_strategy(
                 self.kind, rounds, self.min_sep, self.max_participations, self.max_buffers
             )
+        self.strategy.check_coefficients(rounds)  # before round 1, not at the first sensitivity
         self.key = (
             secrets.randbits(128) if dp.run.secure_rng else int(make_rng(dp.run.seed, NOISE_STREAM).integers(2**63))
         )
@@ -216,7 +222,7 @@ class MatrixFactorizationFTRL(Part):
 
     def load_state_dict(self, state: dict) -> None:
         own = state["ftrl_mf"]
-        self.strategy = None if own["strategy"] is None else Strategy.from_dict(own["strategy"])
+        self.strategy = None if own["strategy"] is None else ToeplitzStrategy.from_dict(own["strategy"])
         self.min_sep, self.max_participations = int(own["min_sep"]), int(own["max_participations"])
         self.clients_per_round, self.key = int(own["clients_per_round"]), int(own["key"])
         self.group_rate = float(own.get("group_rate", 1.0))
@@ -259,7 +265,7 @@ class MatrixFactorizationFTRL(Part):
 
 
 @functools.lru_cache(maxsize=8)
-def prefix_noise_norms(strategy: Strategy, n: int) -> np.ndarray:
+def prefix_noise_norms(strategy: ToeplitzStrategy, n: int) -> np.ndarray:
     """||row t of A C^-1|| for t = 1..n: the std of the t-th released prefix sum's noise per unit of sigma Cl
     (C^-1's Toeplitz coefficients are the stream's response to a unit impulse)."""
     stream = NoiseStream(strategy, 1)
