@@ -20,14 +20,17 @@ event (sigma = the optimizer's noise_multiplier, q = (1 / len(data_loader)) * ac
 charges it), charged to the node whose message is being handled when the step happens, whichever object or round
 made the engine and whatever the client does to its `accountant`. A torch optimizer step pre-hook sees the steps
 this counter did not: a step with Opacus' per-sample gradients (an `opacus.PrivacyEngine`, or a step hook
-replaced) makes the node's ledger unknown, as does any DP-SGD step taken in the process outside a message the mod
-handled (it cannot be told whose it was).
+replaced) makes the node's ledger unknown. So does a DP-SGD step taken outside any message the mod handled (a
+stray step, `StraySteps`), for the node whose message made or last stepped that optimizer only; a stray step of an
+optimizer no message saw marks the runs this process has served (it could be any of their nodes'), or the first it
+serves where it has served none, and never another run.
 
 Where the ledger lives: in `Context.state` and in a node-local file, `<folder>/<run key>.<node key>.json`,
 written atomically after each message (folder: `make_sample_ledger_mod(folder=...)`, else node_config
 `sample-ledger-dir`, else `$FLWR_HOME/dpfl-sample-ledgers`, FLWR_HOME defaulting to ~/.flwr; run key: run_config
-`sample-ledger-run`, else the run id; node key: node_config `sample-ledger-node`, else `partition-<partition-id>`,
-else `node-<node id>`). A cleared `Context.state` or a fresh Context (a SuperNode restart; a resumed run that sets
+`sample-ledger-run`, else the run id, which the SuperLink draws at random for each run, as the in-process grids
+do; node key: node_config `sample-ledger-node`, else `client-<client-id>`, else `partition-<partition-id>`, else
+`node-<node id>`). A cleared `Context.state` or a fresh Context (a SuperNode restart; a resumed run that sets
 the same `sample-ledger-run`) continues from the file. A damaged record (lists of unequal
 length, a step count below 1, a sigma that is not a number in (0, 1e6], a rate outside (0, 1]), a file and a state
 that disagree, or a step the mod could not see make the ledger unknown for good: one warning line, and every
@@ -53,7 +56,7 @@ import tempfile
 import weakref
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import WARNING
 from pathlib import Path
 
@@ -88,6 +91,7 @@ class NodeCall:
     node: int
     ledger: PrivacyLedger
     unknown: str = ""
+    path: str = ""  # its ledger file: whose it is
 
     def mark_unknown(self, why: str) -> None:
         self.unknown = self.unknown or why
@@ -100,15 +104,69 @@ class NodeCall:
 
 _call: ContextVar[NodeCall | None] = ContextVar("dpfl_sample_ledger_call", default=None)
 _counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner optimizer -> its next step was counted
-_outside = {"steps": 0}  # DP-SGD steps this process took outside any message the mod handled
+
+
+@dataclass
+class StraySteps:
+    """The DP-SGD steps this process took outside any message the mod handled, and whose ledgers they make unknown:
+    the node's whose message made or last stepped the optimizer (`owners`: inner optimizer -> ledger file); for an
+    optimizer no message saw, the runs this process has served so far (any of their nodes' data could be under it),
+    or the first it serves where it has served none (`pending`). Every other node, and a run that starts later,
+    keeps its ledger."""
+
+    owners: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    nodes: dict[str, int] = field(default_factory=dict)  # ledger file -> stray steps of optimizers its node owns
+    runs: dict[str, int] = field(default_factory=dict)  # run key -> stray steps of optimizers no message saw
+    served: set[str] = field(default_factory=set)  # the run keys of the messages handled so far
+    pending: int = 0
+
+    def own(self, optimizer) -> None:
+        """`optimizer` belongs to the node whose message is being handled (if one is)."""
+        call = _call.get()
+        if call is not None:
+            self.owners[optimizer] = call.path
+
+    def step(self, optimizer) -> None:
+        owner = self.owners.get(optimizer)
+        if owner is not None:
+            self.nodes[owner] = self.nodes.get(owner, 0) + 1
+        elif self.served:
+            for run in self.served:
+                self.runs[run] = self.runs.get(run, 0) + 1
+        else:
+            self.pending += 1
+
+    def serve(self, run: str) -> None:
+        if run not in self.served:
+            self.served.add(run)
+            self.runs[run] = self.runs.get(run, 0) + self.pending
+            self.pending = 0
+
+    def why(self, path: str, run: str) -> str:
+        """Why the ledger in `path` (of run `run`) is unknown for a stray step, or ""."""
+        if steps := self.nodes.get(path):
+            return (
+                f"{steps} DP-SGD steps taken outside a message the mod handled, by an optimizer this node's messages "
+                "made or stepped"
+            )
+        if steps := self.runs.get(run):
+            return (
+                f"{steps} DP-SGD steps taken in this process outside a message the mod handled, by an optimizer no "
+                "message saw (any node of this run could be its)"
+            )
+        return ""
+
+
+_strays = StraySteps()
 
 
 def charge_step(sigma: float, sample_rate: float) -> None:
-    """One DP-SGD step (sigma, q), to the node whose message is being handled."""
+    """One DP-SGD step (sigma, q), to the node whose message is being handled (outside any: `uncounted_step` marks
+    the stray step)."""
     call = _call.get()
     if call is None:
-        _outside["steps"] += 1
-    elif not sigma > 0:  # nan, 0 or negative: nothing to charge that bounds it
+        return
+    if not sigma > 0:  # nan, 0 or negative: nothing to charge that bounds it
         call.mark_unknown(f"a DP-SGD step at noise multiplier {sigma}")
     else:
         call.ledger.record(min(float(sigma), MAX_SIGMA), min(float(sample_rate), 1.0), 1)
@@ -143,6 +201,7 @@ def watch(optimizer, sample_rate: float, budget: StepBudget | None = None) -> No
     """Count the noisy steps of an Opacus `DPOptimizer`, in front of the step hook it has (its accountant's); a
     step past the `budget` raises before the parameters move (Opacus calls the hook after noising, before the
     wrapped optimizer's step)."""
+    _strays.own(optimizer.original_optimizer)  # made in a node's message: that node's
     accountant_hook = optimizer.step_hook
 
     def step_hook(optim) -> None:
@@ -158,16 +217,19 @@ def watch(optimizer, sample_rate: float, budget: StepBudget | None = None) -> No
 
 def uncounted_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Torch's pre-hook of every optimizer step: a step on parameters carrying Opacus' per-sample gradients that
-    `watch`'s counter did not see makes the ledger unknown."""
-    if _counted.pop(optimizer, False):
-        return
-    first = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad), None)
-    if first is None or all(getattr(first, name, None) is None for name in OPACUS_GRADIENT_STATE):
-        return
+    `watch`'s counter did not see makes the ledger unknown; a DP-SGD step outside any message is a stray step
+    (`StraySteps`); one inside a message makes the optimizer that node's."""
+    counted = _counted.pop(optimizer, False)
+    if not counted:
+        first = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad), None)
+        if first is None or all(getattr(first, name, None) is None for name in OPACUS_GRADIENT_STATE):
+            return
     call = _call.get()
     if call is None:
-        _outside["steps"] += 1
-    else:
+        _strays.step(optimizer)
+        return
+    _strays.own(optimizer)
+    if not counted:
         call.mark_unknown(
             "a DP-SGD step of an Opacus optimizer not made by dpfl's PrivacyEngine (or its step hook replaced)"
         )
@@ -302,11 +364,22 @@ def ledger_file(context: Context, folder: str | Path | None) -> Path:
     configured = folder or context.node_config.get(FOLDER_KEY)
     home = Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
     base = Path(configured) if configured else home / "dpfl-sample-ledgers"
-    run = context.run_config.get(RUN_KEY) or context.run_id
     config = context.node_config
-    node = config.get(NODE_KEY) or (f"partition-{config['partition-id']}" if "partition-id" in config else None)
-    name = f"{run}.{node or f'node-{int(context.node_id)}'}"
+    node = config.get(NODE_KEY) or next(
+        (
+            f"{name}-{config[key]}"
+            for key, name in (("client-id", "client"), ("partition-id", "partition"))
+            if key in config
+        ),
+        None,
+    )
+    name = f"{run_key(context)}.{node or f'node-{int(context.node_id)}'}"
     return base / f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.json"
+
+
+def run_key(context: Context) -> str:
+    """The run's name in its ledger files: run_config `sample-ledger-run`, else the run id."""
+    return str(context.run_config.get(RUN_KEY) or context.run_id)
 
 
 def load_ledger(context: Context, path: Path, delta: float, accountant: str) -> tuple[NodeCall, str]:
@@ -335,7 +408,7 @@ def load_ledger(context: Context, path: Path, delta: float, accountant: str) -> 
     if len(read) == 2 and not extends(read[1], read[0]):
         unknown = unknown or f"Context.state and {path} hold different histories"
     ledger = PrivacyLedger(delta, accountant, read[-1] if read else [])
-    return NodeCall(int(context.node_id), ledger, stored or unknown), stored
+    return NodeCall(int(context.node_id), ledger, stored or unknown, str(path)), stored
 
 
 def save_ledger(context: Context, path: Path, call: NodeCall) -> None:
@@ -393,7 +466,8 @@ def handle(
 ) -> Message:
     """The mod's work (module-level, so the mod's closure holds no ContextVar: Ray pickles the ClientApp, mods
     included, and a ContextVar cannot be pickled). Steps in any message are charged; train replies report."""
-    path = ledger_file(context, folder)
+    path, run = ledger_file(context, folder), run_key(context)
+    _strays.serve(run)
     call, stored = load_ledger(context, path, delta, accountant)
     before = (list(call.ledger.history), call.unknown)
     token = _call.set(call)
@@ -401,10 +475,8 @@ def handle(
         reply = call_next(msg, context)
     finally:
         _call.reset(token)
-        if _outside["steps"]:
-            call.mark_unknown(
-                f"{_outside['steps']} DP-SGD steps taken in this process outside a message the mod handled"
-            )
+        if why := _strays.why(call.path, run):
+            call.mark_unknown(why)
         train = msg.metadata.message_type == MessageType.TRAIN
         if train or (call.ledger.history, call.unknown) != before or STATE_KEY not in context.state.config_records:
             save_ledger(context, path, call)

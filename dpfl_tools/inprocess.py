@@ -9,10 +9,16 @@ one `send_and_receive` each. In one process their ClientApps would then run at o
 "SystemError: AST constructor recursion depth mismatch" where two threads parse at once (np.load parses each
 array's header with `ast.literal_eval`): a client failed so in CI. The grids here run one exchange after the
 other (`send_and_receive` holds `exchange_lock` around `exchange`), as their nodes share one interpreter.
+
+Each grid is one run with a run id of its own, drawn at random as the SuperLink draws one (`fresh_run_id`), never a
+constant: what a node keeps per run on disk (the Opacus ledger of `clients.opacus_ledger`, a personal head under
+node config `state-dir`) is named by it, and two runs in one process, or in two processes on one machine, must not
+share it.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from itertools import count
@@ -30,10 +36,16 @@ from dpfl.fl_app.settings import Settings
 SERVER_NODE_ID = 1
 
 
+def fresh_run_id() -> int:
+    """A run id as the SuperLink draws one: uniformly random, nonzero, below 2^63."""
+    return 1 + secrets.randbelow(2**63 - 1)
+
+
 class InProcessGrid(Grid):
     """Nodes 100..100+N-1, each with node config partition-id / num-partitions, and the run config (a dict, or
     the Settings of one). `keep_messages`: every message sent and received stays in `sent` and `received` (tests
-    read them; a long run of the launcher keeps none: a round's replies are the cohort's models)."""
+    read them; a long run of the launcher keeps none: a round's replies are the cohort's models). `run_id`: the
+    run's id (default: a fresh random one, `fresh_run_id`; a ProcessGrid gives its workers its own)."""
 
     def __init__(
         self,
@@ -43,16 +55,18 @@ class InProcessGrid(Grid):
         *,
         fail: Callable[[int, Message], bool] | None = None,
         keep_messages: bool = True,
+        run_id: int | None = None,
     ) -> None:
         if isinstance(run_config, Settings):
             run_config = run_config.run_config()
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1
+        self.run_id = fresh_run_id() if run_id is None else int(run_id)
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = self.run_id, SERVER_NODE_ID, 1
         self.client_app = client_app
         self.fail = fail  # fail(node_id, msg) -> True: the node "crashes" on this message
         self.keep_messages = keep_messages
         self.contexts = {
             100 + i: Context(
-                run_id=1,
+                run_id=self.run_id,
                 node_id=100 + i,
                 node_config={"partition-id": i, "num-partitions": num_nodes},
                 state=RecordDict(),
@@ -70,7 +84,7 @@ class InProcessGrid(Grid):
 
     @property
     def run(self) -> Run:
-        return Run.create_empty(1)
+        return Run.create_empty(self.run_id)
 
     def create_message(
         self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None

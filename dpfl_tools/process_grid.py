@@ -80,6 +80,7 @@ class ProcessGrid(InProcessGrid):
         config = self.contexts[100].run_config if self.contexts else {}
         processes = min(processes, max(num_nodes, 1))
         device = run_config.training.device if isinstance(run_config, Settings) else None
+        grid_kwargs = {**grid_kwargs, "run_id": self.run_id}  # one run: its workers' nodes share its run id
         spec = WorkerSpec(
             grid_class, client_app, num_nodes, dict(config), grid_kwargs, initializer, initargs, processes, device
         )

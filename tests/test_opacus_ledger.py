@@ -38,7 +38,7 @@ SIGMA, BATCH, N = 1.0, 16, 128  # q = 16 / 128; one epoch = 8 expected steps
 def own_ledger_folder(tmp_path, monkeypatch):
     """Each test's nodes keep their ledger files in its own FLWR_HOME; no step outside a message is left over."""
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))
-    monkeypatch.setattr(opacus_ledger, "_outside", {"steps": 0}, raising=False)
+    monkeypatch.setattr(opacus_ledger, "_strays", opacus_ledger.StraySteps())
 
 
 @functools.cache
@@ -542,3 +542,91 @@ def test_make_private_with_epsilon_under_the_mod_keeps_the_nodes_run_at_its_targ
     assert eager["steps"] == 24 and eager["sigmas"] == [sigma, sigma]
     assert all(torch.equal(a, b) for a, b in zip(eager["weights"], eager["model"].parameters()))  # did not move
     assert opacus_ledger.read_record(dict(ctx.state.config_records[opacus_ledger.STATE_KEY]))[0] == [(sigma, 1 / 8, 24)]
+
+
+# ---------------------------------------------------------------- never another run's, never another node's (issue 55)
+def one_round_on_a_fresh_grid() -> tuple[int, int]:
+    """(the grid's run id, the steps its one node's ledger holds after one round): an in-process grid of one node
+    whose Opacus client runs under the mod."""
+    from dpfl_tools.inprocess import InProcessGrid
+
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    grid = InProcessGrid(app, 1, {})
+    (reply,) = grid.send_and_receive([train_message(100)])
+    return grid.run_id, steps_of(reply)
+
+
+def test_two_in_process_runs_in_one_process_keep_separate_ledgers(tmp_path):
+    """Before: every in-process grid was run 1, so the second run's node (partition 0) started from the first's 8
+    steps and replied 16. Now each grid draws its run id and each run's node starts from 0."""
+    (first, steps_a), (second, steps_b) = one_round_on_a_fresh_grid(), one_round_on_a_fresh_grid()
+    assert first != second and steps_a == steps_b == 8
+    files = sorted(p.name for p in (tmp_path / "dpfl-sample-ledgers").glob("*.json"))
+    assert files == sorted(f"{run}.partition-0.json" for run in (first, second))
+
+
+@pytest.mark.slow
+def test_two_in_process_runs_in_two_processes_on_one_machine_keep_separate_ledgers(tmp_path):
+    """The same in two Python processes with one FLWR_HOME (before: both run 1; the second replied 16 steps)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dpfl_tools import ROOT
+
+    code = "import json; from tests.test_opacus_ledger import one_round_on_a_fresh_grid as f; print(json.dumps(f()))"
+    env = {**os.environ, "FLWR_HOME": str(tmp_path)}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
+    assert runs[0][0] != runs[1][0] and runs[0][1] == runs[1][1] == 8
+    assert len(list((tmp_path / "dpfl-sample-ledgers").glob("*.json"))) == 2
+
+
+def test_a_stray_step_marks_only_its_own_node_and_never_a_later_run():
+    """Node 370 makes its engine in round 1 and keeps it; after the round, its optimizer takes a step outside any
+    message (e.g. a thread the client left running). Before: every node of the process read inf from then on, in
+    every later run. Now node 370's ledger is unknown, node 371's (same run) and node 370's in a later run are not."""
+    kept: dict = {}
+    app = ClientApp(client_fn=lambda ctx: OpacusClient(kept).to_client(), mods=[sample_ledger_mod])
+    others = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    a, b = context(370), context(371)
+    assert steps_of(app(train_message(370), a)) == 8
+    model, optimizer, loader = kept["private"]
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()  # outside any message: node 370's optimizer
+    stray, other = fit_metrics(app(train_message(370), a)), fit_metrics(others(train_message(371), b))
+    assert stray[keys.SAMPLE_EPSILON] == math.inf and stray[keys.SAMPLE_ACCOUNTANT] == (
+        "unknown: 1 DP-SGD steps taken outside a message the mod handled, by an optimizer this node's messages made "
+        "or stepped"
+    )
+    assert other[keys.SAMPLE_STEPS] == 8 and other[keys.SAMPLE_EPSILON] == pytest.approx(truth(8), rel=2e-2)
+    later = Context(run_id=2, node_id=370, node_config={}, state=RecordDict(), run_config={})
+    metrics = fit_metrics(others(train_message(370), later))
+    assert metrics[keys.SAMPLE_STEPS] == 8 and metrics[keys.SAMPLE_ACCOUNTANT] == "pld"
+
+
+def test_a_stray_step_of_an_optimizer_no_message_saw_marks_the_runs_served_not_a_later_one():
+    """An optimizer made and stepped outside every message, after run 1 was served: any node of run 1 could be its,
+    so run 1's nodes read inf; run 2, which starts later, does not."""
+    app = ClientApp(client_fn=lambda ctx: OpacusClient().to_client(), mods=[sample_ledger_mod])
+    assert steps_of(app(train_message(380), context(380))) == 8
+    engine, (model, optimizer, loader) = engine_made_outside()
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    served = fit_metrics(app(train_message(381), context(381)))
+    assert (
+        served[keys.SAMPLE_EPSILON] == math.inf and "by an optimizer no message saw" in served[keys.SAMPLE_ACCOUNTANT]
+    )
+    later = Context(run_id=2, node_id=380, node_config={}, state=RecordDict(), run_config={})
+    assert fit_metrics(app(train_message(380), later))[keys.SAMPLE_ACCOUNTANT] == "pld"
