@@ -42,14 +42,14 @@ The reply's metrics gain `sample-epsilon` (cumulative, at `sample-delta`), `samp
 
 A per-client target: under the mod, `make_private_with_epsilon(..., epochs=E)` plans the node's whole run, E epochs
 (every round's) of len(data_loader) steps, calibrates sigma on the node's ledger to end it at the target
-(`sample_budget`) and refuses a step past the plan (`SampleBudgetSpent`: the node's reply is an error that says so).
+(`clients.sample_budget`) and refuses a step past the plan (`SampleBudgetSpent`: the node's reply is an error that
+says so).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import re
 import tempfile
@@ -67,9 +67,9 @@ from flwr.common import log
 from flwr.compat.common import recorddict_compat as compat
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from dpfl.clients.sample_budget import StepBudget, sample_budget
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, Event, accountant_used, epsilon_of
-from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
+from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT, Event, accountant_used
 from dpfl.dpcore.privacy.ledger import PrivacyLedger
 from dpfl.dpcore.task.opacus_import import import_opacus
 
@@ -172,31 +172,6 @@ def charge_step(sigma: float, sample_rate: float) -> None:
         call.ledger.record(min(float(sigma), MAX_SIGMA), min(float(sample_rate), 1.0), 1)
 
 
-class SampleBudgetSpent(RuntimeError):
-    """A per-client target's budget is spent (`PrivacyEngine.make_private_with_epsilon` under the mod): the step, or
-    the round's training, is refused, and the node's reply is an error that says so."""
-
-
-@dataclass
-class StepBudget:
-    """The DP-SGD steps at sample rate `sample_rate` that an engine of `make_private_with_epsilon` may still take
-    under the mod, and what a step past them is told."""
-
-    steps: int
-    sample_rate: float
-    refusal: str
-
-    def take(self, sample_rate: float) -> None:
-        if self.steps <= 0:
-            raise SampleBudgetSpent(self.refusal)
-        if not math.isclose(sample_rate, self.sample_rate):
-            raise SampleBudgetSpent(
-                f"a DP-SGD step at sample rate {sample_rate:g}, where make_private_with_epsilon calibrated the noise "
-                f"for one step per batch at {self.sample_rate:g} (gradient accumulation is not planned for)"
-            )
-        self.steps -= 1
-
-
 def watch(optimizer, sample_rate: float, budget: StepBudget | None = None) -> None:
     """Count the noisy steps of an Opacus `DPOptimizer`, in front of the step hook it has (its accountant's); a
     step past the `budget` raises before the parameters move (Opacus calls the hook after noising, before the
@@ -255,9 +230,9 @@ class PrivacyEngine(import_opacus().PrivacyEngine):
         """Opacus' own outside `sample_ledger_mod`. Under it, a per-client target for the whole run
         (docs/dropin.md, "A per-client target epsilon"): `epochs` counts the node's epochs over the run (every
         round's: num_rounds x local epochs), T = epochs x len(data_loader) steps at q = 1 / len(data_loader), and
-        sigma (`sample_budget`) keeps the node's ledger at eps(target_delta) <= target_epsilon after its steps so
-        far and the T - (steps so far) left, which are all this engine's optimizer takes: a step past them, or a
-        call with none left, raises `SampleBudgetSpent` (the node's reply is an error that says so)."""
+        sigma (`clients.sample_budget`) keeps the node's ledger at eps(target_delta) <= target_epsilon after its
+        steps so far and the T - (steps so far) left, which are all this engine's optimizer takes: a step past them,
+        or a call with none left, raises `SampleBudgetSpent` (the node's reply is an error that says so)."""
         call = _call.get()
         if call is None:
             return super().make_private_with_epsilon(
@@ -267,7 +242,9 @@ class PrivacyEngine(import_opacus().PrivacyEngine):
                 epochs=epochs,
                 **kwargs,
             )
-        sigma, budget = sample_budget(call, target_epsilon, target_delta, epochs, len(data_loader))
+        sigma, budget = sample_budget(
+            call.node, call.ledger, call.unknown, target_epsilon, target_delta, epochs, len(data_loader)
+        )
         return self._make_private(budget, data_loader=data_loader, noise_multiplier=sigma, **kwargs)
 
     def get_epsilon(self, delta: float) -> float:
@@ -276,43 +253,6 @@ class PrivacyEngine(import_opacus().PrivacyEngine):
         Otherwise Opacus' own figure for this engine alone."""
         call = _call.get()
         return super().get_epsilon(delta) if call is None else call.epsilon(delta)
-
-
-def sample_budget(
-    call: NodeCall, target_epsilon: float, target_delta: float, epochs: int, batches: int
-) -> tuple[float, StepBudget]:
-    """(sigma, the steps left) of a per-client target: T = epochs x batches steps at q = 1 / batches over the run.
-    sigma is T's from zero (`calibrate_noise_multiplier`, the same every round) while the ledger holds only steps
-    at it; else the smallest with eps(ledger's steps + the steps left at sigma) <= target. SampleBudgetSpent where
-    no step is left (or the ledger is unknown)."""
-    if not (isinstance(epochs, numbers.Integral) and not isinstance(epochs, bool) and epochs >= 1):
-        raise ValueError(f"epochs={epochs!r}: the node's epochs over the whole run, an integer >= 1")
-    if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
-        raise ValueError(f"target_epsilon={target_epsilon!r}: a number > 0")
-    ledger = PrivacyLedger(target_delta, call.ledger.accountant, list(call.ledger.history))  # checks target_delta
-    q, total, taken = 1 / batches, int(epochs) * batches, sum(n for _, _, n in ledger.history)
-    plan = (
-        f"target_epsilon={target_epsilon:g} at target_delta={target_delta:g} over epochs={epochs} "
-        f"({epochs} x {batches} batches = {total} DP-SGD steps)"
-    )
-    if call.unknown:
-        raise SampleBudgetSpent(
-            f"sample_ledger_mod: node {call.node}'s ledger is unknown ({call.unknown}): {plan} cannot be kept"
-        )
-    if taken >= total or ledger.epsilon() >= target_epsilon:
-        raise SampleBudgetSpent(
-            f"sample_ledger_mod: node {call.node}'s budget is spent: {plan}; its ledger holds {taken} steps, epsilon "
-            f"{ledger.epsilon():.4g}, so it trains no further (epochs counts the run's epochs, every round's)"
-        )
-    left, accountant = total - taken, ledger.accountant
-    sigma = calibrate_noise_multiplier(target_epsilon, target_delta, q, total, accountant)
-    if epsilon_of(ledger.history + [(sigma, q, left)], target_delta, accountant) > target_epsilon:
-        sigma = calibrate_noise_multiplier(target_epsilon, target_delta, q, left, accountant, spent=ledger.history)
-    refusal = (
-        f"sample_ledger_mod: node {call.node}'s budget is spent: {plan}; this engine took the {left} steps left, "
-        "a further step is not taken"
-    )
-    return sigma, StepBudget(left, q, refusal)
 
 
 # ---------------------------------------------------------------- the node's record

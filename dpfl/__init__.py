@@ -46,6 +46,7 @@ _HOMES = {  # name -> home module, imported on first access
     "make_dp_privatize_mod": "dpfl.clients.mods",
     "uniform_weight_mod": "dpfl.clients.mods",
     "answer_client_id": "dpfl.clients.identity",  # a ClientApp's answer to the server's identity query
+    "SampleBudgetSpent": "dpfl.clients.sample_budget",  # a per-client target's refusal (make_private_with_epsilon)
     "epsilon_of": "dpfl.dpcore.privacy.accountants",
     "ClientLevelLedger": "dpfl.dpcore.privacy.ledger",
     "PrivacyLedger": "dpfl.dpcore.privacy.ledger",
@@ -109,7 +110,6 @@ _TORCH_HOMES = {  # the same, for the names that import torch (the Opacus ones O
     "FineTuneClient": "dpfl.clients.personalized",
     "DPSGDClient": "dpfl.clients.dpsgd",
     "PrivacyEngine": "dpfl.clients.opacus_ledger",
-    "SampleBudgetSpent": "dpfl.clients.opacus_ledger",  # a per-client target's refusal (make_private_with_epsilon)
     "sample_ledger_mod": "dpfl.clients.opacus_ledger",
     "make_sample_ledger_mod": "dpfl.clients.opacus_ledger",
 }
@@ -175,6 +175,7 @@ __all__ = [
     "max_sample_epsilon",
     "max_sample_epsilon_records",
     "with_max_sample_epsilon",
+    "SampleBudgetSpent",  # what make_private_with_epsilon under the mod raises past a per-client target
     # client: NumPyClients and the Opacus ledger (torch, imported on first use)
     *_TORCH_HOMES,
     # the ledgers

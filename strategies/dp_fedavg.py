@@ -32,15 +32,15 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore.privacy_accounting import GaussianPrivacyEvent, PrivacyConfig, PrivacySpent
+from flwr.supercore.privacy_accounting import PrivacySpent
 
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
 from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
-from dpfl.dpcore.privacy.settings import SettingError, check_client_level_dp
+from dpfl.dpcore.privacy.settings import check_client_level_dp
+from dpfl.strategies.loop.flower_accountant import flower_accountant_keywords, flower_accounting_note
 from dpfl.strategies.loop.options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
 from dpfl.strategies.loop.reply_gate import ReplyGate
 from dpfl.strategies.loop.round_loop import DPRoundLoop
@@ -83,53 +83,6 @@ def sort_keywords(name: str, privacy, sampling, run, parts, keywords: dict) -> t
     parts = [*parts, *keyword_parts(keywords, run)]
     refuse_unknown(name, keywords)
     return privacy, sampling, run, parts
-
-
-def flower_accountant_keywords(accountant=None, **keywords) -> dict:
-    """Flower's `accountant=RdpAccountant(PrivacyConfig(target_delta=..., max_epsilon=...))` (or the PrivacyConfig
-    itself) as this wrapper's keywords: its target_delta is `delta`, its max_epsilon a budget to stop at
-    (`target_epsilon`, mode "stop"), an RdpAccountant the ledger's "rdp" accountant. The ledger computes every
-    figure; Flower's object is read, never composed into (its population_size and sampling_method are Flower's
-    model: the ledger takes M from the connected nodes and charges the sampling this wrapper does)."""
-    config = accountant if isinstance(accountant, PrivacyConfig) else getattr(accountant, "config", None)
-    if isinstance(accountant, str) or not isinstance(config, PrivacyConfig):
-        return keywords if accountant is None else {**keywords, "accountant": accountant}
-    mapped = dict(delta=config.target_delta)
-    if config.max_epsilon is not None:
-        mapped.update(target_epsilon=config.max_epsilon, target_epsilon_mode="stop")
-    for key, value in mapped.items():
-        if key in keywords and keywords[key] != value:
-            raise SettingError(
-                f"{key}={keywords[key]!r} and Flower's accountant={accountant!r} (which sets {key}={value!r}) "
-                "disagree: give one of them"
-            )
-    rdp = type(accountant).__name__ == "RdpAccountant"
-    return {**keywords, **mapped, "accountant": "rdp" if rdp else DEFAULT_ACCOUNTANT}
-
-
-def flower_first_round(accountant, noise_multiplier: float, num_sampled_clients: int, sample_rate: float) -> str:
-    """What Flower's accountant reports after round 1 of Flower's fixed-clipping wrappers, which compose one
-    GaussianPrivacyEvent(sigma, m, population_size) a round: a new accountant of the given one's class on its config
-    (Flower's RdpAccountant for a PrivacyConfig alone; the user's object is not touched) composes it. "" where
-    `accountant` is not Flower's. m: num_sampled_clients, else round(q x population_size)."""
-    config = accountant if isinstance(accountant, PrivacyConfig) else getattr(accountant, "config", None)
-    if isinstance(accountant, str) or not isinstance(config, PrivacyConfig):
-        return ""
-    kind = type(accountant)
-    if isinstance(accountant, PrivacyConfig):
-        from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant as kind
-    relation, population = config.neighboring_relation.value, config.population_size
-    model = f"{relation}, {config.sampling_method.value}, population_size={population}"
-    try:
-        flower = kind(config)
-        m = num_sampled_clients or max(1, round(sample_rate * population))
-        flower.compose(
-            GaussianPrivacyEvent(noise_multiplier=noise_multiplier, sample_size=m, population_size=population)
-        )
-        spent = flower.get_privacy_spent()
-    except Exception as exc:  # Flower's own refusal, named in the line instead of a figure
-        return f"Flower's {kind.__name__} ({model}) gives no figure for it ({type(exc).__name__}: {exc})"
-    return f"Flower's {kind.__name__} ({model}) would report epsilon {spent.epsilon:.4g} at delta {spent.delta:g}"
 
 
 def check_options(privacy: PrivacyOptions, sampling: SamplingOptions, parts: Sequence[Part]) -> None:
@@ -207,14 +160,9 @@ class DifferentialPrivacy(DPRoundLoop):
             keywords.update(num_sampled_clients=num_sampled_clients)
             keywords.setdefault("client_sampling", "fixed")
             keywords.setdefault("sample_rate", 1.0)  # q = m / M once M is known
-        flower = keywords.get("accountant")
-        keywords, name = flower_accountant_keywords(**keywords), name or type(self).__name__
+        (keywords, flower), name = flower_accountant_keywords(**keywords), name or type(self).__name__
         privacy, sampling, run, parts = sort_keywords(name, privacy, sampling, run, parts, keywords)
         check_options(privacy, sampling, parts)
-        # Flower's figure for round 1, said beside the ledger's when the population is fixed (setup_population)
-        self.flower_first_round = flower_first_round(
-            flower, privacy.noise_multiplier, sampling.num_sampled_clients, sampling.sample_rate
-        )
         mechanism = filling(parts, "mechanism", GaussianMechanism())
         self.noise = make_noise_placement(privacy.noise_placement, mechanism.clients_clip_under_central_noise)
         self.privacy = privacy  # replaced when sigma is calibrated (make_ledger) or a part adapts C (after_round)
@@ -230,6 +178,8 @@ class DifferentialPrivacy(DPRoundLoop):
             strategy, sampling=sampling, run=run, selection=filling(parts, "selection", None), parts=parts, gate=gate
         )
         self.name, self.mechanism, self.codec = name, mechanism, filling(parts, "codec", self.codec)
+        if flower is not None:  # Flower's accountant=: how this wrapper's accounting differs from it, said once
+            log(WARNING, "%s", flower_accounting_note(self, flower))
 
     @classmethod
     def check_settings(cls, *, privacy=None, sampling=None, run=None, parts: Sequence[Part] = (), **keywords) -> None:
@@ -244,35 +194,6 @@ class DifferentialPrivacy(DPRoundLoop):
         self.parts.append(part)
 
     # ------------------------------------------------------------------ set-up
-    def setup_population(self, num_clients: int) -> None:
-        """Fix the population and build the ledger; where Flower's `accountant=` was given, one warning line says
-        how this wrapper's accounting differs from Flower's (`flower_accounting_note`)."""
-        super().setup_population(num_clients)
-        if self.flower_first_round:
-            log(WARNING, "%s", self.flower_accounting_note())
-
-    def flower_accounting_note(self) -> str:
-        """The neighbouring relation and accounting the ledger charges, its epsilon after round 1 (as the budget
-        check predicts it: fixed-size sampling at m of the M connected nodes), Flower's accountant's figure for the
-        same round, and the budget (Flower's max_epsilon) held under the ledger's figure."""
-        assert self.ledger is not None
-        form = self.selection.sampling_form
-        fixed = form is not None and form.fixed_size
-        ours = self.ledger.epsilon_after_rounds(
-            self.accounted_noise_multiplier(),
-            self.population.sample_rate,
-            1,
-            self.selection.next_truncation_probability(PartView(self)) + failure_probability(self.parts),
-            sampled_from=(self.population.num_clients, int(self.population.expected_clients)) if fixed else None,
-        )
-        target = self.privacy.target_epsilon
-        budget = f"; max_epsilon={target:g} is held under this wrapper's figure" if target > 0 else ""
-        return (
-            f"Flower's accountant= is read, not composed into: this wrapper charges {self.ledger.relation} "
-            f"({self.ledger.accountant} accountant), epsilon {ours:.4g} at delta {self.ledger.delta:g} after round 1, "
-            f"where {self.flower_first_round}{budget}"
-        )
-
     def make_ledger(self) -> ClientLevelLedger:
         """The mechanism's ledger at the configured delta (else `default_client_delta(M)`); for `calibrate`, sigma for
         the configured number of rounds too (the mechanism's own `calibrated_noise_multiplier` where it has one:

@@ -431,9 +431,9 @@ def test_flowers_accountant_keyword_is_said_to_differ_and_its_budget_held_under_
     accountant=RdpAccountant(PrivacyConfig(max_epsilon=12, add-or-remove-one, no-amplification)))` with our class
     swapped in. Flower's accountant charges the Gaussian at sigma = 1 a round (add/remove-one: 4.73 after round 1,
     10.73 after 4); the ledger charges fixed-size sampling of all M = m = 4 nodes as replace-one, the Gaussian at
-    sigma / 2 (10.73 after round 1, 16.51 after 2). One warning at start names the relation and both round-1
-    figures (dp-accounting's RDP, computed here: the ledger's accountant is RDP, as the RdpAccountant asks), and the
-    run stops before round 2, which would pass max_epsilon under the ledger's figure."""
+    sigma / 2 (10.73 after round 1, 16.51 after 2). One warning, when the wrapper is built, names the relation and
+    both round-1 figures (dp-accounting's RDP, computed here: the ledger's accountant is RDP, as the RdpAccountant
+    asks), and the run stops before round 2, which would pass max_epsilon under the ledger's figure."""
     from flwr.serverapp.strategy import FedAvg
     from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
     from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
@@ -453,8 +453,8 @@ def test_flowers_accountant_keyword_is_said_to_differ_and_its_budget_held_under_
     flower = RdpAccountant(
         PrivacyConfig(delta, nodes, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION, 12.0)
     )
-    strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), sigma, 1.0, nodes, accountant=flower)
     with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy = DifferentialPrivacy(FedAvg(fraction_evaluate=0.0), sigma, 1.0, nodes, accountant=flower)
         strategy.start(InProcessGrid(weights_client(), nodes, {}), model(), num_rounds=5)
     notes = [r.getMessage() for r in caplog.records if "Flower's accountant=" in r.getMessage()]
     assert len(notes) == 1 and caplog.records[[r.getMessage() for r in caplog.records].index(notes[0])].levelno == 30

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpfl.clients import opacus_ledger
 from dpfl.clients.opacus_ledger import PrivacyEngine, make_sample_ledger_mod, sample_ledger_mod
+from dpfl.clients.sample_budget import SampleBudgetSpent
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.strategies.loop.sample_epsilon import max_sample_epsilon, max_sample_epsilon_records, with_max_sample_epsilon
 from tests.independent_accountant import dp_accounting_epsilons
@@ -523,7 +524,7 @@ def test_make_private_with_epsilon_under_the_mod_keeps_the_nodes_run_at_its_targ
     assert independent * (1 - 1e-3) <= final <= independent * 1.02
     assert TARGET * 0.995 <= final <= TARGET
     with pytest.raises(
-        opacus_ledger.SampleBudgetSpent,
+        SampleBudgetSpent,
         match=(
             r"node 100's budget is spent: target_epsilon=2 at target_delta=1e-05 over epochs=3 \(3 x 8 batches = 24 "
             r"DP-SGD steps\); its ledger holds 24 steps, epsilon 2, so it trains no further"
@@ -537,7 +538,7 @@ def test_make_private_with_epsilon_under_the_mod_keeps_the_nodes_run_at_its_targ
     app = ClientApp(client_fn=lambda ctx: TargetClient(eager, local_epochs=2).to_client(), mods=[sample_ledger_mod])
     ctx = context(101)
     assert steps_of(app(train_message(101), ctx)) == 16
-    with pytest.raises(opacus_ledger.SampleBudgetSpent, match="node 101's .*this engine took the 8 steps left"):
+    with pytest.raises(SampleBudgetSpent, match="node 101's .*this engine took the 8 steps left"):
         app(train_message(101), ctx)
     assert eager["steps"] == 24 and eager["sigmas"] == [sigma, sigma]
     assert all(torch.equal(a, b) for a, b in zip(eager["weights"], eager["model"].parameters()))  # did not move
