@@ -318,8 +318,9 @@ def test_models_are_averaged_with_weights_proportional_to_dataset_size():
     assert np.all(new[1:] == 0)
     metrics = result.train_metrics_clientapp[1]
     assert metrics["rejected"] == 1 and metrics["clients"] == 3 and metrics["tau"] == 2
-    assert [m.metadata.dst_node_id for m in grid.sent] == [100, 101, 102, 103]
-    assert all(m.content["config"]["local-steps"] == 2 for m in grid.sent)
+    trained = [m for m in grid.sent if m.metadata.message_type == "train"]  # after the identity queries
+    assert [m.metadata.dst_node_id for m in trained] == [100, 101, 102, 103]
+    assert all(m.content["config"]["local-steps"] == 2 for m in trained)
     assert metrics["epsilon"] == pytest.approx(epsilon_of([(1.0, 0.1, 1)], 1e-5))
 
 

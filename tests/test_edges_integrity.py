@@ -247,3 +247,39 @@ def test_a_hung_node_whose_reply_never_comes_is_a_failure_in_the_round_diagnosti
     assert record["clients"] == 2 and record["failures"] == 1
     assert record["failed_nodes"] == ["node 101: no reply before round-timeout"]
     assert "node 101 failed: no reply before round-timeout" in record["problems"]
+
+
+# ---------------------------------------------------------------- a restarted SuperNode keeps its client's ledger (issue 55)
+def adopting_app() -> ClientApp:
+    """honest_reply's client, which answers the identity query (node config partition-id) and adopts the
+    spent-steps the server tells it, as DPSGDClient does when its own state was lost."""
+    from dpfl.clients.identity import answer_client_id
+
+    app = ClientApp()
+    app.query("client_id")(answer_client_id)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        own = int(context.state["metrics"]["steps"]) if "metrics" in context.state else 0
+        context.state["metrics"] = MetricRecord({"steps": max(own, int(msg.content["config"]["spent-steps"]))})
+        return honest_reply(msg, context)
+
+    return app
+
+
+def test_a_restarted_supernode_is_told_its_clients_spent_steps_and_charged_on_its_ledger():
+    """Node 100 (client 0) restarts after round 1 under a new node id with a fresh Context. Before: the new node id
+    was told spent-steps 0 and charged on a new ledger (client 0's two steps split over two ledgers of one step:
+    the printed epsilon that of 1 step for it). Now it is told client 0's 1 step and charged on client 0's ledger."""
+    strategy, grid = ali(), InProcessGrid(adopting_app(), 3, {})
+    strategy.start(grid, initial(), num_rounds=1)
+    old = grid.contexts.pop(100)
+    grid.contexts[7_000_000_007] = Context(
+        run_id=old.run_id, node_id=7_000_000_007, node_config=old.node_config, state=RecordDict(), run_config={}
+    )
+    messages = list(strategy.configure_train(2, initial(), ConfigRecord(), grid))
+    told = {m.metadata.dst_node_id: int(m.content["config"]["spent-steps"]) for m in messages}
+    assert told == {7_000_000_007: 1, 101: 1, 102: 1}
+    _, metrics = strategy.aggregate_train(2, grid.send_and_receive(messages))
+    assert metrics["clients"] == 3 and strategy.spent.steps_taken == {0: 2, 1: 2, 2: 2}
+    assert strategy.ledger.epsilon_per_client() == {c: epsilon_of([(1.0, 0.1, 2)], 1e-5) for c in (0, 1, 2)}

@@ -10,9 +10,13 @@ each round the server
 3. mirrors each client's ledger from the cumulative counts it reports (DP-SGD steps,
    mu releases) and reports the maximum epsilon over clients,
 
-   Ledgers and step counts are keyed by the node id the SuperLink gives each reply (`src_node_id`), never
-   by an id the client sends; each node is told its own spent counts. The partition id a reply names only
-   looks its public |D_i| up (the weight); it binds nothing, so no node can squat another's partition.
+   Ledgers and step counts are kept per client: its client id, which the server asks each node for once
+   (`strategies.parts.sampling.ClientIdentities`: node config `client-id`, else `partition-id`), so a SuperNode
+   that restarts under a new node id is told its client's spent counts and charged on the same ledger. A client id
+   a connected node claimed first is refused to a second node (not sampled); where no node answers the query (a
+   ClientApp of one's own) the records are kept by node id, with a warning. Each node is told its own client's
+   spent counts. The partition id a train reply names only looks its public |D_i| up (the weight); it binds
+   nothing, so no reply can move another client's ledger.
 4. computes the next tau: 1 if R_s >= R_c (Lemma 1), else eq. (9) with
    T = min(R_s * tau_prev, R_c), B = min_i q_s |D_i|, d = number of parameters,
    rounded to the nearest integer >= 1 (`adaptive = False`: tau stays `local_steps`),
@@ -50,6 +54,7 @@ from dpfl.strategies.loop.run_record import describe_sampling
 from dpfl.strategies.loop.wrapped import release
 from dpfl.strategies.parts.part import config_key
 from dpfl.strategies.parts.reply_rules import MetricRule
+from dpfl.strategies.parts.sampling import ClientIdentities, ClientSampling
 from dpfl.strategies.parts.wavelet import PaperClaim
 from dpfl.strategies.sample_level.ali_dpfl_clients import (
     ClientSpending,
@@ -116,7 +121,8 @@ class ALIDPFL(DPRoundLoop):
         run = run or RunOptions()
         claim = PaperClaim(lambda: self.noise.claims_differ)  # DP-SGD-WAV's claimed epsilon: no guarantee
         gate = ReplyGate(REPLY_RULES, run.publish_diagnostics)
-        super().__init__(strategy, sampling=sampling, run=run, parts=[claim], gate=gate)
+        per_client = ClientSampling(sampling.client_sampling, ClientIdentities(required=False))  # records by client
+        super().__init__(strategy, sampling=sampling, run=run, selection=per_client, parts=[claim], gate=gate)
         self.dpsgd, self.server_data = dpsgd, server_data
         self.schedule = LocalIterations(max(1, dpsgd.local_steps))  # R_c, tau, d
         self.spent = ClientSpending()  # the server's mirror of each client's ledger
@@ -176,13 +182,20 @@ class ALIDPFL(DPRoundLoop):
         return SampleLevelLedgers.from_state_dict(state)
 
     def state_dict(self) -> dict:
-        """The round loop's state with R_c, tau and the server's mirror of the clients' spending."""
-        return {**super().state_dict(), **self.schedule.state_dict(), **self.spent.state_dict()}
+        """The round loop's state with R_c, tau, the server's mirror of the clients' spending and whether it is kept
+        by node id (the node -> client map is asked again after a resume)."""
+        identities = {"identities": self.selection.identities.state_dict()}
+        return {**super().state_dict(), **self.schedule.state_dict(), **self.spent.state_dict(), **identities}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.schedule.load_state_dict(state)
         self.spent.load_state_dict(state)
+        self.selection.identities.load_state_dict(state.get("identities", {"by_node_id": True}))  # older: by node
+
+    def client_of(self, node: int) -> int:
+        """The client id the records of `node` are kept under (`ClientIdentities`)."""
+        return self.selection.identities.client_of(node)
 
     @property
     def noise(self) -> DPSGDNoise:
@@ -226,17 +239,18 @@ class ALIDPFL(DPRoundLoop):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """The round's train messages, each telling its node the DP-SGD steps and mu releases the server has
-        charged that node id (a client whose own state was lost, e.g. after a restart, never spends them
-        again). Keyed by node id, not partition id: what one node claims never changes what another is told."""
+        charged its client (a client whose own state was lost, e.g. after a restart under a new node id, never
+        spends them again). What a train reply claims never changes what another node is told."""
         return [self.tell_spent(m) for m in super().configure_train(server_round, arrays, config, grid)]
 
     def tell_spent(self, message: Message) -> Message:
         node, content = message.metadata.dst_node_id, RecordDict(dict(message.content.items()))
+        client = self.client_of(node)
         content[config_key(self)] = ConfigRecord(
             {
                 **dict(message.content[config_key(self)]),
-                keys.SPENT_STEPS: self.spent.steps_taken.get(node, 0),
-                keys.SPENT_MU_RELEASES: self.spent.mu_releases.get(node, 0),
+                keys.SPENT_STEPS: self.spent.steps_taken.get(client, 0),
+                keys.SPENT_MU_RELEASES: self.spent.mu_releases.get(client, 0),
             }
         )
         return Message(content=content, dst_node_id=node, message_type=message.metadata.message_type)
@@ -274,7 +288,7 @@ class ALIDPFL(DPRoundLoop):
             new_global = (global_vector + self.run.server_learning_rate * average).astype(np.float32)
         else:
             new_global = global_vector
-        update_ledgers(self, server_round, [m for _, m in rows], nodes)
+        update_ledgers(self, server_round, [m for _, m in rows], [self.client_of(n) for n in nodes])
         mu = estimate_mu(self, global_arrays, shapes, rows, weights) if needs_mu(self) else math.nan
         self.schedule.tau, tau_star = next_tau(self, mu, global_vector.size)
         self.spent.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)

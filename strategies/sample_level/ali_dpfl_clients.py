@@ -1,6 +1,7 @@
 """ALI-DPFL's mirror of the clients' ledgers on the server (docs/algorithms.md §5): each node's DP-SGD steps and mu
-releases charged from the cumulative counts it reports, keyed by the node id the SuperLink gives its replies, and
-the public partition size that weighs its model. Functions of the strategy (`strategies.sample_level.ali_dpfl.ALIDPFL`), whose
+releases charged from the cumulative counts it reports, keyed by its client id (asked of its node,
+`strategies.parts.sampling.ClientIdentities`; the node id where no node answers), and the public partition size that
+weighs its model. Functions of the strategy (`strategies.sample_level.ali_dpfl.ALIDPFL`), whose
 state they read and update."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.strategies.sample_level.local_steps import reply_metrics_problem
 
 
-def update_ledgers(ali, server_round: int, replies: list[dict], nodes: list[int]) -> None:
+def update_ledgers(ali, server_round: int, replies: list[dict], clients: list[int]) -> None:
     """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts, never beyond
     what the server asked for (the sum of tau over the rounds so far; the rounds that asked for mu).
 
@@ -25,7 +26,7 @@ def update_ledgers(ali, server_round: int, replies: list[dict], nodes: list[int]
     """
     assert ali.ledger is not None
     asked_steps = sum(ali.schedule.tau_list)
-    for m, pid in zip(replies, nodes):  # pid: the node id the SuperLink gave the reply
+    for m, pid in zip(replies, clients):  # pid: the client id of the node the SuperLink gave the reply
         ali.spent.dataset_sizes[pid] = int(m[keys.NUM_EXAMPLES])
         known_steps, known_releases = ali.spent.steps_taken.get(pid, 0), ali.spent.mu_releases.get(pid, 0)
         steps = min(max(int(m[keys.DPSGD_STEPS]), known_steps), asked_steps)
@@ -69,13 +70,13 @@ def claimed_epsilon(ali) -> float:
 
 @dataclass
 class ClientSpending:
-    """The server's mirror of each client's ledger, keyed by the node id the SuperLink gives its replies: DP-SGD
-    steps and mu releases charged, |D_i|, the rounds that asked for a mu release, and whether no client has a step
-    left."""
+    """The server's mirror of each client's ledger, keyed by client id (that of the node the SuperLink gives the
+    reply): DP-SGD steps and mu releases charged, |D_i|, the rounds that asked for a mu release, and whether no
+    client has a step left."""
 
-    steps_taken: dict[int, int] = field(default_factory=dict)  # node id -> cumulative DP-SGD steps
-    mu_releases: dict[int, int] = field(default_factory=dict)  # node id -> cumulative mu releases
-    dataset_sizes: dict[int, int] = field(default_factory=dict)  # node id -> |D_i|
+    steps_taken: dict[int, int] = field(default_factory=dict)  # client id -> cumulative DP-SGD steps
+    mu_releases: dict[int, int] = field(default_factory=dict)  # client id -> cumulative mu releases
+    dataset_sizes: dict[int, int] = field(default_factory=dict)  # client id -> |D_i|
     mu_rounds: int = 0
     clients_out_of_budget: bool = False
 
@@ -109,7 +110,8 @@ def row_problem(ali, metrics: dict, tau: int) -> tuple[str | None, float]:
     The weight is the public size of the partition the reply names (`partition_size`), which its num-examples
     must equal; without `partition_size`, 1. The partition id and count a node sends are not authenticated, so
     they bind nothing: any node may name any partition (at worst it takes the largest public size as its
-    weight), and no node can take another's partition, ledger or step count (those are keyed by node id)."""
+    weight), and no reply can take another's ledger or step count (those are keyed by the client id its node
+    answered the identity query with, refused to a second connected node)."""
     problem = reply_metrics_problem(metrics)
     if problem is None and metrics[keys.LOCAL_STEPS] > tau:
         problem = f"{metrics[keys.LOCAL_STEPS]} local steps taken, {tau} asked"
