@@ -80,8 +80,11 @@ class Claim:
     diagnosis: Diagnosis | None = None
 
 
-def calibrated(epsilon: float, delta: float) -> dict:
-    return {"target-epsilon": epsilon, "target-epsilon-mode": "calibrate", "delta": delta}
+def calibrated(epsilon: float, delta: float, allow_large_delta: bool = False) -> dict:
+    """allow_large_delta: the papers' delta = 1/M, which a run refuses (delta < 1/M) unless allow-large-delta lets it
+    through, its epsilon published as no guarantee."""
+    large = {"allow-large-delta": True} if allow_large_delta else {}
+    return {"target-epsilon": epsilon, "target-epsilon-mode": "calibrate", "delta": delta, **large}
 
 
 MNIST = {"dataset": "mnist", "model": "cnn-mnist", "batch-size": 32, "validation-fraction": VALIDATION}
@@ -100,7 +103,7 @@ FEDSAM_SETTING = {
     "noise-placement": "central",
 }
 FEDSAM_LEVELS = (
-    Level("paper epsilon 7.3, delta 1/M", calibrated(7.3, 1 / 300)),
+    Level("paper epsilon 7.3, delta 1/M", calibrated(7.3, 1 / 300, allow_large_delta=True)),
     Level("epsilon 3, delta 1e-5", calibrated(3.0, 1e-5)),
 )
 FEDSAM_QUICK = {**QUICK, "partitioner": "dirichlet", "sample-rate": 0.5}
@@ -184,8 +187,8 @@ CLAIMS: dict[str, Claim] = {
             "DP2-FedSAM": {"algorithm": "dp2-fedsam", "head-epochs": 1},
         },
         levels=(
-            Level("paper epsilon 1, delta 1/N", calibrated(1.0, 1 / 300)),
-            Level("paper epsilon 2, delta 1/N", calibrated(2.0, 1 / 300)),
+            Level("paper epsilon 1, delta 1/N", calibrated(1.0, 1 / 300, allow_large_delta=True)),
+            Level("paper epsilon 2, delta 1/N", calibrated(2.0, 1 / 300, allow_large_delta=True)),
         ),
         compare=(("DP2-FedSAM", "DP-FedSAM-FT"), ("DP-FedSAM-FT", "DP-FedSAM"), ("DP2-FedSAM", "CENTAUR")),
         metric="personalized_accuracy",

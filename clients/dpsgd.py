@@ -54,7 +54,7 @@ from dpfl.dpcore.privacy.mechanisms import (
     make_rng,
     unflatten,
 )
-from dpfl.dpcore.privacy.settings import check_dpsgd_clipping
+from dpfl.dpcore.privacy.settings import check_delta, check_dpsgd_clipping
 from dpfl.dpcore.task.device import model_device
 from dpfl.dpcore.task.torch_helpers import as_tensors, get_weights, loss_gradient, opacus_compatible, set_weights
 
@@ -256,7 +256,8 @@ class DPSGDClient(TrainingClient):
     target_epsilon and delta of the sample-level guarantee, mu_max and
     mu_noise_multiplier of the mu release that the server may ask for (`release-mu`
     in the train config; ALI-DPFL with mu-source = clients), noise ("gaussian" or
-    "wavelet": DP-SGD-WAV) and wavelet_calibration ("paper" or "exact").
+    "wavelet": DP-SGD-WAV) and wavelet_calibration ("paper" or "exact"). delta >= 1/n (n: its samples) is refused
+    unless allow_large_delta (`dpcore.privacy.settings.check_delta`).
 
     Reported metrics: local-steps (taken this round), dpsgd-steps and mu-releases
     (cumulative), epsilon (its ledger after this round), epsilon-claimed (DP-SGD-WAV
@@ -285,6 +286,7 @@ class DPSGDClient(TrainingClient):
         noise: str = "gaussian",
         wavelet_calibration: str = "exact",
         num_partitions: int = 1,
+        allow_large_delta: bool = False,
         **kwargs,
     ) -> None:
         kwargs["channels_last"] = False  # Opacus' ew per-sample gradients fail on channels_last convolutions
@@ -297,6 +299,7 @@ class DPSGDClient(TrainingClient):
                 f"(got {noise_multiplier}), clipping_norm > 0 (got {clipping_norm}) and "
                 f"target_epsilon > 0 (got {target_epsilon})"
             )
+        check_delta(delta, len(self.trainset), allow_large_delta, "samples of this client")  # sample-level: 1/n
         self.state, self.sample_rate, self.num_partitions = state, sample_rate, num_partitions
         self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
         self.target_epsilon, self.delta, self.accountant = target_epsilon, delta, accountant

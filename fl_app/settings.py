@@ -175,6 +175,11 @@ class PrivacySettings:
         high=1,
         high_open=True,
     )
+    allow_large_delta: bool = setting(
+        False,
+        "accept delta >= 1/M (M: the clients; ali-dpfl: a client's samples), which guarantees nothing, and publish "
+        "epsilon marked as NOT a guarantee (false: such a delta is refused before round 1)",
+    )
     target_epsilon: float = setting(0.0, "privacy budget (0: none)", low=0)
     target_epsilon_mode: str = setting(
         "stop", "stop before exceeding the budget, or calibrate sigma to it", TARGET_EPSILON_MODES

@@ -39,7 +39,7 @@ from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier, default_
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
 from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
-from dpfl.dpcore.privacy.settings import check_client_level_dp
+from dpfl.dpcore.privacy.settings import check_client_level_dp, check_delta, large_delta_caveats
 from dpfl.strategies.loop.flower_accountant import flower_accountant_keywords, flower_accounting_note
 from dpfl.strategies.loop.options import PrivacyOptions, RunOptions, SamplingOptions, refuse_unknown, take
 from dpfl.strategies.loop.reply_gate import ReplyGate
@@ -128,7 +128,8 @@ class DifferentialPrivacy(DPRoundLoop):
         `DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier, clipping_norm, num_sampled_clients)`
         takes them; or in `privacy` and `sampling`). m: fixed-size sampling of m nodes a round.
     privacy, sampling, run : the option objects (`strategies.loop.options`); or their fields as flat keywords
-        (sample_rate, noise_placement, delta, accountant, target_epsilon, seed, on_round_end, ...).
+        (sample_rate, noise_placement, delta, allow_large_delta, accountant, target_epsilon, seed, on_round_end,
+        ...).
     parts : the optional pieces of the round (`strategies.parts.part.Part`); the flat keywords `adaptive_clipping`
         (`strategies.parts.adaptive_clipping.AdaptiveClipping`, Andrew et al.), `ftrl` (`strategies.parts.dp_ftrl.DPFTRL`,
         Kairouz et al.), `audit_canaries` / `audit_canary_kind` (`strategies.parts.audit`) and `secure_aggregation`
@@ -197,7 +198,8 @@ class DifferentialPrivacy(DPRoundLoop):
     def make_ledger(self) -> ClientLevelLedger:
         """The mechanism's ledger at the configured delta (else `default_client_delta(M)`); for `calibrate`, sigma for
         the configured number of rounds too (the mechanism's own `calibrated_noise_multiplier` where it has one:
-        DP-FTRL's matrix-factorization noise)."""
+        DP-FTRL's matrix-factorization noise). delta >= 1/M is refused here, before round 1 (`check_delta`)."""
+        check_delta(self.privacy.delta, self.population.num_clients, self.privacy.allow_large_delta)
         delta = self.privacy.delta or default_client_delta(self.population.num_clients)
         ledger = self.mechanism.make_ledger(PartView(self), delta)
         if self.privacy.target_epsilon > 0 and self.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
@@ -415,8 +417,10 @@ class DifferentialPrivacy(DPRoundLoop):
         return f"target epsilon {self.privacy.target_epsilon} reached: round {server_round} would spend more{note}"
 
     def guarantee_caveats(self) -> list[str]:
-        """Seeded noise only matters when there is noise; and what the parts say."""
+        """Seeded noise only matters when there is noise; a delta >= 1/M let through; and what the parts say."""
         caveats = super().guarantee_caveats() if self.privacy.noise_multiplier > 0 else []
+        if self.ledger is not None:
+            caveats += large_delta_caveats(self.ledger.delta, self.population.num_clients)
         return caveats + [c for part in self.parts for c in part.caveats(PartView(self))]
 
     def describe(self) -> dict:

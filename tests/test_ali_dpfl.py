@@ -15,6 +15,7 @@ from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES, max_local_steps
 from dpfl.dpcore.privacy.dpsgd_noise import GRAD_SAMPLE_MODES as CONFIG_GRAD_SAMPLE_MODES
 from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.privacy.settings import SettingError
 from dpfl.dpcore.task.catalogue import ArrayDataset
 from dpfl.dpcore.task.models import build_model
 from dpfl.dpcore.task.torch_helpers import get_weights
@@ -149,7 +150,7 @@ def test_rc_is_the_last_step_within_the_target(target, sigma, q):
     assert epsilon_of([(sigma, q, r_c)], delta, "prv") <= target * 1.03  # and an independent implementation
 
 
-def dpsgd_client(state, *, target=8.0, sigma=1.2, q=0.2, mu_noise=3.0, seed=0):
+def dpsgd_client(state, *, target=8.0, sigma=1.2, q=0.2, mu_noise=3.0, seed=0, delta=1e-5, **more):
     return DPSGDClient(
         tiny_model(),
         tiny_data(),
@@ -159,7 +160,8 @@ def dpsgd_client(state, *, target=8.0, sigma=1.2, q=0.2, mu_noise=3.0, seed=0):
         noise_multiplier=sigma,
         clipping_norm=1.0,
         target_epsilon=target,
-        delta=1e-5,
+        delta=delta,
+        **more,
         lr=0.1,
         momentum=0.0,
         weight_decay=0.0,
@@ -184,6 +186,28 @@ def test_client_reports_the_accountant_epsilon_of_the_steps_it_took():
         assert eps_pld <= metrics["epsilon"] <= eps_rdp * 1.05
     ledger, counts = load_ledger(state, 1e-5, "rdp")  # it lives in Context.state
     assert ledger.history == [(1.2, 0.2, 10)] and counts == {"steps": 10, "mu-releases": 0}
+
+
+def test_a_client_refuses_a_delta_of_one_over_its_samples_or_more():
+    """Issue 55 item 6, sample-level: with n = 50 samples, delta >= 1/50 guarantees nothing (publishing one sample
+    whole is (0, delta)-DP): the client refuses before it trains, unless allow_large_delta; then the server marks
+    the run's epsilon as no guarantee."""
+    for delta in (0.9999999999999999, 1 / 50):
+        with pytest.raises(SettingError) as refused:
+            dpsgd_client(RecordDict(), delta=delta)
+        assert str(refused.value).startswith(
+            f"delta={delta!r} (run-config key 'delta'): must be < 1/M = 0.02 (M = 50 samples of this client): "
+        )
+    assert dpsgd_client(RecordDict(), delta=math.nextafter(1 / 50, 0)).delta < 1 / 50
+    assert dpsgd_client(RecordDict(), delta=1 / 50, allow_large_delta=True).delta == 1 / 50
+    options = DPSGDOptions(0.1, 1.0, 1.0, 5.0, delta=0.02, accountant="rdp", allow_large_delta=True, adaptive=False)
+    flagged = ALIDPFL(dpsgd=options, sampling=SamplingOptions(1.0))
+    flagged.setup_population(4)
+    summary = flagged.describe()
+    assert summary["epsilon_is_guarantee"] is False and summary["epsilon_caveats"][-1] == (
+        "allow-large-delta: a client with n <= 1/delta = 50 samples trains at delta 0.02 >= 1/n, where publishing "
+        "one of its samples whole is (0, delta)-DP: epsilon guarantees nothing for it"
+    )
 
 
 def test_client_never_steps_past_the_target():

@@ -41,7 +41,7 @@ def test_each_key_is_one_typed_field_of_one_concern():
 
     from dpfl.fl_app.settings import KEYS, Settings
 
-    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 79
+    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 80
     assert len({k.attribute for k in KEYS}) == len(KEYS)
     defaults = Settings()
     for spec in KEYS:
@@ -103,6 +103,7 @@ BAD = [
     ({"accountant": "gdp"}, "accountant", "rdp, prv"),
     ({"target-epsilon-mode": "warn"}, "target-epsilon-mode", "stop, calibrate"),
     ({"delta": 1.0}, "delta", "[0, 1)"),
+    ({"allow-large-delta": 1}, "allow-large-delta", "true or false"),
     ({"dirichlet-alpha": 0.0}, "dirichlet-alpha", "(0, 1e+06]"),
     ({"momentum": 1.0}, "momentum", "[0, 1)"),
     ({"lr": 0.0}, "lr", "(0, 1e+06]"),

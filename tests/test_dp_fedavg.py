@@ -10,6 +10,7 @@ from torch import nn
 
 from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.dpcore.privacy.mechanisms import flatten
+from dpfl.dpcore.privacy.settings import SettingError
 from dpfl.dpcore.task.torch_helpers import get_weights
 from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl_tools.inprocess import InProcessGrid
@@ -163,6 +164,58 @@ def test_default_delta_is_far_below_one_over_the_population(population, delta):
     s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0)
     s.setup_population(population)
     assert s.ledger.delta == pytest.approx(delta)  # min(1e-5, 0.01 / M)
+
+
+ZEROS = [np.zeros((2, 10), np.float32), np.zeros(2, np.float32)]
+
+
+@pytest.mark.parametrize("delta", [0.9999999999999999, 1 / 7])
+def test_a_delta_of_one_over_the_population_or_more_is_refused_before_anything_is_sent(delta):
+    """Issue 55 item 6: with delta >= 1/M, publishing one of the M clients whole is (0, delta)-DP (delta 1 - 1e-16
+    printed epsilon 0.0 as a guarantee): refused when M is known, before round 1 sends anything."""
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0, delta=delta)
+    grid = InProcessGrid(stub_app(zero_update, 10, 2), 7, {})
+    with pytest.raises(SettingError) as refused:
+        s.start(grid, ArrayRecord(ZEROS), num_rounds=1)
+    assert str(refused.value) == (
+        f"delta={delta!r} (run-config key 'delta'): must be < 1/M = 0.142857 (M = 7 clients): with delta >= 1/M, "
+        "publishing one of the M whole is (0, delta)-DP, so epsilon guarantees nothing. Set a smaller delta (0: the "
+        "default), or allow_large_delta (run-config key 'allow-large-delta') = true to publish the figure marked as "
+        "no guarantee"
+    )
+    assert grid.sent == [] and s.record.history == []
+
+
+def test_a_delta_just_below_one_over_the_population_is_a_guarantee():
+    delta = math.nextafter(1 / 7, 0)
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0, delta=delta)
+    run_rounds(s, 7, 1)
+    assert s.ledger.epsilon() == epsilon_of([(1.0, 0.5, 1)], delta)
+    assert s.describe()["epsilon_is_guarantee"] is True and s.describe()["epsilon_caveats"] == []
+
+
+def test_allow_large_delta_publishes_the_figure_marked_as_no_guarantee():
+    delta = 0.9999999999999999
+    s = DPFedAvg(sample_rate=0.5, clipping_norm=C, noise_multiplier=1.0, delta=delta, allow_large_delta=True)
+    result = run_rounds(s, 7, 2)
+    summary = s.describe()
+    assert summary["epsilon"] == epsilon_of([(1.0, 0.5, 2)], delta) == result.train_metrics_clientapp[2]["epsilon"]
+    assert summary["epsilon_is_guarantee"] is False
+    assert summary["epsilon_caveats"] == [
+        "delta = 1 >= 1/M = 0.142857 (M = 7 clients), accepted by allow-large-delta: publishing one of the M whole "
+        "is (0, delta)-DP, so epsilon guarantees nothing"
+    ]
+    assert [r["epsilon_is_guarantee"] for r in s.record.history] == [False, False]  # every round's record says so
+
+
+def test_allow_large_delta_is_a_run_config_key_that_reaches_the_strategy():
+    from dpfl.fl_app.algorithms import ALGORITHMS
+    from dpfl.fl_app.config import validate
+
+    settings = validate({"algorithm": "dp-fedavg", "delta": 0.5, "allow-large-delta": True})
+    strategy = ALGORITHMS["dp-fedavg"].build_strategy(settings)
+    assert strategy.privacy.allow_large_delta is True and strategy.privacy.delta == 0.5
+    assert validate({}).privacy.allow_large_delta is False
 
 
 def test_target_epsilon_stop_never_exceeds():

@@ -117,6 +117,32 @@ def check_client_level_dp(
     )
 
 
+def check_delta(delta: float, population: int, allow_large_delta: bool = False, unit: str = "clients") -> None:
+    """delta < 1/M, M the number of clients (client-level DP) or of a client's samples (sample-level DP): with
+    delta >= 1/M, "publish one of the M at random, whole" is (0, delta)-DP, so no epsilon says anything. Refused
+    (SettingError naming delta, its value and 1/M) unless `allow_large_delta`; then `large_delta_caveats` marks the
+    run's epsilon as no guarantee."""
+    bound = 1.0 / max(1, population)
+    require(
+        allow_large_delta or delta < bound,
+        "delta",
+        delta,
+        f"must be < 1/M = {bound:.6g} (M = {population} {unit}): with delta >= 1/M, publishing one of the M whole is "
+        "(0, delta)-DP, so epsilon guarantees nothing. Set a smaller delta (0: the default), or "
+        f"{name('allow_large_delta')} = true to publish the figure marked as no guarantee",
+    )
+
+
+def large_delta_caveats(delta: float, population: int, unit: str = "clients") -> list[str]:
+    """Why epsilon is no guarantee when `check_delta` let delta >= 1/M through (none: delta < 1/M)."""
+    if delta < 1.0 / max(1, population):
+        return []
+    return [
+        f"delta = {delta:g} >= 1/M = {1.0 / max(1, population):.6g} (M = {population} {unit}), accepted by "
+        "allow-large-delta: publishing one of the M whole is (0, delta)-DP, so epsilon guarantees nothing"
+    ]
+
+
 def check_calibration_reachable(
     *, target_epsilon: float, delta: float, sample_rate: float, rounds: int, client_sampling: str, accountant: str
 ) -> None:

@@ -22,7 +22,9 @@ class PrivacyOptions:
     clipping_norm : C, bound on the global L2 norm of each update (0: no clipping, only with sigma = 0).
     noise_multiplier : sigma (0: no noise, epsilon = inf).
     noise_placement : "central", "distributed" or "local" (`strategies.parts.noise_placement`).
-    delta : target delta; 0: the strategy's default.
+    delta : target delta; 0: the strategy's default. delta >= 1/M (M clients) is refused once M is known
+        (`dpcore.privacy.settings.check_delta`), unless allow_large_delta: then epsilon is published marked as no
+        guarantee.
     accountant : the ledger's accountant ("pld", "rdp" or "prv").
     target_epsilon, target_epsilon_mode : "stop" before a round would exceed the target, or "calibrate" sigma up
         front for the configured number of rounds.
@@ -35,6 +37,7 @@ class PrivacyOptions:
     accountant: str = DEFAULT_ACCOUNTANT
     target_epsilon: float = 0.0
     target_epsilon_mode: str = "stop"
+    allow_large_delta: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class DPSGDOptions:
     sample_noise_multiplier, sample_clipping_norm : sigma and C of DP-SGD.
     target_epsilon : per-client sample-level budget; R_c follows from it.
     delta, accountant : the per-client ledgers' delta (0: 1e-5) and accountant.
+    allow_large_delta : a client with n <= 1/delta samples trains (else it refuses:
+        `dpcore.privacy.settings.check_delta`), and the run's epsilon is published marked as no guarantee.
     adaptive : eq. (9) each round; False: fixed tau = local_steps (the baseline).
     local_steps : tau of the first round and of the fixed baseline (0 means 1).
     gamma : heterogeneity Gamma of eq. (9).
@@ -101,6 +106,7 @@ class DPSGDOptions:
     target_epsilon: float
     delta: float = 0.0
     accountant: str = DEFAULT_ACCOUNTANT
+    allow_large_delta: bool = False
     adaptive: bool = True
     local_steps: int = 1
     gamma: float = 5.0

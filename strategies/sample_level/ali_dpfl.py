@@ -341,6 +341,17 @@ class ALIDPFL(DPRoundLoop):
             f"(before round {server_round})"
         )
 
+    def guarantee_caveats(self) -> list[str]:
+        """The round loop's, and allow_large_delta's: the clients let delta >= 1/n through (n: their samples)."""
+        caveats = super().guarantee_caveats()
+        if self.dpsgd.allow_large_delta and self.ledger is not None:
+            caveats.append(
+                f"allow-large-delta: a client with n <= 1/delta = {1 / self.ledger.delta:.6g} samples trains at delta "
+                f"{self.ledger.delta:g} >= 1/n, where publishing one of its samples whole is (0, delta)-DP: epsilon "
+                "guarantees nothing for it"
+            )
+        return caveats
+
     def describe(self) -> dict:
         assert self.ledger is not None
         return {
