@@ -156,7 +156,7 @@ def test_what_epsilon_does_not_cover_is_withheld_and_named_once_and_printed_on_r
     for key in ("train_loss", "update_norm_mean", "clipped_fraction", "eval_acc"):
         assert f"'{key}'" not in text  # neither on the per-round records nor in the Final results
     assert not re.search(r"Sampled \d+ nodes|Received \d+ results", text)  # no node counts
-    notes = [line for line in lines if line.startswith("Not in the log, as epsilon does not cover them")]
+    notes = [line for line in lines if line.startswith("Left out of Flower's lines in the log, as epsilon does not")]
     assert len(notes) == 1
     assert "train metrics train_loss, clients, rejected, failures" in notes[0]
     assert "clients' evaluation metrics eval_acc" in notes[0] and "node-count lines" in notes[0]
@@ -166,7 +166,7 @@ def test_what_epsilon_does_not_cover_is_withheld_and_named_once_and_printed_on_r
     diagnostics = wrapped(publish_diagnostics=True)
     shown, lines, grid = run(diagnostics, caplog)
     text = "\n".join(lines)
-    assert not [line for line in lines if line.startswith("Not in the log")]
+    assert not [line for line in lines if line.startswith("Left out of Flower's lines")]
     records = [record_on(line) for line in lines if line.startswith(AGGREGATED)]
     for r in range(1, ROUNDS + 1):
         train, evaluation = records[2 * r - 2], records[2 * r - 1]

@@ -17,7 +17,18 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.server import Server, ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedYogi, Krum, QFedAvg
+from flwr.server.strategy import (
+    Bulyan,
+    FaultTolerantFedAvg,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedYogi,
+    Krum,
+    QFedAvg,
+)
 from flwr.serverapp.strategy import FedAvg as MessageFedAvg
 
 from dpfl import LegacyDifferentialPrivacy, SecAggPlusDifferentialPrivacy
@@ -232,7 +243,7 @@ def test_flowers_legacy_log_is_kept_less_what_epsilon_does_not_cover(caplog):
     assert sum(line.startswith("Run finished 3 round(s) in ") for line in lines) == 1
     assert not [line for line in lines if line.startswith(COUNT_LINE_STARTS)]
     summary = "\n".join(lines[lines.index("[SUMMARY]") :])
-    printed, note = summary.split("\nNot in the log, as epsilon does not cover them: ")
+    printed, note = summary.split("\nLeft out of Flower's lines in the log, as epsilon does not cover them: ")
     assert "History (metrics, distributed, fit):" in printed and "History (metrics, centralized):" in printed
     assert f"(3, {strategy.ledger.epsilon()!r})" in printed  # the ledger's epsilon, as Flower prints its History
     assert "History (loss, centralized):" in printed
@@ -240,7 +251,7 @@ def test_flowers_legacy_log_is_kept_less_what_epsilon_does_not_cover(caplog):
         assert withheld not in printed, withheld
     assert note.startswith("History's fit metrics loss_ish (fit_metrics_aggregation_fn); the clients' evaluation")
     assert "History's distributed loss, accuracy" in note and "publish_diagnostics=True prints them all" in note
-    assert sum(line.startswith("Not in the log, as epsilon does not cover them") for line in lines) == 1
+    assert sum(line.startswith("Left out of Flower's lines in the log, as epsilon") for line in lines) == 1
     # Flower's History holds everything: the ledger's figures, the app's fit metrics, both evaluations
     assert set(history.metrics_distributed_fit) == {"epsilon", "delta", "loss_ish"}
     assert history.metrics_distributed_fit["epsilon"][-1] == (3, strategy.ledger.epsilon())
@@ -256,7 +267,7 @@ def test_publish_diagnostics_prints_flowers_log_whole(caplog):
     assert lines.count(f"aggregate_fit: received {M} results and 0 failures") == ROUNDS
     summary = "\n".join(lines[lines.index("[SUMMARY]") :])
     assert "'loss_ish': [(1, 1.0), (2, 1.0), (3, 1.0)]" in summary and "History (loss, distributed)" in summary
-    assert "Not in the log" not in summary
+    assert "Left out of Flower's lines" not in summary
 
 
 def test_a_run_that_raised_leaves_its_filter_only_until_the_next_runs_init(caplog):
@@ -298,7 +309,7 @@ def test_the_note_names_at_most_twenty_withheld_keys(caplog):
         fit_metrics_aggregation_fn=lambda results: {f"k{i:02d}": 1.0 for i in range(25)},
     )
     history = serve(LegacyDifferentialPrivacy(many, SIGMA, C, M), 1, caplog).history
-    (note,) = [line for line in shown(caplog) if line.startswith("Not in the log")]
+    (note,) = [line for line in shown(caplog) if line.startswith("Left out of Flower's lines")]
     assert "History's fit metrics k00, k01," in note and "k19 and 5 more (fit_metrics_aggregation_fn)" in note
     assert "k20" not in note and len(history.metrics_distributed_fit) == 25 + 2
 
@@ -432,13 +443,65 @@ def test_strategies_whose_aggregation_cannot_be_privatized_are_refused_by_name(m
     with pytest.raises(TypeError, match=named) as refused:
         wrapper(make(), SIGMA, C, M, delta=1e-3)
     assert str(refused.value).endswith(
-        "Allowed: FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM, or a subclass of one of them"
+        "Allowed: FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM, FaultTolerantFedAvg, or a subclass of one "
+        "of them that does not override aggregate_fit"
     )
 
 
 def test_a_subclass_of_an_allowed_strategy_is_wrapped():
     strategy = LegacyDifferentialPrivacy(MyFedAvg(), SIGMA, C, M, delta=1e-3)
     assert isinstance(strategy.strategy, MyFedAvg)
+
+
+class OwnAggregation(FedAvg):
+    """An app's FedAvg whose aggregate_fit aggregates the clients' results itself."""
+
+    def aggregate_fit(self, server_round, results, failures):
+        return super().aggregate_fit(server_round, results, failures)
+
+
+class BelowOwnAggregation(OwnAggregation):
+    """Its subclass: inherits that aggregate_fit."""
+
+
+@pytest.mark.parametrize("make", [OwnAggregation, BelowOwnAggregation])
+def test_a_subclass_that_overrides_aggregate_fit_is_refused_naming_the_method(make):
+    with pytest.raises(TypeError) as refused:
+        LegacyDifferentialPrivacy(make(), SIGMA, C, M, delta=1e-3)
+    assert str(refused.value).startswith(
+        f"LegacyDifferentialPrivacy cannot wrap {make.__name__} (a subclass of Flower's FedAvg): "
+        "OwnAggregation.aggregate_fit overrides FedAvg's aggregation; the wrapper hands the strategy's aggregate_fit "
+        "one result, the DP average,"
+    )
+
+
+def test_flowers_fault_tolerant_fedavg_is_wrapped_and_runs_a_round():
+    """Issue 55 item 8: FaultTolerantFedAvg (a FedAvg subclass with its own aggregate_fit, which on the DP average
+    alone returns it) was refused. Wrapped, it runs a round through Flower's legacy Server and releases the DP
+    average of the m = 3 clipped updates."""
+    proxies = [RecordingProxy(node) for node in range(1, 5)]
+    inner = FaultTolerantFedAvg(fraction_evaluate=0.0, initial_parameters=ndarrays_to_parameters(zeros()))
+    own_aggregate_fit, handed, released = inner.aggregate_fit, [], []
+
+    def spy(server_round, results, failures):
+        handed.append(flatten(parameters_to_ndarrays(results[0][1].parameters)))
+        out = own_aggregate_fit(server_round, results, failures)
+        released.append(flatten(parameters_to_ndarrays(out[0])))
+        return out
+
+    inner.aggregate_fit = spy
+    strategy = LegacyDifferentialPrivacy(inner, SIGMA, C, 3, delta=1e-3, seed=1)
+    server = Server(client_manager=connected(proxies), strategy=strategy)
+    try:
+        server.fit(num_rounds=1, timeout=None)
+    finally:
+        strategy.flower_log.uninstall()
+    assert [r["clients"] for r in strategy.record.history] == [3] and len(handed) == 1
+    assert np.array_equal(released[0], handed[0])  # its aggregate_fit on the DP average alone: the average itself
+    d = handed[0].size  # each update C / 2 along the ones vector; noise N(0, (sigma C / m)^2 I)
+    noise = float(np.linalg.norm(handed[0] - 0.5 * C / math.sqrt(d)))
+    assert 0 < noise <= (math.sqrt(d) + 8) * SIGMA * C / 3
+    assert strategy.describe()["epsilon"] == strategy.ledger.epsilon() > 0
 
 
 def test_sample_epsilon_max_shows_inf_for_an_honest_sigma_0_client_as_the_message_api_wrapper_does():

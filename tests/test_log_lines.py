@@ -126,3 +126,16 @@ def test_opacus_is_imported_without_a_root_log_handler():
     if root_handlers_after_importing_opacus("plain") == 0:
         pytest.skip("this Opacus no longer calls logging.basicConfig() on import: nothing to guard against")
     assert root_handlers_after_importing_opacus("guarded") == 0
+
+
+def test_the_readme_round_line_is_in_the_current_format():
+    """README's example line (a round of the default job, `python -m dpfl_tools.launch`; issue 55: it had gone
+    stale) reads back and is printed again in the same characters: the keys in LOG_KEYS order, 4 significant digits,
+    and the default job's number of rounds."""
+    from dpfl.fl_app.config import SPEC
+
+    (line,) = [line for line in (ROOT / "README.md").read_text().splitlines() if "Round 3/" in line]
+    published, diagnostics = parse_log_line(line)
+    number = published.pop("round")
+    assert diagnostics == {} and {"accuracy", "loss", "epsilon", "delta", "epsilon_against_server"} <= set(published)
+    assert line == f"INFO :      Round {number}/{SPEC['num-rounds'].default}: {format_record(published)}"

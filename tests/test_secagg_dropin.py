@@ -330,7 +330,7 @@ def test_fl_dp_sa_fit_metrics_passed_through_knowingly(caplog):
     assert history.metrics_distributed_fit["train_loss"] == [(r, pytest.approx(v)) for r, v in enumerate(means, 1)]
     lines = [r.getMessage() for r in caplog.records]
     summary = "\n".join(lines[lines.index("[SUMMARY]") :])
-    printed, note = summary.split("\nNot in the log, as epsilon does not cover them: ")
+    printed, note = summary.split("\nLeft out of Flower's lines in the log, as epsilon does not cover them: ")
     assert "'epsilon': [(1," in printed and "train_loss" not in printed
     assert note.startswith("History's fit metrics train_loss (fit_metrics_aggregation_fn); Flower's node-count lines")
 

@@ -160,6 +160,7 @@ class FlowerLegacyLog(logging.Filter):
                 f"the clients' evaluation (History's distributed {listed(list(self.withheld['evaluate']))})"
             )
         return (
-            f"Not in the log, as epsilon does not cover them: {'; '.join([*withheld, COUNT_LINES_NAMED])}. Flower's "
-            "History holds the metrics; publish_diagnostics=True prints them all"
+            "Left out of Flower's lines in the log, as epsilon does not cover them: "
+            f"{'; '.join([*withheld, COUNT_LINES_NAMED])}. Flower's History holds the metrics; publish_diagnostics=True "
+            "prints them all"
         )

@@ -23,29 +23,47 @@ import numpy as np
 from flwr.common import Code, FitRes, Parameters, Status, log, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
+from flwr.server.strategy import (
+    FaultTolerantFedAvg,
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedProx,
+    FedYogi,
+    Strategy,
+)
 
 from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl.strategies.legacy.adapter import LegacyDPFedAvg
 from dpfl.strategies.loop.options import refuse_more_than_connected
 
-# Flower's strategies whose aggregate_fit, given the DP average as its only result, is a server step on it
-WRAPPABLE = (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM)
+# Flower's strategies whose aggregate_fit, given the DP average as its only result, is a server step on it (or, for
+# FaultTolerantFedAvg, the average itself: its completion-rate check sees one result and no failure)
+WRAPPABLE = (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM, FaultTolerantFedAvg)
+REPLACED = "aggregate_fit"  # the aggregation of the clients' results that the DP average replaces
 
 
 def check_wrappable(strategy) -> None:
-    """Refuses a strategy whose aggregation the wrapper cannot privatize: the Flower class it is (or derives from
-    first) must be one of `WRAPPABLE` (Bulyan, QFedAvg, Krum, FedMedian, ... need each client's update or loss)."""
-    flower = next((c for c in type(strategy).__mro__ if c.__module__.split(".")[0] == "flwr"), None)
-    if flower in WRAPPABLE:
+    """Refuses a strategy whose aggregation the wrapper cannot privatize: its class must be one of `WRAPPABLE` or
+    derive from one, and no class on the way there may override `aggregate_fit` (Flower's Bulyan, QFedAvg, Krum,
+    FedMedian, ..., or an app's own, aggregate each client's update or loss, which the wrapper replaces by the DP
+    average)."""
+    mro = type(strategy).__mro__
+    allowed = next((c for c in mro if c in WRAPPABLE), None)
+    overriding = next((c for c in mro[: mro.index(allowed)] if REPLACED in vars(c)), None) if allowed else None
+    if allowed is not None and overriding is None:
         return
     name = type(strategy).__name__
+    flower = next((c for c in mro if c.__module__.split(".")[0] == "flwr"), None)
     kind = f" (a subclass of Flower's {flower.__name__})" if flower not in (None, type(strategy)) else ""
+    why = f"{overriding.__name__}.{REPLACED} overrides {allowed.__name__}'s aggregation; " if overriding else ""
     raise TypeError(
-        f"LegacyDifferentialPrivacy cannot wrap {name}{kind}: it hands the strategy's aggregate_fit one result, the "
-        "DP average, and only a server step on that average is post-processing the ledger covers; an aggregation "
-        "that needs each client's update or loss (Bulyan, QFedAvg, Krum, FedMedian, ...) cannot be privatized "
-        f"this way. Allowed: {', '.join(c.__name__ for c in WRAPPABLE)}, or a subclass of one of them"
+        f"LegacyDifferentialPrivacy cannot wrap {name}{kind}: {why}the wrapper hands the strategy's {REPLACED} one "
+        "result, the DP average, and only a server step on that average is post-processing the ledger covers; an "
+        "aggregation that needs each client's update or loss (Bulyan, QFedAvg, Krum, FedMedian, ...) cannot be "
+        f"privatized this way. Allowed: {', '.join(c.__name__ for c in WRAPPABLE)}, or a subclass of one of them "
+        f"that does not override {REPLACED}"
     )
 
 
@@ -79,11 +97,11 @@ class LegacyDifferentialPrivacy(LegacyDPFedAvg):
 
     Parameters
     ----------
-    strategy : the app's legacy strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM or a subclass;
-        others are refused, `check_wrappable`). Its configure_fit writes the train config (its on_fit_config_fn,
-        FedProx's proximal_mu; the DP keys win on a clash); its initial_parameters, evaluate_fn,
-        on_evaluate_config_fn, fraction_evaluate, min_evaluate_clients and evaluate_metrics_aggregation_fn are used
-        as they are; its min_available_clients is the number of nodes to wait for. Its fit_metrics_aggregation_fn
+    strategy : the app's legacy strategy (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, FedAvgM,
+        FaultTolerantFedAvg or a subclass that keeps their aggregate_fit; others are refused, `check_wrappable`).
+        Its configure_fit writes the train config (its on_fit_config_fn, FedProx's proximal_mu; the DP keys win on a
+        clash); its initial_parameters, evaluate_fn, on_evaluate_config_fn, fraction_evaluate, min_evaluate_clients
+        and evaluate_metrics_aggregation_fn are used as they are; its min_available_clients is the number of nodes to wait for. Its fit_metrics_aggregation_fn
         gets the (num_examples, metrics) of the replies the round accepted (never the DP average); what it returns
         is added to the round's fit metrics (Flower's History, not printed unless publish_diagnostics), outside
         what epsilon covers; if it raises, the round goes on without them.

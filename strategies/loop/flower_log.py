@@ -128,12 +128,13 @@ def listed(names: list[str]) -> str:
 
 
 def withheld_note(withheld: dict[str, dict], publish_diagnostics: bool) -> str:
-    """The one line that names what the log left out ("" with publish_diagnostics: nothing was)."""
+    """The one line that names what Flower's lines in the log left out ("" with publish_diagnostics: nothing was); a
+    strategy's own log lines (a subclass's `log(INFO, ...)`) are not filtered, and may print them."""
     if publish_diagnostics:
         return ""
     named = "; ".join(f"{kind} metrics {listed(list(keys))}" for kind, keys in withheld.items() if keys)
     return (
-        f"Not in the log, as epsilon does not cover them: {named + '; ' if named else ''}Flower's node-count "
-        f"lines ({COUNT_LINES}). The returned Result holds the metrics; publish_diagnostics=True "
-        "(run config publish-diagnostics = true) prints them all"
+        "Left out of Flower's lines in the log, as epsilon does not cover them: "
+        f"{named + '; ' if named else ''}Flower's node-count lines ({COUNT_LINES}). The returned Result holds the "
+        "metrics; publish_diagnostics=True (run config publish-diagnostics = true) prints them all"
     )
