@@ -206,18 +206,44 @@ def small_run_config(tmp_path, algorithm="ali-dpfl"):
 
 
 @pytest.mark.parametrize("algorithm", ["ali-dpfl", "dp-fedavg"])
-def test_a_run_in_which_every_client_fails_says_failed_and_the_launcher_exits_non_zero(tmp_path, algorithm):
-    """Before: status 'completed' (the launcher exited 0) though no client update was ever aggregated."""
+def test_a_run_in_which_every_client_fails_stops_at_round_1_and_the_launcher_exits_non_zero(tmp_path, algorithm):
+    """Before: status 'completed' (the launcher exited 0) though no client update was ever aggregated; then two
+    noise-only rounds charged and printed before 'failed'. Issue 55 item 2: the run stops in round 1, naming the
+    client's error, with nothing released or charged."""
     from dpfl.fl_app.client_app import app as client_app
     from dpfl.fl_app.server_app import run_federated
+    from dpfl.strategies.loop.reply_gate import EveryClientFailed
     from dpfl_tools.launch import run_status
 
     cfg = small_run_config(tmp_path, algorithm=algorithm)
-    summary = run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: True), cfg)
+    first = (
+        r"Round 1: every sampled client failed \(3 of 3\) .* The first client's error: RuntimeError: node 10\d crashed"
+    )
+    with pytest.raises(EveryClientFailed, match=first):
+        run_federated(InProcessGrid(client_app, 3, cfg, fail=lambda node, msg: True), cfg)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "failed" and status["completed_rounds"] == 0
+    assert status["error"].startswith("EveryClientFailed: Round 1: every sampled client failed (3 of 3)")
+    assert run_status(tmp_path) == "failed"  # what the launcher's exit code follows (non-zero unless completed)
+    assert not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("algorithm", ["ali-dpfl", "dp-fedavg"])
+def test_a_run_in_which_every_reply_is_rejected_says_failed_and_the_launcher_exits_non_zero(tmp_path, algorithm):
+    """Rejected replies (not failures) do not stop the run; it ends 'failed' since no update was aggregated."""
+    from dpfl.fl_app.server_app import run_federated
+    from dpfl_tools.launch import run_status
+
+    def one_array_reply(msg: Message, context: Context) -> Message:  # the model has more than one array
+        arrays = ArrayRecord([np.zeros(1, np.float32)])
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    cfg = small_run_config(tmp_path, algorithm=algorithm)
+    summary = run_federated(InProcessGrid(one_array_reply, 3, cfg), cfg)
     folder = Path(summary["results_dir"])
     status = json.loads((folder / "status.json").read_text())
     assert status["status"] == "failed" and status["reason"] == NO_UPDATE_AGGREGATED
-    assert run_status(folder) == "failed"  # what the launcher's exit code follows (non-zero unless completed)
+    assert run_status(folder) == "failed"
     written = json.loads((folder / "summary.json").read_text())
     assert written["status"] == "failed" and written["failure_reason"] == NO_UPDATE_AGGREGATED
     assert written["rounds_completed"] == 2

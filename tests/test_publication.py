@@ -34,7 +34,7 @@ def release_noise(arrived: int, trials: int = 3) -> np.ndarray:
     grid = InProcessGrid(stub_app(zero_update), M, {}, fail=lambda node, msg: node not in alive)
     strategy = DPFedAvg(sample_rate=Q, clipping_norm=C, noise_multiplier=SIGMA, noise_placement="distributed")
     strategy.setup_population(M)
-    arrays = ArrayRecord([np.zeros((100, 1000), np.float32)])
+    arrays = ArrayRecord([np.zeros((100, 1000), np.float32), np.zeros(100, np.float32)])  # stub_app's nn.Linear
     out = []
     for rnd in range(1, trials + 1):
         strategy.begin_round(arrays)

@@ -73,10 +73,12 @@ def secagg_strategy() -> SecAggPlusDPFedAvg:
 
 
 def test_flowers_secaggplus_arguments_as_written_and_rounds_from_the_server_config(caplog):
+    # num_shares odd: with an even integer Flower's clients raise IndexError in its share-keys stage (every client
+    # failed silently here before issue 55 stopped such a run at round 1)
     workflow = DPSecAggPlusWorkflow(
-        4, 0.5, max_weight=1000.0, clipping_range=8.0, quantization_range=4194304, modulus_range=4294967296, timeout=30
+        5, 0.5, max_weight=1000.0, clipping_range=8.0, quantization_range=4194304, modulus_range=4294967296, timeout=30
     )
-    assert (workflow.num_shares, workflow.reconstruction_threshold, workflow.max_weight) == (4, 0.5, 1.0)
+    assert (workflow.num_shares, workflow.reconstruction_threshold, workflow.max_weight) == (5, 0.5, 1.0)
     assert workflow.timeout == 30 and workflow.modulus_range == 2**32
     strategy = secagg_strategy()
     with caplog.at_level("INFO", logger="flwr"):
@@ -88,7 +90,8 @@ def test_flowers_secaggplus_arguments_as_written_and_rounds_from_the_server_conf
     assert strategy.dp.record.num_rounds == ROUNDS
     assert sum("max_weight=1000.0, clipping_range=8.0, quantization_range=4194304 replaced" in t for t in text) == 1
     assert text.count(SECAGG_FIT_METRICS_NOTE) == 1  # said once, not every round
-    assert strategy.secagg_settings["num_shares"] == 4 and strategy.secagg_settings["max_weight"] == 1.0
+    assert all(r["clients"] == NODES for r in strategy.record.history)  # every client in the sum
+    assert strategy.secagg_settings["num_shares"] == 5 and strategy.secagg_settings["max_weight"] == 1.0
     assert strategy.describe()["secagg"] is strategy.secagg_settings
     assert strategy.secagg_settings["clipping_range"] != 8.0
 

@@ -34,7 +34,7 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.strategies.dp_fedavg import DPFedAvg
 from dpfl.strategies.legacy.log import FlowerLegacyLog
-from dpfl.strategies.loop.reply_gate import note_problem
+from dpfl.strategies.loop.reply_gate import client_exception, note_problem, stop_if_every_client_failed
 from dpfl.strategies.loop.round_loop import ensure_population, evaluation_due
 from dpfl.strategies.loop.run_record import bound_note, split_record
 from dpfl.strategies.loop.wrapped import reply_message
@@ -87,13 +87,13 @@ def unique_failures(failures: list) -> list:
 
 
 def failure_reason(failure) -> str:
-    """Why a legacy failure failed: 'node <id>: <status>' for a (proxy, FitRes), the Error's reason
-    (which names the exception raised on the node) for a failed message, else the exception."""
+    """Why a legacy failure failed: 'node <id>: <status>' for a (proxy, FitRes), the exception raised on the node
+    for a failed message (its own line of the Error's reason: `reply_gate.client_exception`), else the exception."""
     if isinstance(failure, tuple):
         proxy, res = failure
         return f"node {proxy.node_id}: {res.status.message}"
     if failure.args and isinstance(failure.args[0], Error):
-        return failure.args[0].reason
+        return client_exception(failure.args[0].reason)
     return f"{type(failure).__name__}: {failure}"
 
 
@@ -360,15 +360,19 @@ class LegacyDPFedAvg(LegacyFedAvg):
         A round that was sampled but aggregated nothing (its sample was empty, or SecAgg+ halted: fewer than 2
         sampled, or too few finished the protocol) is released here as DPFedAvg.start releases it: the model plus
         the full noise, charged to the ledger (the sampling ran; an unchanged model would tell that it came up
-        short). How it came up short is a diagnostic."""
+        short). How it came up short is a diagnostic; the nodes that failed in SecAgg+'s stages (`halted_failures`)
+        are its failures. If every sampled node failed and no earlier round had a usable reply, the run stops
+        here instead, before the release (`reply_gate.stop_if_every_client_failed`)."""
         if server_round >= 1 and self._pending is None and self._sampled_round == server_round:
+            failures = unique_failures(self.halted_failures())
+            stop_if_every_client_failed(self.dp, server_round, len(failures), [failure_reason(f) for f in failures])
             note_problem(
                 self.dp,
                 server_round,
                 "no aggregate (an empty sample, or SecAgg+ halted: fewer than 2 "
                 "sampled or too few finished the protocol): the round releases noise only",
             )
-            parameters, _, _ = self.release(server_round, [], [])
+            parameters, _, _ = self.release(server_round, [], failures)
             self._noise_only = parameters
         res = super().evaluate(server_round, parameters)
         if res is not None:
@@ -377,6 +381,11 @@ class LegacyDPFedAvg(LegacyFedAvg):
         if res is not None and self._pending is not None and self._pending["round"] == server_round:
             self._pending.update(_numbers({"loss": res[0], **res[1]}))
         return res
+
+    def halted_failures(self) -> list:
+        """The failures of a round that reached no aggregate_fit: those SecAgg+'s stages collected (DPSecAggPlusWorkflow
+        hands the aggregation its round's list), none under the default fit workflow."""
+        return list(getattr(self.aggregation, "failures", ()))
 
     def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> list:
         if self._noise_only is not None:  # the round's release, which the workflow did not see

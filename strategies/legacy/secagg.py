@@ -100,6 +100,7 @@ class SecureSum:
 
     def __init__(self) -> None:
         self.settings: dict = {}
+        self.failures: list = []  # the round's SecAgg+ failures (DPSecAggPlusWorkflow.setup_stage), read if it halts
 
     def check_round(self) -> None:
         """Refused under any fit workflow but DPSecAggPlusWorkflow (it sets the quantizer the accounting needs)."""
@@ -360,3 +361,9 @@ class DPSecAggPlusWorkflow(SecAggPlusWorkflow):
             "quantizer_clip_probability_bound": self.failure_probability,
         }
         super().__call__(grid, context)
+
+    def setup_stage(self, grid: Grid, context: Context, state) -> bool:
+        """Flower's setup stage, the round's first; the list every stage adds the round's failures to is handed to
+        the strategy's SecureSum, which reads it where SecAgg+ halts (that round never reaches aggregate_fit)."""
+        context.strategy.aggregation.failures = state.failures
+        return super().setup_stage(grid, context, state)

@@ -25,6 +25,7 @@ class DPRound:
         (`accepted_nodes` their nodes), in order.
     server_noise_std : the std of the noise the server added to the sum.
     refused : the budget refused the round once it had sampled (`DPRoundLoop.sample_clients`): nothing was sent.
+    diverged : why the replies the gate rejected are a diverged model's, not hostile ones (`ReplyGate.divergence`).
     """
 
     arrays: ArrayRecord | None = None
@@ -39,6 +40,7 @@ class DPRound:
     accepted_replies: list[Message] = field(default_factory=list)
     server_noise_std: float = 0.0
     refused: bool = False
+    diverged: str | None = None
 
     @classmethod
     def starting(cls, arrays: ArrayRecord) -> DPRound:

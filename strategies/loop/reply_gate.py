@@ -11,12 +11,18 @@ in the ServerApp: metric values are read only through `read_metrics`.
   scalar in its range (`MetricRule`); other keys are ignored;
 - norms: under distributed noise an upload may not exceed `upload_norm_bound`.
 
+A failed reply (an error) is noted with the client's own exception line (`client_exception`), not the text of the
+transport that carried it. Until a round of the run has had a usable reply, a round in which every sampled client
+failed stops the run before anything of it is released or charged (`stop_if_every_client_failed`). Rejections on a
+model that diverged are reported as divergence, with a hint, not as hostile replies (`ReplyGate.divergence`).
+
 The rules themselves (`MetricRule`, `read_metrics`, `upload_norm_bound`) are the parts' words, in
 `strategies.parts.reply_rules`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -26,7 +32,7 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.common import log
 
-from dpfl.dpcore.privacy.mechanisms import flatten, update_problem
+from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm, update_problem
 from dpfl.strategies.parts.part import PartView
 from dpfl.strategies.parts.reply_rules import MetricRule, read_metrics
 
@@ -68,6 +74,8 @@ class ReplyGate:
         self.metric_rules, self.publish_diagnostics = dict(metric_rules), publish_diagnostics
         self.marked_only, self.upload_problem = marked_only, upload_problem
         self.all_failed_hinted = False  # ALL_FAILED_HINT is given once a run
+        self.diverged_hinted = False  # DIVERGED_HINT too
+        self.first_model_norm: float | None = None  # ||w|| of the first global model the gate saw (`divergence`)
 
     def reply_update(self, dp, content: RecordDict) -> tuple[np.ndarray | None, str | None]:
         """(flat update over the floating-point arrays, None) or (None, why the reply cannot be used). The codec
@@ -106,16 +114,21 @@ class ReplyGate:
         accepted, failures, rejected = [], 0, 0
         rnd = dp.round
         rnd.accepted_replies = []
+        replies = list(replies)
         seen: set[int] = set()
+        failed: list[str] = []  # the failed clients' own exception lines, in order
+        rejections: list[str] = []  # why each reply was rejected
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if not msg.has_error() and (problem := node_problem(rnd, node, seen)):
                 rejected += 1
+                rejections.append(problem)
                 self.note(rnd, server_round, f"rejected a reply of node {node}: {problem}")
                 continue
             if msg.has_error():
                 failures += 1
-                self.note(rnd, server_round, f"node {msg.metadata.src_node_id} failed: {msg.error.reason}")
+                failed.append(client_exception(msg.error.reason))
+                self.note(rnd, server_round, f"node {msg.metadata.src_node_id} failed: {failed[-1]}")
                 continue
             try:
                 vector, problem = self.reply_update(dp, msg.content)
@@ -127,12 +140,37 @@ class ReplyGate:
                 problem = f"undecodable reply ({type(exc).__name__}: {exc})"
             if problem:
                 rejected += 1
+                rejections.append(problem)
                 self.note(rnd, server_round, f"rejected the reply of node {msg.metadata.src_node_id}: {problem}")
                 continue
             seen.add(node)
             accepted.append((vector, metrics))
             rnd.accepted_replies.append(msg)
+        if not accepted and not rejected:  # every reply an error; a sampled node without one hung or went away
+            silent = max(0, len(rnd.nodes) - len(replies)) if rnd.nodes is not None else 0
+            stop_if_every_client_failed(dp, server_round, failures + silent, failed)
+        rnd.diverged = self.divergence(rnd, len(replies) - failures, rejections)
         return accepted, failures, rejected
+
+    def divergence(self, rnd, read: int, rejections: list[str]) -> str | None:
+        """Why the round's rejected replies are a diverged model's rather than hostile ones, or None: the global
+        model sent this round holds NaN or Inf, or its norm is above DIVERGED_GROWTH times the first global model's
+        the gate saw (where that was > 0); or more than half of the `read` replies (those that were not errors) were
+        rejected for non-finite or huge values (`blown_up`). The first model's norm is taken at the gate's first
+        round (round 1, or the first after a resume); later norms only in a round with a rejection."""
+        if self.first_model_norm is None:
+            self.first_model_norm = l2_norm(rnd.global_vector)
+        if not rejections:
+            return None
+        norm, first = l2_norm(rnd.global_vector), self.first_model_norm
+        if not math.isfinite(norm):
+            return "the global model holds NaN or Inf"
+        if math.isfinite(first) and first > 0 and norm > DIVERGED_GROWTH * first:
+            return f"the global model's norm is {norm:.3g}, {norm / first:.3g} times the first round's {first:.3g}"
+        blown = sum(map(blown_up, rejections))
+        if read and blown > read / 2:
+            return f"{blown} of {read} replies hold non-finite or huge values"
+        return None
 
     def note(self, rnd, server_round: int, problem: str) -> None:
         """A failed or rejected reply: into the round's diagnostics (`rnd.problems`), and into the log only with
@@ -143,8 +181,9 @@ class ReplyGate:
     def warn(self, rnd, record: dict) -> None:
         """One line per round that had failed or rejected replies: how many and why, grouped by reason
         (`round_problems`). The count is a non-private diagnostic, so the line is a warning only with
-        publish_diagnostics, or where every reply of the round failed or was rejected (a misconfigured run, not one
-        client's data: then also, the first time, a hint at the usual causes); otherwise it is logged at DEBUG."""
+        publish_diagnostics, where every reply of the round failed or was rejected, or where the model diverged (a
+        misconfigured run, not one client's data: then also, the first time, a hint at the usual causes, or at
+        what makes a model diverge); otherwise it is logged at DEBUG."""
         problems = round_problems(rnd.problems, record.get("failed_nodes", []))
         if not problems:
             return
@@ -154,19 +193,50 @@ class ReplyGate:
         reasons = Counter(NODE_ID.sub("a node", p) for p in problems)
         listed = "; ".join(f"{n} x {reason[:REASON_CHARS]}" for reason, n in reasons.most_common(REASONS))
         more = f"; and {len(reasons) - REASONS} other reasons" if len(reasons) > REASONS else ""
+        diverged = f"the global model diverged ({rnd.diverged}), so " if rnd.diverged else ""
         log(
-            WARNING if self.publish_diagnostics or none_usable else DEBUG,
-            "Round %s: client replies failed, were rejected or unusable (%d): %s%s",
+            WARNING if self.publish_diagnostics or none_usable or rnd.diverged else DEBUG,
+            "Round %s: %sclient replies failed, were rejected or unusable (%d): %s%s",
             record["round"],
+            diverged,
             len(problems),
             listed,
             more,
         )
-        if none_usable and not self.all_failed_hinted:
+        if rnd.diverged and not self.diverged_hinted:
+            self.diverged_hinted = True
+            log(WARNING, "%s", DIVERGED_HINT)
+        elif none_usable and not rnd.diverged and not self.all_failed_hinted:
             self.all_failed_hinted = True
             log(WARNING, "%s", ALL_FAILED_HINT)
 
 
+class EveryClientFailed(RuntimeError):
+    """Every sampled client failed in a round before any reply of the run was usable: the run stops
+    (`stop_if_every_client_failed`)."""
+
+
+def stop_if_every_client_failed(dp, server_round: int, failed: int, reasons: list[str]) -> None:
+    """Stop the run, before the round releases or charges anything, when all of the round's sampled clients
+    (`dp.round.nodes`; none known: the `failed` themselves) failed, `failed` of them (an error reply, or none at
+    all), and no earlier round of the run had a usable reply (a record with clients > 0): a leading round in which
+    every client fails is a misconfigured run (a ClientApp that raises on the server's message), not a
+    client's bad luck. Later, such a round releases noise only, is charged, and gets a warning
+    (`ReplyGate.warn`). Raises EveryClientFailed naming the first client's own exception (`reasons`, in order)."""
+    sampled = len(dp.round.nodes) if dp.round.nodes is not None else failed
+    if not failed or failed < sampled or any(int(r.get("clients", 0)) > 0 for r in dp.record.history):
+        return
+    message = (
+        f"Round {server_round}: every sampled client failed ({failed} of {sampled}) and no earlier round had a usable "
+        f"reply, so the run stops before this round releases or charges anything. The first client's error: "
+        f"{reasons[0] if reasons else NO_REPLY}. {EVERY_CLIENT_FAILED_HINT}"
+    )
+    dp.record.stop_reason = message
+    log(WARNING, "%s", message)
+    raise EveryClientFailed(message)
+
+
+NO_REPLY = "no reply before round-timeout"
 NODE_ID = re.compile(r"\bnode -?\d+\b")
 REASONS, REASON_CHARS = 5, 300  # at most this many reasons a round, each this long: a client writes its error text
 ALL_FAILED_HINT = (
@@ -178,12 +248,61 @@ ALL_FAILED_HINT = (
 )
 
 
+EVERY_CLIENT_FAILED_HINT = (
+    "Usual causes: the ClientApp raises on the server's train message, e.g. Flower's fixedclipping_mod without "
+    "Flower's DifferentialPrivacyClientSideFixedClipping on the server (KeyError: clipping_norm): with dpfl's "
+    "server wrapper the clients use dpfl.dp_privatize_mod (docs/dropin.md lists the server and client lines)"
+)
+DIVERGED_GROWTH = 100.0  # a global model whose norm grew above this many times the first one's has diverged
+DIVERGED_HINT = (
+    "The global model diverged, and the replies rejected on it are honest clients' updates, not hostile ones: too "
+    "few clients a round for this noise (the noise on the average update is about sigma*C*sqrt(d)/m). Raise "
+    "sample-rate or the number of clients, or lower noise-multiplier or lr"
+)
+FLOWER_REASON = re.compile(r"<class '(?P<type>[^']*)'>:<'(?P<text>.*)'>", re.DOTALL)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+BLOWN_UP = re.compile(r"NaN or Inf|is not finite|= (?P<value>\S+) is outside \[\S+, (?P<high>[^\]]+)\]")
+
+
+def client_exception(reason: str) -> str:
+    """The client's own exception line in a failed reply's `Error.reason`. Flower's SuperNode writes
+    "<class 'KeyError'>:<'<str of the exception>'>", its Ray simulation "<class 'ray.exceptions.RayTaskError(
+    ClientAppException)'>:<'<Ray's traceback>'>", in which the first exception line after a frame (Python prints
+    the cause first) is the client's own, e.g. "KeyError: 'The clipping_norm value is not supplied ...'". Any other
+    reason (this project's grids, the SuperLink's own) as it is."""
+    text = ANSI_ESCAPE.sub("", str(reason)).strip()
+    match = FLOWER_REASON.fullmatch(text)
+    if match is None:
+        return text
+    lines = match["text"].splitlines()
+    for before, line in zip(lines, lines[1:]):
+        if before.startswith(" ") and line[:1] not in ("", " ") and not line.startswith(("The above", "During")):
+            return line  # the first line at column 0 after a frame: an exception line
+    return f"{match['type']}: {match['text']}" if match["text"] else match["type"]
+
+
+def blown_up(problem: str) -> bool:
+    """Whether a rejection names non-finite values, or a metric above its range (e.g. an update norm above 1e15)."""
+    match = BLOWN_UP.search(problem)
+    if match is None:
+        return False
+    if match["value"] is None:
+        return True
+    try:
+        return float(match["value"]) > float(match["high"])
+    except ValueError:
+        return False
+
+
 def round_problems(problems: list[str], failed_nodes: list[str]) -> list[str]:
-    """The round's noted problems, plus the failed nodes (`node <id>: <reason>`) none of them names."""
+    """The round's noted problems, plus the failed nodes (`node <id>: <reason>`) none of them names, and the
+    failures that name no node (a legacy workflow's: `a node failed: <reason>`)."""
     named = {m.group(0) for p in problems for m in NODE_ID.finditer(p)}
     extra = []
-    for entry in failed_nodes:
-        node, _, reason = str(entry).partition(": ")
-        if node not in named:
+    for entry in map(str, failed_nodes):
+        node, _, reason = entry.partition(": ")
+        if NODE_ID.fullmatch(node) is None:
+            extra.append(f"a node failed: {entry}")
+        elif node not in named:
             extra.append(f"{node} failed: {reason}")
     return list(problems) + extra

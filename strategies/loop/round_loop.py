@@ -56,7 +56,7 @@ from dpfl.strategies.loop.flower_log import FlowerLog
 from dpfl.strategies.loop.log_line import DIAGNOSTIC_LOG_KEYS, DIAGNOSTICS_MARK, format_record
 from dpfl.strategies.loop.options import RunOptions, SamplingOptions
 from dpfl.strategies.loop.population import Population
-from dpfl.strategies.loop.reply_gate import ReplyGate, note_problem
+from dpfl.strategies.loop.reply_gate import NO_REPLY, ReplyGate, client_exception, note_problem
 from dpfl.strategies.loop.run_record import RunRecord, bound_note, guarantee_marks, split_record
 from dpfl.strategies.loop.wrapped import (
     OWN_AGGREGATE_TRAIN,
@@ -383,9 +383,6 @@ def ensure_population(dp: DPRoundLoop, count_nodes: Callable[[], int], poll_seco
         dp.setup_population(dp.population.wait(count_nodes, poll_seconds))
 
 
-NO_REPLY = "no reply before round-timeout"
-
-
 def unanswered_nodes(replies: Iterable[Message], instructions: Iterable[Message]) -> list:
     """The nodes whose instruction got no reply at all (a hung node at the timeout: no error message comes); by
     message id where the instructions have one, else as many '?' as instructions outnumber replies."""
@@ -397,15 +394,16 @@ def unanswered_nodes(replies: Iterable[Message], instructions: Iterable[Message]
 
 
 def failed_nodes_record(replies: Iterable[Message], instructions: Iterable[Message] = ()) -> dict:
-    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors and the instructions that
-    got no reply (empty if none).
+    """{"failed_nodes": ["node <id>: <reason>", ...]} for the replies that are errors (the client's own exception
+    line, `client_exception`) and the instructions that got no reply (empty if none).
 
     The node is the instruction's destination (the SuperLink itself answers for a node that went away).
     """
     replies, instructions = list(replies), list(instructions)
     destination = {m.metadata.message_id: m.metadata.dst_node_id for m in instructions}
     failed = [
-        f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: {m.error.reason}"
+        f"node {destination.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)}: "
+        f"{client_exception(m.error.reason)}"
         for m in replies
         if m.has_error()
     ]
