@@ -35,9 +35,9 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.privacy_accounting import PrivacySpent
 
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier, default_client_delta
+from dpfl.dpcore.privacy.calibration import default_client_delta
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
-from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, flatten, l2_norm
+from dpfl.dpcore.privacy.mechanisms import flatten, l2_norm
 from dpfl.dpcore.privacy.modes import TargetEpsilonMode
 from dpfl.dpcore.privacy.settings import check_client_level_dp, check_delta, large_delta_caveats
 from dpfl.strategies.loop.flower_accountant import flower_accountant_keywords, flower_accounting_note
@@ -197,14 +197,13 @@ class DifferentialPrivacy(DPRoundLoop):
     # ------------------------------------------------------------------ set-up
     def make_ledger(self) -> ClientLevelLedger:
         """The mechanism's ledger at the configured delta (else `default_client_delta(M)`); for `calibrate`, sigma for
-        the configured number of rounds too (the mechanism's own `calibrated_noise_multiplier` where it has one:
-        DP-FTRL's matrix-factorization noise). delta >= 1/M is refused here, before round 1 (`check_delta`)."""
+        the configured number of rounds too, by the mechanism that draws the noise (`calibrated_noise_multiplier`:
+        the Gaussian's, or DP-FTRL's matrix-factorization noise's). delta >= 1/M is refused here, before round 1 (`check_delta`)."""
         check_delta(self.privacy.delta, self.population.num_clients, self.privacy.allow_large_delta)
         delta = self.privacy.delta or default_client_delta(self.population.num_clients)
         ledger = self.mechanism.make_ledger(PartView(self), delta)
         if self.privacy.target_epsilon > 0 and self.privacy.target_epsilon_mode == TargetEpsilonMode.CALIBRATE:
-            own = getattr(self.mechanism, "calibrated_noise_multiplier", None)
-            sigma = own(PartView(self), ledger) if own else self.gaussian_noise_multiplier(delta)
+            sigma = self.mechanism.calibrated_noise_multiplier(PartView(self), ledger)
             self.privacy = replace(self.privacy, noise_multiplier=sigma)
             log(
                 INFO,
@@ -214,18 +213,6 @@ class DifferentialPrivacy(DPRoundLoop):
                 self.record.num_rounds,
             )
         return ledger
-
-    def gaussian_noise_multiplier(self, delta: float) -> float:
-        """sigma of the Gaussian mechanism meeting the target after the configured rounds at the selection's q
-        (fixed-size: 2 x the unamplified multiplier, replace-one), delta less what sampling's truncation and the
-        parts (SecAgg+) reserve each round."""
-        form, rounds = self.selection.sampling_form, max(1, self.record.num_rounds)  # the selection part's answer
-        fixed = form is not None and form.fixed_size
-        reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(self.parts))
-        q = 1.0 if fixed else self.population.sample_rate
-        return (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
-            self.privacy.target_epsilon, delta - reserve, q, rounds, self.privacy.accountant
-        )
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return self.mechanism.ledger_from_state(state)

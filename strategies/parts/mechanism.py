@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from dpfl.dpcore.privacy.calibration import calibrate_noise_multiplier
 from dpfl.dpcore.privacy.ledger import ClientLevelLedger
-from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng, sum_updates
+from dpfl.dpcore.privacy.mechanisms import TRUNCATION_PROBABILITY, gaussian_noise, make_rng, sum_updates
 from dpfl.strategies.parts.noise_placement import server_view
-from dpfl.strategies.parts.part import Part, sees_only_the_sum
+from dpfl.strategies.parts.part import Part, failure_probability, sees_only_the_sum
 
 NOISE_STREAM = 2  # make_rng stream of the server's noise on the sum (seeded runs only)
 
@@ -32,6 +33,18 @@ class GaussianMechanism(Part):
 
     def ledger_from_state(self, state: dict) -> ClientLevelLedger:
         return ClientLevelLedger.from_state_dict(state, server_view(state["noise_placement"]))
+
+    def calibrated_noise_multiplier(self, dp, ledger: ClientLevelLedger) -> float:
+        """sigma whose eps(delta) after the configured rounds at the selection's q is the target (fixed-size: 2 x
+        the unamplified multiplier, replace-one), delta less what sampling's truncation and the parts (SecAgg+)
+        reserve each round."""
+        form, rounds = dp.selection.sampling_form, max(1, dp.record.num_rounds)
+        fixed = form is not None and form.fixed_size
+        reserve = rounds * ((0.0 if fixed else TRUNCATION_PROBABILITY) + failure_probability(dp.parts))
+        q = 1.0 if fixed else dp.population.sample_rate
+        return (2.0 if fixed else 1.0) * calibrate_noise_multiplier(
+            dp.privacy.target_epsilon, ledger.delta - reserve, q, rounds, dp.privacy.accountant
+        )
 
     def accounted_noise_multiplier(self, dp) -> float:
         """The sigma the ledger charges per round."""
