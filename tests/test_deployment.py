@@ -113,6 +113,42 @@ def test_supernodes_with_bad_input_and_a_crash(deployment, tmp_path):
     assert "Node Unavailable" not in "\n".join(second["failed_nodes"])
 
 
+def test_a_supernode_restarted_under_a_new_node_id_keeps_its_clients_participation_record(deployment, tmp_path):
+    """Issue 55: DP-FTRL (tree), 3 SuperNodes (clients 0-2), every client in round 1 of a 2-round epoch
+    (sample-rate 1, ftrl-epoch-rounds 2), 3 rounds. While n2 trains in round 1, its SuperNode is started again with
+    the same node config (stock flower-supernode: a new node id) and the old one stopped (started first, so that
+    the new one is connected before round 2 chooses). Before: the new node id was a fresh record, and client 2 was
+    sent a train message again in round 2, twice in one epoch. Now the server asks the new node who it is in round
+    2, finds client 2 already in the epoch and sends it nothing; round 3 (the next epoch) takes all three."""
+    d = deployment()
+    d.start_superlink()
+    for i in range(3):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3")
+    for i in range(3):
+        d.wait_connected(f"n{i}")
+    results = tmp_path / "run"
+    ftrl = {**APP, "algorithm": "dp-ftrl", "ftrl-epoch-rounds": 2}
+    del ftrl["noise-placement"]  # DP-FTRL's noise is the server's
+    cli = d.run_app({**ftrl, "num-rounds": 3, "min-nodes": 3, "results-dir": str(results)})
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while "Receiving: train message" not in d.log("n2"):  # n2 has its round-1 train message
+        assert time.monotonic() < deadline and cli.poll() is None, d.log("cli")[-3000:]
+        time.sleep(0.1)
+    d.start_supernode("n2-restarted", "partition-id=2 num-partitions=3")
+    d.wait_connected("n2-restarted")
+    d.stop_node("n2")
+    finish(d, cli)
+
+    summary, rounds = read_run(results)
+    restarted = d.log("n2-restarted")
+    asked = restarted.index("Receiving: query.client_id message")
+    assert "ROUND 2]" in restarted[:asked].splitlines()[-2], restarted  # asked when round 2 chose its clients
+    assert rounds[0]["clients"] in (2, 3) and [r["clients"] for r in rounds[1:]] == [0, 3], rounds
+    assert restarted.count("Receiving: train message") == 1  # round 3's only
+    assert summary["ftrl"]["participation_rule"].startswith("each client (its client id, asked of its node) at most")
+    assert summary["ledger"]["trees"] == [[1.0, 2], [1.0, 1]]
+
+
 def test_a_node_that_withholds_its_reply_objects_costs_one_round_timeout(deployment, tmp_path):
     """A node that sends its reply but never the reply's objects (tests/withholding_supernode.py). Flower's
     ServerApp would retry those objects until the SuperLink's push session expired (180 s, renewable) or

@@ -168,7 +168,7 @@ class ClientIdentities:
         if self.by_node_id:
             return nodes
         new = [n for n in nodes if n not in self.claims and n not in self.without]
-        unanswered = self.ask(grid, new) if new else {}
+        unanswered = self.ask(grid, new, server_round) if new else {}
         if not self.started:
             self.start(nodes, unanswered)
             if self.by_node_id:
@@ -190,9 +190,13 @@ class ClientIdentities:
             self.say(server_round, node, why)
         return sorted(held)
 
-    def ask(self, grid, nodes: list[int]) -> dict[int, str]:
-        """Ask `nodes` their client id: claims and refusals recorded; {node: why} of those that did not answer."""
-        messages = [Message(RecordDict(), dst_node_id=n, message_type=keys.CLIENT_ID_QUERY) for n in nodes]
+    def ask(self, grid, nodes: list[int], server_round: int) -> dict[int, str]:
+        """Ask `nodes` their client id (in the round's group, as Flower's strategies send their messages): claims and
+        refusals recorded; {node: why} of those that did not answer."""
+        messages = [
+            Message(RecordDict(), dst_node_id=n, message_type=keys.CLIENT_ID_QUERY, group_id=str(server_round))
+            for n in nodes
+        ]
         replies = list(grid.send_and_receive(messages, timeout=QUERY_TIMEOUT))
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
         unanswered = {n: f"no answer to the identity query within {QUERY_TIMEOUT:g} s" for n in nodes}
