@@ -340,22 +340,22 @@ class FTRLSettings:
     )
     epoch_rounds: int = setting(
         0,
-        "dp-ftrl: b; tree: rounds per epoch, each node at most once per epoch, one tree per epoch; blt, banded: "
-        "the min separation, each node in rounds at least b apart (0: number of nodes // clients per round, "
+        "dp-ftrl: b; tree: rounds per epoch, each client at most once per epoch, one tree per epoch; blt, banded: "
+        "the min separation, each client in rounds at least b apart (0: number of nodes // clients per round, "
         "where clients per round = round(sample-rate * nodes))",
         low=0,
         key="ftrl-epoch-rounds",
     )
     max_participations: int = setting(
         0,
-        "dp-ftrl blt, banded: k, the most rounds a node takes part in (0: ceil(num-rounds / b))",
+        "dp-ftrl blt, banded: k, the most rounds a client takes part in (0: ceil(num-rounds / b))",
         low=0,
         key="ftrl-max-participations",
     )
     amplified: bool = setting(
         False,
-        "dp-ftrl banded: the amplified form, cyclic Poisson sampling (nodes in b groups by node id, round t's group "
-        "sampled with probability sample-rate * b), accounted as amplified banded MF",
+        "dp-ftrl banded: the amplified form, cyclic Poisson sampling (clients in b groups by client id, round t's "
+        "group sampled with probability sample-rate * b), accounted as amplified banded MF",
         key="ftrl-amplified",
     )
     momentum: float = setting(
