@@ -489,14 +489,15 @@ def test_personal_heads_do_not_leak_and_fail_as_the_clientapp(monkeypatch):
 
 
 def test_personal_heads_in_a_state_dir_resume_as_the_clientapps(tmp_path):
-    """A deployment's heads (node config state-dir: one .npz file per node): the batch writes the files the ClientApp
-    writes, and a resumed run (a fresh grid, empty Context.state) trains round 2 from them to the same replies."""
+    """A deployment's heads (node config state-dir: one .npz file per node and run id): the batch writes the files the
+    ClientApp writes, and the run's nodes restarted (a fresh grid of the same run id, empty Context.state) train round
+    2 from them to the same replies."""
     from dpfl.clients.personalized import FileHeadStore
 
     cfg = validate({**BASE, "algorithm": "dp2-fedsam", "head-steps": 3, "local-steps": 3})
 
     def grid_in(grid_class, folder):
-        grid = grid_class(client_app, NODES, cfg)
+        grid = grid_class(client_app, NODES, cfg, run_id=7)  # both engines' files named alike: one run
         for context in grid.contexts.values():
             context.node_config["state-dir"] = str(tmp_path / folder)
         return grid

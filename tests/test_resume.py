@@ -121,9 +121,9 @@ def test_ali_dpfl_client_that_lost_its_state_spends_no_budget_twice(tmp_path):
     fresh = InProcessGrid(client_app, NODES, cfg)  # new nodes: every client's own ledger is gone
     summary = run(validate({**overrides, "results-dir": str(tmp_path / "run"), "resume": True}), fresh)
     assert summary["epsilon"] <= 3.0 and max(summary["epsilon_per_client"].values()) <= 3.0
-    for node, context in fresh.contexts.items():  # the clients' own ledgers agree with the server's mirror
-        record = context.state["dpsgd-ledger"]
-        assert int(record["steps"]) == summary["ledger"]["clients"][str(node)]["history"][0][2]
+    for context in fresh.contexts.values():  # the clients' own ledgers agree with the server's mirror (by client id)
+        record, client = context.state["dpsgd-ledger"], str(context.node_config["partition-id"])
+        assert int(record["steps"]) == summary["ledger"]["clients"][client]["history"][0][2]
 
 
 def test_a_folder_with_a_previous_run_is_refused_before_anything_trains(tmp_path):

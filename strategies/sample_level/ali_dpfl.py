@@ -59,6 +59,7 @@ from dpfl.strategies.parts.wavelet import PaperClaim
 from dpfl.strategies.sample_level.ali_dpfl_clients import (
     ClientSpending,
     claimed_epsilon,
+    client_of,
     row_problem,
     update_ledgers,
 )
@@ -193,10 +194,6 @@ class ALIDPFL(DPRoundLoop):
         self.spent.load_state_dict(state)
         self.selection.identities.load_state_dict(state.get("identities", {"by_node_id": True}))  # older: by node
 
-    def client_of(self, node: int) -> int:
-        """The client id the records of `node` are kept under (`ClientIdentities`)."""
-        return self.selection.identities.client_of(node)
-
     @property
     def noise(self) -> DPSGDNoise:
         """The DP-SGD multipliers at the model's size d (DP-SGD-WAV's true multiplier depends on it)."""
@@ -245,7 +242,7 @@ class ALIDPFL(DPRoundLoop):
 
     def tell_spent(self, message: Message) -> Message:
         node, content = message.metadata.dst_node_id, RecordDict(dict(message.content.items()))
-        client = self.client_of(node)
+        client = client_of(self, node)
         content[config_key(self)] = ConfigRecord(
             {
                 **dict(message.content[config_key(self)]),
@@ -288,7 +285,7 @@ class ALIDPFL(DPRoundLoop):
             new_global = (global_vector + self.run.server_learning_rate * average).astype(np.float32)
         else:
             new_global = global_vector
-        update_ledgers(self, server_round, [m for _, m in rows], [self.client_of(n) for n in nodes])
+        update_ledgers(self, server_round, [m for _, m in rows], [client_of(self, n) for n in nodes])
         mu = estimate_mu(self, global_arrays, shapes, rows, weights) if needs_mu(self) else math.nan
         self.schedule.tau, tau_star = next_tau(self, mu, global_vector.size)
         self.spent.clients_out_of_budget = bool(rows) and all(int(m.get(keys.BUDGET_LEFT, 1)) == 0 for _, m in rows)

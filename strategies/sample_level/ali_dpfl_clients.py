@@ -17,6 +17,11 @@ from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.strategies.sample_level.local_steps import reply_metrics_problem
 
 
+def client_of(ali, node: int) -> int:
+    """The client id the records of `node` are kept under (its ClientSampling's `ClientIdentities`)."""
+    return ali.selection.identities.client_of(node)
+
+
 def update_ledgers(ali, server_round: int, replies: list[dict], clients: list[int]) -> None:
     """Charge each client's new DP-SGD steps and mu releases, from its cumulative counts, never beyond
     what the server asked for (the sum of tau over the rounds so far; the rounds that asked for mu).
