@@ -146,8 +146,7 @@ def checked_epsilon(accountant: str, events: tuple[Event, ...], delta: float) ->
     except (ArithmeticError, ValueError) as exc:  # e.g. dp-accounting's math range error at sigma 1e-6
         lowest = min(sigma for sigma, _, _ in events)
         raise AccountantError(
-            f"{accountant} failed at a noise multiplier of {lowest:.3g} charged: {type(exc).__name__}: {exc} "
-            f"({setting_text(events, delta)})"
+            f"{accountant} failed at a noise multiplier of {lowest:.3g} charged: {type(exc).__name__}: {exc}"
         ) from exc
     if not (math.isfinite(eps) and eps >= 0):
         raise AccountantError(f"{accountant} returned epsilon {eps!r}, not a bound, for {setting_text(events, delta)}")
@@ -158,7 +157,8 @@ def checked_epsilon(accountant: str, events: tuple[Event, ...], delta: float) ->
 def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[float, str]:
     """(eps(delta), the accountant that gave it, and why where it is not the configured one). Memoised (PRV
     evaluations are slow and many ledgers share histories). Where the configured accountant gives no bound
-    (`checked_epsilon`), PLD's stands in, else RDP's, with a warning each; below the accountant's min_sigma RDP's,
+    (`checked_epsilon`), PLD's stands in, else RDP's, with a warning where a figure was returned that is no bound (an
+    accountant that raised is named in the reason alone, as before); below the accountant's min_sigma RDP's,
     else PLD's. Each is a valid bound; AccountantError where none gives one."""
     if not events:
         return 0.0, accountant
@@ -179,14 +179,15 @@ def _bound(events: tuple[Event, ...], delta: float, accountant: str) -> tuple[fl
         candidates = [FALLBACK_ACCOUNTANT, DEFAULT_ACCOUNTANT]
     else:
         why, candidates = [], [accountant, DEFAULT_ACCOUNTANT, FALLBACK_ACCOUNTANT]
-    failed = []
+    failed, refused = [], []
     for name in dict.fromkeys(candidates):
         try:
             eps = checked_epsilon(name, events, delta)
         except AccountantError as exc:
             failed.append(str(exc))
+            refused += [str(exc)] if exc.__cause__ is None else []  # a figure returned that is no bound
             continue
-        for reason in failed:
+        for reason in refused:
             log(WARNING, "%s: the epsilon printed is %s's bound instead", reason, name)
         return eps, name if name == accountant else f"{name} ({'; '.join(why + failed)})"
     raise AccountantError(f"no accountant gives a bound: {'; '.join(why + failed)}")
