@@ -62,7 +62,8 @@ def test_dpsgd_replies_ledger_and_epsilon_equal_opacus(overrides, tmp_path):
     coh, s2 = run(CohortGrid, {**ALI, **overrides}, tmp_path)
     trains = [m for m in seq.received if m.metadata.message_type == "train"]
     assert coh.batched == len(trains) == 2 * NODES
-    assert_replies_close(seq.received, coh.received)
+    answers = [[m for m in g.received if m.metadata.message_type != "query.client_id"] for g in (seq, coh)]
+    assert_replies_close(*answers)  # the identity queries' answers left out
     assert all(r.content["metrics"]["local-steps"] > 0 for r in trains)
     assert ledgers(coh) == ledgers(seq) and all(ledgers(seq))
     assert s2["epsilon"] == s1["epsilon"] > 0 and s2["delta"] == s1["delta"]

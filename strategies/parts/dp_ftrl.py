@@ -38,7 +38,7 @@ from dpfl.dpcore.privacy.settings import require
 from dpfl.dpcore.privacy.tree_aggregation import TreeNoise, nodes_in_prefix
 from dpfl.strategies.parts.noise_placement import PLACEMENTS
 from dpfl.strategies.parts.part import Part
-from dpfl.strategies.parts.sampling import ClientIdentities, Selection
+from dpfl.strategies.parts.sampling import ClientIdentities, Selection, round_note
 
 NOISE_STREAM = 21  # make_rng stream of the tree nodes' noise (seeded runs only)
 SELECTION_STREAM = 22
@@ -110,7 +110,7 @@ class DPFTRL(Part):
     def identify(self, strategy, grid, server_round: int, node_ids: list[int]) -> list[int]:
         """The connected nodes that hold a client id (`ClientIdentities.resolve`; round 1 refuses to start where a
         node offers none)."""
-        return self.identities.resolve(grid, server_round, node_ids)
+        return self.identities.resolve(grid, server_round, node_ids, round_note(strategy, server_round))
 
     def select(self, strategy, server_round: int, node_ids: list[int]) -> Selection:
         """Up to m of the nodes whose clients have not taken part in this epoch, those clients marked as having taken

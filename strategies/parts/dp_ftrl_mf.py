@@ -40,7 +40,7 @@ from dpfl.dpcore.privacy.mechanisms import gaussian_noise, make_rng, sum_updates
 from dpfl.dpcore.privacy.settings import one_of, require
 from dpfl.strategies.parts.dp_ftrl import check_ftrl, choose, client_ids
 from dpfl.strategies.parts.part import Part
-from dpfl.strategies.parts.sampling import ClientIdentities, Selection
+from dpfl.strategies.parts.sampling import ClientIdentities, Selection, round_note
 
 NOISE_STREAM = 23  # make_rng stream of z_t (from the run's noise key)
 SELECTION_STREAM = 24
@@ -157,7 +157,7 @@ class MatrixFactorizationFTRL(Part):
     def identify(self, dp, grid, server_round: int, node_ids: list[int]) -> list[int]:
         """The connected nodes that hold a client id (`ClientIdentities.resolve`; round 1 refuses to start where a
         node offers none)."""
-        return self.identities.resolve(grid, server_round, node_ids)
+        return self.identities.resolve(grid, server_round, node_ids, round_note(dp, server_round))
 
     def eligible(self, client: int, server_round: int) -> bool:
         last, count = self.taken.get(client, (None, 0))

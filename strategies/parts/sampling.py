@@ -13,8 +13,9 @@ A selection whose records are per client (DP-FTRL's participation rule; ALI-DPFL
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 
 import numpy as np
 from flwr.app import Message, RecordDict
@@ -51,7 +52,9 @@ class ClientSampling(Part):
 
     def identify(self, dp, grid, server_round: int, node_ids: list[int]) -> list[int]:
         """The nodes this selection may pick: all, or with `identities`, those that hold a client id."""
-        return node_ids if self.identities is None else self.identities.resolve(grid, server_round, node_ids)
+        if self.identities is None:
+            return node_ids
+        return self.identities.resolve(grid, server_round, node_ids, round_note(dp, server_round))
 
     def select(self, dp, server_round: int, node_ids: list[int]) -> Selection:
         """Poisson (each with prob. q) or fixed-size (exactly m) sampling, seeded per round; a Poisson sample larger
@@ -112,6 +115,18 @@ def pick(rng: np.random.Generator, node_ids: list[int], k: int) -> list[int]:
     return sorted(node_ids[i] for i in rng.choice(len(node_ids), size=k, replace=False))
 
 
+def round_note(dp, server_round: int) -> Callable[[str], None]:
+    """How a selection notes a node it leaves out of the round: into the round's diagnostics (`dp.round.problems`),
+    and into the log as a warning only with publish_diagnostics (who is connected is not covered by epsilon), as
+    the reply gate notes a failed reply."""
+
+    def note(problem: str) -> None:
+        dp.round.problems.append(problem)
+        log(WARNING if dp.run.publish_diagnostics else DEBUG, "Round %d: %s", server_round, problem)
+
+    return note
+
+
 def identified_nodes(dp, grid, server_round: int) -> list[int]:
     """The connected nodes the round's selection may pick: all of them, or, where the selection keys its records by
     client (it has `identify`: `ClientIdentities`), those that hold a client id this round."""
@@ -141,8 +156,8 @@ class ClientIdentities:
     the node's own claim: a client id that is not an integer in [0, 2^53) is refused, and a client id that a
     connected node claimed first is refused to every later claimant while that node stays connected (a restarted
     node takes its client over once the SuperLink drops the old node id). A node refused, or without a client id,
-    is left out of the round's selection, logged once; one that did not answer (an error reply, or none within
-    QUERY_TIMEOUT) is asked again the next round.
+    is left out of the round's selection, noted in the round's diagnostics (`round_note`); one that did not answer
+    (an error reply, or none within QUERY_TIMEOUT) is asked again the next round.
 
     The first round refuses to start where a node answered without a client id, or where no node answered one,
     naming the node-config key to set. `required = False` (ALI-DPFL): a run in which no node answers one (a
@@ -156,14 +171,16 @@ class ClientIdentities:
         self.without: dict[int, str] = {}  # node id -> why it has no client id
         self.by_node_id = False  # no node answered one (required = False): records keyed by node id
         self.started = False
-        self.said: set[tuple] = set()
 
     def client_of(self, node: int) -> int:
         """The client id the records of `node` are kept under."""
         return int(node) if self.by_node_id else self.claims[int(node)]
 
-    def resolve(self, grid, server_round: int, node_ids: list[int]) -> list[int]:
-        """The nodes of `node_ids` that hold a client id this round (sorted), the new ones asked first."""
+    def resolve(
+        self, grid, server_round: int, node_ids: list[int], note: Callable[[str], None] | None = None
+    ) -> list[int]:
+        """The nodes of `node_ids` that hold a client id this round (sorted), the new ones asked first; each node left
+        out is told to `note` (default: the log, at DEBUG)."""
         nodes = sorted({int(n) for n in node_ids})
         if self.by_node_id:
             return nodes
@@ -187,7 +204,9 @@ class ClientIdentities:
                 why = f"client id {client} is held by node {holder[client]}, which claimed it first and is connected"
             else:
                 why = self.without.get(node) or unanswered.get(node) or "it did not answer"
-            self.say(server_round, node, why)
+            (note or (lambda problem: log(DEBUG, "Round %d: %s", server_round, problem)))(
+                f"node {node} is not sampled: {why}"
+            )
         return sorted(held)
 
     def ask(self, grid, nodes: list[int], server_round: int) -> dict[int, str]:
@@ -236,8 +255,8 @@ class ClientIdentities:
             )
         if offered:
             return
-        reasons = "; ".join(f"node {n}: {why}" for n, why in list(unanswered.items())[:3])
         if self.required:
+            reasons = "; ".join(f"node {n}: {why}" for n, why in list(unanswered.items())[:3])
             raise ValueError(
                 f"no node answered the identity query ({reasons}): DP-FTRL keeps each client's participation record "
                 "by its client id, and refuses to start where it cannot tell a restarted SuperNode (a new node id) "
@@ -246,16 +265,11 @@ class ClientIdentities:
         self.by_node_id = True
         log(
             WARNING,
-            "No node answered the identity query (%s): the per-client records are kept by node id, and a SuperNode "
-            "that restarts (a new node id) starts a new record, which the printed epsilon does not cover; %s",
-            reasons,
+            "No node answered the identity query (the first: %s): the per-client records are kept by node id, and a "
+            "SuperNode that restarts (a new node id) starts a new record, which the printed epsilon does not cover; %s",
+            next(iter(unanswered.values()), "no node connected"),
             HANDLER,
         )
-
-    def say(self, server_round: int, node: int, why: str) -> None:
-        if (node, why) not in self.said:
-            self.said.add((node, why))
-            log(WARNING, "Round %d: node %d is not sampled: %s", server_round, node, why)
 
     def state_dict(self) -> dict:
         """Whether the records are kept by node id (the claims are asked again after a resume)."""
