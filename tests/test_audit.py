@@ -44,6 +44,7 @@ def audited_run(strategy, rounds: int = 20, dim_in: int = 500, dim_out: int = 40
     return summary["audit"], summary["epsilon"]
 
 
+@pytest.mark.slow  # a whole audited run: about 20 s on 2 cores
 def test_honest_gaussian_run_audits_below_its_accounted_epsilon():
     audit, accounted = audited_run(
         DPFedAvg(

@@ -29,6 +29,7 @@ def config(tmp_path, name: str, **overrides):
     return validate({**BASE, **overrides, "results-dir": str(tmp_path / name)})
 
 
+@pytest.mark.slow  # worker processes: 10-17 s each on 2 cores
 def test_personal_heads_evaluations_and_epsilon_equal_one_cohort_grid(tmp_path):
     """DP2-FedSAM over 2 rounds, every node evaluated: each node's head lives in its worker's Context across
     rounds (a node answered by another worker would start again from the initial head, and its replies differ)."""
@@ -49,6 +50,7 @@ def test_personal_heads_evaluations_and_epsilon_equal_one_cohort_grid(tmp_path):
     assert ledgers[0] == ledgers[1] and len(ledgers[0]) == 2
 
 
+@pytest.mark.slow  # worker processes: 10-17 s each on 2 cores
 def test_inprocess_grids_in_processes_reply_bit_for_bit(tmp_path):
     """InProcessGrid's in 3 workers: the replies of InProcessGrid itself, bit for bit; a simulated crash (`fail`)
     costs that node's reply only."""
@@ -189,6 +191,7 @@ def refuse_to_start(reason: str) -> None:
     raise ValueError(reason)
 
 
+@pytest.mark.slow  # worker processes: 10-17 s each on 2 cores
 def test_a_worker_that_cannot_start_raises_before_any_round():
     cfg = validate({**BASE, "algorithm": "dp-fedavg"})
     with pytest.raises(
@@ -207,6 +210,7 @@ def threads_app(msg, _context):
     return Message(RecordDict({"metrics": MetricRecord(threads)}), reply_to=msg)
 
 
+@pytest.mark.slow  # worker processes: 10-17 s each on 2 cores
 def test_workers_share_the_cores_instead_of_each_taking_all():
     """P workers side by side take cores // P threads each (torch's and the uploads' pool), not P x cores."""
     cfg = validate({**BASE, "algorithm": "dp-fedavg"})
