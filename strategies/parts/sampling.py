@@ -173,8 +173,9 @@ class ClientIdentities:
         self.started = False
 
     def client_of(self, node: int) -> int:
-        """The client id the records of `node` are kept under."""
-        return int(node) if self.by_node_id else self.claims[int(node)]
+        """The client id the records of `node` are kept under: its node id where they are kept by node id, or where
+        no node was ever asked (a strategy driven without its selection's `identify`, as a test may)."""
+        return int(node) if self.by_node_id or not self.started else self.claims[int(node)]
 
     def resolve(
         self, grid, server_round: int, node_ids: list[int], note: Callable[[str], None] | None = None
