@@ -426,3 +426,18 @@ def test_a_node_claiming_a_taken_or_absurd_client_id_is_not_sampled(claim, why, 
     assert [(r.levelno, r.getMessage()) for r in caplog.records if "not sampled" in r.getMessage()] == [
         (logging.DEBUG, f"Round {rnd}: node 102 is not sampled: {why}") for rnd in (2, 3)
     ]
+
+
+def test_flowers_legacy_workflow_which_asks_no_client_id_is_refused():
+    """LegacyDPFedAvg selects from Flower's client manager without the identity query: DP-FTRL refuses its round 1
+    rather than keep participation by node id (before: by node id, silently)."""
+    from flwr.common import ndarrays_to_parameters
+
+    from dpfl import LegacyDPFedAvg
+
+    start = ndarrays_to_parameters([np.zeros(3, np.float32)])
+    legacy = LegacyDPFedAvg(ftrl_strategy(2, 0.5, 2), initial_parameters=start, num_rounds=2)
+    proxies = {str(n): SimpleNamespace(node_id=n) for n in (100, 101)}
+    manager = SimpleNamespace(num_available=lambda: 2, all=lambda: proxies, wait_for=lambda n, timeout=0: True)
+    with pytest.raises(RuntimeError, match=r"this path selects without asking \(Flower's legacy workflow"):
+        legacy.configure_fit(1, start, manager)

@@ -186,8 +186,10 @@ def client_ids(identities: ClientIdentities, node_ids: list[int]) -> dict[int, i
     there is not here)."""
     if not identities.started:
         raise RuntimeError(
-            "DP-FTRL keeps each client's participation record by client id: the selection's identify(dp, grid, "
-            "round, node_ids) must run before select (the round loop's configure_train does)"
+            "DP-FTRL keeps each client's participation record by client id, which the Message-API round loop asks "
+            "each node for before it selects (configure_train calls the selection's identify); this path selects "
+            "without asking (Flower's legacy workflow, LegacyDPFedAvg, does), so DP-FTRL refuses to start here: "
+            "run it with the Message-API wrapper, DifferentialPrivacy(..., ftrl=...) in a ServerApp"
         )
     return {int(n): identities.client_of(n) for n in node_ids if identities.by_node_id or int(n) in identities.claims}
 
