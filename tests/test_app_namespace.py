@@ -44,6 +44,7 @@ print(json.dumps({"strategies": strategies.OWN, "clients": clients.OWN, "wrapper
 """
 
 
+@pytest.mark.slow  # a fresh interpreter per app: about 6 s
 def test_an_apps_own_strategies_and_clients_do_not_meet_ours(tmp_path):
     app = with_own_modules(tmp_path / "app")
     done = subprocess.run(

@@ -355,6 +355,7 @@ def test_architecture_doc_draws_the_current_graph():
     assert f"```mermaid\n{mermaid()}\n```" in doc, "regenerate it: python -m dpfl_tools.import_graph --write"
 
 
+@pytest.mark.slow  # builds the FAB with `flwr build`: about 11 s
 def test_the_fab_holds_every_project_module_and_nothing_else_of_ours(tmp_path):
     """`fab-include` in pyproject.toml: what every node installs and every ClientApp task unpacks."""
     subprocess.run([str(BIN / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path, check=True, capture_output=True)

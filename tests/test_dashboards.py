@@ -162,6 +162,7 @@ def check_wandb_against_files(run_dir, publish_diagnostics: bool) -> dict[int, d
     return history
 
 
+@pytest.mark.slow  # a run with wandb's offline service: about 5 s
 def test_wandb_offline_run_logs_what_metrics_jsonl_holds_and_nothing_else(tmp_path):
     wandb_or_skip()
     cfg = validate({**SMALL, "wandb": True, "tensorboard": False, "results-dir": str(tmp_path / "run")})

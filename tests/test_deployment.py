@@ -46,6 +46,17 @@ def deployment(request, tmp_path):
         d.close()
 
 
+def deployment_of_three(deployment) -> Deployment:
+    """A SuperLink and SuperNodes n0, n1, n2 (partition-id 0, 1, 2 of 3), all connected, from the fixture."""
+    d = deployment()
+    d.start_superlink()
+    for i in range(3):
+        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3")
+    for i in range(3):
+        d.wait_connected(f"n{i}")
+    return d
+
+
 def finish(d: Deployment, cli, log: str = "cli") -> None:
     try:
         cli.wait(timeout=RUN_TIMEOUT)
@@ -120,12 +131,7 @@ def test_a_supernode_restarted_under_a_new_node_id_keeps_its_clients_participati
     the new one is connected before round 2 chooses). Before: the new node id was a fresh record, and client 2 was
     sent a train message again in round 2, twice in one epoch. Now the server asks the new node who it is in round
     2, finds client 2 already in the epoch and sends it nothing; round 3 (the next epoch) takes all three."""
-    d = deployment()
-    d.start_superlink()
-    for i in range(3):
-        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3")
-    for i in range(3):
-        d.wait_connected(f"n{i}")
+    d = deployment_of_three(deployment)
     results = tmp_path / "run"
     ftrl = {**APP, "algorithm": "dp-ftrl", "ftrl-epoch-rounds": 2}
     del ftrl["noise-placement"]  # DP-FTRL's noise is the server's
@@ -280,12 +286,7 @@ def test_serverapp_killed_mid_run_and_resumed(deployment, tmp_path):
     import os
     import signal
 
-    d = deployment()
-    d.start_superlink()
-    for i in range(3):
-        d.start_supernode(f"n{i}", f"partition-id={i} num-partitions=3")
-    for i in range(3):
-        d.wait_connected(f"n{i}")
+    d = deployment_of_three(deployment)
     run = {**APP, "num-rounds": 3, "min-nodes": 3}
     finish(d, d.run_app({**run, "results-dir": str(tmp_path / "whole")}, log="whole"), "whole")
 

@@ -169,6 +169,7 @@ def test_legacy_strategy_stops_on_the_privacy_budget():
     assert strategy.describe()["epsilon"] <= target
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow
 def test_legacy_numpyclient_with_mod_under_secaggplus():
     """@app.main with LegacyContext + DefaultWorkflow(DPSecAggPlusWorkflow), mods=[secaggplus_mod, dp mod]."""
@@ -304,6 +305,7 @@ def legacy_server_app(strategy, rounds):
     )
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow  # 2-9 s together: the fast tier keeps its 5-minute margin on 2 cores
 def test_legacy_calibrate_needs_the_number_of_rounds_and_then_lands_on_the_target():
     """As the deployment guide shows it (ServerConfig(num_rounds=...)): without num_rounds the strategy

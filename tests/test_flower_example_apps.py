@@ -107,6 +107,7 @@ def run_both(superlink, pair, tmp_path):
     return runs["flower"], runs["ours"]
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow
 def test_quickstart_pytorch_with_the_wrapper_in_flowers_signature(superlink, tmp_path):
     flower, ours = run_both(superlink, QUICKSTART, tmp_path)
@@ -124,6 +125,7 @@ def test_quickstart_pytorch_with_the_wrapper_in_flowers_signature(superlink, tmp
     assert summary_line(QUICKSTART) in ours.log
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow
 def test_fl_dp_sa_with_secaggplus_legacy_api(superlink, tmp_path):
     flower, ours = run_both(superlink, FL_DP_SA, tmp_path)

@@ -143,6 +143,7 @@ print("changed:", changed, "tooling imported:", sorted(m for m in sys.modules if
 """
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow
 @pytest.mark.parametrize("speed_patches", ["unset", "1"])
 def test_importing_the_apps_patches_nothing_unless_the_tooling_asks(speed_patches):

@@ -108,6 +108,7 @@ def test_an_expired_message_is_dropped_as_flower_drops_it():
     assert all(m.metadata.delivered_at for m in taken) and simulation_pickup.take_undelivered(state, mapping) == []
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow
 def test_the_client_app_installs_the_pickup_only_where_asked_and_flowers_engine_is_loaded():
     import os

@@ -246,6 +246,7 @@ def test_replies_whose_objects_never_come_fail_at_the_round_timeout(monkeypatch)
     assert all("backstop" not in by_id[i].error.reason for i in "01")
 
 
+@pytest.mark.flower_version
 @pytest.mark.slow
 def test_a_bounded_pull_ends_within_a_retry_cap_of_the_round_timeout(monkeypatch):
     """Flower's retries of an absent object wait 1 s doubling to 10 s (+-20%), so a pull that gives up at the
