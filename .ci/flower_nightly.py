@@ -28,7 +28,7 @@ def registry_versions(package: str = "flwr-nightly") -> list[Version]:
     )
     listed = re.search(r"^Available versions:(.*)$", run.stdout, re.MULTILINE)
     versions = []
-    for text in (listed.group(1).split(",") if listed else []):
+    for text in listed.group(1).split(",") if listed else []:
         try:
             versions.append(Version(text.strip()))
         except InvalidVersion:
