@@ -1,5 +1,5 @@
 """Every test session decodes and partitions into its own cache folder (dpcore.task.data_cache.cache_dir); the
-test modules that `flwr run` apps share one SuperLink fixture."""
+test modules that `flwr run` apps share one SuperLink fixture; the deployment tests make theirs per test."""
 
 import atexit
 import os
@@ -21,3 +21,20 @@ def superlink(tmp_path_factory):
 
     with own_simulation_superlink(tmp_path_factory.mktemp("flwr-home")) as env:
         yield env
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    """Makes Deployments (dpfl_tools.local_deployment: flower-superlink and flower-supernode processes on loopback)
+    under the test's tmp folder; each is closed (its processes ended by PID) when the test ends, also on failure."""
+    from dpfl_tools.local_deployment import Deployment
+
+    made = []
+
+    def make(**kwargs) -> Deployment:
+        made.append(Deployment(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()

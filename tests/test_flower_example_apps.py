@@ -36,6 +36,9 @@ from benchmarks.flower_apps import (
 from tests.independent_accountant import dp_accounting_epsilons
 
 NODES = 10  # as the issue measured; each pair runs in about a minute on 2 cores
+# CI's passes on other Flower versions (.ci/run) set this: there the variants run without Flower's control runs,
+# which meet no code of ours (every run of the slow tier, on the newest release, runs both sides)
+WITHOUT_CONTROL = os.environ.get("DPFL_WITHOUT_FLOWER_CONTROL") == "1"
 
 
 def config_of(pair, key: str) -> float:
@@ -92,12 +95,12 @@ def test_every_app_pickles_as_the_simulation_sends_it_to_ray(side, tmp_path):
     assert run.returncode == 0 and run.stdout == "", run.stdout + run.stderr[-2000:]
 
 
-def run_both(superlink, pair, tmp_path):
+def run_both(superlink, pair, tmp_path, control: bool = True):
     """(control run, variant run), each checked for the state-dict names and learning; the logs are kept in
-    tmp_path."""
+    tmp_path. control = False: the variant only, (None, variant run)."""
     variant = make_variant(pair, tmp_path / "ours")
-    runs = {}
-    for side, app in (("flower", APPS / pair.folder), ("ours", variant)):
+    runs = {"flower": None}
+    for side, app in (("flower", APPS / pair.folder), ("ours", variant))[0 if control else 1 :]:
         run = flwr_run(superlink, app, tmp_path / side, NODES, pair.config)
         (tmp_path / f"{side}.log").write_text(run.log)
         names, accuracy = final_accuracy(app, run.final_model)
@@ -110,8 +113,10 @@ def run_both(superlink, pair, tmp_path):
 @pytest.mark.flower_version
 @pytest.mark.slow
 def test_quickstart_pytorch_with_the_wrapper_in_flowers_signature(superlink, tmp_path):
-    flower, ours = run_both(superlink, QUICKSTART, tmp_path)
-    assert printed_epsilons(QUICKSTART, flower.log, ours=False) == []  # Flower's wrapper accounts nothing here
+    flower, ours = run_both(superlink, QUICKSTART, tmp_path, control=not WITHOUT_CONTROL)
+    if flower is not None:
+        assert printed_epsilons(QUICKSTART, flower.log, ours=False) == []  # Flower's wrapper accounts nothing here
+        assert summary_line(QUICKSTART) in flower.log
     epsilons = printed_epsilons(QUICKSTART, ours.log, ours=True)
     rounds = int(config_of(QUICKSTART, "num-server-rounds"))
     assert len(epsilons) == rounds
@@ -119,7 +124,6 @@ def test_quickstart_pytorch_with_the_wrapper_in_flowers_signature(superlink, tmp
     assert config_of(QUICKSTART, "num-sampled-clients") == NODES
     pld_eps, rdp_eps = fixed_size_of_all(config_of(QUICKSTART, "noise-multiplier"), rounds)
     assert 0.99 * pld_eps <= epsilons[-1] <= 1.01 * rdp_eps, (epsilons, pld_eps, rdp_eps)
-    assert summary_line(QUICKSTART) in flower.log
     for line in ("[ROUND 1/", "Aggregated MetricRecord", "Global evaluation", "Strategy execution finished"):
         assert line in ours.log, line  # Flower's own output is kept under the wrapper
     assert summary_line(QUICKSTART) in ours.log
@@ -128,8 +132,10 @@ def test_quickstart_pytorch_with_the_wrapper_in_flowers_signature(superlink, tmp
 @pytest.mark.flower_version
 @pytest.mark.slow
 def test_fl_dp_sa_with_secaggplus_legacy_api(superlink, tmp_path):
-    flower, ours = run_both(superlink, FL_DP_SA, tmp_path)
-    assert printed_epsilons(FL_DP_SA, flower.log, ours=False) == []
+    flower, ours = run_both(superlink, FL_DP_SA, tmp_path, control=not WITHOUT_CONTROL)
+    if flower is not None:
+        assert printed_epsilons(FL_DP_SA, flower.log, ours=False) == []
+        assert summary_line(FL_DP_SA) in flower.log
     epsilons = printed_epsilons(FL_DP_SA, ours.log, ours=True)
     rounds = int(config_of(FL_DP_SA, "num-server-rounds"))
     assert len(epsilons) == rounds and epsilons == sorted(epsilons), epsilons
@@ -137,7 +143,6 @@ def test_fl_dp_sa_with_secaggplus_legacy_api(superlink, tmp_path):
     assert config_of(FL_DP_SA, "num-sampled-clients") == NODES
     pld_eps, rdp_eps = fixed_size_of_all(config_of(FL_DP_SA, "noise-multiplier"), rounds)
     assert 0.99 * pld_eps <= epsilons[-1] <= 1.01 * rdp_eps, (epsilons, pld_eps, rdp_eps)
-    assert summary_line(FL_DP_SA) in flower.log
     assert f"[ROUND {rounds}]" in ours.log and "History (metrics, distributed, fit)" in ours.log
     assert summary_line(FL_DP_SA) in ours.log
 
