@@ -20,7 +20,7 @@ the others) and takes --local-steps steps of batch 32. torch runs on one thread 
 (the ClientApp's setting). The sequential engine runs cohorts up to --sequential-max clients (its time grows
 linearly: 1,000 clients of resnet18-gn take minutes); the ratio line compares the cohort engine to it.
 `--algorithm ali-dpfl`: the round is ALI-DPFL's DP-SGD instead (--local-steps steps at Poisson rate
---sample-rate, Opacus one client after the other against dpfl_tools/cohort_dpsgd.py). `--exchange evaluate`: an
+--sample-rate, Opacus one client after the other against clients/cohort/dpsgd.py). `--exchange evaluate`: an
 evaluate message per node instead (each client's loss and accuracy on its --samples / 4 held-out images).
 
 `--engines ...,ray`: the same round through Flower's Ray simulation as a user runs it, `python -m

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-import dpfl_tools.cohort_grouped as grouped
+import dpfl.clients.cohort.grouped as grouped
 from dpfl.dpcore.task.models import build_model
 
 

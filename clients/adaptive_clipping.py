@@ -14,6 +14,7 @@ import numpy as np
 from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
+from dpfl.clients.identity import noise_stream
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import make_rng
 
@@ -43,7 +44,7 @@ def make_clip_bit_mod(seed: int | None = None) -> Mod:
             0 if seed is None else seed,
             13,
             int(config.get(keys.SERVER_ROUND, 0)),
-            msg.metadata.dst_node_id,
+            noise_stream(msg, context),
             secure=seed is None,
         )
         bit += float(rng.normal(0.0, float(config[keys.CLIP_COUNT_NOISE_STD])))

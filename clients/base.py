@@ -200,5 +200,5 @@ class TrainingClient(NumPyClient):
 
 def evaluation(loss: float, accuracy: float, n: int, extra: dict | None = None) -> tuple[float, int, dict]:
     """NumPyClient.evaluate's result for (mean loss, accuracy) on n held-out samples, plus the `extra` metrics (also
-    what the cohort engine, dpfl_tools.cohort_evaluate, replies with)."""
+    what the cohort engine, dpfl.clients.cohort.evaluate, replies with)."""
     return loss, n, {keys.ACCURACY: accuracy, keys.LOSS: loss, keys.NUM_EXAMPLES: n, **(extra or {})}

@@ -235,7 +235,7 @@ def save_ledger(state: RecordDict, ledger: PrivacyLedger, counts: dict) -> None:
 @dataclass
 class DPSGDRound:
     """One round of a DP-SGD client before its steps: what `DPSGDClient.fit` and the cohort engine
-    (dpfl_tools/cohort_dpsgd.py) both train from, and charge with `finish_round`."""
+    (clients/cohort/dpsgd.py) both train from, and charge with `finish_round`."""
 
     rnd: int
     ledger: PrivacyLedger

@@ -33,3 +33,14 @@ def answer_client_id(msg: Message, context: Context) -> Message:
     found = client_id_of(context.node_config)
     record = ConfigRecord({} if found is None else {keys.CLIENT_ID: found})
     return Message(RecordDict({keys.CLIENT_IDENTITY: record}), reply_to=msg)
+
+
+def noise_stream(msg: Message, context: Context) -> int:
+    """Which client a seeded noise stream (secure-rng = false) belongs to: its client id (node config client-id,
+    else partition-id), else its node id. Every client of a node that hosts several has its own (their messages
+    share the node's id); a client draws the same noise whichever node hosts it."""
+    found = client_id_of(context.node_config)
+    try:
+        return int(found)
+    except (TypeError, ValueError):
+        return int(msg.metadata.dst_node_id)

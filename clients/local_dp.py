@@ -27,6 +27,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
+from dpfl.clients.identity import noise_stream
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.accountants import DEFAULT_ACCOUNTANT
 from dpfl.dpcore.privacy.ledger import PrivacyLedger
@@ -94,7 +95,7 @@ def make_local_dp_mod(
         rng = make_rng(
             0 if seed is None else seed,
             11,
-            msg.metadata.dst_node_id,
+            noise_stream(msg, context),
             int(dict(next(iter(msg.content.config_records.values()), {})).get(keys.SERVER_ROUND, 0)),
             secure=seed is None,
         )

@@ -34,6 +34,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
 
+from dpfl.clients.identity import noise_stream
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.mechanisms import (
     clip_and_noise,
@@ -118,7 +119,7 @@ def make_dp_privatize_mod(seed: int | None = None, send_fit_metrics: bool = Fals
                 0 if seed is None else seed,
                 3,
                 int(config.get(keys.SERVER_ROUND, 0)),
-                msg.metadata.dst_node_id,
+                noise_stream(msg, context),
                 secure=seed is None,
             )
             update, norm = clip_and_noise(update, float(config[keys.CLIPPING_NORM]), float(config[keys.NOISE_STD]), rng)

@@ -3,16 +3,16 @@
 `CohortGrid` is an `InProcessGrid` (the same nodes, contexts, message copies and failure hook) whose
 `send_and_receive` takes the round's messages at once. The train messages of the project's own ClientApp
 (`fl_app.client_app.app`) whose client's local rule is known are trained in chunks of clients, every client's
-step one call of `torch.func` over parameters stacked on a leading dimension (dpfl_tools/cohort_train.py: local
-SGD and SAM, personal heads; dpfl_tools/cohort_dpsgd.py: ALI-DPFL's DP-SGD). The replies are each client's own
+step one call of `torch.func` over parameters stacked on a leading dimension (clients/cohort/train.py: local
+SGD and SAM, personal heads; clients/cohort/dpsgd.py: ALI-DPFL's DP-SGD). The replies are each client's own
 code (`upload`, `fit_reply`), so the ServerApp, the strategy and the ledger see what the ClientApp would send.
 
 The ClientApp's train mods (local DP, adaptive clipping's bit) run around each batched reply
 (`fl_app.client_app.train_with`); top-k sparsifies in its own `upload`; a -FT baseline trains with its inner
-client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in dpfl_tools/cohort_dpsgd.py: per-sample gradients,
+client. ALI-DPFL's DP-SGD clients (`DPSGDClient`) train in clients/cohort/dpsgd.py: per-sample gradients,
 clipping and noise inside the batch, the Poisson masks and the noise from each client's own generators in Opacus'
 order, each client's ledger charged by its own `finish_round` when the grid answers its node. Evaluate messages of the
-same clients run together in dpfl_tools/cohort_evaluate.py. Everything else (a user's own ClientApp,
+same clients run together in clients/cohort/evaluate.py. Everything else (a user's own ClientApp,
 SecAgg+, models with buffers, malformed messages) runs message by message through the ClientApp,
 with one log line per reason. Replies equal the sequential path's to float32 rounding (tests/test_cohort.py:
 1e-5 relative).
@@ -33,8 +33,8 @@ import torch
 from flwr.app import Context, Message
 from flwr.common.logger import log
 
-from dpfl_tools.cohort_evaluate import evaluate_cohort
-from dpfl_tools.cohort_train import head_fits, local_rule, personal, train_cohort, trainer
+from dpfl.clients.cohort.evaluate import evaluate_cohort
+from dpfl.clients.cohort.train import head_fits, local_rule, personal, train_cohort, trainer
 from dpfl_tools.inprocess import InProcessGrid
 
 

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 from flwr.app import Message
 
+from dpfl.clients.cohort import train as cohort_train
 from dpfl.fl_app.settings import Settings
-from dpfl_tools import cohort_train
 from dpfl_tools.inprocess import InProcessGrid, error_reply, simulated_crash
 from dpfl_tools.shared_arrays import ReplyBlock
 

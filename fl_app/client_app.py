@@ -10,10 +10,12 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from dpfl.clients.adapter import evaluate_reply, train_reply
+from dpfl.clients.cohort.hosting import answer_hosted_clients, as_handler, hosted_clients, serve_cohort
 from dpfl.clients.identity import answer_client_id
 from dpfl.clients.mods import uniform_weight_mod
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import NoisePlacementMode
+from dpfl.dpcore.privacy.packing import is_packed
 from dpfl.dpcore.task.models import build_model
 from dpfl.dpcore.task.threads import one_thread_per_client
 from dpfl.fl_app import SPEED_PATCHES_ENV, speed_patches
@@ -22,8 +24,14 @@ from dpfl.fl_app.builders import ClientSetup, load_client_partition
 from dpfl.fl_app.config import client_settings
 
 app = ClientApp()
-# the server's identity query: this node's client id (node config client-id, else partition-id; clients.identity)
-app.query(keys.CLIENT_ID_ACTION)(answer_client_id)
+
+
+@app.query(keys.CLIENT_ID_ACTION)
+def client_identity(msg: Message, context: Context) -> Message:
+    """The server's identity query: the clients this node hosts (num-clients > 0: clients.cohort.hosting), else its
+    one client id (node config client-id, else partition-id; clients.identity)."""
+    hosted = hosted_clients(context.node_config, client_settings(context.run_config).federation.num_clients)
+    return answer_client_id(msg, context) if hosted is None else answer_hosted_clients(hosted, msg)
 
 
 def install_speed_patches() -> bool:
@@ -112,7 +120,46 @@ def train(msg: Message, context: Context) -> Message:
     one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
+    if hosting(msg, context):
+        return serve_cohort(
+            lambda m, c, done: train_with(plain_train if done is None else as_handler(done), m, c),
+            msg,
+            context,
+            num_clients(context),
+            batch=lambda messages, views: batched("train", messages, views),
+        )
     return train_with(plain_train, msg, context)
+
+
+def batched(kind: str, messages: dict[int, Message], views: dict[int, Context]) -> dict:
+    """The hosted clients' replies computed as one batched cohort (clients.cohort.batched; imported here, on the
+    first hosted message: torch.func), each client's NumPyClient built on one shared module."""
+    from dpfl.clients.cohort.batched import answer_batched
+    from dpfl.clients.cohort.train import trainer
+
+    clients, model = {}, None
+    for client, view in views.items():
+        clients[client] = build_client(view, model=model)
+        model = model or trainer(clients[client]).model
+    return answer_batched(kind, messages, clients)
+
+
+def num_clients(context: Context) -> int:
+    return client_settings(context.run_config).federation.num_clients
+
+
+def hosting(msg: Message, context: Context) -> bool:
+    """Whether `msg` is for the clients this node hosts (packed: dpcore.privacy.packing); a node that hosts clients
+    refuses a message that is not packed (a ServerApp without node cohorts), which no one of its clients could
+    answer."""
+    hosted = hosted_clients(context.node_config, num_clients(context))
+    if hosted is not None and not is_packed(msg.content):
+        raise ValueError(
+            f"this node hosts {len(hosted)} clients (run-config key '{keys.NUM_CLIENTS}' = {num_clients(context)}), "
+            "and the server sent one client's message: run the project's ServerApp (its grid packs the messages "
+            f"of a node's clients, dpfl.strategies.loop.node_cohorts), or set {keys.NUM_CLIENTS} = 0"
+        )
+    return hosted is not None
 
 
 def train_with(handler, msg: Message, context: Context) -> Message:
@@ -127,4 +174,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     one_thread_per_client()
     if secure_aggregation(context):
         return secure_app(msg, context)
+    if hosting(msg, context):
+        return serve_cohort(
+            lambda m, c, done: evaluate_reply(build_client(c), m) if done is None else as_handler(done)(m, c),
+            msg,
+            context,
+            num_clients(context),
+            batch=lambda messages, views: batched("evaluate", messages, views),
+        )
     return evaluate_reply(build_client(context), msg)

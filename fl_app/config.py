@@ -211,6 +211,12 @@ def _check_combinations(s: Settings) -> None:
             "run-config key 'resume' = True is not supported with 'secure-aggregation' = true yet "
             "(Flower's SecAgg+ workflow numbers rounds from 1)"
         )
+    if s.federation.num_clients and s.secagg.enabled:
+        raise ConfigError(
+            f"run-config key 'num-clients' = {s.federation.num_clients} (SuperNodes hosting several clients) is not "
+            "supported with 'secure-aggregation' = true yet (Flower's SecAgg+ workflow masks one reply a node): "
+            "set num-clients = 0 (each SuperNode one client)"
+        )
     try:
         check_config(s, algorithm(s.run.algorithm))
     except ValueError as exc:

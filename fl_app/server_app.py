@@ -36,6 +36,7 @@ from dpfl.fl_app.settings import Settings
 from dpfl.fl_app.transport import PromptGrid, is_simulation, wait_for_nodes
 from dpfl.strategies.legacy.secagg import DPSecAggPlusWorkflow, SecAggPlusDPFedAvg
 from dpfl.strategies.loop.log_line import DIAGNOSTICS_MARK, format_record
+from dpfl.strategies.loop.node_cohorts import NodeCohortGrid
 from dpfl.strategies.loop.options import ServerData
 from dpfl.strategies.loop.round_loop import DPRoundLoop
 from dpfl.strategies.loop.run_record import split_record
@@ -144,6 +145,8 @@ def run_federated(grid: Grid, s: Settings, flower_run_id: int | None = None) -> 
             ) from None
         initial, resumed_from = ArrayRecord(arrays), strategy.record.completed_rounds
         run_dir.rewrite_rounds([split_record(strategy, record) for record in strategy.record.history])
+    if s.federation.num_clients:  # SuperNodes hosting several clients: one node per client to the strategy
+        grid = NodeCohortGrid(grid)
     try:
         result = strategy.start(
             grid,

@@ -101,6 +101,13 @@ class TrainingSettings:
 class FederationSettings:
     """Which clients take part in a round, and how long the server waits for them."""
 
+    num_clients: int = setting(
+        0,
+        "M, the client population, hosted by the SuperNodes (node cohorts: each "
+        "node trains the clients its node config assigns it, one message a "
+        "node); 0: each SuperNode is one client, as its partition-id says",
+        low=0,
+    )
     sample_rate: float = setting(0.5, "q: probability that a client is sampled in a round", low=RATE_MIN, high=1)
     client_sampling: str = setting("poisson", "client sampling scheme", CLIENT_SAMPLINGS)
     min_nodes: int = setting(2, "wait for this many connected nodes before round 1", low=1)

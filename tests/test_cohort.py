@@ -229,7 +229,7 @@ def test_evaluation_in_the_batch_equals_the_clientapps_and_does_not_leak(monkeyp
 def test_uploads_on_threads_are_the_uploads_one_after_the_other(monkeypatch):
     """A large model's uploads run on a pool of threads (here forced for the small one): every reply bit for bit
     the one computed on one thread, each client's noise from its own generator."""
-    import dpfl_tools.cohort_train as cohort_train
+    import dpfl.clients.cohort.train as cohort_train
 
     cfg = validate({**BASE, "algorithm": "dp-fedsam"})
     grid = CohortGrid(client_app, NODES, cfg)

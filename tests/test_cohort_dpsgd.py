@@ -1,4 +1,4 @@
-"""The cohort engine's DP-SGD (dpfl_tools/cohort_dpsgd.py) against the sequential Opacus path (clients/dpsgd.py).
+"""The cohort engine's DP-SGD (clients/cohort/dpsgd.py) against the sequential Opacus path (clients/dpsgd.py).
 
 Same tolerance as tests/test_cohort.py (RTOL: float32 rounding; the Poisson masks and the noise are the clients'
 own draws, in Opacus' order, so they are equal, not merely alike); the ledgers in Context.state, the printed

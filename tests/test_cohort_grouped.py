@@ -1,4 +1,4 @@
-"""The cohort engine's CPU step (dpfl_tools.cohort_grouped): each client's gradient of one grouped model against
+"""The cohort engine's CPU step (dpfl.clients.cohort.grouped): each client's gradient of one grouped model against
 plain autograd of the model, one client at a time; no client's data reaches another's gradient."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-import dpfl_tools.cohort_grouped as grouped
-import dpfl_tools.cohort_train as cohort
+import dpfl.clients.cohort.grouped as grouped
+import dpfl.clients.cohort.train as cohort
 from dpfl.dpcore.task.models import build_model
 from dpfl.fl_app.client_app import app as client_app
 from dpfl.fl_app.config import validate

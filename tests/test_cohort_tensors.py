@@ -1,4 +1,4 @@
-"""The cohort engine's update on stacked tensors (dpfl_tools.cohort_tensors.sgd_update) against torch.optim.SGD run
+"""The cohort engine's update on stacked tensors (dpfl.clients.cohort.tensors.sgd_update) against torch.optim.SGD run
 client by client: each client's own rate, momentum and weight decay, ragged step counts (a client past its last step
 keeps its weights bit for bit), and the stacked tensors it updates in place."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dpfl_tools.cohort_tensors import sgd_update
+from dpfl.clients.cohort.tensors import sgd_update
 
 SHAPES = {"conv": (4, 1, 3, 3), "bias": (4,)}
 

@@ -41,7 +41,7 @@ def test_each_key_is_one_typed_field_of_one_concern():
 
     from dpfl.fl_app.settings import KEYS, Settings
 
-    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 80
+    assert [k.name for k in KEYS] == list(SPEC) and len(set(SPEC)) == len(KEYS) == 81
     assert len({k.attribute for k in KEYS}) == len(KEYS)
     defaults = Settings()
     for spec in KEYS:
@@ -86,6 +86,8 @@ def test_int_accepted_for_float_key():
 
 BAD = [
     ({"nosie-multiplier": 1.0}, "nosie-multiplier", "known keys"),
+    ({"num-clients": -1}, "num-clients", "[0, 1e+07]"),
+    ({"num-clients": 2.5}, "num-clients", "an integer"),
     ({"num-rounds": 0}, "num-rounds", "[1, 1e+07]"),
     ({"num-rounds": 2.5}, "num-rounds", "an integer"),
     ({"num-rounds": True}, "num-rounds", "an integer"),

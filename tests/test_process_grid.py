@@ -204,7 +204,7 @@ def threads_app(msg, _context):
     """A ClientApp of one's own that answers with its process's torch threads and its cohort_train.cores()."""
     from flwr.app import Message, MetricRecord, RecordDict
 
-    from dpfl_tools import cohort_train
+    from dpfl.clients.cohort import train as cohort_train
 
     threads = {"torch-threads": torch.get_num_threads(), "cores": cohort_train.cores()}
     return Message(RecordDict({"metrics": MetricRecord(threads)}), reply_to=msg)

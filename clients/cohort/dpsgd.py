@@ -31,9 +31,9 @@ import torch
 from flwr.app import Message
 from torch.func import functional_call, grad, vmap
 
+from dpfl.clients.cohort.tensors import sgd_update, stacked, unstacked
 from dpfl.dpcore.privacy.mechanisms import haar_coefficient_norms, haar_wavelet_noise
 from dpfl.dpcore.task.torch_helpers import as_tensors
-from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 
 def train_dpsgd_cohort(messages: list[Message], params: list, clients: list, size: int) -> dict:
@@ -65,7 +65,7 @@ def train_dpsgd_cohort(messages: list[Message], params: list, clients: list, siz
 
 def poisson_rows(clients: list) -> int:
     """Rows of a step's padded batch to plan memory for: the largest expected Poisson batch q |D_i| plus four
-    standard deviations (the chunk size: `dpfl_tools.cohort_train.chunk_size`)."""
+    standard deviations (the chunk size: `dpfl.clients.cohort.train.chunk_size`)."""
     mean = max(c.sample_rate * len(c.trainset) for c in clients)
     return math.ceil(mean + 4 * math.sqrt(mean) + 1)
 

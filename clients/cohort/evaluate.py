@@ -10,7 +10,7 @@ This is `dpcore.task.torch_helpers.evaluate_model`, which the ClientApp runs one
 - a plain client: the received model;
 - DP2-FedSAM / CENTAUR: the received body and the node's stored head (read, never saved);
 - a -FT baseline: the received model after its fine-tuning steps (`FineTuneClient.tune_config`), trained as the
-  cohort engine trains (dpfl_tools.cohort_train.train_chunk).
+  cohort engine trains (dpfl.clients.cohort.train.train_chunk).
 
 The splits are padded to the longest and masked, and run in slices of EVAL_ROWS rows per client. Weights that every
 client shares (one object: the received model, a body) enter `vmap` once (in_dims None); the others are stacked.
@@ -28,9 +28,9 @@ import torch
 from flwr.app import Message
 from torch.func import functional_call, vmap
 
+from dpfl.clients.cohort.tensors import stacked
+from dpfl.clients.cohort.train import chunk_size, local_rule, minibatches, personal, torch_threads, train_chunk, trainer
 from dpfl.dpcore.task.torch_helpers import as_tensors, host_tensor
-from dpfl_tools.cohort_tensors import stacked
-from dpfl_tools.cohort_train import chunk_size, local_rule, minibatches, personal, torch_threads, train_chunk, trainer
 
 EVAL_ROWS = 512  # rows per client and slice: evaluate_model's batch
 CPU_EVAL_ROWS = 64  # rows per slice of one model's evaluation on the CPU

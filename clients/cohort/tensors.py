@@ -1,4 +1,4 @@
-"""Stacked per-client tensors, shared by the cohort engine's trainers (dpfl_tools.cohort, dpfl_tools.cohort_dpsgd):
+"""Stacked per-client tensors, shared by the cohort engine's trainers (dpfl_tools.cohort, dpfl.clients.cohort.dpsgd):
 every tensor carries the clients on its leading dimension."""
 
 from __future__ import annotations

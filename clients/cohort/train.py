@@ -3,7 +3,7 @@
 The train messages whose client is a `TrainingClient` (local SGD), `SAMClient` or `TopKSAMClient` (local SAM) are
 trained in chunks of clients: the clients' parameters are stacked on a leading dimension and one step of every
 client is one call of `torch.func.vmap` over `grad` of the loss of `torch.func.functional_call(model, params_i,
-x_i)` (on the CPU, dpfl_tools/cohort_grouped.py's grouped model where the layers allow). Per client i and step t
+x_i)` (on the CPU, clients/cohort/grouped.py's grouped model where the layers allow). Per client i and step t
 (the rules of clients/base.py and clients/sam.py, re-expressed on stacked tensors and tested against them in
 tests/test_cohort.py):
 
@@ -42,10 +42,10 @@ import torch
 from flwr.app import Context, Message
 from torch.func import functional_call, grad, grad_and_value, vmap
 
+from dpfl.clients.cohort.grouped import grouped_step
+from dpfl.clients.cohort.tensors import sgd_update, stacked, unstacked
 from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.task.threads import limit_blas_threads
-from dpfl_tools.cohort_grouped import grouped_step
-from dpfl_tools.cohort_tensors import sgd_update, stacked, unstacked
 
 CPU_BUDGET = 2 << 30  # bytes of stacked parameters and activations per chunk on the CPU
 CUDA_BUDGET_SHARE = 0.5  # of the GPU's free memory
@@ -112,7 +112,7 @@ def train_cohort(
     messages: list[Message], params: list, clients: list, budget: int | None, threads: int | None
 ) -> dict[int, Message]:
     """Train each message's client from its `params` (the message's arrays) in chunks; {id(message): its train
-    reply} (DP-SGD: dpfl_tools/cohort_dpsgd.py)."""
+    reply} (DP-SGD: clients/cohort/dpsgd.py)."""
     from dpfl.clients.adapter import config_of, fit_reply
 
     limit_blas_threads()  # the ClientApp's setting (its train calls it): numpy's BLAS on one thread for the uploads
@@ -120,7 +120,7 @@ def train_cohort(
     if personal(clients[0]):
         return train_personal(messages, params, clients, budget, threads)
     if local_rule(clients[0]) == "dpsgd":
-        from dpfl_tools.cohort_dpsgd import poisson_rows, train_dpsgd_cohort
+        from dpfl.clients.cohort.dpsgd import poisson_rows, train_dpsgd_cohort
 
         size = chunk_size(clients[0].model, clients[0], budget, poisson_rows(clients), per_sample=True)
         with torch_threads(threads):

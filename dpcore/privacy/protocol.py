@@ -57,3 +57,9 @@ CLIENT_ID_ACTION = "client_id"
 CLIENT_ID_QUERY = f"query.{CLIENT_ID_ACTION}"  # Flower's message type "<category>.<action>"
 CLIENT_IDENTITY = "client-identity"  # the reply's ConfigRecord
 CLIENT_ID = "client-id"  # its client id; also the node-config key that sets it (else the node's partition-id)
+# Node cohorts (dpcore.privacy.packing, strategies.loop.node_cohorts): a SuperNode hosting several clients answers the identity
+# query with CLIENT_IDS (a JSON list) instead of CLIENT_ID; the server's one message to such a node and the node's one
+# reply carry each client's records once packed, listed in the COHORT_INDEX record.
+CLIENT_IDS = "client-ids"  # the hosted clients' ids; also the node-config key that names them ("0,5,9")
+NUM_CLIENTS = "num-clients"  # run config: the client population, hosted by the nodes (0: one client a node)
+COHORT_INDEX = "cohort-index"  # the ConfigRecord that lists which packed records make each client's content
