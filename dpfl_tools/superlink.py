@@ -189,3 +189,19 @@ def own_simulation_superlink(home: Path, base: dict | None = None) -> Iterator[d
         yield env
     finally:
         stop(proc, env["FLWR_HOME"])
+
+
+def flwr_run_simulation(env: dict, app: Path, run_config: dict, supernodes: int, timeout: float = 600):
+    """Plain `flwr run <app> --stream` with `run_config` on `supernodes` simulated SuperNodes of one CPU each,
+    through the SuperLink `env` reaches (`own_simulation_superlink`); the finished process, output captured."""
+    from dpfl_tools.plan import format_run_config
+    from dpfl_tools.processes import BIN
+
+    return subprocess.run(
+        [str(BIN / "flwr"), "run", str(app), "--stream", "--run-config", format_run_config(run_config)]
+        + ["--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"],
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )

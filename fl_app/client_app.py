@@ -17,7 +17,7 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.modes import NoisePlacementMode
 from dpfl.dpcore.privacy.packing import is_packed
 from dpfl.dpcore.task.models import build_model
-from dpfl.dpcore.task.threads import one_thread_per_client
+from dpfl.dpcore.task.threads import node_threads, one_thread_per_client
 from dpfl.fl_app import SPEED_PATCHES_ENV, speed_patches
 from dpfl.fl_app.algorithms import algorithm
 from dpfl.fl_app.builders import ClientSetup, load_client_partition
@@ -134,9 +134,12 @@ def train(msg: Message, context: Context) -> Message:
 def batched(kind: str, messages: dict[int, Message], views: dict[int, Context]) -> dict:
     """The hosted clients' replies computed as one batched cohort (clients.cohort.batched; imported here, on the
     first hosted message: torch.func), each client's NumPyClient built on one shared module."""
+    import torch
+
     from dpfl.clients.cohort.batched import answer_batched
     from dpfl.clients.cohort.train import trainer
 
+    torch.set_num_threads(node_threads(next(iter(views.values())).node_config))  # the node's grant, not 1
     clients, model = {}, None
     for client, view in views.items():
         clients[client] = build_client(view, model=model)

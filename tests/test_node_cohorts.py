@@ -203,3 +203,19 @@ def test_a_node_answers_its_clients_as_one_batched_cohort(tmp_path, monkeypatch,
     summary, _, diagnostics = run(tmp_path, "hosted", 2, 6, **{"num-rounds": 2, **overrides})
     assert counts["train"][0] == sum(r["clients"] for r in diagnostics) > 0 and counts["train"][1] == counts["train"][0]
     assert counts["evaluate"][1] == counts["evaluate"][0] == (12 if overrides else 0)  # 6 clients, 2 rounds
+
+
+def test_a_hosting_node_trains_on_the_cores_it_was_granted_never_all_the_hosts(monkeypatch):
+    """Node config num-cpus (a deployed SuperNode), else the CPUs Ray assigned the simulation's ClientApp actor
+    (client-resources-num-cpus), else 1."""
+    import sys
+    import types
+
+    from dpfl.dpcore.task.threads import node_threads
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert node_threads({"num-cpus": 3}) == 3 and node_threads({}) == 1
+    context = types.SimpleNamespace(get_assigned_resources=lambda: {"CPU": 2.0, "memory": 1e9})
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda: context)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    assert node_threads({}) == 2 and node_threads({"num-cpus": 1}) == 1

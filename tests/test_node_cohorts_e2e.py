@@ -3,15 +3,13 @@ clients, against 5 SuperNodes hosting the same 20; stock `flower-superlink` / `f
 hosting several clients each. Slow: marked `slow`."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from dpfl.dpcore.privacy.accountants import epsilon_of
 from dpfl.fl_app.results import read_rounds
-from dpfl_tools.plan import format_run_config
-from dpfl_tools.processes import BIN
+from dpfl_tools.superlink import flwr_run_simulation
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,22 +25,7 @@ JOB = {
 
 def flwr_run(env: dict, out: Path, supernodes: int, **config) -> tuple[dict, str]:
     """Plain `flwr run .` of this app with `supernodes` simulated SuperNodes: (summary.json, the printed log)."""
-    run = subprocess.run(
-        [
-            str(BIN / "flwr"),
-            "run",
-            str(ROOT),
-            "--stream",
-            "--run-config",
-            format_run_config({**JOB, "results-dir": str(out), **config}),
-            "--federation-config",
-            f"num-supernodes={supernodes} client-resources-num-cpus=1",
-        ],
-        env=env,
-        timeout=600,
-        capture_output=True,
-        text=True,
-    )
+    run = flwr_run_simulation(env, ROOT, {**JOB, "results-dir": str(out), **config}, supernodes)
     log = run.stdout + run.stderr
     assert run.returncode == 0 and (out / "summary.json").exists(), log[-4000:]
     return json.loads((out / "summary.json").read_text()), log

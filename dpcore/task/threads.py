@@ -29,3 +29,24 @@ def one_thread_per_client() -> None:
 
     torch.set_num_threads(1)
     limit_blas_threads()
+
+
+NODE_CPUS = "num-cpus"  # node config: the cores a SuperNode hosting several clients may train them on
+
+
+def node_threads(node_config) -> int:
+    """The torch threads of a SuperNode that trains its hosted clients as one cohort: the cores it was granted,
+    never all the host's. Node config `num-cpus` where a deployed SuperNode sets it; in Flower's simulation, the
+    CPUs Ray assigned the ClientApp's actor (`client-resources-num-cpus`, Ray's public runtime context); else 1."""
+    import sys
+
+    if NODE_CPUS in node_config:
+        return max(1, int(node_config[NODE_CPUS]))
+    ray = sys.modules.get("ray")  # only inside Ray's workers, where Flower's simulation imported it
+    if ray is not None and ray.is_initialized():
+        try:
+            granted = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        except Exception:  # the driver, or a worker outside a task or actor: no grant to read
+            granted = 1
+        return max(1, int(granted))
+    return 1
