@@ -32,7 +32,8 @@ from dpfl.dpcore.privacy import protocol as keys
 from dpfl.dpcore.privacy.packing import MAX_CLIENT_ID, WireError, pack, unpack
 
 VIRTUAL_BASE = 2**62  # a hosted client's node id here: VIRTUAL_BASE + its client id (Flower's: random below 2^63)
-QUERY_TIMEOUT = 60.0
+QUERY_TIMEOUT = 60.0  # seconds a look waits for new nodes' answers; the first look (nodes starting) FIRST_QUERY_TIMEOUT
+FIRST_QUERY_TIMEOUT = 600.0
 NOT_HOSTED = None  # hosts[node] for a node of one client, addressed as itself
 ERROR_CODE = 1
 
@@ -40,8 +41,8 @@ ERROR_CODE = 1
 class NodeCohortGrid(Grid):
     """A Grid on which each client a node hosts is a node (module docstring)."""
 
-    def __init__(self, grid: Grid, query_timeout: float = QUERY_TIMEOUT) -> None:
-        self.grid, self.query_timeout = grid, query_timeout
+    def __init__(self, grid: Grid, query_timeout: float = QUERY_TIMEOUT, first_timeout: float = FIRST_QUERY_TIMEOUT):
+        self.grid, self.query_timeout, self.first_timeout = grid, query_timeout, first_timeout
         self.claims: dict[int, list[int] | None] = {}  # node id -> the clients it hosts (NOT_HOSTED), in claim order
         self.clients: dict[int, tuple[int, int]] = {}  # a hosted client's node id here -> (its node's id, client id)
 
@@ -96,7 +97,8 @@ class NodeCohortGrid(Grid):
     def ask(self, nodes: list[int]) -> None:
         """Ask `nodes` which clients they host; a node that does not answer is asked again at the next look."""
         messages = [Message(RecordDict(), dst_node_id=n, message_type=keys.CLIENT_ID_QUERY) for n in nodes]
-        replies = self.grid.send_and_receive(messages, timeout=self.query_timeout)
+        timeout = self.query_timeout if self.claims else self.first_timeout
+        replies = self.grid.send_and_receive(messages, timeout=timeout)
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
         for reply in replies:
             node = int(sent_to.get(reply.metadata.reply_to_message_id) or reply.metadata.src_node_id)
@@ -107,9 +109,7 @@ class NodeCohortGrid(Grid):
             if clients is not None:
                 log(INFO, "Node %d hosts %d clients (%s)", node, len(clients), span(clients))
         for node in sorted(set(nodes) - set(self.claims)):
-            log(
-                WARNING, "Node %d did not say which clients it hosts within %g s: asked again", node, self.query_timeout
-            )
+            log(WARNING, "Node %d did not say which clients it hosts within %g s: asked again", node, timeout)
 
     def client_of(self, virtual: int) -> tuple[int, int] | None:
         """(node id, client id) of a hosted client's node id; None for a node of one client."""

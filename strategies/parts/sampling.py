@@ -136,6 +136,9 @@ def identified_nodes(dp, grid, server_round: int) -> list[int]:
 
 
 QUERY_TIMEOUT = 60.0  # seconds the server waits for the nodes' answers to the identity query
+# before round 1 the nodes start their first ClientApp (in a simulation under load, Ray's actors too: over 60 s was
+# seen in CI), so the first ask waits this long; an exchange ends as soon as every node asked has answered
+FIRST_QUERY_TIMEOUT = 600.0
 MAX_CLIENT_ID = 2**53  # a client id is an integer in [0, 2^53): exact in a float64 and in JSON
 KEYS_TO_SET = (
     f"node config '{keys.CLIENT_ID}' (or '{keys.PARTITION_ID}'), e.g. flower-supernode --node-config "
@@ -157,7 +160,8 @@ class ClientIdentities:
     connected node claimed first is refused to every later claimant while that node stays connected (a restarted
     node takes its client over once the SuperLink drops the old node id). A node refused, or without a client id,
     is left out of the round's selection, noted in the round's diagnostics (`round_note`); one that did not answer
-    (an error reply, or none within QUERY_TIMEOUT) is asked again the next round.
+    (an error reply, or none within QUERY_TIMEOUT; before round 1, FIRST_QUERY_TIMEOUT) is asked again the next
+    round.
 
     The first round refuses to start where a node answered without a client id, or where no node answered one,
     naming the node-config key to set. `required = False` (ALI-DPFL): a run in which no node answers one (a
@@ -217,9 +221,10 @@ class ClientIdentities:
             Message(RecordDict(), dst_node_id=n, message_type=keys.CLIENT_ID_QUERY, group_id=str(server_round))
             for n in nodes
         ]
-        replies = list(grid.send_and_receive(messages, timeout=QUERY_TIMEOUT))
+        timeout = QUERY_TIMEOUT if self.started else FIRST_QUERY_TIMEOUT
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
-        unanswered = {n: f"no answer to the identity query within {QUERY_TIMEOUT:g} s" for n in nodes}
+        unanswered = {n: f"no answer to the identity query within {timeout:g} s" for n in nodes}
         for reply in replies:
             node = int(sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
             if node not in unanswered:
