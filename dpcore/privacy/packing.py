@@ -20,7 +20,6 @@ from dpfl.dpcore.privacy import protocol as keys
 
 PACKED = "record."
 ERROR = "error"
-MAX_CLIENT_ID = 2**53  # as the identity query's: exact in a float64 and in JSON
 
 
 class WireError(ValueError):
@@ -63,7 +62,7 @@ def unpack(packed: RecordDict) -> dict[int, RecordDict | str]:
     records = {**packed.array_records, **packed.metric_records, **packed.config_records}
     contents: dict[int, RecordDict | str] = {}
     for client, refs in index.items():
-        if not client.isdigit() or not 0 <= int(client) < MAX_CLIENT_ID:
+        if not client.isdigit() or not 0 <= int(client) < keys.MAX_CLIENT_ID:
             raise WireError(f"client id {client!r} is not an integer in [0, 2^53)")
         if not isinstance(refs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in refs.items()):
             raise WireError(f"client {client}: its entry is not an object of strings")

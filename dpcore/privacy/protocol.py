@@ -57,6 +57,7 @@ CLIENT_ID_ACTION = "client_id"
 CLIENT_ID_QUERY = f"query.{CLIENT_ID_ACTION}"  # Flower's message type "<category>.<action>"
 CLIENT_IDENTITY = "client-identity"  # the reply's ConfigRecord
 CLIENT_ID = "client-id"  # its client id; also the node-config key that sets it (else the node's partition-id)
+MAX_CLIENT_ID = 2**53  # a client id is an integer in [0, 2^53): exact in a float64 and in JSON
 # Node cohorts (dpcore.privacy.packing, strategies.loop.node_cohorts): a SuperNode hosting several clients answers the identity
 # query with CLIENT_IDS (a JSON list) instead of CLIENT_ID; the server's one message to such a node and the node's one
 # reply carry each client's records once packed, listed in the COHORT_INDEX record.

@@ -29,12 +29,12 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from dpfl.dpcore.privacy import protocol as keys
-from dpfl.dpcore.privacy.packing import MAX_CLIENT_ID, WireError, pack, unpack
+from dpfl.dpcore.privacy.packing import WireError, pack, unpack
 
 VIRTUAL_BASE = 2**62  # a hosted client's node id here: VIRTUAL_BASE + its client id (Flower's: random below 2^63)
 QUERY_TIMEOUT = 60.0  # seconds a look waits for new nodes' answers; the first look (nodes starting) FIRST_QUERY_TIMEOUT
 FIRST_QUERY_TIMEOUT = 600.0
-NOT_HOSTED = None  # hosts[node] for a node of one client, addressed as itself
+NOT_HOSTED = None  # claims[node] for a node of one client, addressed as itself
 ERROR_CODE = 1
 
 
@@ -128,11 +128,14 @@ class NodeCohortGrid(Grid):
                 identity = ConfigRecord({keys.CLIENT_ID: found[1]})
                 answered.append(Message(RecordDict({keys.CLIENT_IDENTITY: identity}), reply_to=msg))
             else:
-                groups[(found[0], msg.metadata.message_type, msg.metadata.group_id)].append(msg)
-        packed = {}
-        for (node, message_type, group_id), group in groups.items():
+                groups[found[0], msg.metadata.message_type].append(msg)
+        packed = {}  # (node, message type) -> (its one message, the clients' messages it carries)
+        for (node, message_type), group in groups.items():
             content = pack({self.clients[m.metadata.dst_node_id][1]: m.content for m in group})
-            packed[node, message_type] = (Message(content, node, message_type, group_id=group_id), group)
+            packed[node, message_type] = (
+                Message(content, node, message_type, group_id=group[0].metadata.group_id),
+                group,
+            )
         replies = list(self.grid.send_and_receive(direct + [m for m, _ in packed.values()], timeout=timeout))
         by_id = {m.metadata.message_id: key for key, (m, _) in packed.items() if m.metadata.message_id}
         split: dict[tuple[int, str], Message] = {}
@@ -181,7 +184,7 @@ def hosted_list(content: RecordDict) -> list[int] | None:
     except (TypeError, ValueError):
         return None
     if not isinstance(clients, list) or not all(
-        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < MAX_CLIENT_ID for c in clients
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < keys.MAX_CLIENT_ID for c in clients
     ):
         return None
     return sorted(set(clients))

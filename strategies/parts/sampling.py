@@ -139,7 +139,6 @@ QUERY_TIMEOUT = 60.0  # seconds the server waits for the nodes' answers to the i
 # before round 1 the nodes start their first ClientApp (in a simulation under load, Ray's actors too: over 60 s was
 # seen in CI), so the first ask waits this long; an exchange ends as soon as every node asked has answered
 FIRST_QUERY_TIMEOUT = 600.0
-MAX_CLIENT_ID = 2**53  # a client id is an integer in [0, 2^53): exact in a float64 and in JSON
 KEYS_TO_SET = (
     f"node config '{keys.CLIENT_ID}' (or '{keys.PARTITION_ID}'), e.g. flower-supernode --node-config "
     f'"{keys.CLIENT_ID}=7"'
@@ -241,7 +240,7 @@ class ClientIdentities:
                 self.without[node] = f"its node config names no client: set {KEYS_TO_SET}"
             elif not isinstance(value, int) or isinstance(value, bool):
                 self.without[node] = f"its client id {value!r} is not an integer"
-            elif not 0 <= value < MAX_CLIENT_ID:
+            elif not 0 <= value < keys.MAX_CLIENT_ID:
                 self.without[node] = f"its client id {value} is outside [0, 2^53)"
             else:
                 self.claims[node] = value
